@@ -1,0 +1,77 @@
+"""fedasync core: the arithmetic that makes stale updates safe to use.
+
+Pure torch/numpy/stdlib (never flwr, monai, grpc). Generic over ``Params`` (a dict of named
+tensors), so the same pieces serve federated silos, async RL actors and pipeline stages.
+Papers per module: FedAsync (Xie et al. 2019, arXiv:1903.03934) in ``staleness`` and
+``aggregators``; FedBuff (Nguyen et al. 2022) in ``aggregators``; FedAdam (Reddi et al. 2021)
+in ``optim``; DC-ASGD (Zheng et al. 2017) and error feedback (Seide et al. 2014; Karimireddy
+et al. 2019) in ``corrections``; PPO/IMPALA ratios in ``importance``.
+"""
+
+from fedasync.aggregators import FedAsyncAggregator, FedBuffAggregator, FoldResult, fedavg
+from fedasync.checkpoint import load_checkpoint, save_checkpoint
+from fedasync.corrections import (
+    ErrorFeedback,
+    delay_compensate,
+    delay_compensate_delta,
+    identity,
+    topk,
+)
+from fedasync.importance import (
+    clipped_surrogate,
+    importance_ratio,
+    staleness_aware_weight,
+    truncated_importance_weight,
+)
+from fedasync.optim import ServerOptimizer
+from fedasync.staleness import (
+    WEIGHT_FUNCTIONS,
+    BoundDecision,
+    StalenessBound,
+    WeightFn,
+    constant,
+    exponential,
+    hinge,
+    make_weight_fn,
+    polynomial,
+)
+from fedasync.types import Params, Update
+from fedasync.validation import NormOutlierDetector, Rejection, RejectReason, check_tensors
+from fedasync.versions import FutureVersionError, VersionedSnapshots, staleness
+
+__all__ = [
+    "WEIGHT_FUNCTIONS",
+    "BoundDecision",
+    "ErrorFeedback",
+    "FedAsyncAggregator",
+    "FedBuffAggregator",
+    "FoldResult",
+    "FutureVersionError",
+    "NormOutlierDetector",
+    "Params",
+    "RejectReason",
+    "Rejection",
+    "ServerOptimizer",
+    "StalenessBound",
+    "Update",
+    "VersionedSnapshots",
+    "WeightFn",
+    "check_tensors",
+    "clipped_surrogate",
+    "constant",
+    "delay_compensate",
+    "delay_compensate_delta",
+    "exponential",
+    "fedavg",
+    "hinge",
+    "identity",
+    "importance_ratio",
+    "load_checkpoint",
+    "make_weight_fn",
+    "polynomial",
+    "save_checkpoint",
+    "staleness",
+    "staleness_aware_weight",
+    "topk",
+    "truncated_importance_weight",
+]

@@ -1,0 +1,211 @@
+"""Aggregators: fold (possibly stale) updates into the global parameters.
+
+Papers:
+
+- :func:`fedavg`: FedAvg (McMahan et al. 2017), the synchronous twin used for parity tests.
+- :class:`FedAsyncAggregator`: FedAsync (Xie et al. 2019, arXiv:1903.03934), Algorithm 1:
+  x ← (1 − α_t) x + α_t x_silo with α_t = α · s(τ).
+- :class:`FedBuffAggregator`: FedBuff (Nguyen et al. 2022): buffer K deltas, then take one
+  server-optimizer step (FedOpt, Reddi et al. 2021) along their (weighted) mean.
+
+Departures: FedAsync is defined on models; here a ``"delta"`` update is also accepted and
+applied as x ← x + s·Δ. For a stale update (base model x_base ≠ current x) the two differ:
+model form = x + s·(x_base + Δ − x) = delta form + s·(x_base − x). The delta form does not pull
+x back toward the old base. FedBuff's staleness weight s(τ) (their Eq. for
+"staleness scaling") is applied per buffered delta, multiplied by the bound's ``factor``;
+optional sample weighting is our addition. Integer buffers (e.g. BatchNorm
+``num_batches_tracked``) are never aggregated: they keep the current params' value
+(see :mod:`fedasync.tensors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fedasync.optim import ServerOptimizer
+from fedasync.staleness import WeightFn
+from fedasync.tensors import axpy, clone, is_arithmetic, weighted_sum
+from fedasync.types import Params, Update
+
+
+@dataclass
+class FoldResult:
+    """Outcome of folding one update."""
+
+    params: Params | None
+    """New global params, or ``None`` when the update was only buffered."""
+    weight: float
+    """Effective weight given to this update (dimensionless)."""
+    flushed: int
+    """Number of updates applied by this call (0 if only buffered)."""
+
+
+def fedavg(updates: Sequence[Update], weight_by_samples: bool = True) -> Params:
+    """Weighted mean of the updates' tensors: Σ n_i t_i / Σ n_i, or the plain mean.
+
+    Works for deltas and models alike (the result has the same kind as the inputs); integer
+    tensors come from ``updates[0]``.
+    """
+    if not updates:
+        raise ValueError("fedavg needs at least one update")
+    if weight_by_samples:
+        total = sum(u.num_samples for u in updates)
+        if total <= 0:
+            raise ValueError("total num_samples must be > 0 when weighting by samples")
+        weights = [u.num_samples / total for u in updates]
+    else:
+        weights = [1.0 / len(updates)] * len(updates)
+    return weighted_sum([u.tensors for u in updates], weights)
+
+
+def _check_names(params: Params, update: Update) -> None:
+    if params.keys() != update.tensors.keys():
+        raise KeyError(
+            f"update from {update.silo!r} has tensor names that differ from the global params"
+        )
+
+
+def _check_factor(factor: float) -> None:
+    if not factor >= 0.0:
+        raise ValueError(f"factor must be >= 0, got {factor}")
+
+
+class FedAsyncAggregator:
+    """FedAsync mixing: every update is applied at once with weight s = α · s(τ) · factor.
+
+    - ``kind="model"``: x ← (1 − s)·x + s·x_silo
+    - ``kind="delta"``: x ← x + s·Δ
+    """
+
+    def __init__(self, alpha: float, weight_fn: WeightFn) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.weight_fn = weight_fn
+
+    def fold(self, params: Params, update: Update, tau: int, factor: float = 1.0) -> FoldResult:
+        """Apply ``update`` of staleness ``tau`` to ``params``; always returns new params."""
+        _check_names(params, update)
+        _check_factor(factor)
+        s = self.alpha * self.weight_fn(tau) * factor
+        if update.kind == "model":
+            new = weighted_sum([params, update.tensors], [1.0 - s, s])
+        elif update.kind == "delta":
+            new = axpy(s, update.tensors, params)
+            # axpy takes integer buffers from its first argument (the delta): restore ours.
+            new.update({k: v.detach().clone() for k, v in params.items() if not is_arithmetic(v)})
+        else:
+            raise ValueError(f"unknown update kind {update.kind!r}")
+        return FoldResult(params=new, weight=s, flushed=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Config only (the weight function itself is not serialised)."""
+        return {"alpha": self.alpha}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.alpha = float(d["alpha"])
+
+
+class FedBuffAggregator:
+    """FedBuff: buffer ``buffer_size`` deltas, then one server-optimizer step along their mean.
+
+    On flush with K buffered deltas Δ_i, weights w_i = s(τ_i)·factor_i, sample counts n_i:
+
+    - ``weight_by_samples=False``: Δ̄ = Σ w_i Δ_i / K
+    - ``weight_by_samples=True``:  Δ̄ = Σ w_i n_i Δ_i / Σ n_i
+
+    then params ← optimizer.step(params, Δ̄). Only ``kind="delta"`` updates are accepted.
+    Buffered deltas are stored as detached clones on their original device.
+    """
+
+    def __init__(
+        self,
+        buffer_size: int,
+        weight_fn: WeightFn,
+        weight_by_samples: bool = False,
+        optimizer: ServerOptimizer | None = None,
+    ) -> None:
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        self.buffer_size = buffer_size
+        self.weight_fn = weight_fn
+        self.weight_by_samples = weight_by_samples
+        self.optimizer = optimizer if optimizer is not None else ServerOptimizer("sgd", lr=1.0)
+        self._deltas: list[Params] = []
+        self._weights: list[float] = []
+        self._num_samples: list[int] = []
+        self._silos: list[str] = []
+
+    @property
+    def pending(self) -> int:
+        """Number of buffered, not yet applied updates."""
+        return len(self._deltas)
+
+    @property
+    def buffered_silos(self) -> list[str]:
+        """Silos of the buffered updates, in arrival order."""
+        return list(self._silos)
+
+    def fold(self, params: Params, update: Update, tau: int, factor: float = 1.0) -> FoldResult:
+        """Buffer ``update``; flush when the buffer is full (then ``params`` is the new model)."""
+        if update.kind != "delta":
+            raise ValueError(f"FedBuff works on deltas, got kind {update.kind!r}")
+        _check_names(params, update)
+        _check_factor(factor)
+        if self.weight_by_samples and update.num_samples <= 0:
+            raise ValueError(f"num_samples must be > 0, got {update.num_samples}")
+        w = self.weight_fn(tau) * factor
+        self._deltas.append(clone(update.tensors))
+        self._weights.append(w)
+        self._num_samples.append(int(update.num_samples))
+        self._silos.append(update.silo)
+        if len(self._deltas) < self.buffer_size:
+            return FoldResult(params=None, weight=w, flushed=0)
+        result = self.flush(params)
+        result.weight = w
+        return result
+
+    def flush(self, params: Params) -> FoldResult:
+        """Apply whatever is buffered (dividing by the number buffered) and clear the buffer.
+
+        Returns ``FoldResult(None, 0.0, 0)`` when the buffer is empty.
+        """
+        k = len(self._deltas)
+        if k == 0:
+            return FoldResult(params=None, weight=0.0, flushed=0)
+        if self.weight_by_samples:
+            total = sum(self._num_samples)
+            coeffs = [w * n / total for w, n in zip(self._weights, self._num_samples)]
+        else:
+            coeffs = [w / k for w in self._weights]
+        mean_delta = weighted_sum(self._deltas, coeffs)
+        new = self.optimizer.step(params, mean_delta)
+        total_weight = float(sum(self._weights))
+        self._deltas, self._weights, self._num_samples, self._silos = [], [], [], []
+        return FoldResult(params=new, weight=total_weight, flushed=k)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Config, buffered deltas with their weights/sample counts/silos, optimizer state.
+
+        The weight function is not serialised: pass the same one to the constructor.
+        """
+        return {
+            "buffer_size": self.buffer_size,
+            "weight_by_samples": self.weight_by_samples,
+            "deltas": [clone(d) for d in self._deltas],
+            "weights": list(self._weights),
+            "num_samples": list(self._num_samples),
+            "silos": list(self._silos),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.buffer_size = int(d["buffer_size"])
+        self.weight_by_samples = bool(d["weight_by_samples"])
+        self._deltas = [clone(p) for p in d["deltas"]]
+        self._weights = [float(w) for w in d["weights"]]
+        self._num_samples = [int(n) for n in d["num_samples"]]
+        self._silos = [str(s) for s in d["silos"]]
+        self.optimizer.load_state_dict(d["optimizer"])

@@ -1,0 +1,165 @@
+"""Corrections applied to a stale update: delay compensation and compressed error feedback.
+
+Papers:
+
+- DC-ASGD (Zheng et al. 2017, "Asynchronous SGD with Delay Compensation"): a gradient g
+  computed at w_base is corrected to the current w_now by a first-order Taylor term whose
+  Hessian is approximated by λ·g⊙g:  g̃ = g + λ·g⊙g⊙(w_now − w_base).
+- Error feedback (Seide et al. 2014, 1-bit SGD; Karimireddy et al. 2019, EF-SGD): compress
+  C(x + e), keep the residual e ← x + e − C(x + e) and add it to the next message.
+
+Departures: :func:`delay_compensate_delta` applies DC-ASGD to a federated *delta* by
+treating the whole local run as one SGD step, Δ = −lr·g (so g = −Δ/lr); that is only exact
+for a single local step and is a heuristic for several. The compressor here is top-k
+(Stich et al. 2018) with deterministic tie breaking; the paper's 1-bit quantiser is not
+included. Error feedback keeps one residual per key (a silo, a pipeline stage, ...).
+Only floating tensors are transformed; integer buffers pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fedasync.tensors import is_arithmetic, zeros_like
+from fedasync.types import Params
+
+
+def _check_names(*ps: Params) -> None:
+    for p in ps[1:]:
+        if p.keys() != ps[0].keys():
+            raise KeyError("tensor names differ between arguments")
+
+
+def delay_compensate(grad: Params, w_now: Params, w_base: Params, lam: float) -> Params:
+    """DC-ASGD: g + λ·g⊙g⊙(w_now − w_base), per tensor (all same shapes).
+
+    ``grad`` is the gradient computed at ``w_base``; ``lam`` (λ ≥ 0) is the variance-control
+    coefficient. Integer tensors are copied from ``grad``.
+    """
+    _check_names(grad, w_now, w_base)
+    out: Params = {}
+    for k, g in grad.items():
+        if not is_arithmetic(g):
+            out[k] = g.detach().clone()
+            continue
+        out[k] = g + lam * g * g * (w_now[k] - w_base[k])
+    return out
+
+
+def delay_compensate_delta(
+    delta: Params, w_now: Params, w_base: Params, lam: float, lr: float
+) -> Params:
+    """DC-ASGD on a delta: Δ − (λ/lr)·Δ⊙Δ⊙(w_now − w_base).
+
+    Treats the local delta as one SGD step Δ = −lr·g, so g = −Δ/lr, and returns
+    −lr·(g + λ·g⊙g⊙(w_now − w_base)). ``lr`` (> 0) is the client learning rate (or the
+    effective lr of the whole local run).
+    """
+    if lr <= 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    _check_names(delta, w_now, w_base)
+    out: Params = {}
+    for k, d in delta.items():
+        if not is_arithmetic(d):
+            out[k] = d.detach().clone()
+            continue
+        out[k] = d - (lam / lr) * d * d * (w_now[k] - w_base[k])
+    return out
+
+
+def identity(t: torch.Tensor) -> torch.Tensor:
+    """No compression: a copy of ``t``."""
+    return t.detach().clone()
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """Number of entries top-k keeps: ceil(ratio·numel), at least 1 for a non-empty tensor."""
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    if numel == 0:
+        return 0
+    # round() first so that e.g. 0.3 * 10 = 3.0000000000000004 keeps 3, not 4.
+    return min(numel, max(1, math.ceil(round(ratio * numel, 9))))
+
+
+def topk(t: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Keep the ceil(ratio·numel) largest-|x| entries of ``t``, zero the rest (same shape).
+
+    Ties are broken deterministically: among equal magnitudes the lower flat index wins.
+    """
+    k = topk_count(t.numel(), ratio)
+    if k >= t.numel():
+        return t.detach().clone()
+    flat = t.detach().reshape(-1)
+    order = torch.sort(flat.abs(), descending=True, stable=True).indices[:k]
+    out = torch.zeros_like(flat)
+    out[order] = flat[order]
+    return out.reshape(t.shape)
+
+
+class ErrorFeedback:
+    """Top-k compression with error feedback, one residual per key.
+
+    ``apply(key, x)`` returns C(x + e_key) and sets e_key ← x + e_key − C(x + e_key).
+    ``ratio = 1.0`` means no compression (the residual stays exactly zero).
+    """
+
+    def __init__(self, ratio: float) -> None:
+        topk_count(1, ratio)  # validates ratio
+        self.ratio = ratio
+        self._residuals: dict[str, Params] = {}
+
+    def _compress(self, t: torch.Tensor) -> torch.Tensor:
+        return identity(t) if self.ratio >= 1.0 else topk(t, self.ratio)
+
+    def apply(self, key: str, tensors: Params) -> Params:
+        """Compressed ``tensors + residual[key]``; updates the residual. Inputs not mutated."""
+        residual = self._residuals.get(key)
+        if residual is None:
+            residual = zeros_like(tensors)
+        _check_names(tensors, residual)
+        sent: Params = {}
+        new_residual: Params = {}
+        for k, x in tensors.items():
+            if not is_arithmetic(x):
+                sent[k] = x.detach().clone()
+                new_residual[k] = x.detach().clone()
+                continue
+            corrected = x.detach() + residual[k]
+            compressed = self._compress(corrected)
+            sent[k] = compressed
+            new_residual[k] = corrected - compressed
+        self._residuals[key] = new_residual
+        return sent
+
+    def residual(self, key: str) -> Params | None:
+        """The residual kept for ``key`` (a copy), or ``None`` before the first ``apply``."""
+        r = self._residuals.get(key)
+        return None if r is None else {k: v.clone() for k, v in r.items()}
+
+    def reset(self, key: str) -> None:
+        """Forget the residual for ``key`` (no-op when absent)."""
+        self._residuals.pop(key, None)
+
+    def keys(self) -> list[str]:
+        """Keys that hold a residual, sorted."""
+        return sorted(self._residuals)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "ratio": self.ratio,
+            "residuals": {
+                key: {k: v.clone() for k, v in r.items()} for key, r in self._residuals.items()
+            },
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        topk_count(1, float(d["ratio"]))
+        self.ratio = float(d["ratio"])
+        self._residuals = {
+            str(key): {k: v.detach().clone() for k, v in r.items()}
+            for key, r in d["residuals"].items()
+        }

@@ -1,0 +1,115 @@
+"""Server optimizers applied to an aggregated update direction Δ.
+
+Paper: "Adaptive Federated Optimization" (FedOpt / FedAdam, Reddi et al. 2021). The server
+treats Δ = (desired new params) − (old params), i.e. a *negative* pseudo-gradient, and takes
+a step along it:
+
+- ``sgd``:      x ← x + lr·Δ                          (lr = 1 is plain FedAvg / FedBuff)
+- ``momentum``: m ← μ·m + Δ;  x ← x + lr·m              (FedAvgM, Hsu et al. 2019)
+- ``adam``:     m ← β1·m + (1−β1)·Δ;  v ← β2·v + (1−β2)·Δ²;  x ← x + lr·m / (√v + ε)
+
+Departures: like FedAdam, Adam here does **not** bias-correct m and v (no division by
+1 − β^t) and uses a large ε (default 1e-3) as the paper's adaptivity knob; m and v start at
+zero. State is kept per tensor name and created lazily on the first step. Only floating
+tensors are updated; integer buffers are taken from ``params`` unchanged (see
+:mod:`fedasync.tensors`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from fedasync.tensors import is_arithmetic
+from fedasync.types import Params
+
+
+@dataclass
+class ServerOptimizer:
+    """Server-side optimizer over ``Params``; ``step`` returns new params, never mutates."""
+
+    kind: Literal["sgd", "momentum", "adam"] = "sgd"
+    """Update rule (see module docstring)."""
+    lr: float = 1.0
+    """Server learning rate η (dimensionless multiplier on Δ)."""
+    momentum: float = 0.9
+    """μ for ``momentum``."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """(β1, β2) for ``adam``."""
+    eps: float = 1e-3
+    """ε (adaptivity) for ``adam``."""
+    _m: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _v: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _steps: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("sgd", "momentum", "adam"):
+            raise ValueError(f"unknown optimizer kind {self.kind!r}; valid: sgd, momentum, adam")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        b1, b2 = self.betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+
+    @property
+    def steps(self) -> int:
+        """Number of ``step`` calls so far."""
+        return self._steps
+
+    def step(self, params: Params, delta: Params) -> Params:
+        """Return the new params after one step along ``delta`` (same names as ``params``)."""
+        if params.keys() != delta.keys():
+            raise KeyError("params and delta have different tensor names")
+        out: Params = {}
+        b1, b2 = self.betas
+        for k, x in params.items():
+            if not is_arithmetic(x):
+                out[k] = x.detach().clone()
+                continue
+            d = delta[k].detach().to(dtype=x.dtype, device=x.device)
+            if self.kind == "sgd":
+                out[k] = x.detach() + self.lr * d
+            elif self.kind == "momentum":
+                m = self._m.get(k)
+                m = d.clone() if m is None else self.momentum * m.to(x.device) + d
+                self._m[k] = m
+                out[k] = x.detach() + self.lr * m
+            else:
+                m = self._m.get(k)
+                v = self._v.get(k)
+                m = (1 - b1) * d if m is None else b1 * m.to(x.device) + (1 - b1) * d
+                v = (1 - b2) * d * d if v is None else b2 * v.to(x.device) + (1 - b2) * d * d
+                self._m[k], self._v[k] = m, v
+                out[k] = x.detach() + self.lr * m / (v.sqrt() + self.eps)
+        self._steps += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "steps": self._steps,
+            "m": {k: v.detach().clone() for k, v in self._m.items()},
+            "v": {k: v.detach().clone() for k, v in self._v.items()},
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.kind = d["kind"]
+        self.lr = float(d["lr"])
+        self.momentum = float(d["momentum"])
+        b1, b2 = d["betas"]
+        self.betas = (float(b1), float(b2))
+        self.eps = float(d["eps"])
+        self._steps = int(d["steps"])
+        self._m = {k: v.detach().clone() for k, v in d["m"].items()}
+        self._v = {k: v.detach().clone() for k, v in d["v"].items()}
+        self.__post_init__()

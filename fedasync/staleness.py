@@ -1,0 +1,135 @@
+"""Staleness weight functions and staleness bounds.
+
+Paper: FedAsync (Xie et al. 2019, arXiv:1903.03934), section "staleness functions"
+s(t − τ), with τ the staleness:
+
+- constant:    s(τ) = 1
+- polynomial:  s(τ) = (τ + 1)^(−a)
+- hinge:       s(τ) = 1 if τ ≤ b else 1 / (a(τ − b) + 1)
+- exponential: s(τ) = exp(−a τ)   (not in FedAsync; common in later async FL work)
+
+Departure: FedAsync only down-weights; :class:`StalenessBound` adds a hard cut-off
+(``max_staleness``, as in FedBuff's bounded-staleness analysis, Nguyen et al. 2022) and an
+optional soft band that multiplies the weight by a fixed factor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+WeightFn = Callable[[int], float]
+
+
+def _check_tau(tau: int) -> None:
+    if tau < 0:
+        raise ValueError(f"staleness must be >= 0, got {tau}")
+
+
+def constant(tau: int) -> float:
+    """s(τ) = 1."""
+    _check_tau(tau)
+    return 1.0
+
+
+def polynomial(tau: int, a: float) -> float:
+    """s(τ) = (τ + 1)^(−a)."""
+    _check_tau(tau)
+    return float((tau + 1) ** (-a))
+
+
+def hinge(tau: int, a: float, b: float) -> float:
+    """s(τ) = 1 if τ ≤ b else 1 / (a(τ − b) + 1)."""
+    _check_tau(tau)
+    return 1.0 if tau <= b else 1.0 / (a * (tau - b) + 1.0)
+
+
+def exponential(tau: int, a: float) -> float:
+    """s(τ) = exp(−a τ)."""
+    _check_tau(tau)
+    return math.exp(-a * tau)
+
+
+WEIGHT_FUNCTIONS: dict[str, Callable[..., float]] = {
+    "constant": constant,
+    "polynomial": polynomial,
+    "hinge": hinge,
+    "exponential": exponential,
+}
+"""Weight functions by name; each takes ``tau`` then its own parameters."""
+
+
+def make_weight_fn(name: str, a: float = 0.5, b: float = 4) -> WeightFn:
+    """Bind a weight function's parameters: returns ``tau -> s(tau)``.
+
+    ``a`` is used by polynomial/hinge/exponential, ``b`` by hinge only.
+    """
+    if name == "constant":
+        return constant
+    if name == "polynomial":
+        return lambda tau: polynomial(tau, a)
+    if name == "hinge":
+        return lambda tau: hinge(tau, a, b)
+    if name == "exponential":
+        return lambda tau: exponential(tau, a)
+    raise ValueError(f"unknown weight function {name!r}; valid: {sorted(WEIGHT_FUNCTIONS)}")
+
+
+@dataclass(frozen=True)
+class BoundDecision:
+    """What to do with an update of a given staleness."""
+
+    action: Literal["accept", "downweight", "reject"]
+    factor: float
+    """Multiplier on the update's weight: 1.0 accept, ``soft_factor`` downweight, 0.0 reject."""
+    reason: str
+    """Human-readable explanation, logged with the decision."""
+
+
+@dataclass
+class StalenessBound:
+    """Accept / down-weight / reject an update by its staleness τ.
+
+    τ > ``max_staleness`` → reject; ``soft_staleness`` < τ ≤ ``max_staleness`` → downweight
+    by ``soft_factor``; otherwise accept. ``None`` disables a threshold.
+    """
+
+    max_staleness: int | None = None
+    """Reject updates staler than this (``None``: never reject)."""
+    soft_staleness: int | None = None
+    """Down-weight updates staler than this (``None``: never down-weight)."""
+    soft_factor: float = 0.5
+    """Factor in (0, 1] applied to down-weighted updates."""
+
+    def __post_init__(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.soft_staleness is not None and self.soft_staleness < 0:
+            raise ValueError(f"soft_staleness must be >= 0, got {self.soft_staleness}")
+        if (
+            self.max_staleness is not None
+            and self.soft_staleness is not None
+            and self.soft_staleness > self.max_staleness
+        ):
+            raise ValueError(
+                f"soft_staleness {self.soft_staleness} > max_staleness {self.max_staleness}"
+            )
+        if not 0.0 < self.soft_factor <= 1.0:
+            raise ValueError(f"soft_factor must be in (0, 1], got {self.soft_factor}")
+
+    def check(self, tau: int) -> BoundDecision:
+        """Decide for staleness ``tau`` (≥ 0)."""
+        _check_tau(tau)
+        if self.max_staleness is not None and tau > self.max_staleness:
+            return BoundDecision(
+                "reject", 0.0, f"staleness {tau} > max_staleness {self.max_staleness}"
+            )
+        if self.soft_staleness is not None and tau > self.soft_staleness:
+            return BoundDecision(
+                "downweight",
+                self.soft_factor,
+                f"staleness {tau} > soft_staleness {self.soft_staleness}",
+            )
+        return BoundDecision("accept", 1.0, f"staleness {tau} within bounds")

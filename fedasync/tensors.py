@@ -1,0 +1,126 @@
+"""Small pure helpers over ``Params`` (a dict of named tensors).
+
+No paper: these are the arithmetic the algorithm modules share (FedAsync Xie et al. 2019
+arXiv:1903.03934, FedBuff Nguyen et al. 2022, DC-ASGD Zheng et al. 2017 all reduce to
+per-tensor linear combinations).
+
+Conventions:
+
+- Every function returns a *new* dict of new tensors and never mutates its inputs.
+- Only floating-point (and complex) tensors take part in arithmetic. Other tensors (integer
+  buffers such as BatchNorm's ``num_batches_tracked``, bool masks) are copied unchanged from
+  the *first* ``Params`` argument. So ``add(a, b)["num_batches_tracked"]`` equals
+  ``a["num_batches_tracked"]``, and ``weighted_sum(ps, w)`` takes them from ``ps[0]``.
+- Binary operations require the same set of names; a mismatch raises ``KeyError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fedasync.types import Params
+
+
+def is_arithmetic(t: torch.Tensor) -> bool:
+    """True for tensors that take part in arithmetic (floating point or complex)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def _check_keys(a: Params, b: Params) -> None:
+    if a.keys() != b.keys():
+        missing = sorted(set(a) - set(b))
+        extra = sorted(set(b) - set(a))
+        raise KeyError(f"tensor names differ: only in first {missing}, only in second {extra}")
+
+
+def clone(p: Params) -> Params:
+    """Detached copy of every tensor (same device and dtype)."""
+    return {k: v.detach().clone() for k, v in p.items()}
+
+
+def zeros_like(p: Params) -> Params:
+    """Zeros for floating tensors; non-floating tensors are copied unchanged."""
+    return {
+        k: torch.zeros_like(v) if is_arithmetic(v) else v.detach().clone() for k, v in p.items()
+    }
+
+
+def add(a: Params, b: Params) -> Params:
+    """``a + b`` per tensor."""
+    _check_keys(a, b)
+    return {k: a[k] + b[k] if is_arithmetic(a[k]) else a[k].detach().clone() for k in a}
+
+
+def sub(a: Params, b: Params) -> Params:
+    """``a − b`` per tensor (e.g. ``sub(local, base)`` is a delta)."""
+    _check_keys(a, b)
+    return {k: a[k] - b[k] if is_arithmetic(a[k]) else a[k].detach().clone() for k in a}
+
+
+def scale(p: Params, c: float) -> Params:
+    """``c · p`` per tensor."""
+    return {k: v * c if is_arithmetic(v) else v.detach().clone() for k, v in p.items()}
+
+
+def axpy(a: float, x: Params, y: Params) -> Params:
+    """``a · x + y`` per tensor; non-floating tensors come from ``x``."""
+    _check_keys(x, y)
+    return {
+        k: torch.add(y[k], x[k], alpha=a) if is_arithmetic(x[k]) else x[k].detach().clone()
+        for k in x
+    }
+
+
+def weighted_sum(ps: Sequence[Params], weights: Sequence[float]) -> Params:
+    """``Σ_i w_i · p_i`` per tensor; non-floating tensors come from ``ps[0]``.
+
+    ``ps`` and ``weights`` must have the same, non-zero length. The weights are used as given
+    (not normalised): divide them yourself for a mean.
+    """
+    if len(ps) == 0:
+        raise ValueError("weighted_sum needs at least one Params")
+    if len(ps) != len(weights):
+        raise ValueError(f"{len(ps)} Params but {len(weights)} weights")
+    for p in ps[1:]:
+        _check_keys(ps[0], p)
+    out: Params = {}
+    for k, v0 in ps[0].items():
+        if not is_arithmetic(v0):
+            out[k] = v0.detach().clone()
+            continue
+        acc = v0 * float(weights[0])
+        for p, w in zip(ps[1:], weights[1:]):
+            acc = torch.add(acc, p[k], alpha=float(w))
+        out[k] = acc
+    return out
+
+
+def global_norm(p: Params) -> float:
+    """L2 norm over all floating tensors together, accumulated in float64."""
+    total = 0.0
+    for v in p.values():
+        if is_arithmetic(v):
+            total += float(
+                torch.linalg.vector_norm(
+                    v.detach().to(torch.complex128 if v.is_complex() else torch.float64)
+                )
+                ** 2
+            )
+    return total**0.5
+
+
+def is_finite(p: Params) -> bool:
+    """True when no floating tensor holds a NaN or ±inf."""
+    return all(bool(torch.isfinite(v).all()) for v in p.values() if is_arithmetic(v))
+
+
+def to_cpu(p: Params) -> Params:
+    """Detached copy of every tensor on the CPU."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in p.items()}
+
+
+def num_elements(p: Params) -> int:
+    """Total number of elements over all tensors (floating or not)."""
+    return sum(v.numel() for v in p.values())
