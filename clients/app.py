@@ -1,0 +1,161 @@
+"""The fedasync ClientApp: one per silo (a SuperNode in deployment, a virtual node in simulation).
+
+It holds no state between messages except caches (the silo's data and the network object)
+and, only when a replay fault is injected, its last reply. Its silo id is the SuperNode's
+``partition-id`` node config; everything else (benchmark, split, training settings) arrives
+with every message, so the same app runs unchanged under Flower's simulation and deployment
+engines.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from clients import protocol as P
+from clients.config import ClientConfig, DataConfig
+from clients.local import evaluate, pick_device, train_local
+from medical_data.federation import Federation, SiloData, build_federation
+from medical_data.networks import build_network
+
+log = logging.getLogger("fedasync.client")
+
+app = ClientApp()
+
+LAST_ARRAYS, LAST_METRICS = "last-reply-arrays", "last-reply-metrics"
+
+
+@lru_cache(maxsize=4)
+def _federation(setup_json: str) -> Federation:
+    setup = P.loads(setup_json)
+    d = DataConfig(**setup["data"])
+    return build_federation(
+        d.benchmark,
+        setup["num_silos"],
+        setup["seed"],
+        partition=d.partition,
+        dirichlet_alpha=d.dirichlet_alpha,
+        site_shift=d.site_shift,
+        test_fraction=d.test_fraction,
+        max_samples=d.max_samples,
+        data_dir=d.data_dir,
+    )
+
+
+@lru_cache(maxsize=4)
+def _network(setup_json: str) -> torch.nn.Module:
+    setup = P.loads(setup_json)
+    spec = _federation(setup_json).spec
+    name = setup["data"].get("network") or spec.network
+    return build_network(name, spec.in_channels, spec.num_classes, spec.image_size)
+
+
+def _silo(context: Context, fed: Federation) -> tuple[int, SiloData]:
+    if "partition-id" not in context.node_config:
+        raise ValueError("this SuperNode has no 'partition-id' in its node config")
+    silo = int(context.node_config["partition-id"])
+    if not 0 <= silo < len(fed.silos):
+        raise ValueError(f"partition-id {silo} is not a silo of this federation (0..{len(fed.silos) - 1})")
+    return silo, fed.silos[silo]
+
+
+def _client_cfg(setup_json: str) -> ClientConfig:
+    c = dict(P.loads(setup_json)["client"])
+    c.pop("dp", None)
+    return ClientConfig(**c)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Say which silo this node is and how many samples it holds."""
+    setup = str(msg.content[P.CONFIG][P.SETUP])
+    silo, data = _silo(context, _federation(setup))
+    metrics = MetricRecord({P.SILO: silo, P.NUM_SAMPLES: len(data)})
+    return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train the received global model locally and reply with the delta."""
+    cfg = msg.content[P.CONFIG]
+    setup = str(cfg[P.SETUP])
+    fault = str(cfg.get(P.FAULT, ""))
+    if fault == "replay" and LAST_ARRAYS in context.state:
+        log.warning("fault injection: replaying the previous reply")
+        old = RecordDict({P.ARRAYS: context.state[LAST_ARRAYS], P.METRICS: context.state[LAST_METRICS]})
+        return Message(old, reply_to=msg)
+    if fault == "crash":
+        raise RuntimeError("fault injection: silo crashed mid-training")
+
+    fed = _federation(setup)
+    silo, data = _silo(context, fed)
+    ccfg = _client_cfg(setup)
+    torch.set_num_threads(ccfg.num_threads)
+    device = pick_device(ccfg.device)
+    model = _network(setup)
+    base = msg.content[P.ARRAYS].to_torch_state_dict()
+    model.load_state_dict(base)
+    stats = train_local(
+        model,
+        data,
+        task=fed.spec.task,
+        steps=ccfg.local_steps,
+        batch_size=ccfg.batch_size,
+        lr=ccfg.lr,
+        momentum=ccfg.momentum,
+        weight_decay=ccfg.weight_decay,
+        proximal_mu=ccfg.proximal_mu,
+        seed=int(cfg[P.SEED]),
+        device=device,
+    )
+    local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    delta = {k: (local[k] - base[k]) if local[k].is_floating_point() else local[k] for k in local}
+    base_version = int(cfg[P.BASE_VERSION])
+    claimed_silo = silo
+    if fault == "nan":
+        first = next(k for k, v in delta.items() if v.is_floating_point())
+        delta[first] = delta[first].clone().fill_(float("nan"))
+    elif fault == "wrong_shape":
+        first = next(iter(delta))
+        delta[first] = delta[first].flatten()[:-1].clone()
+    elif fault == "huge_norm":
+        delta = {k: v * 1e4 if v.is_floating_point() else v for k, v in delta.items()}
+    elif fault == "future_version":
+        base_version += 1000
+    elif fault == "unknown_silo":
+        claimed_silo = 10_000 + silo
+    metrics = MetricRecord(
+        {
+            P.SILO: claimed_silo,
+            P.BASE_VERSION: base_version,
+            P.JOB_ID: int(cfg[P.JOB_ID]),
+            P.NUM_SAMPLES: len(data),
+            **stats,
+        }
+    )
+    content = RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=delta), P.METRICS: metrics})
+    if bool(cfg.get(P.KEEP_REPLY, False)):
+        context.state[LAST_ARRAYS] = ArrayRecord(torch_state_dict=delta)
+        context.state[LAST_METRICS] = MetricRecord(dict(metrics))
+    return Message(content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_handler(msg: Message, context: Context) -> Message:
+    """Evaluate the received model on this silo's own data."""
+    cfg = msg.content[P.CONFIG]
+    setup = str(cfg[P.SETUP])
+    fed = _federation(setup)
+    silo, data = _silo(context, fed)
+    ccfg = _client_cfg(setup)
+    torch.set_num_threads(ccfg.num_threads)
+    model = _network(setup)
+    model.load_state_dict(msg.content[P.ARRAYS].to_torch_state_dict())
+    res = evaluate(model, data, task=fed.spec.task, device=pick_device(ccfg.device))
+    metrics = MetricRecord({P.SILO: silo, P.NUM_SAMPLES: len(data), **res})
+    return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+

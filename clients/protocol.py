@@ -1,0 +1,46 @@
+"""The wire contract between the ServerApp and the ClientApp: message types and record keys.
+
+Defined once here and imported by both sides, so a key is never spelled twice.
+
+Messages (Flower routes them by type, ``@app.train()`` etc.):
+- ``query``: the server asks a SuperNode which silo it is; reply metrics: silo, num-samples.
+- ``train``: arrays = the global model at ``base-version``; reply arrays = the local *delta*
+  (local model - global model) and metrics (silo, base-version, job-id, num-samples, losses).
+- ``evaluate``: arrays = a model; reply metrics = loss and score on the silo's own data.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+QUERY = "query"
+TRAIN = "train"
+EVALUATE = "evaluate"
+
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+
+# config keys (server -> silo)
+JOB_ID = "job-id"
+BASE_VERSION = "base-version"
+SEED = "seed"
+SETUP = "setup-json"
+"""JSON: {"client": ClientConfig, "data": DataConfig, "num_silos": int, "seed": int}."""
+FAULT = "fault"
+"""Injected fault for robustness runs ('' = none)."""
+KEEP_REPLY = "keep-reply"
+"""Keep a copy of this reply in the node state (only needed to inject a replay)."""
+
+# metric keys (silo -> server)
+SILO = "silo"
+NUM_SAMPLES = "num-samples"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True)
+
+
+def loads(text: str) -> Any:
+    return json.loads(text)

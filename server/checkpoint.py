@@ -1,0 +1,124 @@
+"""What a server checkpoint holds, and how it is captured and restored.
+
+A checkpoint is everything the loop needs to continue as if it had never stopped: the global
+weights and version, the aggregator (FedBuff's buffer and the server optimiser), the
+error-feedback residuals, the norm detector, the clock, the jobs in flight with the weights
+they were sent (so they can be re-sent identically), pending retries and faults, the counters
+behind the summary, and the byte offset of metrics.jsonl. All randomness is derived from
+(seed, silo, job id), so there is no generator state to save. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedasync import load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from server.loop import AsyncServer
+
+FORMAT = 1
+
+
+@dataclass
+class CheckpointState:
+    version: int
+    params: dict[str, Any]
+    aggregator: dict[str, Any]
+    error_feedback: dict[str, Any]
+    norms: dict[str, Any]
+    clock: dict[str, Any]
+    next_job_id: int
+    jobs: list[dict[str, Any]]
+    base_params: dict[int, dict[str, Any]]
+    retries: list[tuple[float, int]]
+    pending_faults: list[dict[str, Any]]
+    faults_fired: list[dict[str, Any]]
+    counters: dict[str, Any]
+    events_offset: int
+    mode: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def capture(cls, srv: AsyncServer) -> CheckpointState:
+        jobs = [
+            {"silo": j.silo, "job_id": j.job_id, "base_version": j.base_version,
+             "dispatched_at": j.dispatched_at, "finishes_at": j.finishes_at, "fault": j.fault}
+            for j in sorted(srv.inflight.values(), key=lambda j: j.job_id)
+        ]
+        bases = {}
+        for j in jobs:
+            v = j["base_version"]
+            if v not in bases:
+                p = srv.params if v == srv.version else srv.snapshots.get(v)
+                assert p is not None, f"no weights for in-flight base version {v}"
+                bases[v] = p
+        return cls(
+            version=srv.version,
+            params=srv.params,
+            aggregator=srv.aggregator.state_dict(),
+            error_feedback=srv.ef.state_dict(),
+            norms=srv.norms.state_dict(),
+            clock=srv.clock.state_dict(),
+            next_job_id=srv.next_job_id,
+            jobs=jobs,
+            base_params=bases,
+            retries=list(srv.retries),
+            pending_faults=list(srv.pending_faults),
+            faults_fired=list(srv.faults_fired),
+            counters={
+                "rejected": dict(srv.rejected),
+                "per_silo": {k: dict(v) for k, v in srv.per_silo.items()},
+                "staleness_seen": list(srv.staleness_seen),
+                "evals": list(srv.evals),
+                "updates_applied": srv.updates_applied,
+            },
+            events_offset=srv.events.offset(),
+            mode=srv.cfg.server.mode,
+        )
+
+    def restore(self, srv: AsyncServer) -> list[dict[str, Any]]:
+        """Load this state into ``srv``; return the jobs to re-send."""
+        if self.mode != srv.cfg.server.mode:
+            raise ValueError(f"checkpoint is of mode {self.mode!r}, the run is {srv.cfg.server.mode!r}")
+        srv.version = self.version
+        srv.params = self.params
+        srv.aggregator.load_state_dict(self.aggregator)
+        srv.ef.load_state_dict(self.error_feedback)
+        srv.norms.load_state_dict(self.norms)
+        srv.clock.load_state_dict(self.clock)
+        srv.next_job_id = self.next_job_id
+        for v, p in self.base_params.items():
+            srv.snapshots.put(int(v), p)
+        srv.snapshots.put(self.version, self.params)
+        srv.retries = [tuple(r) for r in self.retries]  # type: ignore[misc]
+        srv.pending_faults = list(self.pending_faults)
+        srv.faults_fired = list(self.faults_fired)
+        c = self.counters
+        srv.rejected.clear()
+        srv.rejected.update(c["rejected"])
+        for k, v in c["per_silo"].items():
+            srv.per_silo[int(k)] = dict(v)
+        srv.staleness_seen = list(c["staleness_seen"])
+        srv.evals = list(c["evals"])
+        srv.updates_applied = int(c["updates_applied"])
+        return list(self.jobs)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {"format": FORMAT, **asdict(self)}
+
+
+def save_state(path: Path, state: CheckpointState) -> None:
+    save_checkpoint(path, state.to_dict())
+
+
+def load_state(path: Path) -> CheckpointState:
+    d = load_checkpoint(path)
+    if d.get("format") != FORMAT:
+        raise ValueError(f"{path}: unknown checkpoint format {d.get('format')!r}")
+    d.pop("format")
+    return CheckpointState(**d)

@@ -1,0 +1,225 @@
+"""Typed configuration of a fedasync run, validated once where the app starts.
+
+Every key is documented by the docstring under its field; README.md lists them all.
+Experiments are YAML files (simulations/configs/) plus ``key=value`` overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from clients.config import ClientConfig, DataConfig
+
+MODES = ("fedasync", "fedbuff", "sync")
+SPEED_PROFILES = ("uniform", "stragglers", "lognormal")
+FAULT_KINDS = (
+    "crash",
+    "nan",
+    "wrong_shape",
+    "replay",
+    "huge_norm",
+    "future_version",
+    "unknown_silo",
+)
+
+
+@dataclass
+class StalenessConfig:
+    """Staleness weight s(tau) (FedAsync, Xie et al. 2019)."""
+
+    fn: str = "polynomial"
+    """constant, polynomial ((tau+1)^-a), hinge, or exponential (exp(-a tau))."""
+    a: float = 0.5
+    """Exponent / slope of the weight function."""
+    b: float = 4.0
+    """Hinge: staleness up to which the weight stays 1."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Server optimiser applied to FedBuff's averaged delta (FedAdam et al.)."""
+
+    kind: str = "sgd"
+    """sgd, momentum or adam."""
+    lr: float = 1.0
+    """Server learning rate."""
+    momentum: float = 0.9
+    """Momentum (kind=momentum)."""
+
+
+@dataclass
+class CorrectionsConfig:
+    """Corrections applied to an update given the current parameters."""
+
+    delay_compensation: float = 0.0
+    """DC-ASGD lambda (Zheng et al. 2017); 0 disables."""
+    error_feedback_topk: float = 1.0
+    """Fraction of entries of each update folded in (top-k); the rest is kept per silo as an
+    error-feedback residual and added to its next update. 1.0 disables."""
+
+
+@dataclass
+class ServerConfig:
+    """The asynchronous server loop."""
+
+    mode: str = "fedasync"
+    """fedasync (fold every update at once), fedbuff (buffer K updates), sync (FedAvg rounds)."""
+    alpha: float = 0.6
+    """FedAsync mixing rate: x <- x + alpha * s(tau) * delta."""
+    buffer_size: int = 3
+    """FedBuff: updates per aggregation (K)."""
+    sample_weighting: bool = True
+    """Weight updates by their sample counts (FedBuff and sync)."""
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    max_staleness: int | None = 20
+    """Updates staler than this are rejected (None: no bound)."""
+    soft_staleness: int | None = None
+    """Updates staler than this (but within max_staleness) are down-weighted by soft_factor."""
+    soft_factor: float = 0.5
+    """Down-weighting factor beyond soft_staleness."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    corrections: CorrectionsConfig = field(default_factory=CorrectionsConfig)
+    norm_outlier_factor: float = 10.0
+    """Reject an update whose norm exceeds this multiple of the median accepted norm."""
+    eval_every: int = 5
+    """Evaluate the global model on the held-out test set every N versions."""
+    checkpoint_every: int = 20
+    """Write a checkpoint every N versions (0 disables)."""
+    evaluate_silos: bool = True
+    """At the end, ask every silo to evaluate the final model on its own data."""
+    wait_for_nodes_s: float = 120.0
+    """How long to wait for all silos to connect at start."""
+    reply_timeout_s: float = 600.0
+    """Wall seconds after which an unanswered message is abandoned and its silo re-sent work."""
+
+
+@dataclass
+class SilosConfig:
+    """How many silos and how fast each computes (virtual clock)."""
+
+    count: int = 6
+    """Number of silos (one SuperNode each)."""
+    speed_profile: str = "stragglers"
+    """uniform (all speed 1), stragglers (a fraction `straggler_fraction` is `straggler_slowdown`
+    times slower), lognormal (speeds drawn from a log-normal with sigma `sigma`)."""
+    straggler_fraction: float = 0.2
+    """Fraction of silos that are stragglers (rounded, at least one when > 0)."""
+    straggler_slowdown: float = 10.0
+    """How many times slower a straggler is."""
+    sigma: float = 0.5
+    """Log-normal sigma of speeds (speed_profile=lognormal)."""
+    step_time_s: float = 1.0
+    """Virtual seconds one local step takes on a speed-1 silo."""
+    latency_s: float = 0.5
+    """Virtual seconds of communication per message (both ways together)."""
+    jitter: float = 0.1
+    """Relative jitter of each job's duration (seeded per silo and job)."""
+
+
+@dataclass
+class RunConfig:
+    """The run as a whole."""
+
+    name: str = "demo"
+    """Output folder name under out_dir."""
+    seed: int = 0
+    """Seed of everything random: partitions, speeds, initial model, local sampling."""
+    budget_s: float = 600.0
+    """Virtual seconds the run lasts (simulation) or wall seconds (deployment)."""
+    max_versions: int | None = None
+    """Stop after this many global versions (None: only the time budget)."""
+    out_dir: str = "runs"
+    """Where run folders are written."""
+    resume: bool = False
+    """Continue from <out_dir>/<name>/checkpoint.pt."""
+    compare_sync: bool = True
+    """After the run, also run the sync FedAvg baseline on the same data, clock and silos."""
+    target_accuracy: float | None = None
+    """Accuracy for time_to_target_s; None: 95% of the sync baseline's best (or of this run's)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class EngineConfig:
+    """Flower simulation engine (Ray) resources."""
+
+    num_cpus: int | None = None
+    """CPUs given to Ray (None: all of this machine's)."""
+    client_cpus: int = 1
+    """CPUs per ClientApp actor (an integer)."""
+    client_gpus: float = 0.0
+    """GPUs per ClientApp actor (fractions share a GPU)."""
+
+
+@dataclass
+class FaultConfig:
+    """One injected fault, for robustness runs."""
+
+    kind: str = "crash"
+    """crash, nan, wrong_shape, replay, huge_norm, future_version or unknown_silo."""
+    silo: int = 0
+    """Which silo misbehaves."""
+    at_version: int = 0
+    """It misbehaves on its first job dispatched at or after this version."""
+    down_s: float = 30.0
+    """crash: virtual seconds the silo stays down before it comes back."""
+
+
+@dataclass
+class FedAsyncConfig:
+    """Everything a run needs."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    silos: SilosConfig = field(default_factory=SilosConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    faults: list[FaultConfig] = field(default_factory=list)
+
+
+def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
+    """Check values that types alone cannot; raise ValueError naming the key."""
+    checks: list[tuple[bool, str]] = [
+        (cfg.server.mode in MODES, f"server.mode must be one of {MODES}, got {cfg.server.mode!r}"),
+        (cfg.silos.speed_profile in SPEED_PROFILES, f"silos.speed_profile must be one of {SPEED_PROFILES}"),
+        (cfg.silos.count >= 1, "silos.count must be >= 1"),
+        (cfg.server.buffer_size >= 1, "server.buffer_size must be >= 1"),
+        (0.0 < cfg.server.alpha <= 1.0, "server.alpha must be in (0, 1]"),
+        (cfg.server.eval_every >= 1, "server.eval_every must be >= 1"),
+        (cfg.server.checkpoint_every >= 0, "server.checkpoint_every must be >= 0"),
+        (cfg.run.budget_s > 0, "run.budget_s must be > 0"),
+        (cfg.silos.step_time_s > 0, "silos.step_time_s must be > 0"),
+        (0.0 <= cfg.silos.jitter < 1.0, "silos.jitter must be in [0, 1)"),
+        (cfg.silos.straggler_slowdown >= 1.0, "silos.straggler_slowdown must be >= 1"),
+        (cfg.client.local_steps >= 1, "client.local_steps must be >= 1"),
+        (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
+        (cfg.engine.client_cpus >= 1, "engine.client_cpus must be an integer >= 1"),
+        (
+            0.0 < cfg.server.corrections.error_feedback_topk <= 1.0,
+            "server.corrections.error_feedback_topk must be in (0, 1]",
+        ),
+        (cfg.server.optimizer.kind in ("sgd", "momentum", "adam"), "server.optimizer.kind must be sgd, momentum or adam"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    for i, f in enumerate(cfg.faults):
+        if f.kind not in FAULT_KINDS:
+            raise ValueError(f"faults[{i}].kind must be one of {FAULT_KINDS}, got {f.kind!r}")
+        if not 0 <= f.silo < cfg.silos.count:
+            raise ValueError(f"faults[{i}].silo={f.silo} is not a silo (0..{cfg.silos.count - 1})")
+    return cfg
+
+
+def from_container(data: dict[str, Any]) -> FedAsyncConfig:
+    """Build and validate a config from a plain dict (e.g. JSON sent by the launcher)."""
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(FedAsyncConfig)
+    merged = OmegaConf.merge(schema, OmegaConf.create(data))
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, FedAsyncConfig)
+    return validate(cfg)

@@ -1,0 +1,135 @@
+"""Intake of one reply: decode, validate and turn it into a core ``Update`` or a rejection.
+
+Everything a silo sends is untrusted. A reply is rejected (with a reason that is logged and
+counted, and without touching the global model) when it is a client error, malformed, claims
+an unknown silo or another node's silo, replays an earlier job, claims a base version from the
+future or other than the one it was sent, has the wrong tensor names, shapes or dtypes,
+contains NaN/Inf, is staler than the bound, or has a norm far beyond the others'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from flwr.app import Message
+
+from clients import protocol as P
+from fedasync import (
+    BoundDecision,
+    FutureVersionError,
+    NormOutlierDetector,
+    Params,
+    Rejection,
+    RejectReason,
+    StalenessBound,
+    Update,
+    check_tensors,
+    staleness,
+)
+from fedasync.tensors import global_norm
+
+
+@dataclass
+class Job:
+    """A train message in flight."""
+
+    msg_id: str
+    silo: int
+    node_id: int
+    job_id: int
+    base_version: int
+    dispatched_at: float
+    finishes_at: float
+    wall_sent: float
+    fault: str = ""
+
+
+@dataclass
+class Accepted:
+    update: Update
+    staleness: int
+    decision: BoundDecision
+    norm: float
+
+
+def take_reply(
+    reply: Message,
+    job: Job,
+    *,
+    version: int,
+    reference: Params,
+    roster: dict[int, int],
+    bound: StalenessBound,
+    norms: NormOutlierDetector,
+) -> Accepted | Rejection:
+    """Validate ``reply`` to ``job`` against the current ``version`` and parameters ``reference``.
+
+    ``roster`` maps silo id -> node id. The norm detector only learns from accepted updates.
+    """
+    if reply.has_error():
+        reason = reply.error.reason if reply.error is not None else "unknown error"
+        return Rejection(RejectReason.CLIENT_ERROR, str(reason).strip().splitlines()[-1][:300])
+    try:
+        metrics = reply.content[P.METRICS]
+        claimed_silo = int(metrics[P.SILO])
+        claimed_job = int(metrics[P.JOB_ID])
+        claimed_base = int(metrics[P.BASE_VERSION])
+        num_samples = int(metrics[P.NUM_SAMPLES])
+        record = reply.content[P.ARRAYS]
+    except (KeyError, TypeError, ValueError) as e:
+        return Rejection(RejectReason.MALFORMED, f"missing or bad field: {e}")
+    if claimed_silo not in roster:
+        return Rejection(RejectReason.UNKNOWN_SILO, f"silo {claimed_silo} is not in the roster")
+    if roster[claimed_silo] != job.node_id or claimed_silo != job.silo:
+        return Rejection(
+            RejectReason.UNKNOWN_SILO,
+            f"node of silo {job.silo} claims to be silo {claimed_silo}",
+        )
+    if claimed_job != job.job_id:
+        return Rejection(
+            RejectReason.DUPLICATE,
+            f"reply to job {job.job_id} carries job {claimed_job} (replayed)",
+        )
+    try:
+        staleness(version, claimed_base)
+    except FutureVersionError:
+        return Rejection(
+            RejectReason.FUTURE_VERSION,
+            f"base version {claimed_base} is ahead of the server's {version}",
+        )
+    except ValueError as e:
+        return Rejection(RejectReason.MALFORMED, str(e))
+    if claimed_base != job.base_version:
+        return Rejection(
+            RejectReason.MALFORMED,
+            f"base version {claimed_base} is not the {job.base_version} the job was sent",
+        )
+    if num_samples < 1:
+        return Rejection(RejectReason.MALFORMED, f"num-samples {num_samples} < 1")
+    try:
+        tensors = record.to_torch_state_dict()
+    except Exception as e:  # noqa: BLE001 - any decoding failure is a malformed reply
+        return Rejection(RejectReason.MALFORMED, f"arrays do not decode: {e}")
+    bad = check_tensors(tensors, reference)
+    if bad is not None:
+        return bad
+    tau = staleness(version, job.base_version)
+    decision = bound.check(tau)
+    if decision.action == "reject":
+        return Rejection(RejectReason.TOO_STALE, decision.reason)
+    norm = global_norm({k: v for k, v in tensors.items() if torch.is_floating_point(v)})
+    outlier = norms.check(norm)
+    if outlier is not None:
+        return outlier
+    norms.observe(norm)
+    train_metrics = {k: float(v) for k, v in metrics.items() if k.startswith("train_")}  # type: ignore[arg-type]
+    update = Update(
+        silo=str(job.silo),
+        base_version=job.base_version,
+        tensors=tensors,
+        num_samples=num_samples,
+        kind="delta",
+        metrics=train_metrics,
+    )
+    return Accepted(update, tau, decision, norm)

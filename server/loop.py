@@ -1,0 +1,384 @@
+"""The asynchronous server loop on Flower's Grid (push_messages / pull_messages).
+
+FedAsync (Xie et al. 2019) and FedBuff (Nguyen et al. 2022) as one event loop: every silo is
+kept busy; each reply is validated, corrected and folded in as soon as it is taken, the
+version bumps, and that silo is sent the newest model at once. ``sync`` mode is the
+synchronous FedAvg baseline on the same silos and clock: a barrier waits for every silo's
+reply before the round is averaged, so one straggler stalls everyone.
+
+Which reply is taken next is the clock's decision (server/clock.py): virtual-finish order in
+simulation (deterministic for a seed), arrival order on the wall clock in deployment. A silo
+whose job failed (client error, crash) is sent work again after ``down_s`` of an injected
+crash or at once; a message unanswered for ``server.reply_timeout_s`` wall seconds is
+abandoned and its silo re-sent work, so a silent silo holds nothing up.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from clients import protocol as P
+from clients.config import to_dict
+from fedasync import (
+    ErrorFeedback,
+    FedAsyncAggregator,
+    FedBuffAggregator,
+    NormOutlierDetector,
+    Params,
+    Rejection,
+    ServerOptimizer,
+    StalenessBound,
+    VersionedSnapshots,
+    delay_compensate_delta,
+    make_weight_fn,
+)
+from server.checkpoint import CheckpointState, load_state, save_state
+from server.clock import VirtualClock, WallClock, silo_speeds
+from server.config import FedAsyncConfig
+from server.events import EventLog
+from server.intake import Accepted, Job, take_reply
+
+log = logging.getLogger("fedasync.server")
+
+
+def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggregator:
+    """The core aggregator for ``server.mode``; sync is FedBuff with K = all silos, tau = 0."""
+    s = cfg.server
+    opt = ServerOptimizer(kind=s.optimizer.kind, lr=s.optimizer.lr, momentum=s.optimizer.momentum)  # type: ignore[arg-type]
+    if s.mode == "fedasync":
+        return FedAsyncAggregator(s.alpha, make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b))
+    if s.mode == "fedbuff":
+        fn = make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
+        return FedBuffAggregator(s.buffer_size, fn, weight_by_samples=s.sample_weighting, optimizer=opt)
+    return FedBuffAggregator(
+        cfg.silos.count, make_weight_fn("constant"), weight_by_samples=s.sample_weighting, optimizer=opt
+    )
+
+
+class AsyncServer:
+    """Runs one federated training job on ``grid`` and returns its result record."""
+
+    def __init__(
+        self,
+        cfg: FedAsyncConfig,
+        grid: Grid,
+        run_dir: Path,
+        initial_params: Params,
+        evaluate_fn: Any,
+        wall_clock: bool = False,
+    ):
+        self.cfg = cfg
+        self.grid = grid
+        self.run_dir = run_dir
+        self.params = {k: v.detach().cpu().clone() for k, v in initial_params.items()}
+        self.evaluate_fn = evaluate_fn
+        self.version = 0
+        self.barrier = cfg.server.mode == "sync"
+        self.speeds = silo_speeds(cfg.silos, cfg.run.seed)
+        self.clock: VirtualClock | WallClock = (
+            WallClock() if wall_clock else VirtualClock(cfg.silos, self.speeds, cfg.client.local_steps, cfg.run.seed)
+        )
+        s = cfg.server
+        self.aggregator = build_aggregator(cfg)
+        self.bound = StalenessBound(s.max_staleness, s.soft_staleness, s.soft_factor)
+        self.norms = NormOutlierDetector(factor=s.norm_outlier_factor)
+        self.ef = ErrorFeedback(s.corrections.error_feedback_topk)
+        self.snapshots = VersionedSnapshots(max_versions=(s.max_staleness or 50) + 2)
+        self.snapshots.put(0, self.params)
+        self.setup_json = P.dumps(
+            {"client": to_dict(cfg.client), "data": to_dict(cfg.data), "num_silos": cfg.silos.count, "seed": cfg.run.seed}
+        )
+        self.roster: dict[int, int] = {}
+        self.num_samples: dict[int, int] = {}
+        self.inflight: dict[str, Job] = {}
+        self.arrived: dict[str, Message] = {}
+        self.retries: list[tuple[float, int]] = []  # (time, silo) heap of silos to re-send work
+        self.next_job_id = 0
+        self.pending_faults = [to_dict(f) for f in cfg.faults]
+        self.faults_fired: list[dict[str, Any]] = []
+        self.rejected: Counter[str] = Counter()
+        self.per_silo: dict[int, dict[str, float]] = defaultdict(lambda: {"applied": 0, "rejected": 0, "weight": 0.0})
+        self.staleness_seen: list[int] = []
+        self.evals: list[dict[str, float]] = []
+        self.updates_applied = 0
+        self.events = EventLog(run_dir / "metrics.jsonl")
+        self.ckpt_path = run_dir / "checkpoint.pt"
+        self._progress: Any = None
+
+    # ---------------------------------------------------------------- set-up
+    def connect(self) -> None:
+        """Wait for the silos' nodes and learn which node is which silo (a query message each)."""
+        want = self.cfg.silos.count
+        deadline = time.monotonic() + self.cfg.server.wait_for_nodes_s
+        nodes: list[int] = []
+        while time.monotonic() < deadline:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= want:
+                break
+            time.sleep(0.2)
+        if len(nodes) < want:
+            raise RuntimeError(f"only {len(nodes)} of {want} silos connected within {self.cfg.server.wait_for_nodes_s:.0f}s")
+        cfg_rec = ConfigRecord({P.SETUP: self.setup_json})
+        msgs = [Message(RecordDict({P.CONFIG: cfg_rec}), dst_node_id=n, message_type=P.QUERY) for n in nodes]
+        ids = dict(zip(self.grid.push_messages(msgs), nodes))
+        pending = set(ids)
+        while pending and time.monotonic() < deadline + 120:
+            for reply in self.grid.pull_messages(list(pending)):
+                mid = reply.metadata.reply_to_message_id
+                pending.discard(mid)
+                if reply.has_error():
+                    log.error("node %s failed the query: %s", ids[mid], reply.error.reason)
+                    continue
+                silo = int(reply.content[P.METRICS][P.SILO])
+                if silo in self.roster:
+                    raise RuntimeError(f"two nodes claim silo {silo}")
+                self.roster[silo] = ids[mid]
+                self.num_samples[silo] = int(reply.content[P.METRICS][P.NUM_SAMPLES])
+            time.sleep(0.05)
+        missing = sorted(set(range(want)) - set(self.roster))
+        if missing:
+            raise RuntimeError(f"silos {missing} did not answer the query")
+        self.events.write(
+            "roster",
+            t=self.clock.now,
+            version=self.version,
+            silos={str(s): {"node": n, "num_samples": self.num_samples[s], "speed": self.speeds[s]} for s, n in self.roster.items()},
+        )
+
+    # ---------------------------------------------------------------- dispatch
+    def _fault_for(self, silo: int) -> str:
+        for i, f in enumerate(self.pending_faults):
+            if f["silo"] == silo and self.version >= f["at_version"]:
+                self.pending_faults.pop(i)
+                self.faults_fired.append({**f, "t": self.clock.now, "version": self.version})
+                self.events.write("fault", t=self.clock.now, version=self.version, **f)
+                return str(f["kind"])
+        return ""
+
+    def dispatch(self, silo: int, *, job_id: int | None = None, base_version: int | None = None,
+                 timing: tuple[float, float] | None = None, fault: str | None = None) -> None:
+        """Send ``silo`` a train message with the newest model (or, on resume, its old job)."""
+        if job_id is None:
+            job_id = self.next_job_id
+            self.next_job_id += 1
+        base_version = self.version if base_version is None else base_version
+        params = self.params if base_version == self.version else self.snapshots.get(base_version)
+        assert params is not None, f"no snapshot of version {base_version}"
+        fault = self._fault_for(silo) if fault is None else fault
+        keep = any(f["silo"] == silo and f["kind"] == "replay" for f in self.pending_faults)
+        if timing is None:
+            jt = self.clock.schedule(silo, job_id)
+            timing = (jt.dispatched_at, jt.finishes_at)
+        seed = int(np.random.default_rng([self.cfg.run.seed, silo, job_id]).integers(2**31 - 1))
+        config = ConfigRecord(
+            {P.SETUP: self.setup_json, P.JOB_ID: job_id, P.BASE_VERSION: base_version, P.SEED: seed,
+             P.FAULT: fault, P.KEEP_REPLY: keep}
+        )
+        content = RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=params), P.CONFIG: config})
+        msg = Message(content, dst_node_id=self.roster[silo], message_type=P.TRAIN)
+        (mid,) = list(self.grid.push_messages([msg]))
+        self.inflight[mid] = Job(mid, silo, self.roster[silo], job_id, base_version, timing[0], timing[1],
+                                 time.monotonic(), fault)
+
+    # ---------------------------------------------------------------- the loop
+    def _poll(self) -> None:
+        waiting = [m for m in self.inflight if m not in self.arrived]
+        if waiting:
+            for reply in self.grid.pull_messages(waiting):
+                self.arrived[reply.metadata.reply_to_message_id] = reply
+
+    def _timings(self) -> dict[str, Any]:
+        from server.clock import JobTiming
+
+        return {m: JobTiming(j.dispatched_at, j.finishes_at) for m, j in self.inflight.items()}
+
+    def _abandon_timed_out(self) -> None:
+        limit = self.cfg.server.reply_timeout_s
+        for mid, job in list(self.inflight.items()):
+            if mid not in self.arrived and time.monotonic() - job.wall_sent > limit:
+                del self.inflight[mid]
+                self._reject(job, Rejection_timeout(job, limit))
+                self._after_failure(job, down_s=0.0)
+
+    def run(self) -> None:
+        """Train until the clock passes ``run.budget_s`` (or ``run.max_versions``)."""
+        budget, max_v = self.cfg.run.budget_s, self.cfg.run.max_versions
+        if not self.inflight:
+            for silo in sorted(self.roster):
+                self.dispatch(silo)
+        while True:
+            if max_v is not None and self.version >= max_v:
+                break
+            if isinstance(self.clock, WallClock):
+                while self.retries and self.retries[0][0] <= self.clock.now:
+                    self.dispatch(heapq.heappop(self.retries)[1])
+            t_job = self.clock.next_event_time(self._timings())
+            t_retry = self.retries[0][0] if self.retries else float("inf")
+            t_next = min(t_job, t_retry) if isinstance(self.clock, VirtualClock) else self.clock.now
+            if t_next > budget or (not self.inflight and not self.retries):
+                break
+            if isinstance(self.clock, VirtualClock) and t_retry <= t_job:
+                _, silo = heapq.heappop(self.retries)
+                self.clock.advance_to(t_retry)
+                if not self.barrier:
+                    self.dispatch(silo)
+                continue
+            due = self._wait_due()
+            if due is None:
+                continue
+            finish = max(self.inflight[m].finishes_at for m in due)
+            if isinstance(self.clock, VirtualClock):
+                self.clock.advance_to(finish)
+            ready: list[int] = []
+            for mid in due:
+                job = self.inflight.pop(mid)
+                if self._take(job, self.arrived.pop(mid)):
+                    ready.append(job.silo)
+            if self.barrier:
+                if not self.inflight:
+                    self._close_round()
+            else:
+                for silo in sorted(ready):
+                    self.dispatch(silo)
+            self._tick()
+        self.clock.advance_to(min(budget, self.clock.now))
+
+    def _wait_due(self) -> list[str] | None:
+        while True:
+            self._poll()
+            due = self.clock.select(self._timings(), set(self.arrived))
+            if due is not None:
+                return due
+            self._abandon_timed_out()
+            if not self.inflight:
+                return None
+            if isinstance(self.clock, WallClock) and self.clock.now > self.cfg.run.budget_s:
+                return None
+            time.sleep(0.005)
+
+    def _close_round(self) -> None:
+        """Sync mode: average what the round brought, then send everyone the new model."""
+        if isinstance(self.aggregator, FedBuffAggregator) and self.aggregator.pending > 0:
+            res = self.aggregator.flush(self.params)
+            if res.params is not None:
+                self._new_version(res.params)
+        # silos that were down rejoin at the start of the next round
+        self.retries = []
+        for silo in sorted(self.roster):
+            self.dispatch(silo)
+
+    # ---------------------------------------------------------------- one reply
+    def _take(self, job: Job, reply: Message) -> bool:
+        """Validate and fold one reply; True when its silo may be sent work at once."""
+        res = take_reply(reply, job, version=self.version, reference=self.params, roster=self.roster,
+                         bound=self.bound, norms=self.norms)
+        if isinstance(res, Rejection):
+            self._reject(job, res)
+            if res.reason.value == "client_error":
+                self._after_failure(job, down_s=self._down_s(job))
+                return False
+            return True
+        self._fold(job, res)
+        return True
+
+    def _down_s(self, job: Job) -> float:
+        if job.fault != "crash":
+            return 0.0
+        fired = [f for f in self.faults_fired if f["silo"] == job.silo and f["kind"] == "crash"]
+        return float(fired[-1]["down_s"]) if fired else 0.0
+
+    def _after_failure(self, job: Job, down_s: float) -> None:
+        """Re-send the silo work after ``down_s`` (0: as soon as the loop goes on)."""
+        if self.barrier:
+            return
+        heapq.heappush(self.retries, (self.clock.now + down_s, job.silo))
+
+    def _reject(self, job: Job, rej: Rejection) -> None:
+        self.rejected[rej.reason.value] += 1
+        self.per_silo[job.silo]["rejected"] += 1
+        log.warning("rejected reply of silo %d (job %d): %s: %s", job.silo, job.job_id, rej.reason.value, rej.detail)
+        self.events.write("reject", t=self.clock.now, version=self.version, silo=job.silo, job=job.job_id,
+                          reason=rej.reason.value, detail=rej.detail)
+
+    def _fold(self, job: Job, acc: Accepted) -> None:
+        update = acc.update
+        corr = self.cfg.server.corrections
+        if corr.delay_compensation > 0 and acc.staleness > 0:
+            w_base = self.snapshots.get(job.base_version)
+            if w_base is not None:
+                update.tensors = delay_compensate_delta(update.tensors, self.params, w_base,
+                                                        corr.delay_compensation, self.cfg.client.lr)
+        if corr.error_feedback_topk < 1.0:
+            update.tensors = self.ef.apply(update.silo, update.tensors)
+        res = self.aggregator.fold(self.params, update, acc.staleness, factor=acc.decision.factor)
+        self.updates_applied += 1
+        self.staleness_seen.append(acc.staleness)
+        st = self.per_silo[job.silo]
+        st["applied"] += 1
+        st["weight"] += res.weight
+        self.events.write("update", t=self.clock.now, version=self.version, silo=job.silo, job=job.job_id,
+                          staleness=acc.staleness, weight=res.weight, action=acc.decision.action,
+                          norm=acc.norm, **update.metrics)
+        if res.params is not None:
+            self._new_version(res.params)
+
+    def _new_version(self, params: Params) -> None:
+        self.params = params
+        self.version += 1
+        self.snapshots.put(self.version, params)
+        self.events.write("version", t=self.clock.now, version=self.version)
+        if self.version % self.cfg.server.eval_every == 0:
+            self.evaluate()
+        every = self.cfg.server.checkpoint_every
+        if every and self.version % every == 0:
+            self.checkpoint()
+
+    def evaluate(self) -> dict[str, float]:
+        res = self.evaluate_fn(self.params)
+        rec = {"t": self.clock.now, "version": self.version, **res}
+        self.evals.append(rec)
+        self.events.write("eval", **rec)
+        if self._progress is not None:
+            self._progress.set_postfix(version=self.version, score=f"{res['score']:.3f}", refresh=False)
+        return res
+
+    def _tick(self) -> None:
+        if self._progress is not None:
+            self._progress.n = min(self.clock.now, self.cfg.run.budget_s)
+            self._progress.refresh()
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint(self) -> None:
+        state = CheckpointState.capture(self)
+        save_state(self.ckpt_path, state)
+        self.events.write("checkpoint", t=self.clock.now, version=self.version)
+
+    def resume(self) -> bool:
+        """Restore from ``checkpoint.pt`` if present; re-send the jobs that were in flight."""
+        if not self.ckpt_path.exists():
+            return False
+        state = load_state(self.ckpt_path)
+        jobs = state.restore(self)
+        self.events.truncate(state.events_offset)
+        self.events.write("resume", t=self.clock.now, version=self.version)
+        log.info("resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now)
+        for j in jobs:
+            self.dispatch(j["silo"], job_id=j["job_id"], base_version=j["base_version"],
+                          timing=(j["dispatched_at"], j["finishes_at"]), fault=j["fault"])
+        return True
+
+
+def Rejection_timeout(job: Job, limit: float) -> Rejection:  # noqa: N802 - reads as a constructor
+    from fedasync import RejectReason
+
+    return Rejection(RejectReason.CLIENT_ERROR, f"no reply within {limit:.0f}s (job {job.job_id} abandoned)")

@@ -1,0 +1,72 @@
+"""The run's ``summary.json``: what happened, in the numbers people compare runs by."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from server.loop import AsyncServer
+
+
+def time_to_target(evals: list[dict[str, Any]], target: float | None) -> float | None:
+    """First clock time at which the evaluated score reached ``target`` (None if never)."""
+    if target is None:
+        return None
+    for e in evals:
+        if e["score"] >= target:
+            return float(e["t"])
+    return None
+
+
+def build_summary(srv: AsyncServer, *, metric: str, wall_time_s: float, silo_evals: dict[int, dict]) -> dict[str, Any]:
+    evals = srv.evals
+    final = evals[-1] if evals else {"score": float("nan"), "loss": float("nan")}
+    st = srv.staleness_seen
+    per_silo = {
+        str(s): {
+            "speed": srv.speeds[s],
+            "num_samples": srv.num_samples.get(s, 0),
+            **srv.per_silo.get(s, {"applied": 0, "rejected": 0, "weight": 0.0}),
+            **({"eval": silo_evals[s]} if s in silo_evals else {}),
+        }
+        for s in range(srv.cfg.silos.count)
+    }
+    target = srv.cfg.run.target_accuracy
+    return {
+        "mode": srv.cfg.server.mode,
+        "metric": metric,
+        "final_accuracy": final["score"],
+        "best_accuracy": max((e["score"] for e in evals), default=float("nan")),
+        "final_loss": final["loss"],
+        "virtual_time_s": srv.clock.now if srv.clock.kind == "virtual" else None,
+        "clock": srv.clock.kind,
+        "wall_time_s": wall_time_s,
+        "target_accuracy": target,
+        "time_to_target_s": time_to_target(evals, target),
+        "versions": srv.version,
+        "updates_applied": srv.updates_applied,
+        "updates_rejected": dict(sorted(srv.rejected.items())),
+        "updates_rejected_total": sum(srv.rejected.values()),
+        "staleness_mean": float(np.mean(st)) if st else 0.0,
+        "staleness_max": int(max(st)) if st else 0,
+        "per_silo": per_silo,
+        "faults": srv.faults_fired,
+        "evals": evals,
+    }
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not np.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    path.write_text(json.dumps(clean(summary), indent=2) + "\n")

@@ -1,0 +1,34 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+
+
+@pytest.fixture
+def small_cfg(tmp_path):
+    """A tiny but real configuration: brain tissue patches, cnn-small, 3 silos."""
+    from simulations.config import load_config
+
+    def make(*overrides: str):
+        base = [
+            f"run.out_dir={tmp_path}",
+            "run.name=t",
+            "run.compare_sync=false",
+            "run.progress=false",
+            "run.budget_s=1000",
+            "silos.count=3",
+            "silos.speed_profile=uniform",
+            "client.local_steps=2",
+            "client.batch_size=16",
+            "data.max_samples=600",
+            "server.eval_every=2",
+            "server.checkpoint_every=0",
+            "server.evaluate_silos=false",
+        ]
+        return load_config(None, base + list(overrides))
+
+    return make

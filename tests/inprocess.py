@@ -1,0 +1,61 @@
+"""A Grid that runs the real ClientApp in this process, for fast tests of the server loop.
+
+Tests may fake what is slow, never what is tested: the server loop, the ClientApp's handlers,
+the messages and records are Flower's and fedasync's own; only Ray's process pool is replaced
+by a direct call. The order in which replies are taken is the virtual clock's decision anyway.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
+
+
+def set_task_identity(run_id: int = 1) -> None:
+    """What Flower's runtimes set before a ServerApp runs (messages are stamped with it)."""
+    TaskIdentity.task_id = 1
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = 1  # the SuperLink's node id
+
+
+class InProcessGrid:
+    def __init__(self, client_app: ClientApp, num_nodes: int, first_node_id: int = 1000):
+        set_task_identity()
+        self.app = client_app
+        self.contexts = {
+            first_node_id + i: Context(
+                run_id=1,
+                node_id=first_node_id + i,
+                node_config={"partition-id": i, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config={},
+            )
+            for i in range(num_nodes)
+        }
+        self.replies: dict[str, Message] = {}
+        self.pushed: list[Message] = []
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            mid = str(uuid.uuid4())
+            msg.metadata.__dict__["_message_id"] = mid
+            self.pushed.append(msg)
+            ctx = self.contexts[msg.metadata.dst_node_id]
+            try:
+                reply = self.app(msg, ctx)
+            except Exception as e:  # noqa: BLE001 - becomes an error reply, as in Flower
+                reply = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=msg)
+            self.replies[mid] = reply
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
