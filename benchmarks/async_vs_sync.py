@@ -28,13 +28,25 @@ from simulations.plots import plot_score_vs_time  # noqa: E402
 
 MODES = {
     "sync": ["server.mode=sync"],
-    "fedasync": ["server.mode=fedasync", "server.alpha=0.6", "server.staleness.fn=polynomial", "server.staleness.a=0.5"],
-    "fedbuff": ["server.mode=fedbuff", "server.buffer_size=4", "server.staleness.fn=polynomial", "server.staleness.a=0.5"],
+    "fedasync": [
+        "server.mode=fedasync",
+        "server.alpha=0.3",
+        "server.staleness.fn=polynomial",
+        "server.staleness.a=0.5",
+    ],
+    "fedbuff": [
+        "server.mode=fedbuff",
+        "server.buffer_size=4",
+        "server.staleness.fn=polynomial",
+        "server.staleness.a=0.5",
+    ],
 }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--silos", type=int, default=10)
     ap.add_argument("--stragglers", type=int, default=2)
     ap.add_argument("--slowdown", type=float, default=10.0)
@@ -65,25 +77,44 @@ def main() -> None:
         cfg = load_config(None, common + MODES[mode] + [f"run.name={mode}"] + args.overrides)
         t0 = time.monotonic()
         summaries[mode] = run_engine(cfg, out / mode)
-        print(f"[{mode}] done in {time.monotonic() - t0:.0f}s wall, {summaries[mode]['versions']} versions", flush=True)
+        print(
+            f"[{mode}] done in {time.monotonic() - t0:.0f}s wall, {summaries[mode]['versions']} versions",
+            flush=True,
+        )
     ref = summaries.get("sync")
     target = 0.95 * (ref or next(iter(summaries.values())))["best_accuracy"]
     t_sync = time_to_target(ref["evals"], target) if ref else None
     rows = {}
     metric = next(iter(summaries.values()))["metric"]
-    print(f"\n{'mode':9s} {'final':>7s} {'best':>7s} {'versions':>8s} {'stale_mean':>10s} {'t_target_s':>10s} {'speedup':>7s}")
+    print(
+        f"\n{'mode':9s} {'final':>7s} {'best':>7s} {'versions':>8s} {'stale_mean':>10s} {'t_target_s':>10s} {'speedup':>7s}"
+    )
     for mode, s in summaries.items():
         t = time_to_target(s["evals"], target)
         speed = (t_sync / t) if (t and t_sync) else None
-        rows[mode] = {"final": s["final_accuracy"], "best": s["best_accuracy"], "versions": s["versions"],
-                      "staleness_mean": s["staleness_mean"], "time_to_target_s": t, "speedup_vs_sync": speed}
-        print(f"{mode:9s} {s['final_accuracy']:7.4f} {s['best_accuracy']:7.4f} {s['versions']:8d} "
-              f"{s['staleness_mean']:10.2f} {(f'{t:.0f}' if t else 'never'):>10s} "
-              f"{(f'{speed:.2f}x' if speed else '-'):>7s}")
-    print(f"target: {target:.4f} {metric} (95% of sync's best), virtual budget {args.budget_s:.0f}s")
-    (out / "results.json").write_text(json.dumps({"target": target, "metric": metric, "rows": rows}, indent=2))
+        rows[mode] = {
+            "final": s["final_accuracy"],
+            "best": s["best_accuracy"],
+            "versions": s["versions"],
+            "staleness_mean": s["staleness_mean"],
+            "time_to_target_s": t,
+            "speedup_vs_sync": speed,
+        }
+        print(
+            f"{mode:9s} {s['final_accuracy']:7.4f} {s['best_accuracy']:7.4f} {s['versions']:8d} "
+            f"{s['staleness_mean']:10.2f} {(f'{t:.0f}' if t else 'never'):>10s} "
+            f"{(f'{speed:.2f}x' if speed else '-'):>7s}"
+        )
+    print(
+        f"target: {target:.4f} {metric} (95% of sync's best), virtual budget {args.budget_s:.0f}s"
+    )
+    (out / "results.json").write_text(
+        json.dumps({"target": target, "metric": metric, "rows": rows}, indent=2)
+    )
     plot_score_vs_time(summaries, out / "accuracy_vs_time.png", metric, target)
-    speedups = [r["speedup_vs_sync"] for m, r in rows.items() if m != "sync" and r["speedup_vs_sync"]]
+    speedups = [
+        r["speedup_vs_sync"] for m, r in rows.items() if m != "sync" and r["speedup_vs_sync"]
+    ]
     print(f"speedup_vs_sync={max(speedups) if speedups else 0.0:.2f}")
 
 

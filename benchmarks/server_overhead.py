@@ -50,11 +50,23 @@ def _median_time(fn, reps: int) -> float:
 
 
 def _reply(delta: dict[str, torch.Tensor], job: Job) -> Message:
-    ins = Message(RecordDict({P.CONFIG: ConfigRecord({})}), dst_node_id=job.node_id, message_type=P.TRAIN)
+    ins = Message(
+        RecordDict({P.CONFIG: ConfigRecord({})}), dst_node_id=job.node_id, message_type=P.TRAIN
+    )
     ins.metadata.__dict__["_message_id"] = str(uuid.uuid4())
-    metrics = MetricRecord({P.SILO: job.silo, P.JOB_ID: job.job_id, P.BASE_VERSION: job.base_version,
-                            P.NUM_SAMPLES: 100, "train_loss": 0.5})
-    return Message(RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=delta), P.METRICS: metrics}), reply_to=ins)
+    metrics = MetricRecord(
+        {
+            P.SILO: job.silo,
+            P.JOB_ID: job.job_id,
+            P.BASE_VERSION: job.base_version,
+            P.NUM_SAMPLES: 100,
+            "train_loss": 0.5,
+        }
+    )
+    return Message(
+        RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=delta), P.METRICS: metrics}),
+        reply_to=ins,
+    )
 
 
 def take_cost(name: str, shape: tuple[int, int], reps: int = 200) -> float:
@@ -62,8 +74,19 @@ def take_cost(name: str, shape: tuple[int, int], reps: int = 200) -> float:
     model = build_network(name, 1, 3, shape)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     n = sum(v.numel() for v in params.values())
-    delta = {k: torch.randn_like(v) * 1e-3 if v.is_floating_point() else v for k, v in params.items()}
-    job = Job("m", silo=0, node_id=1, job_id=0, base_version=3, dispatched_at=0, finishes_at=1, wall_sent=0)
+    delta = {
+        k: torch.randn_like(v) * 1e-3 if v.is_floating_point() else v for k, v in params.items()
+    }
+    job = Job(
+        "m",
+        silo=0,
+        node_id=1,
+        job_id=0,
+        base_version=3,
+        dispatched_at=0,
+        finishes_at=1,
+        wall_sent=0,
+    )
     reply = _reply(delta, job)
     norms = NormOutlierDetector()
     for _ in range(5):
@@ -74,7 +97,9 @@ def take_cost(name: str, shape: tuple[int, int], reps: int = 200) -> float:
     w_base = {k: v + 0.01 if v.is_floating_point() else v for k, v in params.items()}
 
     def take(correct: bool) -> None:
-        res = take_reply(reply, job, version=5, reference=params, roster={0: 1}, bound=bound, norms=norms)
+        res = take_reply(
+            reply, job, version=5, reference=params, roster={0: 1}, bound=bound, norms=norms
+        )
         assert isinstance(res, Accepted), res
         t = res.update.tensors
         if correct:
@@ -84,8 +109,10 @@ def take_cost(name: str, shape: tuple[int, int], reps: int = 200) -> float:
     copy = _median_time(lambda: {k: v.clone() for k, v in params.items()}, reps)
     plain = _median_time(lambda: take(False), reps)
     corrected = _median_time(lambda: take(True), max(20, reps // 5))
-    print(f"{name}: {n / 1e6:.3f} M parameters, copy {copy * 1e3:.3f} ms, take {plain * 1e3:.3f} ms "
-          f"({plain / copy:.2f}x), with DC + error feedback {corrected * 1e3:.3f} ms ({corrected / copy:.2f}x)")
+    print(
+        f"{name}: {n / 1e6:.3f} M parameters, copy {copy * 1e3:.3f} ms, take {plain * 1e3:.3f} ms "
+        f"({plain / copy:.2f}x), with DC + error feedback {corrected * 1e3:.3f} ms ({corrected / copy:.2f}x)"
+    )
     return plain / copy
 
 
@@ -116,10 +143,20 @@ def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
                     rec = RecordDict({P.METRICS: MetricRecord({P.SILO: silo, P.NUM_SAMPLES: 100})})
                 else:
                     c = m.content[P.CONFIG]
-                    metrics = MetricRecord({P.SILO: silo, P.JOB_ID: int(c[P.JOB_ID]),
-                                            P.BASE_VERSION: int(c[P.BASE_VERSION]), P.NUM_SAMPLES: 100})
-                    rec = RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=pool[silo % len(pool)]),
-                                      P.METRICS: metrics})
+                    metrics = MetricRecord(
+                        {
+                            P.SILO: silo,
+                            P.JOB_ID: int(c[P.JOB_ID]),
+                            P.BASE_VERSION: int(c[P.BASE_VERSION]),
+                            P.NUM_SAMPLES: 100,
+                        }
+                    )
+                    rec = RecordDict(
+                        {
+                            P.ARRAYS: ArrayRecord(torch_state_dict=pool[silo % len(pool)]),
+                            P.METRICS: metrics,
+                        }
+                    )
                 self.replies[mid] = Message(rec, reply_to=m)
                 ids.append(mid)
             return ids
@@ -128,9 +165,19 @@ def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
             return [self.replies.pop(i) for i in list(ids) if i in self.replies]
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, [f"run.out_dir={tmp}", f"silos.count={silos}", f"run.max_versions={versions}",
-                                 "run.budget_s=1e9", "silos.speed_profile=lognormal", "server.eval_every=1000000",
-                                 "server.checkpoint_every=0", "server.max_staleness=null"])
+        cfg = load_config(
+            None,
+            [
+                f"run.out_dir={tmp}",
+                f"silos.count={silos}",
+                f"run.max_versions={versions}",
+                "run.budget_s=1e9",
+                "silos.speed_profile=lognormal",
+                "server.eval_every=1000000",
+                "server.checkpoint_every=0",
+                "server.max_staleness=null",
+            ],
+        )
         srv = AsyncServer(cfg, InstantGrid(), Path(tmp), params, evaluate_fn=None)  # type: ignore[arg-type]
         srv.connect()
         t0 = time.perf_counter()
@@ -138,15 +185,21 @@ def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
         dt = time.perf_counter() - t0
         srv.events.close()
     rate = srv.updates_applied / dt
-    print(f"server loop, {silos} silos, cnn-small: {srv.updates_applied} updates in {dt:.2f}s wall = {rate:.0f} updates/s "
-          f"(staleness mean {statistics.mean(srv.staleness_seen):.1f})")
+    print(
+        f"server loop, {silos} silos, cnn-small: {srv.updates_applied} updates in {dt:.2f}s wall = {rate:.0f} updates/s "
+        f"(staleness mean {statistics.mean(srv.staleness_seen):.1f})"
+    )
     return rate
 
 
 def main() -> None:
     from flwr.supercore.task_identity import TaskIdentity
 
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1  # as Flower's runtimes do
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = (
+        1,
+        1,
+        1,
+    )  # as Flower's runtimes do
     torch.set_num_threads(1)
     ratio = take_cost("cnn-small", (28, 28))
     take_cost("densenet121", (64, 64), reps=30)

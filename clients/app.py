@@ -59,7 +59,9 @@ def _silo(context: Context, fed: Federation) -> tuple[int, SiloData]:
         raise ValueError("this SuperNode has no 'partition-id' in its node config")
     silo = int(context.node_config["partition-id"])
     if not 0 <= silo < len(fed.silos):
-        raise ValueError(f"partition-id {silo} is not a silo of this federation (0..{len(fed.silos) - 1})")
+        raise ValueError(
+            f"partition-id {silo} is not a silo of this federation (0..{len(fed.silos) - 1})"
+        )
     return silo, fed.silos[silo]
 
 
@@ -86,7 +88,9 @@ def train(msg: Message, context: Context) -> Message:
     fault = str(cfg.get(P.FAULT, ""))
     if fault == "replay" and LAST_ARRAYS in context.state:
         log.warning("fault injection: replaying the previous reply")
-        old = RecordDict({P.ARRAYS: context.state[LAST_ARRAYS], P.METRICS: context.state[LAST_METRICS]})
+        old = RecordDict(
+            {P.ARRAYS: context.state[LAST_ARRAYS], P.METRICS: context.state[LAST_METRICS]}
+        )
         return Message(old, reply_to=msg)
     if fault == "crash":
         raise RuntimeError("fault injection: silo crashed mid-training")
@@ -158,4 +162,3 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     res = evaluate(model, data, task=fed.spec.task, device=pick_device(ccfg.device))
     metrics = MetricRecord({P.SILO: silo, P.NUM_SAMPLES: len(data), **res})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
-

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, RecordDict, ArrayRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from clients import protocol as P
@@ -31,8 +31,15 @@ log = logging.getLogger("fedasync.server")
 def _federation(cfg: FedAsyncConfig):
     d = cfg.data
     return build_federation(
-        d.benchmark, cfg.silos.count, cfg.run.seed, partition=d.partition, dirichlet_alpha=d.dirichlet_alpha,
-        site_shift=d.site_shift, test_fraction=d.test_fraction, max_samples=d.max_samples, data_dir=d.data_dir,
+        d.benchmark,
+        cfg.silos.count,
+        cfg.run.seed,
+        partition=d.partition,
+        dirichlet_alpha=d.dirichlet_alpha,
+        site_shift=d.site_shift,
+        test_fraction=d.test_fraction,
+        max_samples=d.max_samples,
+        data_dir=d.data_dir,
     )
 
 
@@ -40,7 +47,9 @@ def initial_model(cfg: FedAsyncConfig) -> torch.nn.Module:
     """The benchmark's network, initialised from ``run.seed``."""
     spec = _federation(cfg).spec
     torch.manual_seed(cfg.run.seed)
-    return build_network(cfg.data.network or spec.network, spec.in_channels, spec.num_classes, spec.image_size)
+    return build_network(
+        cfg.data.network or spec.network, spec.in_channels, spec.num_classes, spec.image_size
+    )
 
 
 def evaluate_silos(srv: AsyncServer, timeout_s: float = 300.0) -> dict[int, dict[str, float]]:
@@ -48,7 +57,9 @@ def evaluate_silos(srv: AsyncServer, timeout_s: float = 300.0) -> dict[int, dict
     cfg_rec = ConfigRecord({P.SETUP: srv.setup_json})
     msgs = {}
     for silo, node in srv.roster.items():
-        content = RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=srv.params), P.CONFIG: cfg_rec})
+        content = RecordDict(
+            {P.ARRAYS: ArrayRecord(torch_state_dict=srv.params), P.CONFIG: cfg_rec}
+        )
         msgs[silo] = Message(content, dst_node_id=node, message_type=P.EVALUATE)
     ids = dict(zip(srv.grid.push_messages(list(msgs.values())), msgs))
     out: dict[int, dict[str, float]] = {}
@@ -61,12 +72,16 @@ def evaluate_silos(srv: AsyncServer, timeout_s: float = 300.0) -> dict[int, dict
                 continue
             m = reply.content[P.METRICS]
             out[silo] = {"loss": float(m["loss"]), "score": float(m["score"])}  # type: ignore[arg-type]
-            srv.events.write("silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **out[silo])
+            srv.events.write(
+                "silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **out[silo]
+            )
         time.sleep(0.05)
     return out
 
 
-def run_server(grid: Grid, cfg: FedAsyncConfig, run_dir: Path, *, wall_clock: bool = False) -> dict[str, Any]:
+def run_server(
+    grid: Grid, cfg: FedAsyncConfig, run_dir: Path, *, wall_clock: bool = False
+) -> dict[str, Any]:
     """Run one federated job on ``grid``; write metrics.jsonl, checkpoints and summary.json."""
     t0 = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -80,8 +95,15 @@ def run_server(grid: Grid, cfg: FedAsyncConfig, run_dir: Path, *, wall_clock: bo
 
     srv = AsyncServer(cfg, grid, run_dir, model.state_dict(), evaluate_fn, wall_clock=wall_clock)
     try:
-        srv.events.write("start", t=0.0, version=0, mode=cfg.server.mode, clock=srv.clock.kind,
-                         benchmark=cfg.data.benchmark, silos=cfg.silos.count)
+        srv.events.write(
+            "start",
+            t=0.0,
+            version=0,
+            mode=cfg.server.mode,
+            clock=srv.clock.kind,
+            benchmark=cfg.data.benchmark,
+            silos=cfg.silos.count,
+        )
         srv.connect()
         resumed = cfg.run.resume and srv.resume()
         if cfg.run.resume and not resumed:
@@ -92,8 +114,13 @@ def run_server(grid: Grid, cfg: FedAsyncConfig, run_dir: Path, *, wall_clock: bo
         if cfg.run.progress:
             from tqdm import tqdm
 
-            progress = tqdm(total=cfg.run.budget_s, desc=f"{cfg.server.mode:8s}", unit="s", initial=srv.clock.now,
-                            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]")
+            progress = tqdm(
+                total=cfg.run.budget_s,
+                desc=f"{cfg.server.mode:8s}",
+                unit="s",
+                initial=srv.clock.now,
+                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]",
+            )
             srv._progress = progress
         srv.run()
         if not srv.evals or srv.evals[-1]["version"] != srv.version:
@@ -103,15 +130,21 @@ def run_server(grid: Grid, cfg: FedAsyncConfig, run_dir: Path, *, wall_clock: bo
         srv.checkpoint()
         silo_evals = evaluate_silos(srv) if cfg.server.evaluate_silos else {}
         metric = "accuracy" if task == "classification" else "dice"
-        summary = build_summary(srv, metric=metric, wall_time_s=time.monotonic() - t0, silo_evals=silo_evals)
-        srv.events.write("end", t=srv.clock.now, version=srv.version, final_score=summary["final_accuracy"])
+        summary = build_summary(
+            srv, metric=metric, wall_time_s=time.monotonic() - t0, silo_evals=silo_evals
+        )
+        srv.events.write(
+            "end", t=srv.clock.now, version=srv.version, final_score=summary["final_accuracy"]
+        )
         write_summary(run_dir / "summary.json", summary)
         return summary
     finally:
         srv.events.close()
 
 
-def make_server_app(cfg: FedAsyncConfig, run_dir: Path, result: dict[str, Any] | None = None) -> ServerApp:
+def make_server_app(
+    cfg: FedAsyncConfig, run_dir: Path, result: dict[str, Any] | None = None
+) -> ServerApp:
     """A ServerApp bound to ``cfg`` for the simulation engine; its summary lands in ``result``."""
     app = ServerApp()
 

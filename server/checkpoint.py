@@ -44,17 +44,21 @@ class CheckpointState:
     @classmethod
     def capture(cls, srv: AsyncServer) -> CheckpointState:
         jobs = [
-            {"silo": j.silo, "job_id": j.job_id, "base_version": j.base_version,
-             "dispatched_at": j.dispatched_at, "finishes_at": j.finishes_at, "fault": j.fault}
+            {
+                "silo": j.silo,
+                "job_id": j.job_id,
+                "base_version": j.base_version,
+                "dispatched_at": j.dispatched_at,
+                "finishes_at": j.finishes_at,
+                "fault": j.fault,
+            }
             for j in sorted(srv.inflight.values(), key=lambda j: j.job_id)
         ]
         bases = {}
         for j in jobs:
             v = j["base_version"]
             if v not in bases:
-                p = srv.params if v == srv.version else srv.snapshots.get(v)
-                assert p is not None, f"no weights for in-flight base version {v}"
-                bases[v] = p
+                bases[v] = srv.params if v == srv.version else srv.sent[v]
         return cls(
             version=srv.version,
             params=srv.params,
@@ -82,7 +86,9 @@ class CheckpointState:
     def restore(self, srv: AsyncServer) -> list[dict[str, Any]]:
         """Load this state into ``srv``; return the jobs to re-send."""
         if self.mode != srv.cfg.server.mode:
-            raise ValueError(f"checkpoint is of mode {self.mode!r}, the run is {srv.cfg.server.mode!r}")
+            raise ValueError(
+                f"checkpoint is of mode {self.mode!r}, the run is {srv.cfg.server.mode!r}"
+            )
         srv.version = self.version
         srv.params = self.params
         srv.aggregator.load_state_dict(self.aggregator)
@@ -90,9 +96,7 @@ class CheckpointState:
         srv.norms.load_state_dict(self.norms)
         srv.clock.load_state_dict(self.clock)
         srv.next_job_id = self.next_job_id
-        for v, p in self.base_params.items():
-            srv.snapshots.put(int(v), p)
-        srv.snapshots.put(self.version, self.params)
+        srv.sent = {int(v): p for v, p in self.base_params.items()}
         srv.retries = [tuple(r) for r in self.retries]  # type: ignore[misc]
         srv.pending_faults = list(self.pending_faults)
         srv.faults_fired = list(self.faults_fired)

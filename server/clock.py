@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -39,6 +41,13 @@ def silo_speeds(cfg: SilosConfig, seed: int) -> list[float]:
     if cfg.speed_profile == "lognormal":
         return [float(x) for x in np.exp(rng.normal(0.0, cfg.sigma, size=n))]
     raise ValueError(f"unknown speed profile {cfg.speed_profile!r}")
+
+
+class Timed(Protocol):
+    """Anything with a dispatch and a finish time (a job in flight)."""
+
+    dispatched_at: float
+    finishes_at: float
 
 
 @dataclass
@@ -71,7 +80,7 @@ class VirtualClock:
     def schedule(self, silo: int, job_id: int) -> JobTiming:
         return JobTiming(self.now, self.now + self.duration(silo, job_id))
 
-    def select(self, inflight: dict[str, JobTiming], arrived: set[str]) -> list[str] | None:
+    def select(self, inflight: Mapping[str, Timed], arrived: set[str]) -> list[str] | None:
         """Message ids to take now (all that finish at the earliest time), or None to wait.
 
         Simultaneous finishes are taken together, as one discrete event, so that equal
@@ -80,7 +89,11 @@ class VirtualClock:
         if not inflight:
             return None
         first = min(t.finishes_at for t in inflight.values())
-        due = sorted(m for m, t in inflight.items() if math.isclose(t.finishes_at, first, rel_tol=0, abs_tol=1e-9))
+        due = sorted(
+            m
+            for m, t in inflight.items()
+            if math.isclose(t.finishes_at, first, rel_tol=0, abs_tol=1e-9)
+        )
         if all(m in arrived for m in due):
             return due
         return None
@@ -88,7 +101,7 @@ class VirtualClock:
     def advance_to(self, t: float) -> None:
         self.now = max(self.now, t)
 
-    def next_event_time(self, inflight: dict[str, JobTiming]) -> float:
+    def next_event_time(self, inflight: Mapping[str, Timed]) -> float:
         return min((t.finishes_at for t in inflight.values()), default=math.inf)
 
     def state_dict(self) -> dict:
@@ -113,14 +126,14 @@ class WallClock:
     def schedule(self, silo: int, job_id: int) -> JobTiming:
         return JobTiming(self.now, math.inf)
 
-    def select(self, inflight: dict[str, JobTiming], arrived: set[str]) -> list[str] | None:
+    def select(self, inflight: Mapping[str, Timed], arrived: set[str]) -> list[str] | None:
         due = sorted((m for m in arrived if m in inflight), key=lambda m: inflight[m].dispatched_at)
         return due or None
 
     def advance_to(self, t: float) -> None:  # wall time advances by itself
         return None
 
-    def next_event_time(self, inflight: dict[str, JobTiming]) -> float:
+    def next_event_time(self, inflight: Mapping[str, Timed]) -> float:
         return self.now
 
     def state_dict(self) -> dict:

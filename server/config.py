@@ -65,14 +65,15 @@ class ServerConfig:
 
     mode: str = "fedasync"
     """fedasync (fold every update at once), fedbuff (buffer K updates), sync (FedAvg rounds)."""
-    alpha: float = 0.6
-    """FedAsync mixing rate: x <- x + alpha * s(tau) * delta."""
+    alpha: float = 0.3
+    """FedAsync mixing rate: x <- x + alpha * s(tau) * delta (0.3: steadier than the paper's 0.6
+    when silos are non-IID, see README)."""
     buffer_size: int = 3
     """FedBuff: updates per aggregation (K)."""
     sample_weighting: bool = True
     """Weight updates by their sample counts (FedBuff and sync)."""
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
-    max_staleness: int | None = 20
+    max_staleness: int | None = 100
     """Updates staler than this are rejected (None: no bound)."""
     soft_staleness: int | None = None
     """Updates staler than this (but within max_staleness) are down-weighted by soft_factor."""
@@ -184,7 +185,10 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
     """Check values that types alone cannot; raise ValueError naming the key."""
     checks: list[tuple[bool, str]] = [
         (cfg.server.mode in MODES, f"server.mode must be one of {MODES}, got {cfg.server.mode!r}"),
-        (cfg.silos.speed_profile in SPEED_PROFILES, f"silos.speed_profile must be one of {SPEED_PROFILES}"),
+        (
+            cfg.silos.speed_profile in SPEED_PROFILES,
+            f"silos.speed_profile must be one of {SPEED_PROFILES}",
+        ),
         (cfg.silos.count >= 1, "silos.count must be >= 1"),
         (cfg.server.buffer_size >= 1, "server.buffer_size must be >= 1"),
         (0.0 < cfg.server.alpha <= 1.0, "server.alpha must be in (0, 1]"),
@@ -201,7 +205,10 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
             0.0 < cfg.server.corrections.error_feedback_topk <= 1.0,
             "server.corrections.error_feedback_topk must be in (0, 1]",
         ),
-        (cfg.server.optimizer.kind in ("sgd", "momentum", "adam"), "server.optimizer.kind must be sgd, momentum or adam"),
+        (
+            cfg.server.optimizer.kind in ("sgd", "momentum", "adam"),
+            "server.optimizer.kind must be sgd, momentum or adam",
+        ),
     ]
     for ok, msg in checks:
         if not ok:

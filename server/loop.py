@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
@@ -36,9 +35,9 @@ from fedasync import (
     NormOutlierDetector,
     Params,
     Rejection,
+    RejectReason,
     ServerOptimizer,
     StalenessBound,
-    VersionedSnapshots,
     delay_compensate_delta,
     make_weight_fn,
 )
@@ -56,12 +55,19 @@ def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggrega
     s = cfg.server
     opt = ServerOptimizer(kind=s.optimizer.kind, lr=s.optimizer.lr, momentum=s.optimizer.momentum)  # type: ignore[arg-type]
     if s.mode == "fedasync":
-        return FedAsyncAggregator(s.alpha, make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b))
+        return FedAsyncAggregator(
+            s.alpha, make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
+        )
     if s.mode == "fedbuff":
         fn = make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
-        return FedBuffAggregator(s.buffer_size, fn, weight_by_samples=s.sample_weighting, optimizer=opt)
+        return FedBuffAggregator(
+            s.buffer_size, fn, weight_by_samples=s.sample_weighting, optimizer=opt
+        )
     return FedBuffAggregator(
-        cfg.silos.count, make_weight_fn("constant"), weight_by_samples=s.sample_weighting, optimizer=opt
+        cfg.silos.count,
+        make_weight_fn("constant"),
+        weight_by_samples=s.sample_weighting,
+        optimizer=opt,
     )
 
 
@@ -86,17 +92,25 @@ class AsyncServer:
         self.barrier = cfg.server.mode == "sync"
         self.speeds = silo_speeds(cfg.silos, cfg.run.seed)
         self.clock: VirtualClock | WallClock = (
-            WallClock() if wall_clock else VirtualClock(cfg.silos, self.speeds, cfg.client.local_steps, cfg.run.seed)
+            WallClock()
+            if wall_clock
+            else VirtualClock(cfg.silos, self.speeds, cfg.client.local_steps, cfg.run.seed)
         )
         s = cfg.server
         self.aggregator = build_aggregator(cfg)
         self.bound = StalenessBound(s.max_staleness, s.soft_staleness, s.soft_factor)
         self.norms = NormOutlierDetector(factor=s.norm_outlier_factor)
         self.ef = ErrorFeedback(s.corrections.error_feedback_topk)
-        self.snapshots = VersionedSnapshots(max_versions=(s.max_staleness or 50) + 2)
-        self.snapshots.put(0, self.params)
+        # the weights each in-flight job was sent, by version (for DC-ASGD's w_base, and so that a
+        # checkpoint can re-send in-flight work identically); pruned when no job refers to them
+        self.sent: dict[int, Params] = {}
         self.setup_json = P.dumps(
-            {"client": to_dict(cfg.client), "data": to_dict(cfg.data), "num_silos": cfg.silos.count, "seed": cfg.run.seed}
+            {
+                "client": to_dict(cfg.client),
+                "data": to_dict(cfg.data),
+                "num_silos": cfg.silos.count,
+                "seed": cfg.run.seed,
+            }
         )
         self.roster: dict[int, int] = {}
         self.num_samples: dict[int, int] = {}
@@ -107,7 +121,9 @@ class AsyncServer:
         self.pending_faults = [to_dict(f) for f in cfg.faults]
         self.faults_fired: list[dict[str, Any]] = []
         self.rejected: Counter[str] = Counter()
-        self.per_silo: dict[int, dict[str, float]] = defaultdict(lambda: {"applied": 0, "rejected": 0, "weight": 0.0})
+        self.per_silo: dict[int, dict[str, float]] = defaultdict(
+            lambda: {"applied": 0, "rejected": 0, "weight": 0.0}
+        )
         self.staleness_seen: list[int] = []
         self.evals: list[dict[str, float]] = []
         self.updates_applied = 0
@@ -127,9 +143,14 @@ class AsyncServer:
                 break
             time.sleep(0.2)
         if len(nodes) < want:
-            raise RuntimeError(f"only {len(nodes)} of {want} silos connected within {self.cfg.server.wait_for_nodes_s:.0f}s")
+            raise RuntimeError(
+                f"only {len(nodes)} of {want} silos connected within {self.cfg.server.wait_for_nodes_s:.0f}s"
+            )
         cfg_rec = ConfigRecord({P.SETUP: self.setup_json})
-        msgs = [Message(RecordDict({P.CONFIG: cfg_rec}), dst_node_id=n, message_type=P.QUERY) for n in nodes]
+        msgs = [
+            Message(RecordDict({P.CONFIG: cfg_rec}), dst_node_id=n, message_type=P.QUERY)
+            for n in nodes
+        ]
         ids = dict(zip(self.grid.push_messages(msgs), nodes))
         pending = set(ids)
         while pending and time.monotonic() < deadline + 120:
@@ -152,7 +173,10 @@ class AsyncServer:
             "roster",
             t=self.clock.now,
             version=self.version,
-            silos={str(s): {"node": n, "num_samples": self.num_samples[s], "speed": self.speeds[s]} for s, n in self.roster.items()},
+            silos={
+                str(s): {"node": n, "num_samples": self.num_samples[s], "speed": self.speeds[s]}
+                for s, n in self.roster.items()
+            },
         )
 
     # ---------------------------------------------------------------- dispatch
@@ -165,15 +189,22 @@ class AsyncServer:
                 return str(f["kind"])
         return ""
 
-    def dispatch(self, silo: int, *, job_id: int | None = None, base_version: int | None = None,
-                 timing: tuple[float, float] | None = None, fault: str | None = None) -> None:
+    def dispatch(
+        self,
+        silo: int,
+        *,
+        job_id: int | None = None,
+        base_version: int | None = None,
+        timing: tuple[float, float] | None = None,
+        fault: str | None = None,
+    ) -> None:
         """Send ``silo`` a train message with the newest model (or, on resume, its old job)."""
         if job_id is None:
             job_id = self.next_job_id
             self.next_job_id += 1
         base_version = self.version if base_version is None else base_version
-        params = self.params if base_version == self.version else self.snapshots.get(base_version)
-        assert params is not None, f"no snapshot of version {base_version}"
+        params = self.params if base_version == self.version else self.sent[base_version]
+        self.sent[base_version] = params
         fault = self._fault_for(silo) if fault is None else fault
         keep = any(f["silo"] == silo and f["kind"] == "replay" for f in self.pending_faults)
         if timing is None:
@@ -181,14 +212,29 @@ class AsyncServer:
             timing = (jt.dispatched_at, jt.finishes_at)
         seed = int(np.random.default_rng([self.cfg.run.seed, silo, job_id]).integers(2**31 - 1))
         config = ConfigRecord(
-            {P.SETUP: self.setup_json, P.JOB_ID: job_id, P.BASE_VERSION: base_version, P.SEED: seed,
-             P.FAULT: fault, P.KEEP_REPLY: keep}
+            {
+                P.SETUP: self.setup_json,
+                P.JOB_ID: job_id,
+                P.BASE_VERSION: base_version,
+                P.SEED: seed,
+                P.FAULT: fault,
+                P.KEEP_REPLY: keep,
+            }
         )
         content = RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=params), P.CONFIG: config})
         msg = Message(content, dst_node_id=self.roster[silo], message_type=P.TRAIN)
         (mid,) = list(self.grid.push_messages([msg]))
-        self.inflight[mid] = Job(mid, silo, self.roster[silo], job_id, base_version, timing[0], timing[1],
-                                 time.monotonic(), fault)
+        self.inflight[mid] = Job(
+            mid,
+            silo,
+            self.roster[silo],
+            job_id,
+            base_version,
+            timing[0],
+            timing[1],
+            time.monotonic(),
+            fault,
+        )
 
     # ---------------------------------------------------------------- the loop
     def _poll(self) -> None:
@@ -197,17 +243,13 @@ class AsyncServer:
             for reply in self.grid.pull_messages(waiting):
                 self.arrived[reply.metadata.reply_to_message_id] = reply
 
-    def _timings(self) -> dict[str, Any]:
-        from server.clock import JobTiming
-
-        return {m: JobTiming(j.dispatched_at, j.finishes_at) for m, j in self.inflight.items()}
-
     def _abandon_timed_out(self) -> None:
         limit = self.cfg.server.reply_timeout_s
         for mid, job in list(self.inflight.items()):
             if mid not in self.arrived and time.monotonic() - job.wall_sent > limit:
                 del self.inflight[mid]
-                self._reject(job, Rejection_timeout(job, limit))
+                detail = f"no reply within {limit:.0f}s wall (job {job.job_id} abandoned)"
+                self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
                 self._after_failure(job, down_s=0.0)
 
     def run(self) -> None:
@@ -222,7 +264,7 @@ class AsyncServer:
             if isinstance(self.clock, WallClock):
                 while self.retries and self.retries[0][0] <= self.clock.now:
                     self.dispatch(heapq.heappop(self.retries)[1])
-            t_job = self.clock.next_event_time(self._timings())
+            t_job = self.clock.next_event_time(self.inflight)
             t_retry = self.retries[0][0] if self.retries else float("inf")
             t_next = min(t_job, t_retry) if isinstance(self.clock, VirtualClock) else self.clock.now
             if t_next > budget or (not self.inflight and not self.retries):
@@ -250,13 +292,14 @@ class AsyncServer:
             else:
                 for silo in sorted(ready):
                     self.dispatch(silo)
+            self._prune_sent()
             self._tick()
         self.clock.advance_to(min(budget, self.clock.now))
 
     def _wait_due(self) -> list[str] | None:
         while True:
             self._poll()
-            due = self.clock.select(self._timings(), set(self.arrived))
+            due = self.clock.select(self.inflight, set(self.arrived))
             if due is not None:
                 return due
             self._abandon_timed_out()
@@ -280,8 +323,15 @@ class AsyncServer:
     # ---------------------------------------------------------------- one reply
     def _take(self, job: Job, reply: Message) -> bool:
         """Validate and fold one reply; True when its silo may be sent work at once."""
-        res = take_reply(reply, job, version=self.version, reference=self.params, roster=self.roster,
-                         bound=self.bound, norms=self.norms)
+        res = take_reply(
+            reply,
+            job,
+            version=self.version,
+            reference=self.params,
+            roster=self.roster,
+            bound=self.bound,
+            norms=self.norms,
+        )
         if isinstance(res, Rejection):
             self._reject(job, res)
             if res.reason.value == "client_error":
@@ -306,18 +356,32 @@ class AsyncServer:
     def _reject(self, job: Job, rej: Rejection) -> None:
         self.rejected[rej.reason.value] += 1
         self.per_silo[job.silo]["rejected"] += 1
-        log.warning("rejected reply of silo %d (job %d): %s: %s", job.silo, job.job_id, rej.reason.value, rej.detail)
-        self.events.write("reject", t=self.clock.now, version=self.version, silo=job.silo, job=job.job_id,
-                          reason=rej.reason.value, detail=rej.detail)
+        log.warning(
+            "rejected reply of silo %d (job %d): %s: %s",
+            job.silo,
+            job.job_id,
+            rej.reason.value,
+            rej.detail,
+        )
+        self.events.write(
+            "reject",
+            t=self.clock.now,
+            version=self.version,
+            silo=job.silo,
+            job=job.job_id,
+            reason=rej.reason.value,
+            detail=rej.detail,
+        )
 
     def _fold(self, job: Job, acc: Accepted) -> None:
         update = acc.update
         corr = self.cfg.server.corrections
         if corr.delay_compensation > 0 and acc.staleness > 0:
-            w_base = self.snapshots.get(job.base_version)
+            w_base = self.sent.get(job.base_version)
             if w_base is not None:
-                update.tensors = delay_compensate_delta(update.tensors, self.params, w_base,
-                                                        corr.delay_compensation, self.cfg.client.lr)
+                update.tensors = delay_compensate_delta(
+                    update.tensors, self.params, w_base, corr.delay_compensation, self.cfg.client.lr
+                )
         if corr.error_feedback_topk < 1.0:
             update.tensors = self.ef.apply(update.silo, update.tensors)
         res = self.aggregator.fold(self.params, update, acc.staleness, factor=acc.decision.factor)
@@ -326,19 +390,32 @@ class AsyncServer:
         st = self.per_silo[job.silo]
         st["applied"] += 1
         st["weight"] += res.weight
-        self.events.write("update", t=self.clock.now, version=self.version, silo=job.silo, job=job.job_id,
-                          staleness=acc.staleness, weight=res.weight, action=acc.decision.action,
-                          norm=acc.norm, **update.metrics)
+        self.events.write(
+            "update",
+            t=self.clock.now,
+            version=self.version,
+            silo=job.silo,
+            job=job.job_id,
+            staleness=acc.staleness,
+            weight=res.weight,
+            action=acc.decision.action,
+            norm=acc.norm,
+            **update.metrics,
+        )
         if res.params is not None:
             self._new_version(res.params)
+
+    def _prune_sent(self) -> None:
+        live = {j.base_version for j in self.inflight.values()}
+        for v in [v for v in self.sent if v not in live]:
+            del self.sent[v]
 
     def _new_version(self, params: Params) -> None:
         self.params = params
         self.version += 1
-        self.snapshots.put(self.version, params)
         self.events.write("version", t=self.clock.now, version=self.version)
-        if self.version % self.cfg.server.eval_every == 0:
-            self.evaluate()
+        if self.barrier or self.version % self.cfg.server.eval_every == 0:
+            self.evaluate()  # sync rounds are few and long: evaluate every one
         every = self.cfg.server.checkpoint_every
         if every and self.version % every == 0:
             self.checkpoint()
@@ -349,7 +426,9 @@ class AsyncServer:
         self.evals.append(rec)
         self.events.write("eval", **rec)
         if self._progress is not None:
-            self._progress.set_postfix(version=self.version, score=f"{res['score']:.3f}", refresh=False)
+            self._progress.set_postfix(
+                version=self.version, score=f"{res['score']:.3f}", refresh=False
+            )
         return res
 
     def _tick(self) -> None:
@@ -371,14 +450,15 @@ class AsyncServer:
         jobs = state.restore(self)
         self.events.truncate(state.events_offset)
         self.events.write("resume", t=self.clock.now, version=self.version)
-        log.info("resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now)
+        log.info(
+            "resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now
+        )
         for j in jobs:
-            self.dispatch(j["silo"], job_id=j["job_id"], base_version=j["base_version"],
-                          timing=(j["dispatched_at"], j["finishes_at"]), fault=j["fault"])
+            self.dispatch(
+                j["silo"],
+                job_id=j["job_id"],
+                base_version=j["base_version"],
+                timing=(j["dispatched_at"], j["finishes_at"]),
+                fault=j["fault"],
+            )
         return True
-
-
-def Rejection_timeout(job: Job, limit: float) -> Rejection:  # noqa: N802 - reads as a constructor
-    from fedasync import RejectReason
-
-    return Rejection(RejectReason.CLIENT_ERROR, f"no reply within {limit:.0f}s (job {job.job_id} abandoned)")

@@ -22,7 +22,9 @@ def time_to_target(evals: list[dict[str, Any]], target: float | None) -> float |
     return None
 
 
-def build_summary(srv: AsyncServer, *, metric: str, wall_time_s: float, silo_evals: dict[int, dict]) -> dict[str, Any]:
+def build_summary(
+    srv: AsyncServer, *, metric: str, wall_time_s: float, silo_evals: dict[int, dict]
+) -> dict[str, Any]:
     evals = srv.evals
     final = evals[-1] if evals else {"score": float("nan"), "loss": float("nan")}
     st = srv.staleness_seen

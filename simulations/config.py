@@ -22,14 +22,18 @@ def default_config_path() -> Path:
     return Path(str(resources.files("simulations") / "configs" / DEFAULT_CONFIG))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> FedAsyncConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> FedAsyncConfig:
     """The validated config of a run; ``path`` None means the packaged default."""
     schema = OmegaConf.structured(FedAsyncConfig)
     path = Path(path) if path is not None else default_config_path()
     if not path.exists():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or [])))
+        merged = OmegaConf.merge(
+            schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or []))
+        )
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"

@@ -69,7 +69,10 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     ray_tmp = tempfile.mkdtemp(prefix="fa-ray-")
     num_cpus = cfg.engine.num_cpus or os.cpu_count() or 1
     backend_config: dict[str, Any] = {
-        "client_resources": {"num_cpus": cfg.engine.client_cpus, "num_gpus": cfg.engine.client_gpus},
+        "client_resources": {
+            "num_cpus": cfg.engine.client_cpus,
+            "num_gpus": cfg.engine.client_gpus,
+        },
         "init_args": {
             "num_cpus": num_cpus,
             "include_dashboard": False,
@@ -110,7 +113,9 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
     from server.app import _federation
 
     fed = _federation(cfg)
-    print(f"fedasync: {cfg.data.benchmark} ({fed.spec.modality}, {fed.spec.task}) across {cfg.silos.count} silos")
+    print(
+        f"fedasync: {cfg.data.benchmark} ({fed.spec.modality}, {fed.spec.task}) across {cfg.silos.count} silos"
+    )
     print(fed.table())
     t0 = time.monotonic()
     summary = run_engine(cfg, run_dir)
@@ -136,12 +141,17 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
     if baseline is not None:
         ta, tb = summary["time_to_target_s"], baseline["time_to_target_s"]
         summary["speedup_vs_sync"] = (tb / ta) if (ta and tb) else None
-        summary["baseline"] = {k: baseline[k] for k in ("mode", "final_accuracy", "best_accuracy", "time_to_target_s", "versions")}
+        summary["baseline"] = {
+            k: baseline[k]
+            for k in ("mode", "final_accuracy", "best_accuracy", "time_to_target_s", "versions")
+        }
         write_summary(run_dir / BASELINE_DIR / "summary.json", baseline)
     write_summary(run_dir / "summary.json", summary)
     from server.events import read_events
 
-    stal = [e["staleness"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"]
+    stal = [
+        e["staleness"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"
+    ]
     plot_score_vs_time(runs, run_dir / "accuracy_vs_time.png", summary["metric"], target)
     plot_staleness(stal, run_dir / "staleness_hist.png", cfg.server.mode)
     plot_silo_contribution(summary, run_dir / "silo_contribution.png")
@@ -151,7 +161,9 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
 
 def _print_result(runs: dict[str, dict[str, Any]], run_dir: Path, wall: float) -> None:
     print()
-    print(f"{'mode':10s} {'final':>7s} {'best':>7s} {'versions':>8s} {'applied':>8s} {'rejected':>8s} {'t_target(s)':>11s} {'stale_mean':>10s}")
+    print(
+        f"{'mode':10s} {'final':>7s} {'best':>7s} {'versions':>8s} {'applied':>8s} {'rejected':>8s} {'t_target(s)':>11s} {'stale_mean':>10s}"
+    )
     for mode, s in runs.items():
         ttt = s["time_to_target_s"]
         print(
@@ -161,5 +173,7 @@ def _print_result(runs: dict[str, dict[str, Any]], run_dir: Path, wall: float) -
         )
     main = next(iter(runs.values()))
     if main.get("speedup_vs_sync") is not None:
-        print(f"time-to-target speedup vs sync: {main['speedup_vs_sync']:.2f}x (target {main['target_accuracy']:.4f} {main['metric']})")
+        print(
+            f"time-to-target speedup vs sync: {main['speedup_vs_sync']:.2f}x (target {main['target_accuracy']:.4f} {main['metric']})"
+        )
     print(f"outputs: {run_dir}/ (summary.json, metrics.jsonl, *.png) in {wall:.0f}s wall")

@@ -11,7 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_score_vs_time(runs: dict[str, dict[str, Any]], path: Path, metric: str, target: float | None = None) -> None:
+def plot_score_vs_time(
+    runs: dict[str, dict[str, Any]], path: Path, metric: str, target: float | None = None
+) -> None:
     """One line per run (label -> summary with ``evals``); time on the run's clock."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, summary in runs.items():

@@ -14,8 +14,21 @@ def test_default_config_is_valid():
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(None, ["server.mode=fedbuff", "server.buffer_size=4", "silos.count=10", "server.max_staleness=null"])
-    assert (cfg.server.mode, cfg.server.buffer_size, cfg.silos.count, cfg.server.max_staleness) == ("fedbuff", 4, 10, None)
+    cfg = load_config(
+        None,
+        [
+            "server.mode=fedbuff",
+            "server.buffer_size=4",
+            "silos.count=10",
+            "server.max_staleness=null",
+        ],
+    )
+    assert (cfg.server.mode, cfg.server.buffer_size, cfg.silos.count, cfg.server.max_staleness) == (
+        "fedbuff",
+        4,
+        10,
+        None,
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from inprocess import InProcessGrid
 
 from clients.app import app as client_app
-from inprocess import InProcessGrid
 from server.app import run_server
 from server.events import read_events
 
@@ -28,14 +28,26 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_fedasync_loop_versions_and_summary(small_cfg):
     # Prepare
-    cfg = small_cfg("run.max_versions=8", "silos.speed_profile=stragglers", "silos.straggler_fraction=0.34")
+    cfg = small_cfg(
+        "run.max_versions=8", "silos.speed_profile=stragglers", "silos.straggler_fraction=0.34"
+    )
     # Execute
     summary, run_dir, _ = _run(cfg)
     # Assert
     assert summary["versions"] == 8
     assert summary["updates_applied"] == 8  # fedasync: one version per update
-    for key in ("mode", "final_accuracy", "best_accuracy", "final_loss", "virtual_time_s", "time_to_target_s",
-                "updates_applied", "updates_rejected", "staleness_mean", "staleness_max"):
+    for key in (
+        "mode",
+        "final_accuracy",
+        "best_accuracy",
+        "final_loss",
+        "virtual_time_s",
+        "time_to_target_s",
+        "updates_applied",
+        "updates_rejected",
+        "staleness_mean",
+        "staleness_max",
+    ):
         assert key in summary
     events = read_events(run_dir / "metrics.jsonl")
     times = [e["t"] for e in events if e["event"] == "update"]
@@ -54,7 +66,12 @@ def test_same_seed_same_model(small_cfg, tmp_path):
 
 def test_fedbuff_with_all_silos_equals_sync(small_cfg, tmp_path):
     """Parity: FedBuff, K = number of silos, equal speeds, no jitter, sample weighting == FedAvg."""
-    common = ("run.max_versions=3", "silos.jitter=0", "server.staleness.fn=constant", "server.sample_weighting=true")
+    common = (
+        "run.max_versions=3",
+        "silos.jitter=0",
+        "server.staleness.fn=constant",
+        "server.sample_weighting=true",
+    )
     buff = small_cfg(*common, "server.mode=fedbuff", "server.buffer_size=3", "run.name=buff")
     sync = small_cfg(*common, "server.mode=sync", "run.name=sync")
     _run(buff)
@@ -65,8 +82,14 @@ def test_fedbuff_with_all_silos_equals_sync(small_cfg, tmp_path):
 
 
 def test_sync_waits_for_the_straggler(small_cfg):
-    cfg = small_cfg("server.mode=sync", "run.max_versions=2", "silos.speed_profile=stragglers",
-                    "silos.straggler_fraction=0.34", "silos.straggler_slowdown=10", "silos.jitter=0")
+    cfg = small_cfg(
+        "server.mode=sync",
+        "run.max_versions=2",
+        "silos.speed_profile=stragglers",
+        "silos.straggler_fraction=0.34",
+        "silos.straggler_slowdown=10",
+        "silos.jitter=0",
+    )
     summary, _, _ = _run(cfg)
     # a round lasts as long as the straggler's job: 2 steps x 1 s x 10 + 0.5 s latency
     assert summary["virtual_time_s"] == pytest.approx(2 * (2 * 10 + 0.5))
@@ -74,17 +97,46 @@ def test_sync_waits_for_the_straggler(small_cfg):
 
 
 def test_resume_continues_exactly(small_cfg, tmp_path):
-    straight = small_cfg("run.max_versions=8", "run.name=straight", "server.mode=fedbuff", "server.buffer_size=2",
-                         "silos.speed_profile=lognormal")
+    straight = small_cfg(
+        "run.max_versions=8",
+        "run.name=straight",
+        "server.mode=fedbuff",
+        "server.buffer_size=2",
+        "silos.speed_profile=lognormal",
+    )
     _run(straight)
-    first = small_cfg("run.max_versions=4", "run.name=resumed", "server.mode=fedbuff", "server.buffer_size=2",
-                      "silos.speed_profile=lognormal", "server.checkpoint_every=4")
+    first = small_cfg(
+        "run.max_versions=4",
+        "run.name=resumed",
+        "server.mode=fedbuff",
+        "server.buffer_size=2",
+        "silos.speed_profile=lognormal",
+        "server.checkpoint_every=4",
+    )
     _run(first)
-    second = small_cfg("run.max_versions=8", "run.name=resumed", "server.mode=fedbuff", "server.buffer_size=2",
-                       "silos.speed_profile=lognormal", "run.resume=true")
+    second = small_cfg(
+        "run.max_versions=8",
+        "run.name=resumed",
+        "server.mode=fedbuff",
+        "server.buffer_size=2",
+        "silos.speed_profile=lognormal",
+        "run.resume=true",
+    )
     summary, run_dir, _ = _run(second)
     pa, pb = _final_params(tmp_path / "straight"), _final_params(tmp_path / "resumed")
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    versions = [e["version"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "version"]
+    versions = [
+        e["version"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "version"
+    ]
     assert versions == list(range(1, 9)), "no version is reported twice after a resume"
     assert summary["versions"] == 8
+
+
+def test_wall_clock_takes_replies_in_arrival_order(small_cfg):
+    """Deployment mode: no virtual clock, replies are taken as they arrive."""
+    cfg = small_cfg("run.max_versions=6", "run.budget_s=600")
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir, wall_clock=True)
+    assert summary["clock"] == "wall" and summary["virtual_time_s"] is None
+    assert summary["versions"] == 6
+    assert summary["wall_time_s"] > 0

@@ -40,14 +40,24 @@ def test_simulate_async_and_sync_baseline(tmp_path):
     summary = simulate(cfg)
     # Assert
     run_dir = tmp_path / "e2e"
-    for name in ("summary.json", "metrics.jsonl", "config.yaml", "accuracy_vs_time.png", "staleness_hist.png",
-                 "silo_contribution.png", "checkpoint.pt", "baseline-sync/summary.json"):
+    for name in (
+        "summary.json",
+        "metrics.jsonl",
+        "config.yaml",
+        "accuracy_vs_time.png",
+        "staleness_hist.png",
+        "silo_contribution.png",
+        "checkpoint.pt",
+        "baseline-sync/summary.json",
+    ):
         assert (run_dir / name).exists(), name
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert on_disk["mode"] == "fedasync" and on_disk["versions"] == summary["versions"] > 3
     baseline = json.loads((run_dir / "baseline-sync" / "summary.json").read_text())
     assert baseline["mode"] == "sync" and baseline["staleness_max"] == 0
-    assert summary["versions"] > baseline["versions"], "async does more versions in the same virtual time"
+    assert summary["versions"] > baseline["versions"], (
+        "async does more versions in the same virtual time"
+    )
     assert set(summary["per_silo"]) == {"0", "1", "2"}
     assert all("eval" in s for s in summary["per_silo"].values())
     assert _ray_processes() <= before, "every Ray process the run started is stopped"
