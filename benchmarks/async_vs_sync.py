@@ -81,40 +81,46 @@ def main() -> None:
             f"[{mode}] done in {time.monotonic() - t0:.0f}s wall, {summaries[mode]['versions']} versions",
             flush=True,
         )
-    ref = summaries.get("sync")
-    target = 0.95 * (ref or next(iter(summaries.values())))["best_accuracy"]
-    t_sync = time_to_target(ref["evals"], target) if ref else None
+    ref = summaries.get("sync") or next(iter(summaries.values()))
+    metric = ref["metric"]
+    # the target (95% of sync's best) and a stricter one (all of sync's best)
+    targets = {"95%": 0.95 * ref["best_accuracy"], "100%": ref["best_accuracy"]}
+    t_ref = {k: time_to_target(ref["evals"], v) for k, v in targets.items()}
     rows = {}
-    metric = next(iter(summaries.values()))["metric"]
     print(
-        f"\n{'mode':9s} {'final':>7s} {'best':>7s} {'versions':>8s} {'stale_mean':>10s} {'t_target_s':>10s} {'speedup':>7s}"
+        f"\n{'mode':9s} {'final':>7s} {'best':>7s} {'versions':>8s} {'stale_mean':>10s} "
+        f"{'t_95%_s':>8s} {'speedup':>8s} {'t_100%_s':>8s} {'speedup':>8s}"
     )
     for mode, s in summaries.items():
-        t = time_to_target(s["evals"], target)
-        speed = (t_sync / t) if (t and t_sync) else None
-        rows[mode] = {
+        row = {
             "final": s["final_accuracy"],
             "best": s["best_accuracy"],
             "versions": s["versions"],
             "staleness_mean": s["staleness_mean"],
-            "time_to_target_s": t,
-            "speedup_vs_sync": speed,
         }
+        cells = []
+        for k, v in targets.items():
+            t = time_to_target(s["evals"], v)
+            speed = (t_ref[k] / t) if (t and t_ref[k]) else None
+            row[f"time_to_{k}_s"], row[f"speedup_at_{k}"] = t, speed
+            cells.append(
+                f"{(f'{t:.0f}' if t else 'never'):>8s} {(f'{speed:.2f}x' if speed else '-'):>8s}"
+            )
+        rows[mode] = row
         print(
             f"{mode:9s} {s['final_accuracy']:7.4f} {s['best_accuracy']:7.4f} {s['versions']:8d} "
-            f"{s['staleness_mean']:10.2f} {(f'{t:.0f}' if t else 'never'):>10s} "
-            f"{(f'{speed:.2f}x' if speed else '-'):>7s}"
+            f"{s['staleness_mean']:10.2f} " + " ".join(cells)
         )
+    target = targets["95%"]
     print(
-        f"target: {target:.4f} {metric} (95% of sync's best), virtual budget {args.budget_s:.0f}s"
+        f"targets: {target:.4f} (95% of sync's best) and {targets['100%']:.4f} {metric}; "
+        f"virtual budget {args.budget_s:.0f}s"
     )
     (out / "results.json").write_text(
-        json.dumps({"target": target, "metric": metric, "rows": rows}, indent=2)
+        json.dumps({"targets": targets, "metric": metric, "rows": rows}, indent=2)
     )
     plot_score_vs_time(summaries, out / "accuracy_vs_time.png", metric, target)
-    speedups = [
-        r["speedup_vs_sync"] for m, r in rows.items() if m != "sync" and r["speedup_vs_sync"]
-    ]
+    speedups = [r["speedup_at_95%"] for m, r in rows.items() if m != "sync" and r["speedup_at_95%"]]
     print(f"speedup_vs_sync={max(speedups) if speedups else 0.0:.2f}")
 
 

@@ -17,9 +17,9 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import protocol as P
-from clients.config import ClientConfig, DataConfig
+from clients.config import ClientConfig, DataConfig, build_silos
 from clients.local import evaluate, pick_device, train_local
-from medical_data.federation import Federation, SiloData, build_federation
+from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
 
 log = logging.getLogger("fedasync.client")
@@ -32,18 +32,7 @@ LAST_ARRAYS, LAST_METRICS = "last-reply-arrays", "last-reply-metrics"
 @lru_cache(maxsize=4)
 def _federation(setup_json: str) -> Federation:
     setup = P.loads(setup_json)
-    d = DataConfig(**setup["data"])
-    return build_federation(
-        d.benchmark,
-        setup["num_silos"],
-        setup["seed"],
-        partition=d.partition,
-        dirichlet_alpha=d.dirichlet_alpha,
-        site_shift=d.site_shift,
-        test_fraction=d.test_fraction,
-        max_samples=d.max_samples,
-        data_dir=d.data_dir,
-    )
+    return build_silos(DataConfig(**setup["data"]), setup["num_silos"], setup["seed"])
 
 
 @lru_cache(maxsize=4)

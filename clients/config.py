@@ -8,6 +8,10 @@ and deployment unchanged.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from medical_data.federation import Federation
 
 
 @dataclass
@@ -66,3 +70,20 @@ class DataConfig:
 def to_dict(cfg: object) -> dict:
     """A plain dict of a config dataclass (for JSON)."""
     return asdict(cfg)  # type: ignore[call-overload]
+
+
+def build_silos(d: DataConfig, num_silos: int, seed: int) -> Federation:
+    """The federation ``d`` describes (cached in-process by medical_data; treat as read-only)."""
+    from medical_data.federation import build_federation
+
+    return build_federation(
+        d.benchmark,
+        num_silos,
+        seed,
+        partition=d.partition,
+        dirichlet_alpha=d.dirichlet_alpha,
+        site_shift=d.site_shift,
+        test_fraction=d.test_fraction,
+        max_samples=d.max_samples,
+        data_dir=d.data_dir,
+    )

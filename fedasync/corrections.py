@@ -94,10 +94,15 @@ def topk(t: torch.Tensor, ratio: float) -> torch.Tensor:
     if k >= t.numel():
         return t.detach().clone()
     flat = t.detach().reshape(-1)
-    order = torch.sort(flat.abs(), descending=True, stable=True).indices[:k]
-    out = torch.zeros_like(flat)
-    out[order] = flat[order]
-    return out.reshape(t.shape)
+    mag = flat.abs()
+    # O(n) selection (no sort): the k-th largest magnitude is the threshold; everything above
+    # it is kept, and the ties at it are taken in flat-index order until k are kept.
+    thr = torch.kthvalue(mag, mag.numel() - k + 1).values
+    keep = mag > thr
+    need = k - int(keep.sum())
+    if need > 0:
+        keep[torch.nonzero(mag == thr).reshape(-1)[:need]] = True
+    return torch.where(keep, flat, torch.zeros((), dtype=flat.dtype)).reshape(t.shape)
 
 
 class ErrorFeedback:

@@ -49,7 +49,9 @@ class Rejection:
     detail: str
 
 
-def check_tensors(tensors: Params, reference: Params) -> Rejection | None:
+def check_tensors(
+    tensors: Params, reference: Params, *, check_finite: bool = True
+) -> Rejection | None:
     """Structural check of ``tensors`` against ``reference`` (e.g. the global params).
 
     In order: every value is a tensor (MALFORMED); no name absent from the reference
@@ -57,7 +59,8 @@ def check_tensors(tensors: Params, reference: Params) -> Rejection | None:
     (MISSING_TENSOR, first in ``reference``' order); then per reference name: equal shape
     (SHAPE_MISMATCH); floating where the reference is floating and non-floating where it is
     not (DTYPE_MISMATCH; float precision may differ, e.g. bf16 vs fp32); all finite
-    (NON_FINITE). Returns ``None`` when the update passes.
+    (NON_FINITE; skipped with ``check_finite=False`` for callers that learn it from a norm
+    they compute anyway). Returns ``None`` when the update passes.
     """
     if not isinstance(tensors, dict):
         return Rejection(
@@ -85,7 +88,7 @@ def check_tensors(tensors: Params, reference: Params) -> Rejection | None:
             return Rejection(
                 RejectReason.DTYPE_MISMATCH, f"{name!r} has dtype {t.dtype}, expected {ref.dtype}"
             )
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return Rejection(RejectReason.NON_FINITE, f"{name!r} holds NaN or inf")
     return None
 

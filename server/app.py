@@ -18,8 +18,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from clients import protocol as P
+from clients.config import build_silos
 from clients.local import evaluate
-from medical_data.federation import build_federation
+from medical_data.federation import Federation
 from medical_data.networks import build_network
 from server.config import FedAsyncConfig, from_container
 from server.loop import AsyncServer
@@ -28,19 +29,8 @@ from server.summary import build_summary, write_summary
 log = logging.getLogger("fedasync.server")
 
 
-def _federation(cfg: FedAsyncConfig):
-    d = cfg.data
-    return build_federation(
-        d.benchmark,
-        cfg.silos.count,
-        cfg.run.seed,
-        partition=d.partition,
-        dirichlet_alpha=d.dirichlet_alpha,
-        site_shift=d.site_shift,
-        test_fraction=d.test_fraction,
-        max_samples=d.max_samples,
-        data_dir=d.data_dir,
-    )
+def _federation(cfg: FedAsyncConfig) -> Federation:
+    return build_silos(cfg.data, cfg.silos.count, cfg.run.seed)
 
 
 def initial_model(cfg: FedAsyncConfig) -> torch.nn.Module:

@@ -294,7 +294,6 @@ class AsyncServer:
                     self.dispatch(silo)
             self._prune_sent()
             self._tick()
-        self.clock.advance_to(min(budget, self.clock.now))
 
     def _wait_due(self) -> list[str] | None:
         while True:
