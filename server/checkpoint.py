@@ -78,6 +78,7 @@ class CheckpointState:
                 "staleness_seen": list(srv.staleness_seen),
                 "evals": list(srv.evals),
                 "updates_applied": srv.updates_applied,
+                "updates_accepted": srv.updates_accepted,
             },
             events_offset=srv.events.offset(),
             mode=srv.cfg.server.mode,
@@ -108,6 +109,7 @@ class CheckpointState:
         srv.staleness_seen = list(c["staleness_seen"])
         srv.evals = list(c["evals"])
         srv.updates_applied = int(c["updates_applied"])
+        srv.updates_accepted = int(c["updates_accepted"])
         return list(self.jobs)
 
     def to_dict(self) -> dict[str, Any]:

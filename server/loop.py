@@ -122,11 +122,12 @@ class AsyncServer:
         self.faults_fired: list[dict[str, Any]] = []
         self.rejected: Counter[str] = Counter()
         self.per_silo: dict[int, dict[str, float]] = defaultdict(
-            lambda: {"applied": 0, "rejected": 0, "weight": 0.0}
+            lambda: {"accepted": 0, "rejected": 0, "weight": 0.0}
         )
         self.staleness_seen: list[int] = []
         self.evals: list[dict[str, float]] = []
-        self.updates_applied = 0
+        self.updates_accepted = 0  # passed intake and were folded (FedBuff: maybe still buffered)
+        self.updates_applied = 0  # reached the global model
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.ckpt_path = run_dir / "checkpoint.pt"
         self._progress: Any = None
@@ -384,10 +385,11 @@ class AsyncServer:
         if corr.error_feedback_topk < 1.0:
             update.tensors = self.ef.apply(update.silo, update.tensors)
         res = self.aggregator.fold(self.params, update, acc.staleness, factor=acc.decision.factor)
-        self.updates_applied += 1
+        self.updates_accepted += 1
+        self.updates_applied += res.flushed
         self.staleness_seen.append(acc.staleness)
         st = self.per_silo[job.silo]
-        st["applied"] += 1
+        st["accepted"] += 1
         st["weight"] += res.weight
         self.events.write(
             "update",

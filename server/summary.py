@@ -32,7 +32,7 @@ def build_summary(
         str(s): {
             "speed": srv.speeds[s],
             "num_samples": srv.num_samples.get(s, 0),
-            **srv.per_silo.get(s, {"applied": 0, "rejected": 0, "weight": 0.0}),
+            **srv.per_silo.get(s, {"accepted": 0, "rejected": 0, "weight": 0.0}),
             **({"eval": silo_evals[s]} if s in silo_evals else {}),
         }
         for s in range(srv.cfg.silos.count)
@@ -51,6 +51,8 @@ def build_summary(
         "time_to_target_s": time_to_target(evals, target),
         "versions": srv.version,
         "updates_applied": srv.updates_applied,
+        "updates_accepted": srv.updates_accepted,
+        "updates_buffered_at_end": srv.updates_accepted - srv.updates_applied,
         "updates_rejected": dict(sorted(srv.rejected.items())),
         "updates_rejected_total": sum(srv.rejected.values()),
         "staleness_mean": float(np.mean(st)) if st else 0.0,

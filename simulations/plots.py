@@ -50,12 +50,12 @@ def plot_silo_contribution(summary: dict[str, Any], path: Path) -> None:
     """Updates applied and total weight per silo; stragglers (speed < 1) in orange."""
     per = summary["per_silo"]
     silos = sorted(per, key=int)
-    applied = [per[s]["applied"] for s in silos]
+    accepted = [per[s]["accepted"] for s in silos]
     weight = [per[s]["weight"] for s in silos]
     colors = ["tab:orange" if per[s]["speed"] < 1.0 else "tab:blue" for s in silos]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    axes[0].bar(silos, applied, color=colors)
-    axes[0].set_title("updates applied")
+    axes[0].bar(silos, accepted, color=colors)
+    axes[0].set_title("updates accepted")
     axes[1].bar(silos, weight, color=colors)
     axes[1].set_title("total weight s(tau) x factor")
     for ax in axes:

@@ -74,7 +74,7 @@ def test_silent_silo_holds_nothing_up(small_cfg):
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     summary = run_server(_SilentSilo(client_app, 3), cfg, run_dir)
     assert summary["versions"] == 8
-    assert summary["per_silo"]["2"]["applied"] == 0
+    assert summary["per_silo"]["2"]["accepted"] == 0
     assert summary["updates_rejected"]["client_error"] >= 1
     events = read_events(run_dir / "metrics.jsonl")
     assert any("no reply within" in e.get("detail", "") for e in events if e["event"] == "reject")

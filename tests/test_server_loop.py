@@ -94,6 +94,7 @@ def test_sync_waits_for_the_straggler(small_cfg):
     # a round lasts as long as the straggler's job: 2 steps x 1 s x 10 + 0.5 s latency
     assert summary["virtual_time_s"] == pytest.approx(2 * (2 * 10 + 0.5))
     assert summary["staleness_max"] == 0
+    assert summary["updates_applied"] == 2 * 3  # every silo in each of the 2 rounds
 
 
 def test_resume_continues_exactly(small_cfg, tmp_path):
