@@ -24,6 +24,7 @@ from medical_data.federation import Federation
 from medical_data.networks import build_network
 from server.config import FedAsyncConfig, from_container
 from server.loop import AsyncServer
+from server.roster import exchange
 from server.summary import build_summary, write_summary
 
 log = logging.getLogger("fedasync.server")
@@ -45,27 +46,23 @@ def initial_model(cfg: FedAsyncConfig) -> torch.nn.Module:
 def evaluate_silos(srv: AsyncServer, timeout_s: float = 300.0) -> dict[int, dict[str, float]]:
     """Ask every silo to evaluate the current global model on its own data."""
     cfg_rec = ConfigRecord({P.SETUP: srv.setup_json})
-    msgs = {}
-    for silo, node in srv.roster.items():
-        content = RecordDict(
-            {P.ARRAYS: ArrayRecord(torch_state_dict=srv.params), P.CONFIG: cfg_rec}
+    silos = sorted(srv.roster)
+    msgs = [
+        Message(
+            RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=srv.params), P.CONFIG: cfg_rec}),
+            dst_node_id=srv.roster[s],
+            message_type=P.EVALUATE,
         )
-        msgs[silo] = Message(content, dst_node_id=node, message_type=P.EVALUATE)
-    ids = dict(zip(srv.grid.push_messages(list(msgs.values())), msgs))
+        for s in silos
+    ]
     out: dict[int, dict[str, float]] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(out) < len(ids) and time.monotonic() < deadline:
-        for reply in srv.grid.pull_messages([m for m in ids if ids[m] not in out]):
-            silo = ids[reply.metadata.reply_to_message_id]
-            if reply.has_error():
-                out[silo] = {"error": 1.0}
-                continue
-            m = reply.content[P.METRICS]
-            out[silo] = {"loss": float(m["loss"]), "score": float(m["score"])}  # type: ignore[arg-type]
-            srv.events.write(
-                "silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **out[silo]
-            )
-        time.sleep(0.05)
+    for silo, reply in zip(silos, exchange(srv.grid, msgs, timeout_s)):
+        if reply is None or reply.has_error():
+            log.warning("silo %d did not evaluate the final model", silo)
+            continue
+        m = reply.content[P.METRICS]
+        out[silo] = {"loss": float(m["loss"]), "score": float(m["score"])}  # type: ignore[arg-type]
+        srv.events.write("silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **out[silo])
     return out
 
 

@@ -46,6 +46,7 @@ from server.clock import VirtualClock, WallClock, silo_speeds
 from server.config import FedAsyncConfig
 from server.events import EventLog
 from server.intake import Accepted, Job, take_reply
+from server.roster import discover_silos
 
 log = logging.getLogger("fedasync.server")
 
@@ -134,42 +135,10 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
-        """Wait for the silos' nodes and learn which node is which silo (a query message each)."""
-        want = self.cfg.silos.count
-        deadline = time.monotonic() + self.cfg.server.wait_for_nodes_s
-        nodes: list[int] = []
-        while time.monotonic() < deadline:
-            nodes = sorted(self.grid.get_node_ids())
-            if len(nodes) >= want:
-                break
-            time.sleep(0.2)
-        if len(nodes) < want:
-            raise RuntimeError(
-                f"only {len(nodes)} of {want} silos connected within {self.cfg.server.wait_for_nodes_s:.0f}s"
-            )
-        cfg_rec = ConfigRecord({P.SETUP: self.setup_json})
-        msgs = [
-            Message(RecordDict({P.CONFIG: cfg_rec}), dst_node_id=n, message_type=P.QUERY)
-            for n in nodes
-        ]
-        ids = dict(zip(self.grid.push_messages(msgs), nodes))
-        pending = set(ids)
-        while pending and time.monotonic() < deadline + 120:
-            for reply in self.grid.pull_messages(list(pending)):
-                mid = reply.metadata.reply_to_message_id
-                pending.discard(mid)
-                if reply.has_error():
-                    log.error("node %s failed the query: %s", ids[mid], reply.error.reason)
-                    continue
-                silo = int(reply.content[P.METRICS][P.SILO])
-                if silo in self.roster:
-                    raise RuntimeError(f"two nodes claim silo {silo}")
-                self.roster[silo] = ids[mid]
-                self.num_samples[silo] = int(reply.content[P.METRICS][P.NUM_SAMPLES])
-            time.sleep(0.05)
-        missing = sorted(set(range(want)) - set(self.roster))
-        if missing:
-            raise RuntimeError(f"silos {missing} did not answer the query")
+        """Wait for the silos' nodes and learn which node is which silo."""
+        self.roster, self.num_samples = discover_silos(
+            self.grid, self.setup_json, self.cfg.silos.count, self.cfg.server.wait_for_nodes_s
+        )
         self.events.write(
             "roster",
             t=self.clock.now,

@@ -39,7 +39,7 @@ def plot_staleness(staleness: list[int], path: Path, mode: str) -> None:
         ax.hist(staleness, bins=range(0, top + 2), align="left", rwidth=0.85)
     ax.set_xlabel("staleness tau (versions)")
     ax.set_ylabel("updates")
-    ax.set_title(f"Staleness of applied updates ({mode})")
+    ax.set_title(f"Staleness of accepted updates ({mode})")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,0 +1,71 @@
+"""Which node is which silo: the roster, learned with one ``query`` message per node.
+
+Also the one helper for the server's few blocking exchanges (the roster query at start and
+the per-silo evaluation at the end): push messages, collect their replies until a deadline.
+The training loop itself never blocks like this.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from clients import protocol as P
+
+log = logging.getLogger("fedasync.server")
+
+
+def exchange(grid: Grid, messages: Sequence[Message], timeout_s: float) -> list[Message | None]:
+    """Push ``messages`` and return their replies in the same order (None: none in time)."""
+    ids = list(grid.push_messages(list(messages)))
+    index = {m: i for i, m in enumerate(ids)}
+    replies: list[Message | None] = [None] * len(ids)
+    deadline = time.monotonic() + timeout_s
+    pending = set(ids)
+    while pending and time.monotonic() < deadline:
+        for reply in grid.pull_messages(list(pending)):
+            mid = reply.metadata.reply_to_message_id
+            pending.discard(mid)
+            replies[index[mid]] = reply
+        if pending:
+            time.sleep(0.05)
+    return replies
+
+
+def discover_silos(
+    grid: Grid, setup_json: str, want: int, wait_s: float
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Wait for ``want`` nodes, ask each its silo; return (silo -> node id, silo -> samples)."""
+    deadline = time.monotonic() + wait_s
+    nodes: list[int] = []
+    while time.monotonic() < deadline:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= want:
+            break
+        time.sleep(0.2)
+    if len(nodes) < want:
+        raise RuntimeError(f"only {len(nodes)} of {want} silos connected within {wait_s:.0f}s")
+    cfg = ConfigRecord({P.SETUP: setup_json})
+    msgs = [
+        Message(RecordDict({P.CONFIG: cfg}), dst_node_id=n, message_type=P.QUERY) for n in nodes
+    ]
+    roster: dict[int, int] = {}
+    samples: dict[int, int] = {}
+    for node, reply in zip(nodes, exchange(grid, msgs, timeout_s=max(wait_s, 60.0))):
+        if reply is None or reply.has_error():
+            why = "no reply" if reply is None else reply.error.reason
+            log.error("node %s failed the roster query: %s", node, why)
+            continue
+        silo = int(reply.content[P.METRICS][P.SILO])  # type: ignore[arg-type]
+        if silo in roster:
+            raise RuntimeError(f"nodes {roster[silo]} and {node} both claim silo {silo}")
+        roster[silo] = node
+        samples[silo] = int(reply.content[P.METRICS][P.NUM_SAMPLES])  # type: ignore[arg-type]
+    missing = sorted(set(range(want)) - set(roster))
+    if missing:
+        raise RuntimeError(f"silos {missing} did not answer the roster query")
+    return roster, samples
