@@ -1,6 +1,6 @@
 """Server cost of taking one update, and server throughput with 100 silos.
 
-1. For the default network, the time the server spends on one reply (decode the ArrayRecord,
+1. For the default network, the time the server spends on one reply (decode the packed arrays,
    validate names/shapes/finiteness/staleness/norm, correct, fold into the global model) as a
    multiple of one copy of the model's parameters (``clone()`` of every tensor), medians of
    many repetitions. Goal <= 3x. Also with delay compensation and error feedback switched on.
@@ -25,9 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 
 from clients import protocol as P  # noqa: E402
+from clients import wire  # noqa: E402
 from fedasync import (  # noqa: E402
     ErrorFeedback,
     FedAsyncAggregator,
@@ -64,7 +65,7 @@ def _reply(delta: dict[str, torch.Tensor], job: Job) -> Message:
         }
     )
     return Message(
-        RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=delta), P.METRICS: metrics}),
+        RecordDict({P.ARRAYS: wire.encode(delta), P.METRICS: metrics}),
         reply_to=ins,
     )
 
@@ -153,7 +154,7 @@ def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
                     )
                     rec = RecordDict(
                         {
-                            P.ARRAYS: ArrayRecord(torch_state_dict=pool[silo % len(pool)]),
+                            P.ARRAYS: wire.encode(pool[silo % len(pool)]),
                             P.METRICS: metrics,
                         }
                     )

@@ -13,10 +13,11 @@ import logging
 from functools import lru_cache
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import protocol as P
+from clients import wire
 from clients.config import ClientConfig, DataConfig, build_silos
 from clients.local import evaluate, pick_device, train_local
 from medical_data.federation import Federation, SiloData
@@ -90,7 +91,7 @@ def train(msg: Message, context: Context) -> Message:
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)
     model = _network(setup)
-    base = msg.content[P.ARRAYS].to_torch_state_dict()
+    base = wire.decode(msg.content[P.ARRAYS])
     model.load_state_dict(base)
     stats = train_local(
         model,
@@ -130,9 +131,9 @@ def train(msg: Message, context: Context) -> Message:
             **stats,
         }
     )
-    content = RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=delta), P.METRICS: metrics})
+    content = RecordDict({P.ARRAYS: wire.encode(delta), P.METRICS: metrics})
     if bool(cfg.get(P.KEEP_REPLY, False)):
-        context.state[LAST_ARRAYS] = ArrayRecord(torch_state_dict=delta)
+        context.state[LAST_ARRAYS] = wire.encode(delta)
         context.state[LAST_METRICS] = MetricRecord(dict(metrics))
     return Message(content, reply_to=msg)
 
@@ -147,7 +148,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     ccfg = _client_cfg(setup)
     torch.set_num_threads(ccfg.num_threads)
     model = _network(setup)
-    model.load_state_dict(msg.content[P.ARRAYS].to_torch_state_dict())
+    model.load_state_dict(wire.decode(msg.content[P.ARRAYS]))
     res = evaluate(model, data, task=fed.spec.task, device=pick_device(ccfg.device))
     metrics = MetricRecord({P.SILO: silo, P.NUM_SAMPLES: len(data), **res})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)

@@ -109,8 +109,12 @@ def global_norm(p: Params) -> float:
     vs = [v.detach() for v in p.values() if is_arithmetic(v)]
     if not vs:
         return 0.0
-    total = 0.0
-    for v, n_t in zip(vs, torch._foreach_norm(vs)):
+    norms = torch._foreach_norm(vs)
+    fast = float(torch.linalg.vector_norm(torch.stack(norms).double()))
+    if math.isfinite(fast):
+        return fast
+    total = 0.0  # NaN/inf somewhere, or an overflow: per tensor, widening what overflowed
+    for v, n_t in zip(vs, norms):
         n = float(n_t)
         if not math.isfinite(n):
             wide = torch.complex128 if v.is_complex() else torch.float64

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from clients import protocol as P
+from clients import wire
 from clients.config import build_silos
 from clients.local import evaluate
 from medical_data.federation import Federation
@@ -49,7 +50,7 @@ def evaluate_silos(srv: AsyncServer, timeout_s: float = 300.0) -> dict[int, dict
     silos = sorted(srv.roster)
     msgs = [
         Message(
-            RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=srv.params), P.CONFIG: cfg_rec}),
+            RecordDict({P.ARRAYS: wire.encode(srv.params), P.CONFIG: cfg_rec}),
             dst_node_id=srv.roster[s],
             message_type=P.EVALUATE,
         )

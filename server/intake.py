@@ -10,14 +10,13 @@ contains NaN/Inf, is staler than the bound, or has a norm far beyond the others'
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 
 from clients import protocol as P
+from clients import wire
 from fedasync import (
     BoundDecision,
     FutureVersionError,
@@ -32,41 +31,21 @@ from fedasync import (
 )
 from fedasync.tensors import global_norm
 
-_NPY_MAGIC = b"\x93NUMPY"
 
-
-def decode_arrays(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """Tensors of an ArrayRecord, decoded strictly and fast; ValueError when malformed.
-
-    Flower stores each array as an .npy file and decodes it with ``np.load``, whose header
-    parser (``ast.literal_eval``) costs more than the data itself for small networks. The
-    dtype and shape travel in the Array's own fields, so only the header's length and
-    ``fortran_order`` are read here; the payload must be exactly dtype x shape bytes, object
-    arrays are refused, and every tensor is a private copy.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name in record.keys():
-        arr = record[name]
-        if arr.stype != "numpy.ndarray":
-            raise ValueError(f"{name!r}: unsupported serialisation {arr.stype!r}")
-        dtype = np.dtype(arr.dtype)
-        if dtype.hasobject:
-            raise ValueError(f"{name!r}: object arrays are refused")
-        shape = tuple(int(d) for d in arr.shape)
-        data = arr.data
-        if data[:6] != _NPY_MAGIC or len(data) < 10:
-            raise ValueError(f"{name!r}: not an .npy payload")
-        if data[6] == 1:
-            start = 10 + struct.unpack("<H", data[8:10])[0]
-        else:
-            start = 12 + struct.unpack("<I", data[8:12])[0]
-        count = math.prod(shape)
-        if len(data) - start != count * dtype.itemsize:
-            raise ValueError(f"{name!r}: {len(data) - start} bytes for {shape} {dtype}")
-        fortran = b"'fortran_order': True" in data[10:start]
-        flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
-        out[name] = torch.from_numpy(flat.reshape(shape, order="F" if fortran else "C").copy())
-    return out
+def _norm(tensors: Params, flat: torch.Tensor | None) -> float:
+    """L2 norm of the update's floating tensors; one pass over the packed buffer if any."""
+    if flat is None:
+        return global_norm(tensors)
+    packed = float(torch.linalg.vector_norm(flat))
+    if not math.isfinite(packed):
+        return global_norm(tensors)  # names the overflow / NaN case precisely
+    buf = flat.untyped_storage().data_ptr()
+    rest = {
+        k: v
+        for k, v in tensors.items()
+        if v.is_floating_point() and v.untyped_storage().data_ptr() != buf
+    }
+    return packed if not rest else math.hypot(packed, global_norm(rest))
 
 
 @dataclass
@@ -147,7 +126,7 @@ def take_reply(
     if num_samples < 1:
         return Rejection(RejectReason.MALFORMED, f"num-samples {num_samples} < 1")
     try:
-        tensors = decode_arrays(record)
+        tensors, flat = wire.decode_with_flat(record)
     except Exception as e:  # noqa: BLE001 - any decoding failure is a malformed reply
         return Rejection(RejectReason.MALFORMED, f"arrays do not decode: {e}")
     bad = check_tensors(tensors, reference, check_finite=False)
@@ -158,7 +137,7 @@ def take_reply(
     if decision.action == "reject":
         return Rejection(RejectReason.TOO_STALE, decision.reason)
     # one pass over the update: the norm is non-finite iff some entry is (or it overflowed)
-    norm = global_norm(tensors)
+    norm = _norm(tensors, flat)
     if not math.isfinite(norm):
         bad = check_tensors(tensors, reference)
         return bad or Rejection(RejectReason.NORM_OUTLIER, f"update norm {norm} overflows")

@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from clients import protocol as P
+from clients import wire
 from clients.config import to_dict
 from fedasync import (
     ErrorFeedback,
@@ -191,7 +192,7 @@ class AsyncServer:
                 P.KEEP_REPLY: keep,
             }
         )
-        content = RecordDict({P.ARRAYS: ArrayRecord(torch_state_dict=params), P.CONFIG: config})
+        content = RecordDict({P.ARRAYS: wire.encode(params), P.CONFIG: config})
         msg = Message(content, dst_node_id=self.roster[silo], message_type=P.TRAIN)
         (mid,) = list(self.grid.push_messages([msg]))
         self.inflight[mid] = Job(
