@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 
 from clients import protocol as P
 from clients import wire
-from clients.config import ClientConfig, DataConfig, build_silos
+from clients.config import ClientConfig, DataConfig, DPConfig, build_silos
 from clients.local import evaluate, pick_device, train_local
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
@@ -57,8 +57,7 @@ def _silo(context: Context, fed: Federation) -> tuple[int, SiloData]:
 
 def _client_cfg(setup_json: str) -> ClientConfig:
     c = dict(P.loads(setup_json)["client"])
-    c.pop("dp", None)
-    return ClientConfig(**c)
+    return ClientConfig(**{**c, "dp": DPConfig(**c.get("dp", {}))})
 
 
 @app.query()

@@ -109,7 +109,7 @@ def run_server(
                 initial=srv.clock.now,
                 bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]",
             )
-            srv._progress = progress
+            srv.progress = progress
         srv.run()
         if not srv.evals or srv.evals[-1]["version"] != srv.version:
             srv.evaluate()

@@ -21,13 +21,14 @@ from typing import Any
 log = logging.getLogger("fedasync.server")
 
 
-def _clean(v: Any) -> Any:
+def json_safe(v: Any) -> Any:
+    """``v`` with non-finite floats as None and tuples as lists (strict JSON)."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
+        return {str(k): json_safe(x) for k, x in v.items()}
     if isinstance(v, list | tuple):
-        return [_clean(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
@@ -40,7 +41,7 @@ class EventLog:
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, event: str, **fields: Any) -> None:
-        self._f.write(json.dumps({"event": event, **_clean(fields)}, sort_keys=False) + "\n")
+        self._f.write(json.dumps({"event": event, **json_safe(fields)}, sort_keys=False) + "\n")
         self._f.flush()
 
     def offset(self) -> int:

@@ -132,7 +132,7 @@ class AsyncServer:
         self.updates_applied = 0  # reached the global model
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.ckpt_path = run_dir / "checkpoint.pt"
-        self._progress: Any = None
+        self.progress: Any = None  # a tqdm bar, set by the caller
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
@@ -396,16 +396,16 @@ class AsyncServer:
         rec = {"t": self.clock.now, "version": self.version, **res}
         self.evals.append(rec)
         self.events.write("eval", **rec)
-        if self._progress is not None:
-            self._progress.set_postfix(
+        if self.progress is not None:
+            self.progress.set_postfix(
                 version=self.version, score=f"{res['score']:.3f}", refresh=False
             )
         return res
 
     def _tick(self) -> None:
-        if self._progress is not None:
-            self._progress.n = min(self.clock.now, self.cfg.run.budget_s)
-            self._progress.refresh()
+        if self.progress is not None:
+            self.progress.n = min(self.clock.now, self.cfg.run.budget_s)
+            self.progress.refresh()
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint(self) -> None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from server.events import json_safe
+
 if TYPE_CHECKING:
     from server.loop import AsyncServer
 
@@ -64,13 +66,4 @@ def build_summary(
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    def clean(v: Any) -> Any:
-        if isinstance(v, float) and not np.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {str(k): clean(x) for k, x in v.items()}
-        if isinstance(v, list | tuple):
-            return [clean(x) for x in v]
-        return v
-
-    path.write_text(json.dumps(clean(summary), indent=2) + "\n")
+    path.write_text(json.dumps(json_safe(summary), indent=2) + "\n")

@@ -13,7 +13,7 @@ from server.app import run_server
 from server.events import read_events
 
 
-def _run(cfg, tmp: Path | None = None):
+def _run(cfg):
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     grid = InProcessGrid(client_app, cfg.silos.count)
     summary = run_server(grid, cfg, run_dir)
