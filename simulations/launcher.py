@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +77,8 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     server_app = make_server_app(cfg, run_dir, result)
     ray_tmp = tempfile.mkdtemp(prefix="fa-ray-")
+    previous = os.environ.get(SESSION_ENV)
+    os.environ[SESSION_ENV] = ray_tmp  # inherited by every Ray process: how we find them
     num_cpus = cfg.engine.num_cpus or os.cpu_count() or 1
     backend_config: dict[str, Any] = {
         "client_resources": {
@@ -100,10 +103,59 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        stop_session_processes(ray_tmp)
+        if previous is None:
+            os.environ.pop(SESSION_ENV, None)
+        else:
+            os.environ[SESSION_ENV] = previous
         shutil.rmtree(ray_tmp, ignore_errors=True)
     if not result:
         raise RuntimeError(f"the server app did not finish; see {run_dir / 'run.log'}")
     return result
+
+
+SESSION_ENV = "FEDASYNC_RAY_SESSION"
+
+
+def _pids_with_env(name: str, value: str) -> list[int]:
+    """Processes (not this one) whose environment has ``name=value``."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
+    """Stop, by pid, every process of this run's Ray session.
+
+    Every Ray process (GCS, raylet, and the workers, which Ray re-parents to init) inherits
+    ``FEDASYNC_RAY_SESSION=<session>`` from this process. ``ray.shutdown()`` asks them to exit
+    but does not wait for the workers; a leftover one could outlive the command and hang CI.
+    Wait ``grace_s``, then SIGTERM, then SIGKILL what is left. Linux only (/proc).
+    """
+    if not Path("/proc").is_dir():
+        return
+    deadline = time.monotonic() + grace_s
+    while _pids_with_env(SESSION_ENV, session) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        left = _pids_with_env(SESSION_ENV, session)
+        if not left:
+            return
+        log.warning("stopping %d leftover Ray process(es): %s", len(left), left)
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
 
 
 def _baseline_config(cfg: FedAsyncConfig) -> FedAsyncConfig:
