@@ -13,13 +13,13 @@ import logging
 from functools import lru_cache
 
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import protocol as P
 from clients import wire
 from clients.config import ClientConfig, DataConfig, DPConfig, build_silos
-from clients.local import evaluate, pick_device, train_local
+from clients.local import evaluate, pick_device, select, train_local, training_data
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
 
@@ -44,15 +44,17 @@ def _network(setup_json: str) -> torch.nn.Module:
     return build_network(name, spec.in_channels, spec.num_classes, spec.image_size)
 
 
-def _silo(context: Context, fed: Federation) -> tuple[int, SiloData]:
+def _silo(context: Context, setup_json: str) -> tuple[int, SiloData]:
     if "partition-id" not in context.node_config:
         raise ValueError("this SuperNode has no 'partition-id' in its node config")
     silo = int(context.node_config["partition-id"])
-    if not 0 <= silo < len(fed.silos):
-        raise ValueError(
-            f"partition-id {silo} is not a silo of this federation (0..{len(fed.silos) - 1})"
-        )
-    return silo, fed.silos[silo]
+    return silo, _silo_data(setup_json, silo)
+
+
+@lru_cache(maxsize=8)
+def _silo_data(setup_json: str, silo: int) -> SiloData:
+    setup = P.loads(setup_json)
+    return training_data(_federation(setup_json), silo, setup.get("backdoor"), int(setup["seed"]))
 
 
 def _client_cfg(setup_json: str) -> ClientConfig:
@@ -64,7 +66,7 @@ def _client_cfg(setup_json: str) -> ClientConfig:
 def query(msg: Message, context: Context) -> Message:
     """Say which silo this node is and how many samples it holds."""
     setup = str(msg.content[P.CONFIG][P.SETUP])
-    silo, data = _silo(context, _federation(setup))
+    silo, data = _silo(context, setup)
     metrics = MetricRecord({P.SILO: silo, P.NUM_SAMPLES: len(data)})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
 
@@ -85,7 +87,8 @@ def train(msg: Message, context: Context) -> Message:
         raise RuntimeError("fault injection: silo crashed mid-training")
 
     fed = _federation(setup)
-    silo, data = _silo(context, fed)
+    silo, data = _silo(context, setup)
+    data = select(data, [str(x) for x in cfg.get(P.EXCLUDE, [])])  # type: ignore[union-attr]
     ccfg = _client_cfg(setup)
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)
@@ -143,7 +146,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     cfg = msg.content[P.CONFIG]
     setup = str(cfg[P.SETUP])
     fed = _federation(setup)
-    silo, data = _silo(context, fed)
+    silo, data = _silo(context, setup)
     ccfg = _client_cfg(setup)
     torch.set_num_threads(ccfg.num_threads)
     model = _network(setup)
@@ -151,3 +154,76 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     res = evaluate(model, data, task=fed.spec.task, device=pick_device(ccfg.device))
     metrics = MetricRecord({P.SILO: silo, P.NUM_SAMPLES: len(data), **res})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+
+
+@app.train("unlearn")
+def unlearn(msg: Message, context: Context) -> Message:
+    """Erase the forget set from the received model on this silo; reply with the delta and the
+    forget data's gradient signature (an orthonormal basis, never the data)."""
+    from clients.unlearn import erase_pga, erase_relabel, forget_signature
+
+    cfg = msg.content[P.CONFIG]
+    setup = str(cfg[P.SETUP])
+    fed = _federation(setup)
+    silo, data = _silo(context, setup)
+    ucfg = P.loads(str(cfg[P.UNLEARN_JSON]))
+    forget_ids = [str(x) for x in cfg.get(P.FORGET, [])]  # type: ignore[union-attr]
+    forget = select(data, forget_ids, keep=True)
+    if len(forget) == 0:
+        raise ValueError("none of the sample ids to erase is held by this silo")
+    ccfg = _client_cfg(setup)
+    torch.set_num_threads(ccfg.num_threads)
+    device = pick_device(ccfg.device)
+    model = _network(setup)
+    base = wire.decode(msg.content[P.ARRAYS])
+    model.load_state_dict(base)
+    reference = wire.decode(msg.content[P.REFERENCE]) if P.REFERENCE in msg.content else base
+    seed = int(cfg[P.SEED])
+    common = dict(steps=int(ucfg["steps"]), lr=float(ucfg["lr"]), batch_size=ccfg.batch_size)
+    if ucfg["method"] == "pga":
+        stats = erase_pga(
+            model,
+            forget,
+            reference=reference,
+            radius=float(ucfg["radius"]),
+            task=fed.spec.task,
+            seed=seed,
+            device=device,
+            **common,
+        )
+    else:
+        retain = select(data, forget_ids) if forget_ids else None
+        stats = erase_relabel(
+            model,
+            forget,
+            retain=retain,
+            num_classes=fed.spec.num_classes,
+            task=fed.spec.task,
+            seed=seed,
+            device=device,
+            **common,
+        )
+    signature = forget_signature(
+        model, forget, task=fed.spec.task, rank=int(ucfg["signature_rank"]), seed=seed
+    )
+    local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    delta = {k: (local[k] - base[k]) if local[k].is_floating_point() else local[k] for k in local}
+    metrics = MetricRecord(
+        {
+            P.SILO: silo,
+            P.BASE_VERSION: int(cfg[P.BASE_VERSION]),
+            P.JOB_ID: int(cfg[P.JOB_ID]),
+            P.NUM_SAMPLES: len(forget),
+            "signature_rank": signature.rank,
+            **{k: float(v) for k, v in stats.items()},
+        }
+    )
+    content = RecordDict(
+        {
+            P.ARRAYS: wire.encode(delta),
+            P.SIGNATURE: wire.encode({"basis": signature.basis}),
+            P.METRICS: metrics,
+            P.CONFIG: ConfigRecord({"signature-names": list(signature.names)}),
+        }
+    )
+    return Message(content, reply_to=msg)

@@ -9,10 +9,42 @@ accuracy or Dice, whichever applies.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
 import torch
 from torch import nn
 
 from medical_data.federation import SiloData
+
+
+def training_data(fed: Any, silo: int, backdoor: dict | None, seed: int) -> SiloData:
+    """Silo ``silo``'s training data; in backdoor verification runs, with the trigger applied."""
+    if not 0 <= silo < len(fed.silos):
+        raise ValueError(f"silo {silo} is not a silo of this federation (0..{len(fed.silos) - 1})")
+    if backdoor and backdoor.get("enabled") and int(backdoor["silo"]) == silo:
+        from medical_data.backdoor import poison
+
+        return poison(
+            fed.silos[silo], float(backdoor["fraction"]), int(backdoor["target_label"]), seed
+        )
+    return fed.silos[silo]
+
+
+def select(data: SiloData, ids: list[str], *, keep: bool = False) -> SiloData:
+    """``data`` without the samples whose ids are listed (``keep=True``: only those).
+
+    Without ids: all of ``data`` (both ways), so an empty forget list means the whole silo.
+    """
+    if not ids:
+        return data
+    mask = np.isin(data.sample_ids, np.asarray(ids, dtype=data.sample_ids.dtype))
+    if not keep:
+        mask = ~mask
+    return replace(
+        data, images=data.images[mask], labels=data.labels[mask], sample_ids=data.sample_ids[mask]
+    )
 
 
 def pick_device(name: str = "auto") -> torch.device:

@@ -17,19 +17,33 @@ from typing import Any
 QUERY = "query"
 TRAIN = "train"
 EVALUATE = "evaluate"
+UNLEARN = "train.unlearn"
+"""Erase data on the silo (its own message type, routed by ``@app.train("unlearn")``)."""
 
 ARRAYS = "arrays"
 CONFIG = "config"
 METRICS = "metrics"
+
+REFERENCE = "reference"
+"""Unlearn: the reference model of projected gradient ascent (arrays)."""
+SIGNATURE = "signature"
+"""Unlearn reply: the forget data's gradient signature basis, shape (d, k) (arrays)."""
 
 # config keys (server -> silo)
 JOB_ID = "job-id"
 BASE_VERSION = "base-version"
 SEED = "seed"
 SETUP = "setup-json"
-"""JSON: {"client": ClientConfig, "data": DataConfig, "num_silos": int, "seed": int}."""
+"""JSON: {"client": ClientConfig, "data": DataConfig, "backdoor": BackdoorConfig,
+"num_silos": int, "seed": int}."""
 FAULT = "fault"
 """Injected fault for robustness runs ('' = none)."""
+EXCLUDE = "exclude-ids"
+"""Sample ids this silo must no longer train on (erased samples), list[str]."""
+FORGET = "forget-ids"
+"""Unlearn: the sample ids to erase; empty = the whole silo."""
+UNLEARN_JSON = "unlearn-json"
+"""Unlearn: the UnlearningConfig as JSON."""
 KEEP_REPLY = "keep-reply"
 """Keep a copy of this reply in the node state (only needed to inject a replay)."""
 

@@ -39,6 +39,10 @@ class RejectReason(enum.StrEnum):
     NORM_OUTLIER = "norm_outlier"
     CLIENT_ERROR = "client_error"
     MALFORMED = "malformed"
+    ERASED = "erased"
+    """Work computed on data that is being, or has been, erased."""
+    CROSSED_BOUNDARY = "crossed_boundary"
+    """Work based on a version before an erasure boundary, under the drop rule."""
 
 
 @dataclass(frozen=True)

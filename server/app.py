@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from clients import protocol as P
 from clients import wire
-from clients.config import build_silos
+from clients.config import build_silos, to_dict
 from clients.local import evaluate
 from medical_data.federation import Federation
 from medical_data.networks import build_network
@@ -81,7 +81,11 @@ def run_server(
         model.load_state_dict(params)
         return evaluate(model, fed.test, task=task)
 
+    if not cfg.run.resume:
+        _start_afresh(run_dir)
     srv = AsyncServer(cfg, grid, run_dir, model.state_dict(), evaluate_fn, wall_clock=wall_clock)
+    srv.sample_ids_fn = lambda silo: fed.silos[silo].sample_ids
+    service = None
     try:
         srv.events.write(
             "start",
@@ -93,6 +97,8 @@ def run_server(
             silos=cfg.silos.count,
         )
         srv.connect()
+        if cfg.erasures or cfg.unlearning.service:
+            service = _attach_erasure(srv, cfg, fed, run_dir)
         resumed = cfg.run.resume and srv.resume()
         if cfg.run.resume and not resumed:
             log.warning("run.resume=true but %s has no checkpoint: starting afresh", run_dir)
@@ -107,6 +113,7 @@ def run_server(
                 desc=f"{cfg.server.mode:8s}",
                 unit="s",
                 initial=srv.clock.now,
+                mininterval=0.5,
                 bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]",
             )
             srv.progress = progress
@@ -124,10 +131,114 @@ def run_server(
         srv.events.write(
             "end", t=srv.clock.now, version=srv.version, final_score=summary["final_accuracy"]
         )
+        if srv.erasure is not None:
+            summary["erasures"] = erasure_summary(srv)
         write_summary(run_dir / "summary.json", summary)
         return summary
     finally:
+        if service is not None:
+            service.stop(grace=1.0).wait(5.0)
         srv.events.close()
+
+
+def _start_afresh(run_dir: Path) -> None:
+    """A run that does not resume starts a new event log; an old erasure store (an audit
+    log) is kept aside, never deleted."""
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    store = run_dir / "erasures.sqlite"
+    if store.exists():
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for suffix in ("", "-wal", "-shm"):
+            old = store.with_name(store.name + suffix)
+            if old.exists():
+                old.rename(store.with_name(f"erasures.{stamp}.sqlite{suffix}"))
+
+
+def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Path) -> Any:
+    """Give ``srv`` an erasure coordinator (store in the run folder) and, when configured, start
+    the erasure gRPC service. Returns the gRPC server to stop, or None."""
+    from clients.local import select, training_data
+    from clients.verify import verification_report
+    from medical_data.backdoor import triggered_set
+    from server.erasure.store import ErasureStore
+    from server.unlearning import ErasureCoordinator
+
+    task = fed.spec.task
+    vmodel = initial_model(cfg)
+    bd = to_dict(cfg.backdoor)
+    triggered = triggered_set(fed.test, cfg.backdoor.target_label) if cfg.backdoor.enabled else None
+
+    def verify_fn(params: dict[str, torch.Tensor], silo: int, ids: list[str]) -> dict[str, float]:
+        vmodel.load_state_dict(params)
+        forget = select(training_data(fed, silo, bd, cfg.run.seed), ids, keep=True)
+        return verification_report(
+            vmodel,
+            forget=forget,
+            test=fed.test,
+            triggered=triggered,
+            target_label=cfg.backdoor.target_label if triggered is not None else None,
+            task=task,
+        )
+
+    store = ErasureStore(run_dir / "erasures.sqlite")
+    srv.erasure = ErasureCoordinator(srv, store, verify_fn)
+    if not cfg.unlearning.service:
+        return None
+    from server.erasure.auth import Authorizer, generate_credentials
+    from server.erasure.service import ErasureService, serve
+
+    cred = Path(cfg.unlearning.credentials) if cfg.unlearning.credentials else None
+    if cred is None:
+        cred = run_dir / "credentials.json"
+        if not cred.exists():
+            tokens = generate_credentials(cfg.silos.count, cred)
+            tok_path = run_dir / "tokens.json"
+            tok_path.write_text(P.dumps(tokens))
+            tok_path.chmod(0o600)
+    service = ErasureService(store, Authorizer.from_file(cred), _Catalog(srv, fed))
+    server, port = serve(service, cfg.unlearning.address)
+    host = cfg.unlearning.address.rsplit(":", 1)[0]
+    (run_dir / "erasure_address").write_text(f"{host}:{port}\n")
+    log.info("erasure service listening on %s:%d", host, port)
+    return server
+
+
+class _Catalog:
+    """What the erasure service may ask the training server."""
+
+    def __init__(self, srv: AsyncServer, fed: Any):
+        self.srv, self.fed = srv, fed
+
+    def silo_ids(self) -> set[int]:
+        return set(range(len(self.fed.silos)))
+
+    def sample_ids(self, silo: int) -> set[str]:
+        return {str(x) for x in self.fed.silos[silo].sample_ids}
+
+    def model_version(self) -> int:
+        return self.srv.version
+
+    def is_online(self, silo: int) -> bool:
+        return silo in self.srv.roster and not self.srv.is_down(silo)
+
+
+def erasure_summary(srv: AsyncServer) -> dict[str, Any]:
+    """Every request's final state, and the verification report of each verified one."""
+    store = srv.erasure.store
+    return {
+        "requests": [
+            {
+                "id": r.id,
+                "silo": r.silo,
+                "state": r.state.value,
+                "requester": r.requester,
+                "samples": len(r.sample_ids),
+                "failure_reason": getattr(r, "failure_reason", ""),
+            }
+            for r in store.list()
+        ],
+        "verified": srv.erasure.report,
+    }
 
 
 def make_server_app(

@@ -53,6 +53,7 @@ class CheckpointState:
                 "fault": j.fault,
             }
             for j in sorted(srv.inflight.values(), key=lambda j: j.job_id)
+            if j.kind == "train"  # an erasure in flight is restarted from the store instead
         ]
         bases = {}
         for j in jobs:
@@ -82,6 +83,10 @@ class CheckpointState:
             },
             events_offset=srv.events.offset(),
             mode=srv.cfg.server.mode,
+            extra={
+                "erasure": srv.erasure.state_dict() if srv.erasure is not None else None,
+                "accept_times": list(srv.accept_times),
+            },
         )
 
     def restore(self, srv: AsyncServer) -> list[dict[str, Any]]:
@@ -110,6 +115,9 @@ class CheckpointState:
         srv.evals = list(c["evals"])
         srv.updates_applied = int(c["updates_applied"])
         srv.updates_accepted = int(c["updates_accepted"])
+        srv.accept_times = list(self.extra.get("accept_times", []))
+        if srv.erasure is not None and self.extra.get("erasure") is not None:
+            srv.erasure.load_state_dict(self.extra["erasure"])
         return list(self.jobs)
 
     def to_dict(self) -> dict[str, Any]:

@@ -169,6 +169,62 @@ class FaultConfig:
 
 
 @dataclass
+class ErasureRequestConfig:
+    """An erasure scheduled in a simulation (live ones come through the erasure service)."""
+
+    silo: int = 0
+    """Whose data is erased."""
+    at_s: float = 0.0
+    """Virtual second at which it is submitted."""
+    fraction: float = 1.0
+    """1.0: the whole silo; less: a seeded fraction of its samples (a sample-level erasure)."""
+
+
+@dataclass
+class BackdoorConfig:
+    """Verification runs: one silo's training data carries a trigger patch with a target label."""
+
+    enabled: bool = False
+    """Poison the silo's data (classification benchmarks)."""
+    silo: int = 0
+    """Which silo's data carries the trigger."""
+    fraction: float = 0.5
+    """Fraction of that silo's samples that get the trigger and the target label."""
+    target_label: int = 0
+    """The label the trigger maps to."""
+
+
+@dataclass
+class UnlearningConfig:
+    """Asynchronous erasure with invariance calibration (AFU-IC style; see README)."""
+
+    method: str = "pga"
+    """Silo-side erasure: pga (projected gradient ascent, Halimi et al. 2022) or relabel."""
+    steps: int = 30
+    """Local erasure steps."""
+    lr: float = 0.01
+    """Local erasure learning rate."""
+    radius: float = 2.0
+    """PGA: L2 radius of the ball around the reference model."""
+    server_removal: bool = True
+    """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
+    calibration: bool = True
+    """Project later updates out of the erased data's gradient signature (invariance)."""
+    signature_rank: int = 8
+    """Rank of the gradient signature the erasing silo sends."""
+    pre_boundary: str = "project"
+    """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
+    relearn_versions: int = 20
+    """Versions after the boundary at which the erasure is verified (the relearning check)."""
+    service: bool = False
+    """Run the erasure gRPC service during the run (live requests)."""
+    address: str = "127.0.0.1:50151"
+    """Where the erasure service listens (port 0: any free port)."""
+    credentials: str | None = None
+    """Credentials file (fedasync erase credentials); None: generated in the run folder."""
+
+
+@dataclass
 class FedAsyncConfig:
     """Everything a run needs."""
 
@@ -179,6 +235,9 @@ class FedAsyncConfig:
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: list[FaultConfig] = field(default_factory=list)
+    erasures: list[ErasureRequestConfig] = field(default_factory=list)
+    unlearning: UnlearningConfig = field(default_factory=UnlearningConfig)
+    backdoor: BackdoorConfig = field(default_factory=BackdoorConfig)
 
 
 def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
@@ -213,6 +272,19 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
+    if cfg.unlearning.method not in ("pga", "relabel"):
+        raise ValueError("unlearning.method must be pga or relabel")
+    if cfg.unlearning.pre_boundary not in ("project", "drop"):
+        raise ValueError("unlearning.pre_boundary must be project or drop")
+    for i, e in enumerate(cfg.erasures):
+        if not 0 <= e.silo < cfg.silos.count:
+            raise ValueError(
+                f"erasures[{i}].silo={e.silo} is not a silo (0..{cfg.silos.count - 1})"
+            )
+        if not 0.0 < e.fraction <= 1.0:
+            raise ValueError(f"erasures[{i}].fraction must be in (0, 1]")
+    if cfg.backdoor.enabled and not 0 <= cfg.backdoor.silo < cfg.silos.count:
+        raise ValueError(f"backdoor.silo={cfg.backdoor.silo} is not a silo")
     for i, f in enumerate(cfg.faults):
         if f.kind not in FAULT_KINDS:
             raise ValueError(f"faults[{i}].kind must be one of {FAULT_KINDS}, got {f.kind!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from flwr.app import Message
@@ -61,6 +62,10 @@ class Job:
     finishes_at: float
     wall_sent: float
     fault: str = ""
+    kind: str = "train"
+    """train, or unlearn (an erasure running on the silo)."""
+    erasure: Any = None
+    """For unlearn jobs: the server.unlearning.Erasure it carries out."""
 
 
 @dataclass

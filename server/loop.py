@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
@@ -39,6 +40,7 @@ from fedasync import (
     RejectReason,
     ServerOptimizer,
     StalenessBound,
+    check_tensors,
     delay_compensate_delta,
     make_weight_fn,
 )
@@ -110,6 +112,7 @@ class AsyncServer:
             {
                 "client": to_dict(cfg.client),
                 "data": to_dict(cfg.data),
+                "backdoor": to_dict(cfg.backdoor),
                 "num_silos": cfg.silos.count,
                 "seed": cfg.run.seed,
             }
@@ -133,6 +136,9 @@ class AsyncServer:
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.ckpt_path = run_dir / "checkpoint.pt"
         self.progress: Any = None  # a tqdm bar, set by the caller
+        self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
+        self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
+        self.accept_times: list[float] = []
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
@@ -170,6 +176,8 @@ class AsyncServer:
         fault: str | None = None,
     ) -> None:
         """Send ``silo`` a train message with the newest model (or, on resume, its old job)."""
+        if self.erasure is not None and not self.erasure.may_train(silo):
+            return  # retired by a whole-silo erasure, or erasing right now
         if job_id is None:
             job_id = self.next_job_id
             self.next_job_id += 1
@@ -190,6 +198,7 @@ class AsyncServer:
                 P.SEED: seed,
                 P.FAULT: fault,
                 P.KEEP_REPLY: keep,
+                P.EXCLUDE: self.erasure.excluded.get(silo, []) if self.erasure else [],
             }
         )
         content = RecordDict({P.ARRAYS: wire.encode(params), P.CONFIG: config})
@@ -206,6 +215,68 @@ class AsyncServer:
             time.monotonic(),
             fault,
         )
+
+    def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> None:
+        """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``."""
+        job_id = self.next_job_id
+        self.next_job_id += 1
+        u = self.cfg.unlearning
+        if isinstance(self.clock, VirtualClock):
+            t0 = self.clock.now
+            work = u.steps * self.cfg.silos.step_time_s / self.speeds[silo]
+            timing = (t0, t0 + work + self.cfg.silos.latency_s)
+        else:
+            jt = self.clock.schedule(silo, job_id)
+            timing = (jt.dispatched_at, jt.finishes_at)
+        seed = int(np.random.default_rng([self.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1))
+        config = ConfigRecord(
+            {
+                P.SETUP: self.setup_json,
+                P.JOB_ID: job_id,
+                P.BASE_VERSION: self.version,
+                P.SEED: seed,
+                P.FORGET: list(erasure.sample_ids),
+                P.UNLEARN_JSON: P.dumps(to_dict(u)),
+            }
+        )
+        content = RecordDict({P.ARRAYS: wire.encode(start), P.CONFIG: config})
+        msg = Message(content, dst_node_id=self.roster[silo], message_type=P.UNLEARN)
+        (mid,) = list(self.grid.push_messages([msg]))
+        self.inflight[mid] = Job(
+            mid,
+            silo,
+            self.roster[silo],
+            job_id,
+            self.version,
+            timing[0],
+            timing[1],
+            time.monotonic(),
+            "",
+            kind="unlearn",
+            erasure=erasure,
+        )
+        self.events.write(
+            "erasure",
+            t=self.clock.now,
+            version=self.version,
+            request=erasure.request_id,
+            silo=silo,
+            state="erasing",
+        )
+
+    def is_down(self, silo: int) -> bool:
+        """A silo whose work failed and that waits to be sent work again (offline)."""
+        return any(s == silo for _, s in self.retries)
+
+    def silo_sample_ids(self, silo: int) -> list[str]:
+        return [] if self.sample_ids_fn is None else list(self.sample_ids_fn(silo))
+
+    def updates_accepted_between(self, t0: float, t1: float) -> int:
+        return sum(1 for t in self.accept_times if t0 <= t <= t1)
+
+    def apply_erasure(self, params: Params) -> None:
+        """The erasure's model becomes the newest version (the erasure boundary)."""
+        self._new_version(params)
 
     # ---------------------------------------------------------------- the loop
     def _poll(self) -> None:
@@ -235,11 +306,23 @@ class AsyncServer:
             if isinstance(self.clock, WallClock):
                 while self.retries and self.retries[0][0] <= self.clock.now:
                     self.dispatch(heapq.heappop(self.retries)[1])
+            if self.erasure is not None:
+                self.erasure.poll()
             t_job = self.clock.next_event_time(self.inflight)
             t_retry = self.retries[0][0] if self.retries else float("inf")
-            t_next = min(t_job, t_retry) if isinstance(self.clock, VirtualClock) else self.clock.now
-            if t_next > budget or (not self.inflight and not self.retries):
+            t_erase = self.erasure.next_time() if self.erasure is not None else float("inf")
+            t_next = (
+                min(t_job, t_retry, t_erase)
+                if isinstance(self.clock, VirtualClock)
+                else self.clock.now
+            )
+            if t_next > budget or (
+                not self.inflight and not self.retries and t_erase == float("inf")
+            ):
                 break
+            if isinstance(self.clock, VirtualClock) and t_erase <= min(t_job, t_retry):
+                self.clock.advance_to(t_erase)
+                continue  # the scheduled erasure is submitted by poll() at the loop's top
             if isinstance(self.clock, VirtualClock) and t_retry <= t_job:
                 _, silo = heapq.heappop(self.retries)
                 self.clock.advance_to(t_retry)
@@ -293,6 +376,8 @@ class AsyncServer:
     # ---------------------------------------------------------------- one reply
     def _take(self, job: Job, reply: Message) -> bool:
         """Validate and fold one reply; True when its silo may be sent work at once."""
+        if job.kind == "unlearn":
+            return self._take_unlearn(job, reply)
         res = take_reply(
             reply,
             job,
@@ -310,6 +395,32 @@ class AsyncServer:
             return True
         self._fold(job, res)
         return True
+
+    def _take_unlearn(self, job: Job, reply: Message) -> bool:
+        """A silo's erasure result: validate it, then let the coordinator apply it."""
+        erasure = job.erasure
+        try:
+            if reply.has_error():
+                raise ValueError(f"the silo failed: {reply.error.reason}".splitlines()[0][:300])
+            delta = wire.decode(reply.content[P.ARRAYS])
+            bad = check_tensors(delta, self.params)
+            if bad is not None:
+                raise ValueError(f"{bad.reason.value}: {bad.detail}")
+            basis = wire.decode(reply.content[P.SIGNATURE])["basis"]
+            names = [str(n) for n in reply.content[P.CONFIG]["signature-names"]]  # type: ignore[union-attr]
+            if basis.dim() != 2 or not bool(torch.isfinite(basis).all()):
+                raise ValueError("the gradient signature is not a finite (d, k) matrix")
+            metrics = {
+                k: float(v)  # type: ignore[arg-type]
+                for k, v in reply.content[P.METRICS].items()
+                if k not in (P.SILO, P.JOB_ID, P.BASE_VERSION)
+            }
+        except (KeyError, ValueError, TypeError) as e:
+            log.error("erasure %s failed: %s", erasure.request_id, e)
+            self.erasure.failed(erasure, str(e))
+            return True  # the silo goes back to training; the request says why it failed
+        self.erasure.take_unlearn(job, erasure, reply, (delta, basis, names, metrics))
+        return bool(erasure.sample_ids)  # a retired silo is not sent work again
 
     def _down_s(self, job: Job) -> float:
         if job.fault != "crash":
@@ -345,6 +456,12 @@ class AsyncServer:
 
     def _fold(self, job: Job, acc: Accepted) -> None:
         update = acc.update
+        if self.erasure is not None:
+            calibrated = self.erasure.calibrate(job, update.tensors)
+            if isinstance(calibrated, Rejection):
+                self._reject(job, calibrated)
+                return
+            update.tensors = calibrated
         corr = self.cfg.server.corrections
         if corr.delay_compensation > 0 and acc.staleness > 0:
             w_base = self.sent.get(job.base_version)
@@ -357,6 +474,25 @@ class AsyncServer:
         res = self.aggregator.fold(self.params, update, acc.staleness, factor=acc.decision.factor)
         self.updates_accepted += 1
         self.updates_applied += res.flushed
+        self.accept_times.append(self.clock.now)
+        if self.erasure is not None:
+            # first-order record of what this update contributes (exact for FedAsync and for
+            # FedBuff with server SGD without sample weighting)
+            k = (
+                1.0
+                if isinstance(self.aggregator, FedAsyncAggregator)
+                else self.aggregator.buffer_size
+            )
+            lr = (
+                1.0
+                if isinstance(self.aggregator, FedAsyncAggregator)
+                else self.cfg.server.optimizer.lr
+            )
+            share = res.weight * lr / k
+            contribution = {
+                n: t * share for n, t in update.tensors.items() if t.is_floating_point()
+            }
+            self.erasure.record(job.silo, contribution, self.version)
         self.staleness_seen.append(acc.staleness)
         st = self.per_silo[job.silo]
         st["accepted"] += 1
@@ -390,6 +526,8 @@ class AsyncServer:
         every = self.cfg.server.checkpoint_every
         if every and self.version % every == 0:
             self.checkpoint()
+        if self.erasure is not None:
+            self.erasure.on_version()
 
     def evaluate(self) -> dict[str, float]:
         res = self.evaluate_fn(self.params)
@@ -420,6 +558,8 @@ class AsyncServer:
         state = load_state(self.ckpt_path)
         jobs = state.restore(self)
         self.events.truncate(state.events_offset)
+        if self.erasure is not None:
+            self.erasure.reconcile()
         self.events.write("resume", t=self.clock.now, version=self.version)
         log.info(
             "resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now

@@ -57,7 +57,8 @@ def test_check_tensors_rejections(tensors, reason, name):
 def test_reject_reason_values_are_strings():
     assert RejectReason.TOO_STALE == "too_stale"
     assert RejectReason("norm_outlier") is RejectReason.NORM_OUTLIER
-    assert len(RejectReason) == 12
+    assert RejectReason("erased") is RejectReason.ERASED
+    assert len(RejectReason) == 14
 
 
 def test_norm_outlier_detector():
