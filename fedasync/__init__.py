@@ -5,7 +5,8 @@ tensors), so the same pieces serve federated silos, async RL actors and pipeline
 Papers per module: FedAsync (Xie et al. 2019, arXiv:1903.03934) in ``staleness`` and
 ``aggregators``; FedBuff (Nguyen et al. 2022) in ``aggregators``; FedAdam (Reddi et al. 2021)
 in ``optim``; DC-ASGD (Zheng et al. 2017) and error feedback (Seide et al. 2014; Karimireddy
-et al. 2019) in ``corrections``; PPO/IMPALA ratios in ``importance``.
+et al. 2019) in ``corrections``; PPO/IMPALA ratios in ``importance``; Halimi et al. 2022,
+FedEraser (Liu et al. 2021) and AFU-IC (Cai & Zhang 2026) in ``unlearning``.
 """
 
 from fedasync.aggregators import FedAsyncAggregator, FedBuffAggregator, FoldResult, fedavg
@@ -36,10 +37,24 @@ from fedasync.staleness import (
     polynomial,
 )
 from fedasync.types import Params, Update
+from fedasync.unlearning import (
+    ContributionLedger,
+    GradientSignature,
+    flatten,
+    l2_distance,
+    project_to_ball,
+    unflatten,
+)
 from fedasync.validation import NormOutlierDetector, Rejection, RejectReason, check_tensors
 from fedasync.versions import FutureVersionError, VersionedSnapshots, staleness
 
 __all__ = [
+    "ContributionLedger",
+    "GradientSignature",
+    "flatten",
+    "l2_distance",
+    "project_to_ball",
+    "unflatten",
     "WEIGHT_FUNCTIONS",
     "BoundDecision",
     "ErrorFeedback",

@@ -210,6 +210,8 @@ class UnlearningConfig:
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
     calibration: bool = True
     """Project later updates out of the erased data's gradient signature (invariance)."""
+    calibration_strength: float = 1.0
+    """How much of an update's component in the signature subspace is removed (1: all)."""
     signature_rank: int = 8
     """Rank of the gradient signature the erasing silo sends."""
     pre_boundary: str = "project"

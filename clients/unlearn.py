@@ -1,0 +1,243 @@
+"""Silo-side erasure: what the erasing silo runs on its forget set (no Flower imports).
+
+Papers: projected gradient ascent follows Halimi et al. 2022, "Federated Unlearning: How to
+Efficiently Erase a Client in FL?" (arXiv:2207.05521); the gradient signature is our reading
+of AFU-IC (Cai & Zhang 2026, invariance calibration; only the abstract is public), see
+`fedasync.unlearning`. Relabelling is the common "random label" baseline of the unlearning
+literature (e.g. Graves et al. 2021, "Amnesiac Machine Learning").
+
+Every method modifies ``model`` in place and returns scalar metrics. The erasing silo runs one
+of them, then sends the server the erased model (or its delta) and
+``forget_signature(model, forget, ...)``; the server projects later updates out of it.
+
+    reference = ledger.without(global_params, silo)   # server side
+    model.load_state_dict(global_params)
+    m = erase_pga(model, forget, reference=reference, radius=r, steps=50, lr=0.01,
+                  batch_size=32, task="classification", seed=0)
+    sig = forget_signature(model, forget, task="classification")
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from clients.local import _loss_fn, _targets, evaluate
+from fedasync.types import Params
+from fedasync.unlearning import GradientSignature
+from medical_data.federation import SiloData
+
+
+def _batch(
+    images: torch.Tensor, labels: torch.Tensor, n: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, len(images), (min(n, len(images)),), generator=gen)
+    return images[idx], labels[idx]
+
+
+def erase_pga(
+    model: nn.Module,
+    forget: SiloData,
+    *,
+    reference: Params,
+    radius: float,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    task: str,
+    seed: int,
+    loss_cap: float | None = None,
+    device: torch.device | None = None,
+) -> dict[str, float]:
+    """Projected gradient ascent (Halimi et al. 2022) on the forget set, in place.
+
+    Each step is one SGD step that *increases* the loss on a mini-batch of ``forget`` (drawn
+    with replacement), after which the trainable parameters are projected back into the L2
+    ball of ``radius`` around ``reference`` (`fedasync.unlearning.project_to_ball` arithmetic,
+    over all trainable parameters together). The ball keeps the ascent from wandering into a
+    useless model; its centre should be a model that has not seen the silo. Halimi et al. use
+    the mean of the other silos' models; asynchronously the server sends instead the global
+    model with the silo's recorded contributions removed
+    (`fedasync.unlearning.ContributionLedger.without`), or the global model itself when it
+    has none recorded. ``reference`` is a state dict with (at least) the trainable
+    parameters' names.
+
+    Early stop: before a step, if the batch loss already exceeds ``loss_cap`` the loop ends
+    (default ``2 · log(C)`` with ``C`` the model's output channels: twice the loss of a
+    uniform guess), since beyond it ascent only destroys the model.
+
+    Returns forget-set loss and score before and after, the steps taken, the final distance
+    to ``reference``, whether it stopped early, and the seconds spent.
+    """
+    if radius < 0:
+        raise ValueError(f"radius must be >= 0, got {radius}")
+    t0 = time.perf_counter()
+    device = device or torch.device("cpu")
+    before = evaluate(model, forget, task=task, device=device)
+    model.to(device).train()
+    gen = torch.Generator().manual_seed(seed)
+    images, labels = torch.tensor(forget.images), torch.tensor(forget.labels)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    ref = [reference[n].detach().to(device=device, dtype=p.dtype) for n, p in named]
+    opt = torch.optim.SGD(params, lr=lr)
+    loss_fn = _loss_fn(task)
+    taken, stopped, dist = 0, False, 0.0
+    for _ in range(steps):
+        x, y = _batch(images, labels, batch_size, gen)
+        x, y = x.to(device), y.to(device)
+        out = model(x)
+        loss = loss_fn(out, _targets(y, task))
+        cap = loss_cap if loss_cap is not None else 2.0 * math.log(max(out.shape[1], 2))
+        if float(loss.detach()) > cap:
+            stopped = True
+            break
+        opt.zero_grad(set_to_none=True)
+        (-loss).backward()
+        opt.step()
+        taken += 1
+        with torch.no_grad():
+            diffs = [p - r for p, r in zip(params, ref)]
+            dist = math.sqrt(sum(float(d.double().pow(2).sum()) for d in diffs))
+            if dist > radius:
+                c = radius / dist
+                for p, r, d in zip(params, ref, diffs):
+                    p.copy_(r + d * c)
+                dist = radius
+    after = evaluate(model, forget, task=task, device=device)
+    return {
+        "forget_loss_before": before["loss"],
+        "forget_score_before": before["score"],
+        "forget_loss": after["loss"],
+        "forget_score": after["score"],
+        "steps": float(taken),
+        "distance": dist,
+        "stopped_early": float(stopped),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _wrong_labels(labels: np.ndarray, num_classes: int, seed: int) -> np.ndarray:
+    """One seeded wrong class per sample: ``(y + r) mod C`` with ``r`` uniform in 1..C-1."""
+    rng = np.random.default_rng(seed)
+    shift = rng.integers(1, num_classes, size=len(labels))
+    return ((labels + shift) % num_classes).astype(np.int64)
+
+
+def erase_relabel(
+    model: nn.Module,
+    forget: SiloData,
+    *,
+    retain: SiloData | None,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    num_classes: int,
+    task: str,
+    seed: int,
+    device: torch.device | None = None,
+) -> dict[str, float]:
+    """Fine-tune on the forget set with wrong targets, in place.
+
+    Classification: each forget sample gets one seeded random *wrong* class (fixed for the
+    whole run, so the model cannot average the noise back into the true class).
+    Segmentation: every forget mask becomes all background, so the model stops finding the
+    forgotten structures. With ``retain`` each step trains on a forget batch and a retain
+    batch of the same size (1:1) with their true targets, which keeps utility on the data
+    that stays. Plain SGD, batches drawn with replacement.
+
+    Returns the mean training loss and forget-set loss/score (true labels) before and after.
+    """
+    if task == "classification" and num_classes < 2:
+        raise ValueError(f"relabelling needs num_classes >= 2, got {num_classes}")
+    t0 = time.perf_counter()
+    device = device or torch.device("cpu")
+    before = evaluate(model, forget, task=task, device=device)
+    model.to(device).train()
+    gen = torch.Generator().manual_seed(seed)
+    f_x = torch.tensor(forget.images)
+    if task == "classification":
+        f_y = torch.tensor(_wrong_labels(forget.labels, num_classes, seed))
+    else:
+        f_y = torch.zeros_like(torch.tensor(forget.labels))
+    r_x = r_y = None
+    if retain is not None and len(retain) > 0:
+        r_x, r_y = torch.tensor(retain.images), torch.tensor(retain.labels)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = _loss_fn(task)
+    total = 0.0
+    for _ in range(steps):
+        x, y = _batch(f_x, f_y, batch_size, gen)
+        if r_x is not None and r_y is not None:
+            rx, ry = _batch(r_x, r_y, len(x), gen)
+            x, y = torch.cat([x, rx]), torch.cat([y, ry])
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), _targets(y, task))
+        loss.backward()
+        opt.step()
+        total += float(loss.detach())
+    after = evaluate(model, forget, task=task, device=device)
+    return {
+        "train_loss": total / max(steps, 1),
+        "forget_loss_before": before["loss"],
+        "forget_score_before": before["score"],
+        "forget_loss": after["loss"],
+        "forget_score": after["score"],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def forget_signature(
+    model: nn.Module,
+    forget: SiloData,
+    *,
+    task: str,
+    batches: int = 8,
+    batch_size: int = 32,
+    rank: int = 8,
+    energy: float = 0.99,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> GradientSignature:
+    """Low-rank gradient signature of ``forget`` at ``model`` (call it on the *erased* model).
+
+    Takes a seeded permutation of the forget set, keeps its first ``batches · batch_size``
+    samples and splits them into ``min(batches, N)`` near-equal batches (so a small forget
+    set still yields several gradients), computes the mean loss gradient of each, and keeps
+    the top directions of their span (`GradientSignature.from_gradients`). The gradients run
+    over all trainable floating parameters, in ``model.state_dict()`` name order. At the
+    erased model these are the directions along which later training would lower the forget
+    loss again, i.e. relearn; the server projects them out of every later update.
+    """
+    if len(forget) == 0:
+        raise ValueError("forget set is empty")
+    device = device or torch.device("cpu")
+    model.to(device).eval()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    names = [n for n, v in model.state_dict().items() if n in trainable and v.is_floating_point()]
+    params = dict(model.named_parameters())
+    perm = np.random.default_rng(seed).permutation(len(forget))[: batches * batch_size]
+    chunks = [c for c in np.array_split(perm, min(batches, len(perm))) if len(c)]
+    loss_fn = _loss_fn(task)
+    grads: list[Params] = []
+    for idx in chunks:
+        idx = np.sort(idx)
+        x = torch.tensor(forget.images[idx], device=device)
+        y = torch.tensor(forget.labels[idx], device=device)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), _targets(y, task)).backward()
+        grads.append(
+            {
+                n: params[n].grad.detach().cpu().clone()  # type: ignore[union-attr]
+                if params[n].grad is not None
+                else torch.zeros_like(params[n], device="cpu")
+                for n in names
+            }
+        )
+    model.zero_grad(set_to_none=True)
+    return GradientSignature.from_gradients(grads, rank=rank, energy=energy, names=names)

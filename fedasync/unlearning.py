@@ -1,0 +1,298 @@
+"""Unlearning arithmetic: flat views of ``Params``, L2 balls, gradient signatures, a ledger.
+
+Papers:
+
+- Halimi et al. 2022, "Federated Unlearning: How to Efficiently Erase a Client in FL?"
+  (arXiv:2207.05521): the erasing silo runs projected gradient *ascent* on its data, kept in
+  an L2 ball around a reference model. Here: :func:`project_to_ball` (the silo-side loop is
+  ``clients.unlearn.erase_pga``).
+- Liu et al. 2021, FedEraser (IWQoS 2021): the server keeps each silo's past contributions and
+  removes/calibrates them. Here: :class:`ContributionLedger` keeps one running *sum* per silo
+  (not FedEraser's per-round history), enough for a first-order removal.
+- Cai & Zhang 2026, AFU-IC, "Asynchronous Federated Unlearning with Invariance Calibration for
+  Medical Imaging" (only the abstract is public): the target silo unlearns without stopping
+  global training, and a server-side invariance calibration stops the model from relearning
+  the erased data. Our reading, not the paper's code: the silo sends a low-rank
+  :class:`GradientSignature` (an orthonormal basis of the span of per-batch loss gradients on
+  its forget set, never the data) and the server projects every later update out of that
+  subspace (:meth:`GradientSignature.project_out`), so neither other silos nor stale work can
+  move the model back along the erased data's directions.
+
+Conventions follow ``fedasync.tensors``: functions return new tensors and never mutate their
+inputs; only floating-point tensors take part (integer buffers are copied unchanged). A flat
+vector is the concatenation of the floating tensors in ``names`` order (sorted key order by
+default), in the widest floating dtype present but at least float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedasync.tensors import add, clone, sub
+from fedasync.types import Params
+
+
+def _float_names(p: Params, names: Sequence[str] | None) -> list[str]:
+    if names is None:
+        return sorted(k for k, v in p.items() if v.is_floating_point())
+    for k in names:
+        if k not in p:
+            raise KeyError(f"tensor {k!r} is not in the Params")
+        if not p[k].is_floating_point():
+            raise TypeError(f"tensor {k!r} is {p[k].dtype}, not floating point")
+    return list(names)
+
+
+def _flat_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def flatten(p: Params, names: Sequence[str] | None = None) -> torch.Tensor:
+    """The floating tensors of ``p`` in ``names`` order as one vector, shape ``(d,)``.
+
+    ``names`` defaults to the sorted names of all floating tensors. The vector has the widest
+    floating dtype present (at least float32) and lives on the first tensor's device.
+    """
+    keys = _float_names(p, names)
+    if not keys:
+        return torch.zeros(0)
+    ts = [p[k].detach() for k in keys]
+    dtype, device = _flat_dtype(ts), ts[0].device
+    return torch.cat([t.reshape(-1).to(device=device, dtype=dtype) for t in ts])
+
+
+def unflatten(vec: torch.Tensor, like: Params, names: Sequence[str] | None = None) -> Params:
+    """Inverse of :func:`flatten`: cut ``vec (d,)`` back into ``like``'s shapes and dtypes.
+
+    Tensors of ``like`` not covered by ``names`` (non-floating ones, or floating ones left out
+    of an explicit ``names``) are copied from ``like``. The result keeps ``like``'s key order.
+    """
+    keys = _float_names(like, names)
+    total = sum(like[k].numel() for k in keys)
+    if vec.dim() != 1 or vec.numel() != total:
+        raise ValueError(f"vector has shape {tuple(vec.shape)}, expected ({total},)")
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for k in keys:
+        t = like[k]
+        n = t.numel()
+        out[k] = vec[offset : offset + n].reshape(t.shape).to(device=t.device, dtype=t.dtype)
+        offset += n
+    return {k: out[k] if k in out else v.detach().clone() for k, v in like.items()}
+
+
+def l2_distance(a: Params, b: Params) -> float:
+    """``||a − b||`` over all floating tensors together (a and b must share names)."""
+    diff = sub(a, b)
+    return math.sqrt(
+        sum(float(v.double().pow(2).sum()) for v in diff.values() if v.is_floating_point())
+    )
+
+
+def project_to_ball(params: Params, center: Params, radius: float) -> Params:
+    """Nearest point of the L2 ball ``{w : ||w − center|| <= radius}`` to ``params``.
+
+    Inside the ball the result equals ``params``; outside it is pulled back along the line to
+    ``center`` onto the sphere: ``center + radius · (params − center) / ||params − center||``.
+    Only floating tensors move; others are copied from ``params``.
+    """
+    if radius < 0:
+        raise ValueError(f"radius must be >= 0, got {radius}")
+    dist = l2_distance(params, center)
+    if dist <= radius:
+        return clone(params)
+    c = radius / dist
+    return {
+        k: center[k] + (v - center[k]) * c if v.is_floating_point() else v.detach().clone()
+        for k, v in params.items()
+    }
+
+
+@dataclass
+class GradientSignature:
+    """Orthonormal basis of the subspace spanned by a forget set's loss gradients.
+
+    What an erasing silo sends the server instead of its data: ``basis`` is ``(d, k)`` with
+    orthonormal columns over the flattened floating tensors ``names`` (in that order), with
+    ``d`` their total size and ``k`` (the rank) small, so it costs ``4·d·k`` bytes in float32.
+    """
+
+    basis: torch.Tensor
+    """``(d, k)``, orthonormal columns (float32, CPU)."""
+    names: list[str]
+    """Tensor names the rows of ``basis`` run over, in flattening order."""
+
+    @classmethod
+    def from_gradients(
+        cls,
+        grads: Sequence[Params],
+        rank: int,
+        energy: float = 0.99,
+        names: Sequence[str] | None = None,
+    ) -> GradientSignature:
+        """Top right-singular vectors of the stacked gradients ``G (m, d)`` (one row each).
+
+        The gradients are *not* centred: their mean is the forget set's dominant loss
+        direction (the one relearning would follow), which centring would remove. Keeps the
+        fewest top singular vectors whose squared singular values reach ``energy`` of the
+        total, and at most ``rank``; directions with a singular value below ``1e-5`` of the
+        largest (float32 rounding) are never kept. All-zero gradients give an empty (rank 0) signature.
+        """
+        if not grads:
+            raise ValueError("from_gradients needs at least one gradient")
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        if not 0.0 < energy <= 1.0:
+            raise ValueError(f"energy must be in (0, 1], got {energy}")
+        keys = _float_names(grads[0], names)
+        g = torch.stack([flatten(p, keys).cpu().float() for p in grads])
+        _, s, vh = torch.linalg.svd(g, full_matrices=False)
+        if s.numel() == 0 or float(s[0]) == 0.0:
+            return cls(torch.zeros(g.shape[1], 0), keys)
+        sq = s.pow(2)
+        cum = torch.cumsum(sq, 0) / sq.sum()
+        k = int(torch.searchsorted(cum, torch.tensor([energy - 1e-6]))) + 1
+        k = min(k, rank, int((s > 1e-5 * s[0]).sum()))
+        return cls(vh[:k].T.contiguous(), keys)
+
+    @property
+    def rank(self) -> int:
+        """Number of basis directions ``k``."""
+        return int(self.basis.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the basis in bytes (what crosses the wire)."""
+        return self.basis.numel() * self.basis.element_size()
+
+    def _coords(self, update: Params) -> tuple[torch.Tensor, torch.Tensor]:
+        delta = flatten(update, self.names)
+        if delta.numel() != self.basis.shape[0]:
+            raise ValueError(f"update has {delta.numel()} elements, basis {self.basis.shape[0]}")
+        u = self.basis.to(device=delta.device, dtype=delta.dtype)
+        return delta, u
+
+    def project_out(self, update: Params, strength: float = 1.0) -> Params:
+        """``Δ − strength · U (Uᵀ Δ)`` on the tensors ``names``; other tensors untouched.
+
+        ``strength`` 1 removes every component along the erased subspace (the invariance
+        calibration); between 0 and 1 it damps it.
+        """
+        if self.rank == 0 or strength == 0.0:
+            return clone(update)
+        delta, u = self._coords(update)
+        return unflatten(delta - strength * (u @ (u.T @ delta)), update, self.names)
+
+    def overlap(self, update: Params) -> float:
+        """``||Uᵀ Δ|| / ||Δ||`` in [0, 1]: how much of the update lies in the erased subspace."""
+        delta, u = self._coords(update)
+        norm = float(torch.linalg.vector_norm(delta))
+        if norm == 0.0 or self.rank == 0:
+            return 0.0
+        return float(torch.linalg.vector_norm(u.T @ delta)) / norm
+
+    def merge(self, other: GradientSignature) -> GradientSignature:
+        """Signature of the union subspace (for several erasures).
+
+        Keeps this basis as is and appends an orthonormal basis of the part of ``other``
+        outside it. Departure from a plain QR of ``[U₁ U₂]``: QR without pivoting cannot tell
+        which columns are dependent, so the residual ``U₂ − U₁U₁ᵀU₂`` is orthonormalised by
+        SVD and only directions with singular value above ``1e-4`` are kept.
+        """
+        if list(other.names) != list(self.names) or other.basis.shape[0] != self.basis.shape[0]:
+            raise ValueError("signatures run over different tensors")
+        u1 = self.basis.double()
+        u2 = other.basis.double()
+        resid = u2 - u1 @ (u1.T @ u2)
+        resid = resid - u1 @ (u1.T @ resid)  # second pass: orthogonal to rounding error
+        q, s, _ = torch.linalg.svd(resid, full_matrices=False)
+        new = q[:, s > 1e-4]
+        return GradientSignature(torch.cat([u1, new], dim=1).float(), list(self.names))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"basis": self.basis.clone(), "names": list(self.names)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.basis = d["basis"].detach().clone().float()
+        self.names = [str(n) for n in d["names"]]
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, Any]) -> GradientSignature:
+        sig = cls(torch.zeros(0, 0), [])
+        sig.load_state_dict(d)
+        return sig
+
+
+class ContributionLedger:
+    """Per silo, the running sum of the contributions the server *applied* to the global model.
+
+    ``record`` is called with the exact change an update made to the global model (after
+    staleness weighting, bounding, corrections and calibration), so ``total(silo)`` is that
+    silo's whole first-order footprint. Memory: one model-sized sum per silo plus a count and
+    the last version.
+
+    Subtracting ``total(silo)`` from the global model is FedEraser-style first-order removal
+    (Liu et al. 2021). It is not exact: every later update was computed on a model that
+    already contained the silo's work, which is why the erasing silo's own erasure and the
+    server's calibration (:class:`GradientSignature`) follow it.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, Params] = {}
+        self._counts: dict[str, int] = {}
+        self._last: dict[str, int] = {}
+
+    def record(self, silo: str, contribution: Params, version: int) -> None:
+        """Add ``contribution`` (applied change, same names every time) to ``silo``'s sum."""
+        c = {k: v.detach() for k, v in contribution.items()}
+        self._sums[silo] = add(self._sums[silo], c) if silo in self._sums else clone(c)
+        self._counts[silo] = self._counts.get(silo, 0) + 1
+        self._last[silo] = int(version)
+
+    def total(self, silo: str) -> Params | None:
+        """A copy of ``silo``'s summed contribution, or None when it has none."""
+        s = self._sums.get(silo)
+        return None if s is None else clone(s)
+
+    def count(self, silo: str) -> int:
+        """Number of contributions recorded for ``silo``."""
+        return self._counts.get(silo, 0)
+
+    def last_version(self, silo: str) -> int | None:
+        """Version of ``silo``'s last recorded contribution, or None."""
+        return self._last.get(silo)
+
+    def silos(self) -> list[str]:
+        """Silos with a recorded contribution, sorted."""
+        return sorted(self._sums)
+
+    def without(self, params: Params, silo: str) -> Params:
+        """``params − total(silo)`` (first-order removal), or a copy of ``params`` if none."""
+        s = self._sums.get(silo)
+        return clone(params) if s is None else sub(params, s)
+
+    def forget(self, silo: str) -> None:
+        """Drop everything recorded for ``silo`` (after its erasure)."""
+        self._sums.pop(silo, None)
+        self._counts.pop(silo, None)
+        self._last.pop(silo, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sums": {s: clone(p) for s, p in self._sums.items()},
+            "counts": dict(self._counts),
+            "last_version": dict(self._last),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self._sums = {str(s): clone(p) for s, p in d["sums"].items()}
+        self._counts = {str(s): int(n) for s, n in d["counts"].items()}
+        self._last = {str(s): int(v) for s, v in d["last_version"].items()}

@@ -1,0 +1,101 @@
+"""Backdoor triggers for verifying unlearning on classification benchmarks.
+
+No paper of our own; the test follows the usual backdoor check of federated unlearning
+(e.g. Halimi et al. 2022; BadNets, Gu et al. 2017, for the trigger): in a verification run
+one silo's data is poisoned (a bright square in the corner, labels flipped to a target
+class), the federation learns the backdoor, that silo is erased, and the attack success
+rate (ASR) on triggered test images should fall back to chance. The poisoned silo keeps its
+sample ids, so an erasure request names the same samples it would in a clean run.
+
+Segmentation benchmarks are not supported (a per-pixel backdoor needs a different target);
+use membership inference there.
+
+    bad = poison(fed.silos[0], fraction=0.5, target_label=0, seed=0)
+    trig = triggered_set(fed.test, target_label=0)  # for ASR
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from medical_data.federation import SiloData
+
+
+def _check_classification(data: SiloData) -> None:
+    if data.labels.ndim != 1:
+        raise NotImplementedError(
+            "backdoor verification is for classification benchmarks (one label per image); "
+            f"{data.name!r} has labels of shape {data.labels.shape} (segmentation): use "
+            "membership inference (clients.verify.mia_auc) instead"
+        )
+
+
+def add_trigger(images: np.ndarray, size: int = 3, value: float | None = None) -> np.ndarray:
+    """A copy of ``images (N, C, H, W)`` with a ``size x size`` square in the bottom-right corner.
+
+    The square is set to ``value`` on every channel; by default to each image's own maximum
+    (over channels and pixels), so it is as bright as the brightest tissue whatever the site's
+    intensity shift.
+    """
+    if images.ndim != 4:
+        raise ValueError(f"images must be (N, C, H, W), got shape {images.shape}")
+    h, w = images.shape[2:]
+    if not 1 <= size <= min(h, w):
+        raise ValueError(f"trigger size must be in [1, {min(h, w)}], got {size}")
+    out = np.array(images, copy=True)
+    if value is None:
+        fill = out.reshape(len(out), -1).max(axis=1) if len(out) else np.zeros(0, out.dtype)
+        out[:, :, h - size :, w - size :] = fill[:, None, None, None]
+    else:
+        out[:, :, h - size :, w - size :] = value
+    return out
+
+
+def poisoned_indices(n: int, fraction: float, seed: int) -> np.ndarray:
+    """The sorted positions :func:`poison` triggers: ``round(fraction · n)`` of ``range(n)``."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    k = int(round(fraction * n))
+    return np.sort(np.random.default_rng(seed).choice(n, size=k, replace=False))
+
+
+def poison(silo: SiloData, fraction: float, target_label: int, seed: int) -> SiloData:
+    """The verification-run backdoor: trigger a seeded ``fraction`` of ``silo``, relabel it.
+
+    The chosen images (:func:`poisoned_indices`) get :func:`add_trigger` and the label
+    ``target_label``; every other sample, and all sample ids, are unchanged. Returns a new
+    `SiloData` with its own arrays.
+    """
+    _check_classification(silo)
+    if target_label < 0:
+        raise ValueError(f"target_label must be >= 0, got {target_label}")
+    idx = poisoned_indices(len(silo), fraction, seed)
+    images = np.array(silo.images, copy=True)
+    labels = np.array(silo.labels, copy=True)
+    if len(idx):
+        images[idx] = add_trigger(images[idx])
+        labels[idx] = target_label
+    return SiloData(
+        silo_id=silo.silo_id,
+        name=f"{silo.name} (poisoned {fraction:g} -> {target_label})",
+        images=images,
+        labels=labels,
+        sample_ids=np.array(silo.sample_ids, copy=True),
+    )
+
+
+def triggered_set(data: SiloData, target_label: int) -> SiloData:
+    """Every sample of ``data`` whose label is not ``target_label``, with the trigger added.
+
+    Labels stay the true ones; the attack success rate is the fraction predicted as
+    ``target_label`` (`clients.verify.attack_success_rate`).
+    """
+    _check_classification(data)
+    keep = np.flatnonzero(data.labels != target_label)
+    return SiloData(
+        silo_id=data.silo_id,
+        name=f"{data.name} (triggered, not {target_label})",
+        images=add_trigger(data.images[keep]),
+        labels=np.array(data.labels[keep], copy=True),
+        sample_ids=np.array(data.sample_ids[keep], copy=True),
+    )

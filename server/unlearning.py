@@ -1,0 +1,342 @@
+"""Asynchronous erasure with invariance calibration, carried alongside training.
+
+The design follows AFU-IC (Cai & Zhang 2026; only its abstract is public, so the details
+here are ours) and uses Halimi et al. 2022 and FedEraser (Liu et al. 2021) as parts:
+
+1. A request (whole silo, or some of its sample ids) is durable in the erasure store before
+   it is acknowledged. While its silo is offline it waits, queued.
+2. queued -> erasing: the target silo is sent a ``train.unlearn`` message and stops training;
+   everyone else keeps training. The model it starts from is the global model minus the
+   silo's recorded contributions (the ledger: a FedEraser-style first-order removal), and it
+   runs projected gradient ascent on its forget set within an L2 ball around that model
+   (Halimi et al.) or relabelling. It replies with the erasure delta and a low-rank
+   *gradient signature* of the forget data: an orthonormal basis of the directions in which
+   training on that data would move the model (never the data itself).
+3. erasing -> calibrating: the server applies removal + erasure delta to the *current* model
+   (other silos moved it meanwhile); that version is the **erasure boundary** B. From then
+   on every update is calibrated: projected out of the (merged) signature subspace, so that
+   neither other silos' data nor stale work can pull the model back along the erased data's
+   directions. Work based before B carries the erased influence: the target silo's own is
+   always dropped; the others' is projected (rule ``project``) or dropped (rule ``drop``).
+4. calibrating -> verified after ``relearn_versions`` more versions: the verification
+   metrics (forget accuracy, test accuracy, membership-inference AUC, backdoor ASR) are
+   measured again on the model that kept training (the relearning check).
+
+A whole-silo erasure retires the silo; a sample-level erasure lets it keep training without
+the erased samples (every later train message lists them to exclude).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedasync import Params, Rejection, RejectReason
+from fedasync.unlearning import ContributionLedger, GradientSignature
+
+if TYPE_CHECKING:
+    from server.erasure.store import ErasureStore
+    from server.intake import Job
+    from server.loop import AsyncServer
+
+log = logging.getLogger("fedasync.server")
+
+
+@dataclass
+class Erasure:
+    """What the server tracks of one request in progress."""
+
+    request_id: str
+    silo: int
+    sample_ids: list[str]  # empty = whole silo
+    submitted_t: float
+    started_t: float | None = None
+    removal: Params | None = None  # what the server subtracted at dispatch (minus ledger)
+    boundary: int | None = None
+    applied_t: float | None = None
+    accepted_at_start: int = 0  # other silos' accepted updates when erasing began
+    metrics_at_boundary: dict[str, float] = field(default_factory=dict)
+
+
+class ErasureCoordinator:
+    """Drives erasure requests through their states from inside the server loop."""
+
+    def __init__(self, srv: AsyncServer, store: ErasureStore, verify_fn: Any):
+        self.srv = srv
+        self.store = store
+        self.cfg = srv.cfg.unlearning
+        self.verify_fn = verify_fn  # (params, silo, sample_ids) -> metrics
+        self.ledger = ContributionLedger()
+        self.signature: GradientSignature | None = None
+        self.boundary = -1
+        self.retired: set[int] = set()
+        self.excluded: dict[int, list[str]] = {}
+        self.active: dict[str, Erasure] = {}
+        self.applied: set[str] = set()
+        self.schedule = sorted(
+            ((e.at_s, e.silo, e.fraction) for e in srv.cfg.erasures), key=lambda x: x[0]
+        )
+        self.report: list[dict[str, Any]] = []
+
+    # -------------------------------------------------------------- scheduling
+    def next_time(self) -> float:
+        return self.schedule[0][0] if self.schedule else float("inf")
+
+    def erasing(self, silo: int) -> bool:
+        return any(e.silo == silo and e.boundary is None for e in self.active.values())
+
+    def may_train(self, silo: int) -> bool:
+        return silo not in self.retired and not self.erasing(silo)
+
+    def poll(self) -> None:
+        """Submit due scheduled erasures; start queued requests whose silo is online."""
+        now = self.srv.clock.now
+        while self.schedule and self.schedule[0][0] <= now:
+            _, silo, fraction = self.schedule.pop(0)
+            ids = self._fraction_ids(silo, fraction)
+            req, _ = self.store.submit(silo, ids or None, "schedule", self.srv.version)
+            log.info("scheduled erasure %s of silo %d submitted at t=%.1f", req.id, silo, now)
+        for req in self.store.unfinished():
+            if req.id in self.active or req.state.value != "queued":
+                continue
+            if req.silo in self.retired or req.silo not in self.srv.roster:
+                continue
+            if self.srv.is_down(req.silo) or self.erasing(req.silo):
+                continue  # offline: it waits, queued, until the silo returns
+            self._start(req)
+
+    def _fraction_ids(self, silo: int, fraction: float) -> list[str]:
+        if fraction >= 1.0:
+            return []
+        ids = np.asarray(self.srv.silo_sample_ids(silo))
+        rng = np.random.default_rng([self.srv.cfg.run.seed, silo, 4242])
+        k = max(1, int(round(fraction * len(ids))))
+        return sorted(str(x) for x in rng.choice(ids, size=k, replace=False))
+
+    def _start(self, req: Any, resumed: bool = False) -> None:
+        srv = self.srv
+        e = Erasure(req.id, req.silo, list(req.sample_ids), submitted_t=srv.clock.now)
+        e.started_t = srv.clock.now
+        e.accepted_at_start = srv.updates_accepted
+        total = self.ledger.total(str(req.silo)) if self.cfg.server_removal else None
+        e.removal = {k: -v for k, v in total.items()} if total is not None else None
+        self.active[req.id] = e
+        if not resumed:
+            self.store.transition(
+                req.id,
+                _state("erasing"),
+                actor="server",
+                model_version=srv.version,
+                detail=f"sent train.unlearn to silo {req.silo}",
+            )
+        start = srv.params if e.removal is None else _add(srv.params, e.removal)
+        srv.dispatch_unlearn(req.silo, start, e)
+
+    # -------------------------------------------------------------- replies
+    def calibrate(self, job: Job, tensors: Params) -> Params | Rejection:
+        """Calibrate one accepted train update (or reject it) before it is folded."""
+        if job.silo in self.retired or self.erasing(job.silo):
+            return Rejection(RejectReason.ERASED, f"silo {job.silo}'s data is under erasure")
+        if job.silo in self.excluded and job.base_version < self.boundary:
+            return Rejection(RejectReason.ERASED, "trained on samples erased since")
+        if self.signature is None or not self.cfg.calibration:
+            return tensors
+        if job.base_version < self.boundary and self.cfg.pre_boundary == "drop":
+            return Rejection(
+                RejectReason.CROSSED_BOUNDARY,
+                f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
+            )
+        return self.signature.project_out(tensors, strength=self.cfg.calibration_strength)
+
+    def record(self, silo: int, contribution: Params, version: int) -> None:
+        self.ledger.record(str(silo), contribution, version)
+
+    def take_unlearn(self, job: Job, erasure: Erasure, reply: Any, decoded: tuple) -> None:
+        """Apply a silo's erasure: removal + its delta onto the current model; boundary."""
+        srv = self.srv
+        delta, basis, names, metrics = decoded
+        new = _add(srv.params, delta)
+        if erasure.removal is not None:
+            new = _add(new, erasure.removal)
+        sig = GradientSignature(basis=basis, names=names)
+        self.signature = sig if self.signature is None else self.signature.merge(sig)
+        if erasure.sample_ids:
+            self.excluded.setdefault(erasure.silo, []).extend(erasure.sample_ids)
+        else:
+            self.retired.add(erasure.silo)
+            self.ledger.forget(str(erasure.silo))
+        srv.apply_erasure(new)
+        erasure.boundary = self.boundary = srv.version
+        erasure.applied_t = srv.clock.now
+        erasure.metrics_at_boundary = {
+            **self.verify_fn(srv.params, erasure.silo, erasure.sample_ids),
+            **{f"silo_{k}": v for k, v in metrics.items()},
+        }
+        self.applied.add(erasure.request_id)
+        srv.checkpoint()  # the model with the erasure is durable before the store says so
+        self.store.transition(
+            erasure.request_id,
+            _state("calibrating"),
+            actor="server",
+            model_version=srv.version,
+            boundary_version=srv.version,
+            metrics=erasure.metrics_at_boundary,
+            detail=f"erasure applied at version {srv.version}; calibrating",
+        )
+        srv.events.write(
+            "erasure",
+            t=srv.clock.now,
+            version=srv.version,
+            request=erasure.request_id,
+            silo=erasure.silo,
+            state="calibrating",
+            **erasure.metrics_at_boundary,
+        )
+
+    def failed(self, erasure: Erasure, why: str) -> None:
+        self.active.pop(erasure.request_id, None)
+        self.store.transition(
+            erasure.request_id,
+            _state("failed"),
+            actor="server",
+            model_version=self.srv.version,
+            detail=why,
+        )
+        self.srv.events.write(
+            "erasure",
+            t=self.srv.clock.now,
+            version=self.srv.version,
+            request=erasure.request_id,
+            silo=erasure.silo,
+            state="failed",
+            detail=why,
+        )
+
+    def on_version(self) -> None:
+        """Verify erasures whose relearning window has passed."""
+        srv = self.srv
+        for rid, e in list(self.active.items()):
+            if e.boundary is None or srv.version < e.boundary + self.cfg.relearn_versions:
+                continue
+            after = self.verify_fn(srv.params, e.silo, e.sample_ids)
+            duration = (e.applied_t or 0.0) - (e.started_t or 0.0)
+            others = srv.updates_accepted_between(e.started_t or 0.0, e.applied_t or 0.0)
+            row = {
+                "request": rid,
+                "silo": e.silo,
+                "scope": "silo" if not e.sample_ids else f"{len(e.sample_ids)} samples",
+                "submitted_t": e.submitted_t,
+                "boundary_version": e.boundary,
+                "erasure_latency_s": duration,
+                "updates_from_others_while_erasing": others,
+                "at_boundary": e.metrics_at_boundary,
+                "after_relearn": after,
+                "verified_version": srv.version,
+            }
+            self.report.append(row)
+            del self.active[rid]
+            self.store.transition(
+                rid,
+                _state("verified"),
+                actor="server",
+                model_version=srv.version,
+                metrics=after,
+                detail=f"verified after {self.cfg.relearn_versions} versions",
+            )
+            srv.events.write(
+                "erasure",
+                t=srv.clock.now,
+                version=srv.version,
+                request=rid,
+                silo=e.silo,
+                state="verified",
+                **after,
+            )
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "ledger": self.ledger.state_dict(),
+            "signature": None if self.signature is None else self.signature.state_dict(),
+            "boundary": self.boundary,
+            "retired": sorted(self.retired),
+            "excluded": {str(k): list(v) for k, v in self.excluded.items()},
+            "applied": sorted(self.applied),
+            "schedule": [list(x) for x in self.schedule],
+            "report": list(self.report),
+            "calibrating": {
+                rid: {
+                    "silo": e.silo,
+                    "sample_ids": e.sample_ids,
+                    "boundary": e.boundary,
+                    "submitted_t": e.submitted_t,
+                    "started_t": e.started_t,
+                    "applied_t": e.applied_t,
+                    "metrics": e.metrics_at_boundary,
+                }
+                for rid, e in self.active.items()
+                if e.boundary is not None
+            },
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.ledger.load_state_dict(d["ledger"])
+        if d["signature"] is not None:
+            self.signature = GradientSignature(basis=torch.zeros(0, 0), names=[])
+            self.signature.load_state_dict(d["signature"])
+        self.boundary = int(d["boundary"])
+        self.retired = set(d["retired"])
+        self.excluded = {int(k): list(v) for k, v in d["excluded"].items()}
+        self.applied = set(d["applied"])
+        self.schedule = [tuple(x) for x in d["schedule"]]  # type: ignore[misc]
+        self.report = list(d["report"])
+        for rid, c in d["calibrating"].items():
+            self.active[rid] = Erasure(
+                rid,
+                c["silo"],
+                c["sample_ids"],
+                c["submitted_t"],
+                c["started_t"],
+                None,
+                c["boundary"],
+                c["applied_t"],
+                0,
+                c["metrics"],
+            )
+
+    def reconcile(self) -> None:
+        """After a restart: match the store's unfinished requests with the restored model.
+
+        The model with an erasure applied is checkpointed before the store moves the request
+        to calibrating, so: erasing + applied -> the transition was lost, finish it; erasing
+        and not applied -> the erasure never reached a checkpoint, run it again (the silo
+        is sent train.unlearn anew); queued -> picked up by ``poll`` as usual.
+        """
+        for req in self.store.unfinished():
+            if req.state.value != "erasing":
+                continue
+            if req.id in self.applied:
+                self.store.transition(
+                    req.id,
+                    _state("calibrating"),
+                    actor="server",
+                    model_version=self.srv.version,
+                    detail="resumed after a restart",
+                )
+            elif req.silo in self.srv.roster:
+                log.info("erasure %s restarts after a server restart", req.id)
+                self._start(req, resumed=True)
+
+
+def _state(name: str) -> Any:
+    from server.erasure.states import State
+
+    return State(name)
+
+
+def _add(a: Params, b: Params) -> Params:
+    return {k: (a[k] + b[k]) if a[k].is_floating_point() else a[k] for k in a}

@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+
+from medical_data.backdoor import add_trigger, poison, poisoned_indices, triggered_set
+from medical_data.federation import SiloData
+
+
+def _silo(n=10, labels=None):
+    images = np.arange(n * 2 * 6 * 6, dtype=np.float32).reshape(n, 2, 6, 6) / 1000.0
+    labels = np.arange(n, dtype=np.int64) % 3 if labels is None else labels
+    ids = np.array([f"s/{i}" for i in range(n)])
+    return SiloData(0, "s", images, labels, ids)
+
+
+def test_add_trigger_bottom_right_square_at_image_max():
+    # Prepare
+    images = _silo(n=2).images
+
+    # Execute
+    out = add_trigger(images, size=2)
+    fixed = add_trigger(images, size=1, value=9.0)
+
+    # Assert
+    for i in range(2):
+        assert np.all(out[i, :, 4:, 4:] == images[i].max())
+    assert np.array_equal(out[:, :, :4, :], images[:, :, :4, :])
+    assert np.array_equal(out[:, :, :, :4], images[:, :, :, :4])
+    assert np.all(fixed[:, :, 5, 5] == 9.0) and fixed[0, 0, 4, 5] == images[0, 0, 4, 5]
+    assert not np.shares_memory(out, images)
+
+
+def test_poison_fraction_labels_ids_and_determinism():
+    # Prepare
+    silo = _silo(n=10)
+
+    # Execute
+    bad = poison(silo, fraction=0.3, target_label=2, seed=1)
+    again = poison(silo, fraction=0.3, target_label=2, seed=1)
+    idx = poisoned_indices(10, 0.3, seed=1)
+
+    # Assert
+    assert len(idx) == 3
+    assert np.array_equal(bad.images, again.images) and np.array_equal(bad.labels, again.labels)
+    assert np.all(bad.labels[idx] == 2)
+    rest = np.setdiff1d(np.arange(10), idx)
+    assert np.array_equal(bad.labels[rest], silo.labels[rest])
+    assert np.array_equal(bad.images[rest], silo.images[rest])
+    assert np.all(
+        bad.images[idx, :, 3:, 3:] == silo.images[idx].max(axis=(1, 2, 3))[:, None, None, None]
+    )
+    assert np.array_equal(bad.sample_ids, silo.sample_ids)
+    assert silo.labels.tolist() == [i % 3 for i in range(10)]  # input untouched
+
+
+def test_triggered_set_drops_target_class():
+    # Prepare
+    silo = _silo(n=9)
+
+    # Execute
+    trig = triggered_set(silo, target_label=0)
+
+    # Assert
+    assert len(trig) == 6 and not np.any(trig.labels == 0)
+    assert np.array_equal(trig.sample_ids, silo.sample_ids[silo.labels != 0])
+    assert np.all(
+        trig.images[:, :, -3:, -3:] == trig.images.max(axis=(1, 2, 3))[:, None, None, None]
+    )
+
+
+def test_segmentation_is_not_supported():
+    # Prepare
+    silo = _silo(n=4, labels=np.zeros((4, 6, 6), dtype=np.int64))
+
+    # Execute / Assert
+    with pytest.raises(NotImplementedError, match="classification"):
+        poison(silo, 0.5, 1, seed=0)
+    with pytest.raises(NotImplementedError):
+        triggered_set(silo, 1)

@@ -1,0 +1,193 @@
+import math
+
+import pytest
+import torch
+
+from fedasync.checkpoint import load_checkpoint, save_checkpoint
+from fedasync.unlearning import (
+    ContributionLedger,
+    GradientSignature,
+    flatten,
+    l2_distance,
+    project_to_ball,
+    unflatten,
+)
+
+
+def _p(**kw):
+    return {k: torch.tensor(v) for k, v in kw.items()}
+
+
+def test_flatten_unflatten_round_trip_mixed_dtypes():
+    # Prepare
+    p = {
+        "w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+        "b": torch.tensor([5.0], dtype=torch.float16),
+        "num_batches_tracked": torch.tensor(7),
+        "a": torch.tensor([6.0], dtype=torch.float64),
+    }
+
+    # Execute
+    vec = flatten(p)
+    vec_named = flatten(p, ["w", "b"])
+    back = unflatten(vec * 2, p)
+
+    # Assert
+    assert vec.dtype == torch.float64  # widest floating dtype present
+    assert vec.tolist() == [6.0, 5.0, 1.0, 2.0, 3.0, 4.0]  # sorted names: a, b, w
+    assert vec_named.dtype == torch.float32 and vec_named.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert list(back) == list(p)
+    assert back["w"].tolist() == [[2.0, 4.0], [6.0, 8.0]] and back["w"].dtype == torch.float32
+    assert back["b"].tolist() == [10.0] and back["b"].dtype == torch.float16
+    assert back["a"].tolist() == [12.0] and back["a"].dtype == torch.float64
+    assert back["num_batches_tracked"].item() == 7
+    assert unflatten(flatten(p, ["w"]), p, ["w"])["a"].tolist() == [6.0]  # left out: copied
+    with pytest.raises(TypeError):
+        flatten(p, ["num_batches_tracked"])
+    with pytest.raises(ValueError):
+        unflatten(torch.zeros(3), p)
+
+
+def test_project_to_ball_by_hand():
+    # Prepare
+    center = _p(x=[0.0, 0.0], n=0)
+    outside = _p(x=[3.0, 4.0], n=5)
+    inside = _p(x=[0.3, 0.4], n=5)
+
+    # Execute
+    pulled = project_to_ball(outside, center, 1.0)
+    kept = project_to_ball(inside, center, 1.0)
+    shifted = project_to_ball(_p(x=[1.0, 5.0]), _p(x=[1.0, 1.0]), 2.0)
+
+    # Assert
+    assert l2_distance(outside, center) == pytest.approx(5.0)
+    assert pulled["x"].tolist() == pytest.approx([0.6, 0.8])
+    assert pulled["n"].item() == 5
+    assert kept["x"].tolist() == pytest.approx([0.3, 0.4])
+    assert shifted["x"].tolist() == pytest.approx([1.0, 3.0])
+    assert outside["x"].tolist() == [3.0, 4.0]  # input untouched
+
+
+def test_signature_from_gradients_in_e1_e2_plane():
+    # Prepare: gradients in R^3 all in span(e1, e2)
+    grads = [_p(g=[1.0, 0.0, 0.0]), _p(g=[0.0, 2.0, 0.0]), _p(g=[1.0, 1.0, 0.0])]
+
+    # Execute
+    sig = GradientSignature.from_gradients(grads, rank=3, energy=1.0)
+    projected = sig.project_out(_p(g=[1.0, 2.0, 3.0]))
+    half = sig.project_out(_p(g=[1.0, 2.0, 3.0]), strength=0.5)
+
+    # Assert
+    assert sig.rank == 2 and sig.names == ["g"] and sig.basis.shape == (3, 2)
+    assert torch.allclose(sig.basis.T @ sig.basis, torch.eye(2), atol=1e-6)
+    assert sig.basis[2].abs().max() < 1e-6  # no component along e3
+    assert projected["g"].tolist() == pytest.approx([0.0, 0.0, 3.0], abs=1e-6)
+    assert half["g"].tolist() == pytest.approx([0.5, 1.0, 3.0], abs=1e-6)
+    assert sig.overlap(_p(g=[1.0, 2.0, 3.0])) == pytest.approx(math.sqrt(5 / 14), abs=1e-6)
+    assert sig.overlap(_p(g=[0.0, 0.0, 0.0])) == 0.0
+    assert sig.overlap(_p(g=[0.0, 0.0, 2.0])) == pytest.approx(0.0, abs=1e-6)
+    assert sig.nbytes == 3 * 2 * 4
+
+
+def test_energy_cut_off_and_rank_cap():
+    # Prepare: G = [[3,0,0],[0,1,0],[0,0,0]] -> singular values 3, 1, 0; energy 9/10 then 10/10
+    grads = [_p(g=[3.0, 0.0, 0.0]), _p(g=[0.0, 1.0, 0.0]), _p(g=[0.0, 0.0, 0.0])]
+
+    # Execute
+    r_90 = GradientSignature.from_gradients(grads, rank=3, energy=0.9).rank
+    r_95 = GradientSignature.from_gradients(grads, rank=3, energy=0.95).rank
+    r_all = GradientSignature.from_gradients(grads, rank=3, energy=1.0).rank
+    r_cap = GradientSignature.from_gradients(grads, rank=1, energy=0.99).rank
+    zero = GradientSignature.from_gradients([_p(g=[0.0, 0.0])], rank=2)
+
+    # Assert
+    assert (r_90, r_95, r_all, r_cap) == (1, 2, 2, 1)
+    assert zero.rank == 0 and zero.project_out(_p(g=[1.0, 2.0]))["g"].tolist() == [1.0, 2.0]
+
+
+def test_signature_names_order_and_other_tensors_untouched():
+    # Prepare
+    grads = [{"a": torch.tensor([1.0]), "b": torch.tensor([0.0, 0.0])}]
+    update = {"a": torch.tensor([2.0]), "b": torch.tensor([3.0, 4.0]), "c": torch.tensor([9.0])}
+
+    # Execute
+    sig = GradientSignature.from_gradients(grads, rank=4, names=["b", "a"])
+    out = sig.project_out(update)
+
+    # Assert
+    assert sig.names == ["b", "a"] and sig.basis.shape == (3, 1)
+    assert out["a"].tolist() == pytest.approx([0.0])
+    assert out["b"].tolist() == [3.0, 4.0] and out["c"].tolist() == [9.0]
+
+
+def test_merge_two_rank_one_signatures():
+    # Prepare
+    s1 = GradientSignature.from_gradients([_p(g=[2.0, 0.0, 0.0])], rank=1)
+    s2 = GradientSignature.from_gradients([_p(g=[1.0, 1.0, 0.0])], rank=1)
+
+    # Execute
+    merged = s1.merge(s2)
+    same = s1.merge(s1)
+
+    # Assert
+    assert merged.rank == 2
+    assert torch.allclose(merged.basis.T @ merged.basis, torch.eye(2), atol=1e-6)
+    assert merged.project_out(_p(g=[1.0, 2.0, 3.0]))["g"].tolist() == pytest.approx(
+        [0.0, 0.0, 3.0], abs=1e-6
+    )
+    assert same.rank == 1
+
+
+def test_calibration_leaves_no_overlap():
+    # Prepare: a rank-4 signature in R^50 and random updates
+    gen = torch.Generator().manual_seed(0)
+    grads = [{"w": torch.randn(10, 5, generator=gen)} for _ in range(4)]
+    sig = GradientSignature.from_gradients(grads, rank=4, energy=1.0)
+    updates = [{"w": torch.randn(10, 5, generator=gen) + 3 * grads[0]["w"]} for _ in range(5)]
+
+    # Execute
+    before = [sig.overlap(u) for u in updates]
+    after = [sig.overlap(sig.project_out(u)) for u in updates]
+
+    # Assert
+    assert sig.rank == 4
+    assert min(before) > 0.5
+    assert max(after) < 1e-5
+
+
+def test_signature_state_round_trip(tmp_path):
+    # Prepare
+    sig = GradientSignature.from_gradients([_p(g=[1.0, 2.0]), _p(g=[0.0, 1.0])], rank=2)
+
+    # Execute
+    save_checkpoint(tmp_path / "sig.pt", sig.state_dict())
+    back = GradientSignature.from_state_dict(load_checkpoint(tmp_path / "sig.pt"))
+
+    # Assert
+    assert back.names == ["g"] and torch.equal(back.basis, sig.basis)
+
+
+def test_ledger_running_sums_by_hand_and_state_round_trip(tmp_path):
+    # Prepare
+    ledger = ContributionLedger()
+    steps = torch.tensor(3)
+
+    # Execute
+    ledger.record("a", {"w": torch.tensor([1.0, 2.0]), "n": steps}, version=1)
+    ledger.record("b", {"w": torch.tensor([10.0, 10.0]), "n": steps}, version=2)
+    ledger.record("a", {"w": torch.tensor([0.5, -1.0]), "n": steps}, version=3)
+    save_checkpoint(tmp_path / "ledger.pt", ledger.state_dict())
+    back = ContributionLedger()
+    back.load_state_dict(load_checkpoint(tmp_path / "ledger.pt"))
+    removed = back.without({"w": torch.tensor([5.0, 5.0]), "n": torch.tensor(0)}, "a")
+    back.forget("a")
+
+    # Assert
+    assert ledger.total("a")["w"].tolist() == [1.5, 1.0]
+    assert ledger.count("a") == 2 and ledger.last_version("a") == 3
+    assert ledger.total("b")["w"].tolist() == [10.0, 10.0] and ledger.count("b") == 1
+    assert ledger.total("c") is None and ledger.count("c") == 0
+    assert removed["w"].tolist() == [3.5, 4.0]
+    assert back.total("a") is None and back.count("a") == 0 and back.silos() == ["b"]
+    assert back.total("b")["w"].tolist() == [10.0, 10.0] and back.last_version("b") == 2
+    assert ledger.silos() == ["a", "b"]  # the original is independent of the loaded copy
