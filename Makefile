@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install data demo test lint unit clean
+.PHONY: install data demo test lint unit clean proto
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ unit: $(STAMP)
 
 test: data lint
 	$(BIN)/python -m pytest
+
+proto: $(STAMP)
+	$(BIN)/python -m server.erasure.gen_proto
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

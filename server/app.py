@@ -9,6 +9,7 @@ and runs on the wall clock.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -184,21 +185,20 @@ def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Pa
     srv.erasure = ErasureCoordinator(srv, store, verify_fn)
     if not cfg.unlearning.service:
         return None
-    from server.erasure.auth import Authorizer, generate_credentials
+    from server.erasure.auth import Authorizer, generate_credentials, write_private
     from server.erasure.service import ErasureService, serve
 
     cred = Path(cfg.unlearning.credentials) if cfg.unlearning.credentials else None
     if cred is None:
         cred = run_dir / "credentials.json"
         if not cred.exists():
-            tokens = generate_credentials(cfg.silos.count, cred)
-            tok_path = run_dir / "tokens.json"
-            tok_path.write_text(P.dumps(tokens))
-            tok_path.chmod(0o600)
+            write_private(run_dir / "tokens.json", generate_credentials(cfg.silos.count, cred))
     service = ErasureService(store, Authorizer.from_file(cred), _Catalog(srv, fed))
     server, port = serve(service, cfg.unlearning.address)
     host = cfg.unlearning.address.rsplit(":", 1)[0]
-    (run_dir / "erasure_address").write_text(f"{host}:{port}\n")
+    tmp = run_dir / "erasure_address.tmp"
+    tmp.write_text(f"{host}:{port}\n")
+    os.replace(tmp, run_dir / "erasure_address")  # whole or absent for a reader
     log.info("erasure service listening on %s:%d", host, port)
     return server
 

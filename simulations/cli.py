@@ -3,6 +3,7 @@
 fedasync simulate [--config FILE] [key=value ...]   run a simulation (see README for keys)
 fedasync data fetch [--dir DIR]                     fetch and checksum the offline data sets
 fedasync data table [--benchmark B] [--silos N]     print what each silo holds
+fedasync erase submit|status|list|watch|credentials  erasure requests (simulations/erase_cli.py)
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if args_in[:1] == ["erase"]:
+        from simulations.erase_cli import main as erase_main
+
+        return erase_main(args_in[1:])
     parser = argparse.ArgumentParser(
         prog="fedasync", description="Asynchronous federated learning on Flower"
     )
@@ -35,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--silos", type=int, default=6)
     table.add_argument("--seed", type=int, default=0)
     table.add_argument("--partition", default="natural")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
 
     if args.cmd == "simulate":
         from simulations.config import load_config

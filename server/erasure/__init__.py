@@ -1,0 +1,7 @@
+"""Erasure requests: the durable store, the state machine, credentials and the gRPC service.
+
+A silo (or an admin) submits a request to forget a whole silo or some of its samples; the
+request is written to SQLite before it is acknowledged, and the training server moves it
+through ``queued -> erasing -> calibrating -> verified`` (or ``failed``) with
+``ErasureStore.transition``. See ``proto/fedasync/erasure/v1/erasure.proto``.
+"""

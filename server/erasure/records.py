@@ -1,0 +1,68 @@
+"""Erasure records as the store returns them: requests, audit rows and change-feed events.
+
+Plain frozen dataclasses (not database rows), so the service, the training server and the
+tests share one vocabulary; times are milliseconds since the epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.erasure.states import State
+
+
+@dataclass(frozen=True)
+class Request:
+    """One erasure request as stored. ``sample_ids`` is empty when ``whole_silo``."""
+
+    id: str
+    silo: int
+    sample_ids: tuple[str, ...]
+    whole_silo: bool
+    state: State
+    failure_reason: str
+    requester: str
+    reason: str
+    idempotency_key: str | None
+    created_at_ms: int
+    updated_at_ms: int
+    model_version_at_submit: int
+    boundary_version: int
+    """Version at which the erasure was applied; -1 while unknown."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One line of the audit log: a submit or a state change."""
+
+    seq: int
+    time_ms: int
+    request_id: str
+    requester: str
+    actor: str
+    action: str
+    from_state: State | None
+    to_state: State
+    model_version: int
+    detail: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change-feed entry (what ``Watch`` streams): request ``request_id`` entered ``state``."""
+
+    seq: int
+    request_id: str
+    silo: int
+    state: State
+    model_version: int
+    time_ms: int
+    detail: str
+    actor: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RequestNotFound(KeyError):
+    """No request with that id."""

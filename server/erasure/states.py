@@ -1,0 +1,54 @@
+"""The lifecycle of an erasure request, defined once for the store, the service and the loop.
+
+    queued -> erasing -> calibrating -> verified
+       \\---------\\-----------\\--------> failed (with a reason)
+
+``verified`` and ``failed`` are terminal. A request waits in ``queued`` while its silo is
+offline; the training server moves it on with ``ErasureStore.transition``. After a restart
+every unfinished request (queued, erasing, calibrating) is resumed from where it stood.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class State(StrEnum):
+    """States of an erasure request; the values are what the store writes."""
+
+    QUEUED = "queued"
+    ERASING = "erasing"
+    CALIBRATING = "calibrating"
+    VERIFIED = "verified"
+    FAILED = "failed"
+
+
+class InvalidTransition(ValueError):
+    """A state change the lifecycle does not allow (e.g. verified -> erasing)."""
+
+
+TERMINAL: frozenset[State] = frozenset({State.VERIFIED, State.FAILED})
+UNFINISHED: frozenset[State] = frozenset({State.QUEUED, State.ERASING, State.CALIBRATING})
+
+ALLOWED: dict[State, frozenset[State]] = {
+    State.QUEUED: frozenset({State.ERASING, State.FAILED}),
+    State.ERASING: frozenset({State.CALIBRATING, State.FAILED}),
+    State.CALIBRATING: frozenset({State.VERIFIED, State.FAILED}),
+    State.VERIFIED: frozenset(),
+    State.FAILED: frozenset(),
+}
+
+
+def is_terminal(state: State | str) -> bool:
+    """True for ``verified`` and ``failed``: nothing follows them."""
+    return State(state) in TERMINAL
+
+
+def can_transition(from_state: State | str, to_state: State | str) -> bool:
+    return State(to_state) in ALLOWED[State(from_state)]
+
+
+def check_transition(from_state: State | str, to_state: State | str) -> None:
+    """Raise ``InvalidTransition`` unless ``from_state -> to_state`` is allowed."""
+    if not can_transition(from_state, to_state):
+        raise InvalidTransition(f"erasure request cannot go from {from_state} to {to_state}")

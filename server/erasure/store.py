@@ -1,0 +1,403 @@
+"""Durable store of erasure requests and their append-only audit log (embedded SQLite).
+
+Why SQLite: a request must be on disk before the service acknowledges it, and a restart
+must find every unfinished request again. Each write (a submit, a state change) is ONE
+transaction that holds both the request row and its audit row, committed with
+``synchronous=FULL`` in WAL mode before the call returns; a crash either loses the whole
+write (never acknowledged) or keeps all of it.
+
+The audit table doubles as the change feed: its ``seq`` is a global, strictly increasing
+event number, ``events_since`` reads it, and ``changed`` (a ``threading.Condition``) is
+notified after every commit so a ``Watch`` stream can block instead of polling. SQL
+triggers make the audit table append-only.
+
+One connection, shared by all threads behind a lock: erasure traffic is a handful of
+requests, so simplicity beats concurrency here.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from server.erasure.records import AuditRow, Event, Request, RequestNotFound
+from server.erasure.states import UNFINISHED, State, check_transition
+
+__all__ = ["AuditRow", "ErasureStore", "Event", "Request", "RequestNotFound", "now_ms"]
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    id TEXT PRIMARY KEY,
+    silo INTEGER NOT NULL,
+    sample_ids TEXT NOT NULL,             -- JSON list; empty with whole_silo = 1
+    whole_silo INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    failure_reason TEXT NOT NULL DEFAULT '',
+    requester TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    idempotency_key TEXT,
+    created_at_ms INTEGER NOT NULL,
+    updated_at_ms INTEGER NOT NULL,
+    model_version_at_submit INTEGER NOT NULL,
+    boundary_version INTEGER NOT NULL DEFAULT -1,
+    metrics TEXT NOT NULL DEFAULT '{}'    -- JSON object of floats
+);
+CREATE UNIQUE INDEX IF NOT EXISTS requests_idempotency
+    ON requests (requester, idempotency_key) WHERE idempotency_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS requests_silo ON requests (silo, state);
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    time_ms INTEGER NOT NULL,
+    request_id TEXT NOT NULL REFERENCES requests (id),
+    requester TEXT NOT NULL,              -- who asked for the erasure
+    actor TEXT NOT NULL,                  -- who made this change (requester on submit)
+    action TEXT NOT NULL,                 -- 'submit' | 'transition'
+    from_state TEXT,                      -- NULL on submit
+    to_state TEXT NOT NULL,
+    model_version INTEGER NOT NULL,
+    detail TEXT NOT NULL DEFAULT '',
+    metrics TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS audit_request ON audit (request_id, seq);
+CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
+    BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
+    BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
+"""
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _normalise_ids(sample_ids: Iterable[str] | None) -> tuple[str, ...]:
+    """Deduplicate, keeping the first-seen order; reject empty ids."""
+    ids = tuple(dict.fromkeys(sample_ids or ()))
+    if any(not isinstance(s, str) or not s for s in ids):
+        raise ValueError("sample ids must be non-empty strings")
+    return ids
+
+
+class ErasureStore:
+    """Erasure requests and their audit log in one SQLite file (``":memory:"`` for tests)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._lock = threading.RLock()
+        self.changed = threading.Condition(self._lock)
+        """Notified after every committed write; see ``wait_for_change``."""
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self._last_seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()[0]
+
+    # -- writes ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        silo: int,
+        sample_ids: list[str] | None,
+        requester: str,
+        model_version: int,
+        idempotency_key: str | None = None,
+        reason: str = "",
+        *,
+        detail: str | None = None,
+    ) -> tuple[Request, bool]:
+        """Persist a new request (state ``queued``) and its audit row in one transaction.
+
+        Returns ``(request, created)``. The commit happens before this returns, so the caller
+        may acknowledge afterwards. A known ``idempotency_key`` of the same requester returns
+        the stored request with ``created=False``; the same key with a different body raises
+        ``ValueError``. ``detail`` goes into the audit row (default: ``reason``).
+        """
+        ids = _normalise_ids(sample_ids)
+        key = idempotency_key or None
+        with self._transaction() as db:
+            if key is not None:
+                existing = self._find_by_key(requester, key)
+                if existing is not None:
+                    same = (
+                        existing.silo == silo
+                        and sorted(existing.sample_ids) == sorted(ids)
+                        and existing.reason == reason
+                    )
+                    if not same:
+                        raise ValueError(
+                            f"idempotency key {key!r} was used for a different request "
+                            f"({existing.id})"
+                        )
+                    return existing, False
+            rid, t = uuid.uuid4().hex, now_ms()
+            db.execute(
+                "INSERT INTO requests (id, silo, sample_ids, whole_silo, state, requester,"
+                " reason, idempotency_key, created_at_ms, updated_at_ms,"
+                " model_version_at_submit) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    rid,
+                    silo,
+                    json.dumps(ids),
+                    int(not ids),
+                    State.QUEUED.value,
+                    requester,
+                    reason,
+                    key,
+                    t,
+                    t,
+                    model_version,
+                ),
+            )
+            self._append_audit(
+                db,
+                t,
+                rid,
+                requester,
+                requester,
+                "submit",
+                None,
+                State.QUEUED,
+                model_version,
+                reason if detail is None else detail,
+                {},
+            )
+            request = self._get(rid)
+        assert request is not None
+        return request, True
+
+    def transition(
+        self,
+        id: str,
+        to_state: State | str,
+        *,
+        actor: str,
+        model_version: int,
+        detail: str = "",
+        boundary_version: int | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> Request:
+        """Move request ``id`` to ``to_state`` and append the audit row, in one transaction.
+
+        Raises ``InvalidTransition`` for a move the lifecycle forbids and ``RequestNotFound``
+        for an unknown id. ``metrics`` are merged into the request's; for ``failed`` the
+        ``detail`` becomes the ``failure_reason``.
+        """
+        to_state = State(to_state)
+        new_metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        with self._transaction() as db:
+            current = self._get(id)
+            if current is None:
+                raise RequestNotFound(id)
+            check_transition(current.state, to_state)
+            t = now_ms()
+            db.execute(
+                "UPDATE requests SET state = ?, updated_at_ms = ?, failure_reason = ?,"
+                " boundary_version = ?, metrics = ? WHERE id = ?",
+                (
+                    to_state.value,
+                    t,
+                    detail if to_state is State.FAILED else current.failure_reason,
+                    current.boundary_version if boundary_version is None else boundary_version,
+                    json.dumps({**current.metrics, **new_metrics}),
+                    id,
+                ),
+            )
+            self._append_audit(
+                db,
+                t,
+                id,
+                current.requester,
+                actor,
+                "transition",
+                current.state,
+                to_state,
+                model_version,
+                detail,
+                new_metrics,
+            )
+            request = self._get(id)
+        assert request is not None
+        return request
+
+    # -- reads -------------------------------------------------------------------------
+
+    def get(self, id: str) -> Request | None:
+        with self._lock:
+            return self._get(id)
+
+    def list(
+        self, silo: int | None = None, states: Iterable[State | str] | None = None
+    ) -> builtins.list[Request]:
+        """Requests oldest first, optionally only of ``silo`` and/or in ``states``."""
+        sql, args = "SELECT * FROM requests WHERE 1 = 1", builtins.list[object]()
+        if silo is not None:
+            sql += " AND silo = ?"
+            args.append(silo)
+        if states is not None:
+            values = sorted({State(s).value for s in states})
+            sql += f" AND state IN ({', '.join('?' * len(values))})"
+            args.extend(values)
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY created_at_ms, rowid", args).fetchall()
+        return [_request(r) for r in rows]
+
+    def unfinished(self) -> builtins.list[Request]:
+        """Queued, erasing and calibrating requests, oldest first: what a restart resumes."""
+        return self.list(states=UNFINISHED)
+
+    def erased(self, silo: int) -> tuple[bool, set[str]]:
+        """``(whole, ids)``: is the whole silo covered by a non-failed request, and which
+        sample ids are covered by non-failed sample-level requests."""
+        whole, ids = False, set[str]()
+        for r in self.list(silo=silo):
+            if r.state is State.FAILED:
+                continue
+            whole |= r.whole_silo
+            ids.update(r.sample_ids)
+        return whole, ids
+
+    def audit(self, request_id: str | None = None) -> builtins.list[AuditRow]:
+        """The audit log in order, for one request or all."""
+        sql, args = "SELECT * FROM audit", tuple[str, ...]()
+        if request_id is not None:
+            sql, args = sql + " WHERE request_id = ?", (request_id,)
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY seq", args).fetchall()
+        return [AuditRow(**_decode(r)) for r in rows]  # type: ignore[arg-type]
+
+    def events_since(
+        self, seq: int, request_id: str | None = None, limit: int | None = None
+    ) -> builtins.list[Event]:
+        """Change-feed entries with ``seq`` strictly greater than ``seq``, in order."""
+        sql = (
+            "SELECT a.seq, a.request_id, r.silo, a.to_state AS state, a.model_version,"
+            " a.time_ms, a.detail, a.actor, a.metrics"
+            " FROM audit a JOIN requests r ON r.id = a.request_id"
+            " WHERE a.seq > ?"
+        )
+        args: builtins.list[object] = [seq]
+        if request_id is not None:
+            sql += " AND a.request_id = ?"
+            args.append(request_id)
+        sql += " ORDER BY a.seq"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(limit)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [Event(**_decode(r)) for r in rows]  # type: ignore[arg-type]
+
+    @property
+    def last_seq(self) -> int:
+        """The newest event's seq (0 when empty)."""
+        with self._lock:
+            return self._last_seq
+
+    def wait_for_change(self, after_seq: int, timeout: float) -> bool:
+        """Block until an event newer than ``after_seq`` exists or ``timeout`` seconds pass."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self._last_seq > after_seq, timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> ErasureStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT under the lock; roll back on any exception; notify
+        ``changed`` after a commit that appended audit rows."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            last = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()[0]
+            if last != self._last_seq:
+                self._last_seq = last
+                self.changed.notify_all()
+
+    def _append_audit(
+        self,
+        db: sqlite3.Connection,
+        time_ms: int,
+        request_id: str,
+        requester: str,
+        actor: str,
+        action: str,
+        from_state: State | None,
+        to_state: State,
+        model_version: int,
+        detail: str,
+        metrics: dict[str, float],
+    ) -> None:
+        db.execute(
+            "INSERT INTO audit (time_ms, request_id, requester, actor, action, from_state,"
+            " to_state, model_version, detail, metrics) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                time_ms,
+                request_id,
+                requester,
+                actor,
+                action,
+                None if from_state is None else from_state.value,
+                to_state.value,
+                model_version,
+                detail,
+                json.dumps(metrics),
+            ),
+        )
+
+    def _get(self, id: str) -> Request | None:
+        row = self._db.execute("SELECT * FROM requests WHERE id = ?", (id,)).fetchone()
+        return None if row is None else _request(row)
+
+    def _find_by_key(self, requester: str, key: str) -> Request | None:
+        row = self._db.execute(
+            "SELECT * FROM requests WHERE requester = ? AND idempotency_key = ?", (requester, key)
+        ).fetchone()
+        return None if row is None else _request(row)
+
+    def find_by_key(self, requester: str, key: str) -> Request | None:
+        """The request ``requester`` submitted with idempotency key ``key``, if any."""
+        with self._lock:
+            return self._find_by_key(requester, key)
+
+
+def _decode(row: sqlite3.Row) -> dict[str, object]:
+    """A row as dataclass keyword arguments: JSON columns parsed, states as ``State``."""
+    d = dict(row)
+    for key in ("state", "to_state", "from_state"):
+        if d.get(key) is not None:
+            d[key] = State(d[key])
+    if "sample_ids" in d:
+        d["sample_ids"] = tuple(json.loads(d["sample_ids"]))
+        d["whole_silo"] = bool(d["whole_silo"])
+    d["metrics"] = json.loads(d["metrics"])
+    return d
+
+
+def _request(row: sqlite3.Row) -> Request:
+    return Request(**_decode(row))  # type: ignore[arg-type]

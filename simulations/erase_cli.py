@@ -1,0 +1,210 @@
+"""``fedasync erase``: talk to the erasure service of a running training server.
+
+fedasync erase submit --silo N [--samples a,b | --samples-file F] [--key K] [--reason R]
+fedasync erase status ID
+fedasync erase list [--silo N] [--state S]
+fedasync erase watch [ID] [--from-seq N]
+fedasync erase credentials DIR --silos N     make tokens (DIR/tokens.json, keep it secret)
+                                             and their hashes (DIR/credentials.json, server)
+
+Common options: --address host:port (default $FEDASYNC_ERASURE_ADDRESS or 127.0.0.1:50151),
+--token (default $FEDASYNC_TOKEN) or --token-file, --tls-ca FILE for TLS, --json.
+Exit codes: 0 ok, 1 failed call, 2 authentication / permission / usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from server.erasure.auth import generate_credentials, write_private
+from server.erasure.gen import erasure_pb2 as pb
+from server.erasure.gen import erasure_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50151"
+STATES = ("queued", "erasing", "calibrating", "verified", "failed")
+AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--address",
+        default=os.environ.get("FEDASYNC_ERASURE_ADDRESS", DEFAULT_ADDRESS),
+        help="host:port of the erasure service",
+    )
+    common.add_argument("--token", default=os.environ.get("FEDASYNC_TOKEN"), help="bearer token")
+    common.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    common.add_argument("--tls-ca", type=Path, help="root certificate (PEM): use TLS")
+    common.add_argument("--json", action="store_true", help="print JSON, one object a line")
+    common.add_argument("--timeout", type=float, default=30.0, help="seconds per unary call")
+
+    parser = argparse.ArgumentParser(prog="fedasync erase", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    submit = sub.add_parser("submit", parents=[common], help="ask to erase a silo or samples")
+    submit.add_argument("--silo", type=int, required=True)
+    group = submit.add_mutually_exclusive_group()
+    group.add_argument("--samples", help="comma-separated sample ids (default: whole silo)")
+    group.add_argument("--samples-file", type=Path, help="file with one sample id a line")
+    submit.add_argument("--key", default="", help="idempotency key: a retry returns the same id")
+    submit.add_argument("--reason", default="", help="free text kept in the audit log")
+    status = sub.add_parser("status", parents=[common], help="show one request")
+    status.add_argument("id")
+    lst = sub.add_parser("list", parents=[common], help="list requests")
+    lst.add_argument("--silo", type=int)
+    lst.add_argument("--state", choices=STATES, action="append", help="repeatable")
+    watch = sub.add_parser("watch", parents=[common], help="follow state changes")
+    watch.add_argument("id", nargs="?", default="", help="one request (ends when it is done)")
+    watch.add_argument("--from-seq", type=int, default=0, help="first event seq to show")
+    creds = sub.add_parser("credentials", help="generate tokens for an admin and N silos")
+    creds.add_argument("dir", type=Path)
+    creds.add_argument("--silos", type=int, required=True)
+    return parser
+
+
+def _ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _state(value: int) -> str:
+    return pb.State.Name(value).lower()
+
+
+def format_request(r: pb.ErasureRequest) -> str:
+    """One readable line for an ``ErasureRequest``."""
+    what = "whole silo" if r.whole_silo else f"{len(r.sample_ids)} sample(s)"
+    line = (
+        f"{r.id}  silo {r.silo}  {what}  {_state(r.state)}"
+        f"  by {r.requester} at v{r.model_version_at_submit}"
+        f"  updated {_ms(r.updated_at_ms)}"
+    )
+    if r.boundary_version >= 0:
+        line += f"  boundary v{r.boundary_version}"
+    if r.failure_reason:
+        line += f"  failed: {r.failure_reason}"
+    if r.metrics:
+        line += "  " + " ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items()))
+    return line
+
+
+def format_event(e: pb.ErasureEvent) -> str:
+    """One readable line for an ``ErasureEvent``."""
+    line = (
+        f"#{e.seq} {_ms(e.time_ms)}  {e.request_id}  silo {e.silo}"
+        f"  -> {_state(e.state)} at v{e.model_version} by {e.actor}"
+    )
+    if e.detail:
+        line += f"  ({e.detail})"
+    return line
+
+
+def _emit(message: Message, as_json: bool, fmt: Callable[[Any], str]) -> None:
+    if as_json:
+        print(
+            json.dumps(
+                MessageToDict(message, always_print_fields_with_no_presence=True),
+                sort_keys=True,
+            ),
+            flush=True,
+        )
+    else:
+        print(fmt(message), flush=True)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token_file is not None:
+        return args.token_file.read_text().strip()
+    return args.token
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    if args.tls_ca is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=args.tls_ca.read_bytes())
+        return grpc.secure_channel(args.address, creds)
+    return grpc.insecure_channel(args.address)
+
+
+def _credentials(args: argparse.Namespace) -> int:
+    args.dir.mkdir(parents=True, exist_ok=True)
+    hashes, plain = args.dir / "credentials.json", args.dir / "tokens.json"
+    tokens = generate_credentials(args.silos, hashes)
+    write_private(plain, tokens)
+    print(f"server credentials (hashes): {hashes}")
+    print(f"tokens (secret; hand each silo its own, mode 0600): {plain}")
+    return 0
+
+
+def _call(
+    args: argparse.Namespace, stub: erasure_pb2_grpc.ErasureStub, metadata: list[tuple[str, str]]
+) -> None:
+    t = args.timeout
+    if args.cmd == "submit":
+        ids: list[str] = []
+        if args.samples:
+            ids = [s.strip() for s in args.samples.split(",") if s.strip()]
+        elif args.samples_file is not None:
+            ids = [s.strip() for s in args.samples_file.read_text().splitlines() if s.strip()]
+        msg = pb.SubmitRequest(
+            silo=args.silo, sample_ids=ids, idempotency_key=args.key, reason=args.reason
+        )
+        _emit(stub.Submit(msg, metadata=metadata, timeout=t), args.json, format_request)
+    elif args.cmd == "status":
+        r = stub.Get(pb.GetRequest(id=args.id), metadata=metadata, timeout=t)
+        _emit(r, args.json, format_request)
+    elif args.cmd == "list":
+        msg = pb.ListRequest(states=[pb.State.Value(s.upper()) for s in args.state or ()])
+        if args.silo is not None:
+            msg.silo = args.silo
+        for r in stub.List(msg, metadata=metadata, timeout=t).requests:
+            _emit(r, args.json, format_request)
+    elif args.cmd == "watch":
+        msg = pb.WatchRequest(request_id=args.id, from_seq=args.from_seq)
+        for e in stub.Watch(msg, metadata=metadata):
+            _emit(e, args.json, format_event)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``fedasync erase`` with ``argv`` (without the leading ``erase``)."""
+    args = _parser().parse_args(argv)
+    if args.cmd == "credentials":
+        return _credentials(args)
+
+    try:
+        token = _token(args)
+    except OSError as e:
+        print(f"fedasync erase: cannot read token file: {e}", file=sys.stderr)
+        return 2
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    try:
+        channel = _channel(args)
+    except OSError as e:
+        print(f"fedasync erase: cannot read the TLS root certificate: {e}", file=sys.stderr)
+        return 1
+    try:
+        _call(args, erasure_pb2_grpc.ErasureStub(channel), metadata)
+    except grpc.RpcError as e:
+        code = e.code()
+        print(f"fedasync erase: {code.name}: {e.details()}", file=sys.stderr)
+        return 2 if code in AUTH_CODES else 1
+    except OSError as e:
+        print(f"fedasync erase: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
