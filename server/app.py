@@ -223,9 +223,17 @@ class _Catalog:
 
 
 def erasure_summary(srv: AsyncServer) -> dict[str, Any]:
-    """Every request's final state, and the verification report of each verified one."""
-    store = srv.erasure.store
+    """Every request's final state, the verification report of each verified one, and the
+    same metrics on the final model for every applied erasure (``at_end``)."""
+    store, co = srv.erasure.store, srv.erasure
+    calibrating = [
+        {**co.row(e), "after_relearn": None} for e in co.active.values() if e.boundary is not None
+    ]
+    for row in [*co.report, *calibrating]:
+        ids = next((list(r.sample_ids) for r in store.list() if r.id == row["request"]), [])
+        row["at_end"] = co.verify_fn(srv.params, row["silo"], ids)
     return {
+        "applied": [*co.report, *calibrating],
         "requests": [
             {
                 "id": r.id,

@@ -116,6 +116,8 @@ class SilosConfig:
     """Virtual seconds of communication per message (both ways together)."""
     jitter: float = 0.1
     """Relative jitter of each job's duration (seeded per silo and job)."""
+    exclude: list[int] = field(default_factory=list)
+    """Silos that never train (retraining from scratch without their data)."""
 
 
 @dataclass
@@ -218,6 +220,8 @@ class UnlearningConfig:
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
     relearn_versions: int = 20
     """Versions after the boundary at which the erasure is verified (the relearning check)."""
+    halt: bool = False
+    """Halt the federation while a silo erases (the synchronous-unlearning baseline)."""
     service: bool = False
     """Run the erasure gRPC service during the run (live requests)."""
     address: str = "127.0.0.1:50151"

@@ -176,8 +176,10 @@ class AsyncServer:
         fault: str | None = None,
     ) -> None:
         """Send ``silo`` a train message with the newest model (or, on resume, its old job)."""
+        if silo in self.cfg.silos.exclude:
+            return  # retraining without this silo's data
         if self.erasure is not None and not self.erasure.may_train(silo):
-            return  # retired by a whole-silo erasure, or erasing right now
+            return  # retired by a whole-silo erasure, erasing, or the federation is halted
         if job_id is None:
             job_id = self.next_job_id
             self.next_job_id += 1
@@ -272,7 +274,7 @@ class AsyncServer:
         return [] if self.sample_ids_fn is None else list(self.sample_ids_fn(silo))
 
     def updates_accepted_between(self, t0: float, t1: float) -> int:
-        return sum(1 for t in self.accept_times if t0 <= t <= t1)
+        return sum(1 for t in self.accept_times if t0 < t <= t1)
 
     def apply_erasure(self, params: Params) -> None:
         """The erasure's model becomes the newest version (the erasure boundary)."""

@@ -81,6 +81,8 @@ class ErasureCoordinator:
             ((e.at_s, e.silo, e.fraction) for e in srv.cfg.erasures), key=lambda x: x[0]
         )
         self.report: list[dict[str, Any]] = []
+        self.seen: dict[str, float] = {}  # request id -> clock time it was first seen queued
+        self.halting = False
 
     # -------------------------------------------------------------- scheduling
     def next_time(self) -> float:
@@ -90,7 +92,16 @@ class ErasureCoordinator:
         return any(e.silo == silo and e.boundary is None for e in self.active.values())
 
     def may_train(self, silo: int) -> bool:
+        if self.cfg.halt and (
+            self.halting or any(e.boundary is None for e in self.active.values())
+        ):
+            return False  # the synchronous baseline: everyone waits for the erasure
         return silo not in self.retired and not self.erasing(silo)
+
+    def halted_silos(self) -> list[int]:
+        """Silos with no work in flight that may train again (after a halt)."""
+        busy = {j.silo for j in self.srv.inflight.values()}
+        return [s for s in sorted(self.srv.roster) if s not in busy and self.may_train(s)]
 
     def poll(self) -> None:
         """Submit due scheduled erasures; start queued requests whose silo is online."""
@@ -100,8 +111,16 @@ class ErasureCoordinator:
             ids = self._fraction_ids(silo, fraction)
             req, _ = self.store.submit(silo, ids or None, "schedule", self.srv.version)
             log.info("scheduled erasure %s of silo %d submitted at t=%.1f", req.id, silo, now)
-        for req in self.store.unfinished():
-            if req.id in self.active or req.state.value != "queued":
+        queued = [r for r in self.store.unfinished() if r.state.value == "queued"]
+        for req in queued:
+            self.seen.setdefault(req.id, now)
+        # the synchronous baseline halts: no new work while a request waits, and the erasure
+        # starts only once the work in flight has drained
+        self.halting = self.cfg.halt and bool(queued)
+        if self.halting and any(j.kind == "train" for j in self.srv.inflight.values()):
+            return
+        for req in queued:
+            if req.id in self.active:
                 continue
             if req.silo in self.retired or req.silo not in self.srv.roster:
                 continue
@@ -119,7 +138,7 @@ class ErasureCoordinator:
 
     def _start(self, req: Any, resumed: bool = False) -> None:
         srv = self.srv
-        e = Erasure(req.id, req.silo, list(req.sample_ids), submitted_t=srv.clock.now)
+        e = Erasure(req.id, req.silo, list(req.sample_ids), self.seen.get(req.id, srv.clock.now))
         e.started_t = srv.clock.now
         e.accepted_at_start = srv.updates_accepted
         total = self.ledger.total(str(req.silo)) if self.cfg.server_removal else None
@@ -196,6 +215,10 @@ class ErasureCoordinator:
             state="calibrating",
             **erasure.metrics_at_boundary,
         )
+        if self.cfg.halt and not srv.barrier:
+            self.halting = False  # re-evaluated by the next poll if more requests wait
+            for silo in self.halted_silos():
+                srv.dispatch(silo)  # the halted federation resumes
 
     def failed(self, erasure: Erasure, why: str) -> None:
         self.active.pop(erasure.request_id, None)
@@ -216,6 +239,25 @@ class ErasureCoordinator:
             detail=why,
         )
 
+    def row(self, e: Erasure) -> dict[str, Any]:
+        """What the summary reports of an applied erasure."""
+        # latency as the requester sees it: from submission to the erasure in the model;
+        # others' work counts while the silo erased (a halted federation drains its work in
+        # flight between submission and the start of erasing, and starts nothing new)
+        return {
+            "request": e.request_id,
+            "silo": e.silo,
+            "scope": "silo" if not e.sample_ids else f"{len(e.sample_ids)} samples",
+            "submitted_t": e.submitted_t,
+            "started_t": e.started_t,
+            "boundary_version": e.boundary,
+            "erasure_latency_s": (e.applied_t or 0.0) - e.submitted_t,
+            "updates_from_others_while_erasing": self.srv.updates_accepted_between(
+                e.started_t or 0.0, e.applied_t or 0.0
+            ),
+            "at_boundary": e.metrics_at_boundary,
+        }
+
     def on_version(self) -> None:
         """Verify erasures whose relearning window has passed."""
         srv = self.srv
@@ -223,20 +265,7 @@ class ErasureCoordinator:
             if e.boundary is None or srv.version < e.boundary + self.cfg.relearn_versions:
                 continue
             after = self.verify_fn(srv.params, e.silo, e.sample_ids)
-            duration = (e.applied_t or 0.0) - (e.started_t or 0.0)
-            others = srv.updates_accepted_between(e.started_t or 0.0, e.applied_t or 0.0)
-            row = {
-                "request": rid,
-                "silo": e.silo,
-                "scope": "silo" if not e.sample_ids else f"{len(e.sample_ids)} samples",
-                "submitted_t": e.submitted_t,
-                "boundary_version": e.boundary,
-                "erasure_latency_s": duration,
-                "updates_from_others_while_erasing": others,
-                "at_boundary": e.metrics_at_boundary,
-                "after_relearn": after,
-                "verified_version": srv.version,
-            }
+            row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
             self.report.append(row)
             del self.active[rid]
             self.store.transition(

@@ -89,3 +89,20 @@ def test_live_erasure_through_the_service(small_cfg, tmp_path):
         worker.join(timeout=300)
     states = {r["silo"]: r["state"] for r in result["erasures"]["requests"]}
     assert states == {1: "verified", 2: "verified"}
+
+
+def test_halting_baseline_stops_the_others_while_erasing(small_cfg):
+    cfg = small_cfg(
+        "run.max_versions=30", "erasures=[{silo: 1, at_s: 10}]", "unlearning.halt=true", *ERASE
+    )
+    summary = run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
+    (row,) = summary["erasures"]["verified"]
+    assert row["erasure_latency_s"] > 0
+    assert row["updates_from_others_while_erasing"] == 0
+
+
+def test_excluded_silo_never_trains(small_cfg):
+    cfg = small_cfg("run.max_versions=10", "silos.exclude=[0]")
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    assert summary["per_silo"]["0"]["accepted"] == 0 and summary["versions"] == 10

@@ -1,0 +1,230 @@
+"""The same erasure, four ways, judged against retraining from scratch.
+
+A verification run: silo ``--silo``'s training data carries a backdoor (a trigger patch with
+a target label). At ``--erase-at-s`` virtual seconds that silo asks to be forgotten. Methods:
+
+- ``retrain``: retraining from scratch without the silo (same seed, same budget): the gold
+  standard every other method is judged against;
+- ``sync-halt``: synchronous FedAvg whose federation halts while the silo erases, with the
+  FedEraser-style removal of the silo's recorded contributions (Liu et al. 2021) and no
+  invariance calibration;
+- ``async-nocal``: fedasync's asynchronous erasure without invariance calibration (ablation);
+- ``fedasync``: asynchronous erasure with invariance calibration.
+
+Per method: backdoor attack success rate (ASR), forget-set accuracy, membership-inference
+AUC (forget set vs unseen data), test accuracy, at the erasure boundary and at the end of the
+budget (after relearning); erasure latency in virtual seconds; the other silos' training
+throughput while erasing as a share of normal. Retraining's latency is the virtual time it
+needs to reach the test accuracy the federation had when the erasure was requested. Writes
+``results.csv`` and ``unlearning.png`` and prints last ``erasure_speedup_vs_retrain=<x>``.
+
+    .venv/bin/python benchmarks/unlearning_vs_retrain.py
+    .venv/bin/python benchmarks/unlearning_vs_retrain.py --benchmark radiomics-slice --silos 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from server.events import read_events  # noqa: E402
+from server.summary import time_to_target  # noqa: E402
+from simulations.config import load_config  # noqa: E402
+from simulations.launcher import run_engine, setup_logging  # noqa: E402
+
+METRICS = ("asr", "forget_accuracy", "mia_auc", "test_accuracy")
+
+
+def _methods(silo: int, at_s: float) -> dict[str, list[str]]:
+    erase = f"erasures=[{{silo: {silo}, at_s: {at_s}}}]"
+    return {
+        "retrain": [f"silos.exclude=[{silo}]", "server.mode=fedasync"],
+        "sync-halt": [
+            erase,
+            "server.mode=sync",
+            "unlearning.halt=true",
+            "unlearning.calibration=false",
+        ],
+        "async-nocal": [erase, "server.mode=fedasync", "unlearning.calibration=false"],
+        "fedasync": [erase, "server.mode=fedasync", "unlearning.calibration=true"],
+    }
+
+
+def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:
+    """Verification metrics of the retrained model (its final checkpoint)."""
+    from clients.local import training_data
+    from clients.verify import verification_report
+    from medical_data.backdoor import triggered_set
+    from server.app import _federation, initial_model
+    from server.checkpoint import load_state
+
+    fed = _federation(cfg)
+    model = initial_model(cfg)
+    model.load_state_dict(load_state(run_dir / "checkpoint.pt").params)
+    bd = {
+        "enabled": True,
+        "silo": silo,
+        "fraction": cfg.backdoor.fraction,
+        "target_label": cfg.backdoor.target_label,
+    }
+    return verification_report(
+        model,
+        forget=training_data(fed, silo, bd, cfg.run.seed),
+        test=fed.test,
+        triggered=triggered_set(fed.test, cfg.backdoor.target_label),
+        target_label=cfg.backdoor.target_label,
+        task=fed.spec.task,
+    )
+
+
+def _throughput(run_dir: Path, start: float, end: float, silo: int) -> float | None:
+    """Other silos' accepted updates per virtual second while erasing, over the rate before."""
+    ups = [
+        e
+        for e in read_events(run_dir / "metrics.jsonl")
+        if e["event"] == "update" and e["silo"] != silo
+    ]
+    before = [e for e in ups if e["t"] < start]
+    during = [e for e in ups if start <= e["t"] <= end]
+    if not before or end <= start:
+        return None
+    return (len(during) / (end - start)) / (len(before) / start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--benchmark", default="brain-tissue")
+    ap.add_argument("--silos", type=int, default=6)
+    ap.add_argument(
+        "--silo", type=int, default=2, help="the silo that carries the backdoor and is erased"
+    )
+    ap.add_argument("--budget-s", type=float, default=500.0)
+    ap.add_argument("--erase-at-s", type=float, default=200.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/bench-unlearning")
+    ap.add_argument("--methods", default="retrain,sync-halt,async-nocal,fedasync")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    out = Path(args.out) / args.benchmark
+    setup_logging(out)
+    common = [
+        f"run.out_dir={out}",
+        f"run.seed={args.seed}",
+        f"run.budget_s={args.budget_s}",
+        "run.compare_sync=false",
+        "run.progress=false",
+        f"data.benchmark={args.benchmark}",
+        f"silos.count={args.silos}",
+        "silos.speed_profile=uniform",
+        "server.eval_every=5",
+        "server.checkpoint_every=0",
+        "server.evaluate_silos=false",
+        "server.max_staleness=null",
+        "backdoor.enabled=true",
+        f"backdoor.silo={args.silo}",
+        "backdoor.fraction=0.5",
+        "backdoor.target_label=0",
+        "unlearning.relearn_versions=20",
+    ]
+    rows: dict[str, dict[str, Any]] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    for name, extra in _methods(args.silo, args.erase_at_s).items():
+        if name not in args.methods.split(","):
+            continue
+        cfg = load_config(None, common + extra + [f"run.name={name}"] + args.overrides)
+        t0 = time.monotonic()
+        s = run_engine(cfg, out / name)
+        summaries[name] = s
+        print(f"[{name}] {time.monotonic() - t0:.0f}s wall, {s['versions']} versions", flush=True)
+        if name == "retrain":
+            final = _retrain_metrics(cfg, out / name, args.silo)
+            rows[name] = {
+                **{f"{k}@boundary": None for k in METRICS},
+                **{f"{k}@end": final.get(k) for k in METRICS},
+            }
+            continue
+        applied = s.get("erasures", {}).get("applied", [])
+        if not applied:
+            states = [r["state"] for r in s.get("erasures", {}).get("requests", [])]
+            print(f"[{name}] the erasure was not applied within the budget: {states}")
+            rows[name] = {}
+            continue
+        v = applied[0]
+        start = v["submitted_t"]
+        end = start + v["erasure_latency_s"]  # the erasure is in the model
+        rows[name] = {
+            **{f"{k}@boundary": v["at_boundary"].get(k) for k in METRICS},
+            **{f"{k}@end": v["at_end"].get(k) for k in METRICS},
+            "latency_s": v["erasure_latency_s"],
+            "throughput_while_erasing": _throughput(out / name, v["started_t"], end, args.silo),
+            "pre_erasure_accuracy": max(
+                (e["score"] for e in s["evals"] if e["t"] <= start), default=None
+            ),
+        }
+    # retraining's latency: time to regain the accuracy the federation had at the request
+    ref = rows.get("fedasync", {}).get("pre_erasure_accuracy")
+    if "retrain" in summaries:
+        t = time_to_target(summaries["retrain"]["evals"], ref) if ref else None
+        rows["retrain"]["latency_s"] = t if t is not None else args.budget_s
+        rows["retrain"]["throughput_while_erasing"] = 0.0
+    _print_and_save(rows, out, args)
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+def _print_and_save(rows: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace) -> None:
+    cols = (
+        [f"{k}@boundary" for k in METRICS]
+        + [f"{k}@end" for k in METRICS]
+        + ["latency_s", "throughput_while_erasing"]
+    )
+    print("\nmethod       " + " ".join(f"{c:>22s}" for c in cols))
+    for name, r in rows.items():
+        print(f"{name:12s} " + " ".join(f"{_fmt(r.get(c)):>22s}" for c in cols))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", *cols])
+        for name, r in rows.items():
+            w.writerow([name, *[r.get(c) for c in cols]])
+    _plot(rows, out / "unlearning.png", args)
+    ret = rows.get("retrain", {}).get("latency_s")
+    ours = rows.get("fedasync", {}).get("latency_s")
+    speedup = (ret / ours) if (ret and ours) else 0.0
+    print(f"results: {out / 'results.csv'}, {out / 'unlearning.png'}")
+    print(f"erasure_speedup_vs_retrain={speedup:.2f}")
+
+
+def _plot(rows: dict[str, dict[str, Any]], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.6))
+    for ax, m in zip(axes, METRICS):
+        vals = [rows[n].get(f"{m}@end") or 0.0 for n in names]
+        ax.bar(names, vals, color=["tab:grey" if n == "retrain" else "tab:blue" for n in names])
+        ax.set_title(f"{m} after relearning")
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(
+        f"Erasure of silo {args.silo} on {args.benchmark}: each method vs retraining (grey)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
