@@ -106,3 +106,26 @@ def test_excluded_silo_never_trains(small_cfg):
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
     assert summary["per_silo"]["0"]["accepted"] == 0 and summary["versions"] == 10
+
+
+def test_server_restart_mid_erasure_finishes_it_once(small_cfg):
+    """The server stops while a silo is erasing; resumed, the erasure is carried out again
+    from the store and verified, and it is applied exactly once."""
+    from server.erasure.store import ErasureStore
+
+    first = small_cfg("run.max_versions=12", "erasures=[{silo: 1, at_s: 8}]", *ERASE)
+    run_dir = Path(first.run.out_dir) / first.run.name
+    summary = run_server(InProcessGrid(client_app, 3), first, run_dir)
+    (req,) = summary["erasures"]["requests"]
+    assert req["state"] == "erasing", "the run stopped mid-erasure"
+    second = small_cfg(
+        "run.max_versions=40", "erasures=[{silo: 1, at_s: 8}]", "run.resume=true", *ERASE
+    )
+    summary = run_server(InProcessGrid(client_app, 3), second, run_dir)
+    (req,) = summary["erasures"]["requests"]
+    assert req["state"] == "verified"
+    with ErasureStore(run_dir / "erasures.sqlite") as store:
+        actions = [(a.from_state, a.to_state) for a in store.audit(req["id"])]
+    assert actions.count(("erasing", "calibrating")) == 1, actions
+    events = read_events(run_dir / "metrics.jsonl")
+    assert [e["state"] for e in events if e["event"] == "erasure"].count("calibrating") == 1
