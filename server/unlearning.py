@@ -215,8 +215,8 @@ class ErasureCoordinator:
             state="calibrating",
             **erasure.metrics_at_boundary,
         )
-        if self.cfg.halt and not srv.barrier:
-            self.halting = False  # re-evaluated by the next poll if more requests wait
+        self.halting = False  # re-evaluated by the next poll if more requests wait
+        if self.cfg.halt and not srv.barrier:  # (a sync round restarts everyone by itself)
             for silo in self.halted_silos():
                 srv.dispatch(silo)  # the halted federation resumes
 

@@ -47,7 +47,13 @@ def test_scheduled_whole_silo_erasure_is_verified(small_cfg):
 
 
 def test_sample_level_erasure_keeps_the_silo_training(small_cfg):
-    cfg = small_cfg("run.max_versions=30", "erasures=[{silo: 2, at_s: 10, fraction: 0.3}]", *ERASE)
+    """Relabelling, a share of one silo's samples: the silo keeps training without them."""
+    cfg = small_cfg(
+        "run.max_versions=30",
+        "erasures=[{silo: 2, at_s: 10, fraction: 0.3}]",
+        "unlearning.method=relabel",
+        *ERASE,
+    )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
     (req,) = summary["erasures"]["requests"]
