@@ -91,7 +91,7 @@ def _throughput(run_dir: Path, start: float, end: float, silo: int) -> float | N
         if e["event"] == "update" and e["silo"] != silo
     ]
     before = [e for e in ups if e["t"] < start]
-    during = [e for e in ups if start <= e["t"] <= end]
+    during = [e for e in ups if start < e["t"] <= end]  # work taken at the start predates it
     if not before or end <= start:
         return None
     return (len(during) / (end - start)) / (len(before) / start)
