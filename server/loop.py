@@ -421,7 +421,7 @@ class AsyncServer:
             log.error("erasure %s failed: %s", erasure.request_id, e)
             self.erasure.failed(erasure, str(e))
             return True  # the silo goes back to training; the request says why it failed
-        self.erasure.take_unlearn(job, erasure, reply, (delta, basis, names, metrics))
+        self.erasure.take_unlearn(erasure, (delta, basis, names, metrics))
         return bool(erasure.sample_ids)  # a retired silo is not sent work again
 
     def _down_s(self, job: Job) -> float:

@@ -174,7 +174,7 @@ class ErasureCoordinator:
     def record(self, silo: int, contribution: Params, version: int) -> None:
         self.ledger.record(str(silo), contribution, version)
 
-    def take_unlearn(self, job: Job, erasure: Erasure, reply: Any, decoded: tuple) -> None:
+    def take_unlearn(self, erasure: Erasure, decoded: tuple) -> None:
         """Apply a silo's erasure: removal + its delta onto the current model; boundary."""
         srv = self.srv
         delta, basis, names, metrics = decoded
