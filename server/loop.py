@@ -464,6 +464,8 @@ class AsyncServer:
                 self._reject(job, calibrated)
                 return
             update.tensors = calibrated
+            if self.erasure.last_overlap is not None:
+                update.metrics["calibration_overlap"] = self.erasure.last_overlap
         corr = self.cfg.server.corrections
         if corr.delay_compensation > 0 and acc.staleness > 0:
             w_base = self.sent.get(job.base_version)

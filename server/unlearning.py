@@ -81,6 +81,7 @@ class ErasureCoordinator:
             ((e.at_s, e.silo, e.fraction) for e in srv.cfg.erasures), key=lambda x: x[0]
         )
         self.report: list[dict[str, Any]] = []
+        self.last_overlap: float | None = None
         self.seen: dict[str, float] = {}  # request id -> clock time it was first seen queued
         self.halting = False
 
@@ -157,7 +158,12 @@ class ErasureCoordinator:
 
     # -------------------------------------------------------------- replies
     def calibrate(self, job: Job, tensors: Params) -> Params | Rejection:
-        """Calibrate one accepted train update (or reject it) before it is folded."""
+        """Calibrate one accepted train update (or reject it) before it is folded.
+
+        ``last_overlap`` is the share of the update's norm that lay in the erased data's
+        signature subspace before the projection (logged with the update; None: uncalibrated).
+        """
+        self.last_overlap = None
         if job.silo in self.retired or self.erasing(job.silo):
             return Rejection(RejectReason.ERASED, f"silo {job.silo}'s data is under erasure")
         if job.silo in self.excluded and job.base_version < self.boundary:
@@ -169,6 +175,7 @@ class ErasureCoordinator:
                 RejectReason.CROSSED_BOUNDARY,
                 f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
             )
+        self.last_overlap = self.signature.overlap(tensors)
         return self.signature.project_out(tensors, strength=self.cfg.calibration_strength)
 
     def record(self, silo: int, contribution: Params, version: int) -> None:

@@ -135,3 +135,23 @@ def test_server_restart_mid_erasure_finishes_it_once(small_cfg):
     assert actions.count(("erasing", "calibrating")) == 1, actions
     events = read_events(run_dir / "metrics.jsonl")
     assert [e["state"] for e in events if e["event"] == "erasure"].count("calibrating") == 1
+
+
+def test_calibration_projects_later_updates_and_drop_rule_counts(small_cfg):
+    """After the boundary every update is calibrated (its overlap with the erased data's
+    signature is logged); under the drop rule, work based before the boundary is rejected."""
+    cfg = small_cfg(
+        "run.max_versions=30",
+        "erasures=[{silo: 1, at_s: 10}]",
+        "unlearning.pre_boundary=drop",
+        *ERASE,
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    boundary = summary["erasures"]["applied"][0]["boundary_version"]
+    assert summary["updates_rejected"].get("crossed_boundary", 0) >= 1
+    events = read_events(run_dir / "metrics.jsonl")
+    later = [e for e in events if e["event"] == "update" and e["version"] >= boundary]
+    assert later and all(0.0 <= e["calibration_overlap"] <= 1.0 for e in later)
+    earlier = [e for e in events if e["event"] == "update" and e["version"] < boundary]
+    assert all("calibration_overlap" not in e for e in earlier)
