@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
@@ -40,7 +39,6 @@ from fedasync import (
     RejectReason,
     ServerOptimizer,
     StalenessBound,
-    check_tensors,
     delay_compensate_delta,
     make_weight_fn,
 )
@@ -50,6 +48,7 @@ from server.config import FedAsyncConfig
 from server.events import EventLog
 from server.intake import Accepted, Job, take_reply
 from server.roster import discover_silos
+from server.unlearn_messages import read_unlearn_reply, unlearn_message
 
 log = logging.getLogger("fedasync.server")
 
@@ -222,27 +221,13 @@ class AsyncServer:
         """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``."""
         job_id = self.next_job_id
         self.next_job_id += 1
-        u = self.cfg.unlearning
         if isinstance(self.clock, VirtualClock):
-            t0 = self.clock.now
-            work = u.steps * self.cfg.silos.step_time_s / self.speeds[silo]
-            timing = (t0, t0 + work + self.cfg.silos.latency_s)
+            work = self.cfg.unlearning.steps * self.cfg.silos.step_time_s / self.speeds[silo]
+            timing = (self.clock.now, self.clock.now + work + self.cfg.silos.latency_s)
         else:
             jt = self.clock.schedule(silo, job_id)
             timing = (jt.dispatched_at, jt.finishes_at)
-        seed = int(np.random.default_rng([self.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1))
-        config = ConfigRecord(
-            {
-                P.SETUP: self.setup_json,
-                P.JOB_ID: job_id,
-                P.BASE_VERSION: self.version,
-                P.SEED: seed,
-                P.FORGET: list(erasure.sample_ids),
-                P.UNLEARN_JSON: P.dumps(to_dict(u)),
-            }
-        )
-        content = RecordDict({P.ARRAYS: wire.encode(start), P.CONFIG: config})
-        msg = Message(content, dst_node_id=self.roster[silo], message_type=P.UNLEARN)
+        msg = unlearn_message(self, silo, job_id, start, erasure)
         (mid,) = list(self.grid.push_messages([msg]))
         self.inflight[mid] = Job(
             mid,
@@ -250,10 +235,8 @@ class AsyncServer:
             self.roster[silo],
             job_id,
             self.version,
-            timing[0],
-            timing[1],
+            *timing,
             time.monotonic(),
-            "",
             kind="unlearn",
             erasure=erasure,
         )
@@ -401,27 +384,12 @@ class AsyncServer:
     def _take_unlearn(self, job: Job, reply: Message) -> bool:
         """A silo's erasure result: validate it, then let the coordinator apply it."""
         erasure = job.erasure
-        try:
-            if reply.has_error():
-                raise ValueError(f"the silo failed: {reply.error.reason}".splitlines()[0][:300])
-            delta = wire.decode(reply.content[P.ARRAYS])
-            bad = check_tensors(delta, self.params)
-            if bad is not None:
-                raise ValueError(f"{bad.reason.value}: {bad.detail}")
-            basis = wire.decode(reply.content[P.SIGNATURE])["basis"]
-            names = [str(n) for n in reply.content[P.CONFIG]["signature-names"]]  # type: ignore[union-attr]
-            if basis.dim() != 2 or not bool(torch.isfinite(basis).all()):
-                raise ValueError("the gradient signature is not a finite (d, k) matrix")
-            metrics = {
-                k: float(v)  # type: ignore[arg-type]
-                for k, v in reply.content[P.METRICS].items()
-                if k not in (P.SILO, P.JOB_ID, P.BASE_VERSION)
-            }
-        except (KeyError, ValueError, TypeError) as e:
-            log.error("erasure %s failed: %s", erasure.request_id, e)
-            self.erasure.failed(erasure, str(e))
+        result = read_unlearn_reply(reply, self.params)
+        if isinstance(result, str):
+            log.error("erasure %s failed: %s", erasure.request_id, result)
+            self.erasure.failed(erasure, result)
             return True  # the silo goes back to training; the request says why it failed
-        self.erasure.take_unlearn(erasure, (delta, basis, names, metrics))
+        self.erasure.take_unlearn(erasure, result)
         return bool(erasure.sample_ids)  # a retired silo is not sent work again
 
     def _down_s(self, job: Job) -> float:

@@ -1,0 +1,67 @@
+"""The ``train.unlearn`` exchange with a silo: the message sent, and the reply read strictly.
+
+The reply carries the erasure delta (relative to the model sent), the forget data's gradient
+signature basis ``(d, k)`` with the names of the tensors it spans, and the silo's metrics.
+Anything malformed is an error message (the request fails with it), never an exception that
+would stop the loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from clients import protocol as P
+from clients import wire
+from clients.config import to_dict
+from fedasync import Params, check_tensors
+
+if TYPE_CHECKING:
+    from server.loop import AsyncServer
+
+
+def unlearn_message(
+    srv: AsyncServer, silo: int, job_id: int, start: Params, erasure: Any
+) -> Message:
+    """The train.unlearn message asking ``silo`` to erase ``erasure``'s samples from ``start``."""
+    seed = int(np.random.default_rng([srv.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1))
+    config = ConfigRecord(
+        {
+            P.SETUP: srv.setup_json,
+            P.JOB_ID: job_id,
+            P.BASE_VERSION: srv.version,
+            P.SEED: seed,
+            P.FORGET: list(erasure.sample_ids),
+            P.UNLEARN_JSON: P.dumps(to_dict(srv.cfg.unlearning)),
+        }
+    )
+    content = RecordDict({P.ARRAYS: wire.encode(start), P.CONFIG: config})
+    return Message(content, dst_node_id=srv.roster[silo], message_type=P.UNLEARN)
+
+
+def read_unlearn_reply(
+    reply: Message, reference: Params
+) -> tuple[Params, torch.Tensor, list[str], dict[str, float]] | str:
+    """(delta, signature basis, basis tensor names, metrics), or why the reply is unusable."""
+    try:
+        if reply.has_error():
+            return f"the silo failed: {reply.error.reason}".splitlines()[0][:300]
+        delta = wire.decode(reply.content[P.ARRAYS])
+        bad = check_tensors(delta, reference)
+        if bad is not None:
+            return f"{bad.reason.value}: {bad.detail}"
+        basis = wire.decode(reply.content[P.SIGNATURE])["basis"]
+        names = [str(n) for n in reply.content[P.CONFIG]["signature-names"]]  # type: ignore[union-attr]
+        if basis.dim() != 2 or not bool(torch.isfinite(basis).all()):
+            return "the gradient signature is not a finite (d, k) matrix"
+        metrics = {
+            k: float(v)  # type: ignore[arg-type]
+            for k, v in reply.content[P.METRICS].items()
+            if k not in (P.SILO, P.JOB_ID, P.BASE_VERSION)
+        }
+    except (KeyError, ValueError, TypeError) as e:
+        return f"malformed erasure reply: {e}"
+    return delta, basis, names, metrics
