@@ -19,6 +19,7 @@ needs to reach the test accuracy the federation had when the erasure was request
 ``results.csv`` and ``unlearning.png`` and prints last ``erasure_speedup_vs_retrain=<x>``.
 
     .venv/bin/python benchmarks/unlearning_vs_retrain.py
+    .venv/bin/python benchmarks/unlearning_vs_retrain.py --relearn-attack --methods async-nocal,fedasync
     .venv/bin/python benchmarks/unlearning_vs_retrain.py --benchmark radiomics-slice --silos 5
 """
 
@@ -111,6 +112,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench-unlearning")
     ap.add_argument("--methods", default="retrain,sync-halt,async-nocal,fedasync")
+    ap.add_argument(
+        "--relearn-attack",
+        action="store_true",
+        help="after the erasure, another silo also trains on the erased (poisoned) samples",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = Path(args.out) / args.benchmark
@@ -134,6 +140,12 @@ def main() -> None:
         "backdoor.target_label=0",
         "unlearning.relearn_versions=20",
     ]
+    if args.relearn_attack:
+        attacker = (args.silo + 1) % args.silos
+        common += [
+            f"backdoor.relearn_silo={attacker}",
+            f"backdoor.relearn_after_s={args.erase_at_s + 60}",
+        ]
     rows: dict[str, dict[str, Any]] = {}
     summaries: dict[str, dict[str, Any]] = {}
     for name, extra in _methods(args.silo, args.erase_at_s).items():

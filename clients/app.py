@@ -19,7 +19,7 @@ from flwr.clientapp import ClientApp
 from clients import protocol as P
 from clients import wire
 from clients.config import ClientConfig, DataConfig, DPConfig, build_silos
-from clients.local import evaluate, pick_device, select, train_local, training_data
+from clients.local import concat, evaluate, pick_device, select, train_local, training_data
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
 
@@ -89,6 +89,10 @@ def train(msg: Message, context: Context) -> Message:
     fed = _federation(setup)
     silo, data = _silo(context, setup)
     data = select(data, [str(x) for x in cfg.get(P.EXCLUDE, [])])  # type: ignore[union-attr]
+    if bool(cfg.get(P.RELEARN, False)):  # a relearning attack in a verification run
+        setup_d = P.loads(setup)
+        poisoned = _silo_data(setup, int(setup_d["backdoor"]["silo"]))
+        data = concat(data, poisoned)
     ccfg = _client_cfg(setup)
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)

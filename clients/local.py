@@ -47,6 +47,16 @@ def select(data: SiloData, ids: list[str], *, keep: bool = False) -> SiloData:
     )
 
 
+def concat(a: SiloData, b: SiloData) -> SiloData:
+    """The samples of ``a`` followed by those of ``b`` (named after ``a``)."""
+    return replace(
+        a,
+        images=np.concatenate([a.images, b.images]),
+        labels=np.concatenate([a.labels, b.labels]),
+        sample_ids=np.concatenate([a.sample_ids, b.sample_ids]),
+    )
+
+
 def pick_device(name: str = "auto") -> torch.device:
     """CUDA when present and asked for ('auto'), else CPU."""
     if name == "auto":

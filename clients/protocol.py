@@ -44,6 +44,8 @@ FORGET = "forget-ids"
 """Unlearn: the sample ids to erase; empty = the whole silo."""
 UNLEARN_JSON = "unlearn-json"
 """Unlearn: the UnlearningConfig as JSON."""
+RELEARN = "relearn"
+"""Relearning attack (verification runs): also train on the backdoored silo's poisoned data."""
 KEEP_REPLY = "keep-reply"
 """Keep a copy of this reply in the node state (only needed to inject a replay)."""
 

@@ -194,6 +194,10 @@ class BackdoorConfig:
     """Fraction of that silo's samples that get the trigger and the target label."""
     target_label: int = 0
     """The label the trigger maps to."""
+    relearn_silo: int | None = None
+    """Relearning attack: this silo also trains on the backdoored silo's poisoned samples..."""
+    relearn_after_s: float = 0.0
+    """...from this virtual second on (to test that an erasure stays in force)."""
 
 
 @dataclass

@@ -200,6 +200,9 @@ class AsyncServer:
                 P.FAULT: fault,
                 P.KEEP_REPLY: keep,
                 P.EXCLUDE: self.erasure.excluded.get(silo, []) if self.erasure else [],
+                P.RELEARN: silo == self.cfg.backdoor.relearn_silo
+                and self.cfg.backdoor.enabled
+                and self.clock.now >= self.cfg.backdoor.relearn_after_s,
             }
         )
         content = RecordDict({P.ARRAYS: wire.encode(params), P.CONFIG: config})

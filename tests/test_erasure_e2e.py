@@ -155,3 +155,23 @@ def test_calibration_projects_later_updates_and_drop_rule_counts(small_cfg):
     assert later and all(0.0 <= e["calibration_overlap"] <= 1.0 for e in later)
     earlier = [e for e in events if e["event"] == "update" and e["version"] < boundary]
     assert all("calibration_overlap" not in e for e in earlier)
+
+
+def test_relearning_attack_is_sent_to_its_silo_after_its_time(small_cfg):
+    cfg = small_cfg(
+        "run.max_versions=20",
+        "backdoor.enabled=true",
+        "backdoor.silo=1",
+        "backdoor.relearn_silo=2",
+        "backdoor.relearn_after_s=8",
+    )
+    grid = InProcessGrid(client_app, 3)
+    run_server(grid, cfg, Path(cfg.run.out_dir) / cfg.run.name)
+    flags = [
+        (m.metadata.dst_node_id, bool(m.content["config"]["relearn"]))
+        for m in grid.pushed
+        if m.metadata.message_type == "train"
+    ]
+    assert any(flag for node, flag in flags if node == 1002)
+    assert not any(flag for node, flag in flags if node != 1002)
+    assert not flags[0][1], "not before relearn_after_s"
