@@ -3,6 +3,8 @@
 A verification run: silo ``--silo``'s training data carries a backdoor (a trigger patch with
 a target label). At ``--erase-at-s`` virtual seconds that silo asks to be forgotten. Methods:
 
+- ``no-erasure``: the same run without any erasure: what there is to erase (the backdoor the
+  model learnt from the silo);
 - ``retrain``: retraining from scratch without the silo (same seed, same budget): the gold
   standard every other method is judged against;
 - ``sync-halt``: synchronous FedAvg whose federation halts while the silo erases, with the
@@ -45,6 +47,7 @@ METRICS = ("asr", "forget_accuracy", "mia_auc", "test_accuracy")
 def _methods(silo: int, at_s: float) -> dict[str, list[str]]:
     erase = f"erasures=[{{silo: {silo}, at_s: {at_s}}}]"
     return {
+        "no-erasure": ["server.mode=fedasync"],  # what there is to erase: the backdoor learnt
         "retrain": [f"silos.exclude=[{silo}]", "server.mode=fedasync"],
         "sync-halt": [
             erase,
@@ -111,7 +114,7 @@ def main() -> None:
     ap.add_argument("--erase-at-s", type=float, default=200.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench-unlearning")
-    ap.add_argument("--methods", default="retrain,sync-halt,async-nocal,fedasync")
+    ap.add_argument("--methods", default="no-erasure,retrain,sync-halt,async-nocal,fedasync")
     ap.add_argument(
         "--relearn-attack",
         action="store_true",
@@ -156,7 +159,7 @@ def main() -> None:
         s = run_engine(cfg, out / name)
         summaries[name] = s
         print(f"[{name}] {time.monotonic() - t0:.0f}s wall, {s['versions']} versions", flush=True)
-        if name == "retrain":
+        if name in ("retrain", "no-erasure"):
             final = _retrain_metrics(cfg, out / name, args.silo)
             rows[name] = {
                 **{f"{k}@boundary": None for k in METRICS},
