@@ -143,13 +143,23 @@ def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
     if not Path("/proc").is_dir():
         return
     deadline = time.monotonic() + grace_s
-    while _pids_with_env(SESSION_ENV, session) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    signals = [signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]
+    quiet = 0
+    while quiet < 2:  # two scans in a row with nothing left: a worker spawned late is caught
         left = _pids_with_env(SESSION_ENV, session)
         if not left:
+            quiet += 1
+            time.sleep(0.3)
+            continue
+        quiet = 0
+        if time.monotonic() < deadline:
+            time.sleep(0.2)
+            continue
+        if not signals:
+            log.error("Ray processes %s survived SIGKILL", left)
             return
-        log.warning("stopping %d leftover Ray process(es): %s", len(left), left)
+        sig = signals.pop(0)
+        log.warning("stopping %d leftover Ray process(es) with %s: %s", len(left), sig.name, left)
         for pid in left:
             try:
                 os.kill(pid, sig)
