@@ -20,6 +20,7 @@ from clients import protocol as P
 from clients import wire
 from clients.config import ClientConfig, DataConfig, DPConfig, build_silos
 from clients.local import concat, evaluate, pick_device, select, train_local, training_data
+from fedasync.tensors import sub
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
 
@@ -57,6 +58,7 @@ def _silo_data(setup_json: str, silo: int) -> SiloData:
     return training_data(_federation(setup_json), silo, setup.get("backdoor"), int(setup["seed"]))
 
 
+@lru_cache(maxsize=4)
 def _client_cfg(setup_json: str) -> ClientConfig:
     c = dict(P.loads(setup_json)["client"])
     return ClientConfig(**{**c, "dp": DPConfig(**c.get("dp", {}))})
@@ -113,7 +115,7 @@ def train(msg: Message, context: Context) -> Message:
         device=device,
     )
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    delta = {k: (local[k] - base[k]) if local[k].is_floating_point() else local[k] for k in local}
+    delta = sub(local, base)
     base_version = int(cfg[P.BASE_VERSION])
     claimed_silo = silo
     if fault == "nan":
@@ -211,7 +213,7 @@ def unlearn(msg: Message, context: Context) -> Message:
         model, forget, task=fed.spec.task, rank=int(ucfg["signature_rank"]), seed=seed
     )
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    delta = {k: (local[k] - base[k]) if local[k].is_floating_point() else local[k] for k in local}
+    delta = sub(local, base)
     metrics = MetricRecord(
         {
             P.SILO: silo,

@@ -225,13 +225,14 @@ class _Catalog:
 def erasure_summary(srv: AsyncServer) -> dict[str, Any]:
     """Every request's final state, the verification report of each verified one, and the
     same metrics on the final model for every applied erasure (``at_end``)."""
-    store, co = srv.erasure.store, srv.erasure
+    co = srv.erasure
+    requests = co.store.list()
+    ids_of = {r.id: list(r.sample_ids) for r in requests}
     calibrating = [
         {**co.row(e), "after_relearn": None} for e in co.active.values() if e.boundary is not None
     ]
     for row in [*co.report, *calibrating]:
-        ids = next((list(r.sample_ids) for r in store.list() if r.id == row["request"]), [])
-        row["at_end"] = co.verify_fn(srv.params, row["silo"], ids)
+        row["at_end"] = co.verify_fn(srv.params, row["silo"], ids_of.get(row["request"], []))
     return {
         "applied": [*co.report, *calibrating],
         "requests": [
@@ -241,11 +242,11 @@ def erasure_summary(srv: AsyncServer) -> dict[str, Any]:
                 "state": r.state.value,
                 "requester": r.requester,
                 "samples": len(r.sample_ids),
-                "failure_reason": getattr(r, "failure_reason", ""),
+                "failure_reason": r.failure_reason,
             }
-            for r in store.list()
+            for r in requests
         ],
-        "verified": srv.erasure.report,
+        "verified": co.report,
     }
 
 

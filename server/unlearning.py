@@ -58,7 +58,6 @@ class Erasure:
     removal: Params | None = None  # what the server subtracted at dispatch (minus ledger)
     boundary: int | None = None
     applied_t: float | None = None
-    accepted_at_start: int = 0  # other silos' accepted updates when erasing began
     metrics_at_boundary: dict[str, float] = field(default_factory=dict)
 
 
@@ -141,7 +140,6 @@ class ErasureCoordinator:
         srv = self.srv
         e = Erasure(req.id, req.silo, list(req.sample_ids), self.seen.get(req.id, srv.clock.now))
         e.started_t = srv.clock.now
-        e.accepted_at_start = srv.updates_accepted
         total = self.ledger.total(str(req.silo)) if self.cfg.server_removal else None
         e.removal = {k: -v for k, v in total.items()} if total is not None else None
         self.active[req.id] = e
@@ -336,12 +334,10 @@ class ErasureCoordinator:
                 c["silo"],
                 c["sample_ids"],
                 c["submitted_t"],
-                c["started_t"],
-                None,
-                c["boundary"],
-                c["applied_t"],
-                0,
-                c["metrics"],
+                started_t=c["started_t"],
+                boundary=c["boundary"],
+                applied_t=c["applied_t"],
+                metrics_at_boundary=c["metrics"],
             )
 
     def reconcile(self) -> None:
@@ -375,4 +371,6 @@ def _state(name: str) -> Any:
 
 
 def _add(a: Params, b: Params) -> Params:
+    """``a + b`` on ``a``'s floating tensors. Unlike ``fedasync.tensors.add``, ``b`` may hold
+    only the floating tensors (the ledger records nothing else)."""
     return {k: (a[k] + b[k]) if a[k].is_floating_point() else a[k] for k in a}
