@@ -175,3 +175,20 @@ def test_relearning_attack_is_sent_to_its_silo_after_its_time(small_cfg):
     assert any(flag for node, flag in flags if node == 1002)
     assert not any(flag for node, flag in flags if node != 1002)
     assert not flags[0][1], "not before relearn_after_s"
+
+
+def test_restart_while_calibrating_keeps_the_erasure(small_cfg):
+    """Stopped after the erasure was applied but before it was verified, a resumed run keeps
+    the erased silo retired and verifies the request."""
+    common = ("erasures=[{silo: 1, at_s: 5}]", *ERASE, "unlearning.relearn_versions=15")
+    first = small_cfg("run.max_versions=20", *common)
+    run_dir = Path(first.run.out_dir) / first.run.name
+    summary = run_server(InProcessGrid(client_app, 3), first, run_dir)
+    assert [r["state"] for r in summary["erasures"]["requests"]] == ["calibrating"]
+    boundary = summary["erasures"]["applied"][0]["boundary_version"]
+    second = small_cfg("run.max_versions=45", "run.resume=true", *common)
+    summary = run_server(InProcessGrid(client_app, 3), second, run_dir)
+    assert [r["state"] for r in summary["erasures"]["requests"]] == ["verified"]
+    events = read_events(run_dir / "metrics.jsonl")
+    later = [e for e in events if e["event"] == "update" and e["version"] >= boundary]
+    assert later and all(e["silo"] != 1 for e in later)
