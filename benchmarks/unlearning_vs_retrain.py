@@ -16,10 +16,15 @@ a model that erased it from one that never learnt it). At ``--erase-at-s`` virtu
 
 Per method: backdoor attack success rate (ASR), forget-set accuracy, membership-inference
 AUC (forget set vs unseen data), test accuracy, at the erasure boundary and at the end of the
-budget (after relearning); erasure latency in virtual seconds; the other silos' training
-throughput while erasing as a share of normal. Retraining's latency is the virtual time it
-needs to reach the test accuracy the federation had when the erasure was requested. Writes
-``results.csv`` and ``unlearning.png`` and prints last ``erasure_speedup_vs_retrain=<x>``.
+budget (after relearning); erasure latency in virtual seconds (from the request until the
+erasure is in the model; for retraining, until it is usable); ``usable_s``, the virtual time
+from the request until the erased model is usable (test accuracy within 2 points of the
+federation's before the request, the mean of its last five evaluations); for retraining, the
+time from scratch to that accuracy; the other silos' training throughput while erasing as a
+share of normal. Writes ``results.csv`` and ``unlearning.png``; prints
+``speedup_vs_retraining_to_the_request`` (retraining redoes all the training up to the
+request, as in FedEraser and FCU) and last ``erasure_speedup_vs_retrain=<x>``: retraining's
+``usable_s`` over fedasync's (the stricter reading).
 
     .venv/bin/python benchmarks/unlearning_vs_retrain.py
     .venv/bin/python benchmarks/unlearning_vs_retrain.py --relearn-attack --methods async-nocal,fedasync
@@ -176,22 +181,47 @@ def main() -> None:
         v = applied[0]
         start = v["submitted_t"]
         end = start + v["erasure_latency_s"]  # the erasure is in the model
+        ref = _pre_erasure_accuracy(s["evals"], start)
         rows[name] = {
             **{f"{k}@boundary": v["at_boundary"].get(k) for k in METRICS},
             **{f"{k}@end": v["at_end"].get(k) for k in METRICS},
             "latency_s": v["erasure_latency_s"],
+            "usable_s": _usable(s["evals"], v, ref - USABLE_GAP),
             "throughput_while_erasing": _throughput(out / name, v["started_t"], end, args.silo),
-            "pre_erasure_accuracy": max(
-                (e["score"] for e in s["evals"] if e["t"] <= start), default=None
-            ),
+            "pre_erasure_accuracy": ref,
         }
-    # retraining's latency: time to regain the accuracy the federation had at the request
+    # retraining: the time from scratch to a model within USABLE_GAP of the accuracy the
+    # federation had when the erasure was requested (the erased model is usable when it is)
     ref = rows.get("fedasync", {}).get("pre_erasure_accuracy")
     if "retrain" in summaries:
-        t = time_to_target(summaries["retrain"]["evals"], ref) if ref else None
-        rows["retrain"]["latency_s"] = t if t is not None else args.budget_s
+        t = time_to_target(summaries["retrain"]["evals"], ref - USABLE_GAP) if ref else None
+        rows["retrain"]["latency_s"] = rows["retrain"]["usable_s"] = (
+            t if t is not None else args.budget_s
+        )
         rows["retrain"]["throughput_while_erasing"] = 0.0
     _print_and_save(rows, out, args)
+
+
+USABLE_GAP = 0.02  # "usable": test accuracy within 2 points of the pre-erasure accuracy
+
+
+def _pre_erasure_accuracy(evals: list[dict[str, Any]], t: float, last: int = 5) -> float:
+    """Mean test accuracy of the last ``last`` evaluations before ``t`` (single evaluations
+    swing by several points on these small tasks; the maximum would be a lucky one)."""
+    before = [e["score"] for e in evals if e["t"] <= t][-last:]
+    return float(sum(before) / len(before)) if before else float("nan")
+
+
+def _usable(evals: list[dict[str, Any]], applied: dict[str, Any], target: float) -> float | None:
+    """Virtual seconds from the request until the erased model is usable again: the erasure
+    is in the model and its test accuracy is at least ``target`` (None: not within the run)."""
+    start, latency = applied["submitted_t"], applied["erasure_latency_s"]
+    if applied["at_boundary"].get("test_accuracy", -1.0) >= target:
+        return float(latency)
+    for e in evals:
+        if e["t"] >= start + latency and e["score"] >= target:
+            return float(e["t"] - start)
+    return None
 
 
 def _fmt(v: Any) -> str:
@@ -202,7 +232,7 @@ def _print_and_save(rows: dict[str, dict[str, Any]], out: Path, args: argparse.N
     cols = (
         [f"{k}@boundary" for k in METRICS]
         + [f"{k}@end" for k in METRICS]
-        + ["latency_s", "throughput_while_erasing"]
+        + ["latency_s", "usable_s", "throughput_while_erasing"]
     )
     print("\nmethod       " + " ".join(f"{c:>22s}" for c in cols))
     for name, r in rows.items():
@@ -213,10 +243,15 @@ def _print_and_save(rows: dict[str, dict[str, Any]], out: Path, args: argparse.N
         for name, r in rows.items():
             w.writerow([name, *[r.get(c) for c in cols]])
     _plot(rows, out / "unlearning.png", args)
-    ret = rows.get("retrain", {}).get("latency_s")
-    ours = rows.get("fedasync", {}).get("latency_s")
-    speedup = (ret / ours) if (ret and ours) else 0.0
+    ours = rows.get("fedasync", {})
+    ret = rows.get("retrain", {}).get("usable_s")
     print(f"results: {out / 'results.csv'}, {out / 'unlearning.png'}")
+    if ours.get("latency_s"):
+        # the literature's reading (FedEraser, FCU): retraining redoes all the training the
+        # erased model embodies, here everything up to the request
+        print(f"speedup_vs_retraining_to_the_request={args.erase_at_s / ours['latency_s']:.2f}")
+    # ours: until a usable erased model, against retraining to the same accuracy
+    speedup = (ret / ours["usable_s"]) if (ret and ours.get("usable_s")) else 0.0
     print(f"erasure_speedup_vs_retrain={speedup:.2f}")
 
 

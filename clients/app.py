@@ -210,7 +210,14 @@ def unlearn(msg: Message, context: Context) -> Message:
             **common,
         )
     signature = forget_signature(
-        model, forget, task=fed.spec.task, rank=int(ucfg["signature_rank"]), seed=seed
+        model,
+        forget,
+        task=fed.spec.task,
+        batches=int(ucfg.get("signature_batches", 8)),
+        batch_size=ccfg.batch_size,
+        rank=int(ucfg["signature_rank"]),
+        seed=seed,
+        device=device,
     )
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     delta = sub(local, base)

@@ -270,7 +270,21 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Deployment entry point: the config arrives as JSON in run config ``config-json``."""
+    """Deployment entry point: the config arrives as JSON in run config ``config-json``; the
+    loop runs on the wall clock (replies taken in arrival order)."""
     raw = context.run_config.get("config-json", "{}")
     cfg = from_container(P.loads(str(raw)))
-    run_server(grid, cfg, Path(cfg.run.out_dir) / cfg.run.name, wall_clock=True)
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    _log_to(run_dir / "run.log")
+    run_server(grid, cfg, run_dir, wall_clock=True)
+
+
+def _log_to(path: Path) -> None:
+    """The ``fedasync`` loggers' INFO and above to ``path`` (run.log, as in simulation);
+    warnings still reach stderr, which Flower streams to ``flwr run``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("fedasync")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)

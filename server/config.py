@@ -220,6 +220,8 @@ class UnlearningConfig:
     """How much of an update's component in the signature subspace is removed (1: all)."""
     signature_rank: int = 8
     """Rank of the gradient signature the erasing silo sends."""
+    signature_batches: int = 8
+    """Forget-set batches whose loss gradients span that signature (each costs about a step)."""
     pre_boundary: str = "project"
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
     relearn_versions: int = 20
@@ -286,6 +288,14 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
         raise ValueError("unlearning.method must be pga or relabel")
     if cfg.unlearning.pre_boundary not in ("project", "drop"):
         raise ValueError("unlearning.pre_boundary must be project or drop")
+    u = cfg.unlearning
+    if u.steps < 0 or u.signature_batches < 1 or u.signature_rank < 1:
+        raise ValueError(
+            "unlearning.steps must be >= 0, unlearning.signature_batches and "
+            "unlearning.signature_rank >= 1"
+        )
+    if not 0.0 <= u.calibration_strength <= 1.0 or u.radius < 0:
+        raise ValueError("unlearning.calibration_strength must be in [0, 1], radius >= 0")
     for i, e in enumerate(cfg.erasures):
         if not 0 <= e.silo < cfg.silos.count:
             raise ValueError(

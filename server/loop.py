@@ -225,7 +225,8 @@ class AsyncServer:
         job_id = self.next_job_id
         self.next_job_id += 1
         if isinstance(self.clock, VirtualClock):
-            work = self.cfg.unlearning.steps * self.cfg.silos.step_time_s / self.speeds[silo]
+            u = self.cfg.unlearning  # the erasure steps, then one gradient per signature batch
+            work = (u.steps + u.signature_batches) * self.cfg.silos.step_time_s / self.speeds[silo]
             timing = (self.clock.now, self.clock.now + work + self.cfg.silos.latency_s)
         else:
             jt = self.clock.schedule(silo, job_id)

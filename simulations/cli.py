@@ -4,12 +4,17 @@ fedasync simulate [--config FILE] [key=value ...]   run a simulation (see README
 fedasync data fetch [--dir DIR]                     fetch and checksum the offline data sets
 fedasync data table [--benchmark B] [--silos N]     print what each silo holds
 fedasync erase submit|status|list|watch|credentials  erasure requests (simulations/erase_cli.py)
+fedasync certs DIR --silos N [--host H]             CA, SuperLink certificate, SuperNode keys
+fedasync deploy local [--silos N] [--config FILE] [key=value ...]
+                                                    SuperLink + SuperNodes here, over TLS
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from simulations import certs, deploy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--silos", type=int, default=6)
     table.add_argument("--seed", type=int, default=0)
     table.add_argument("--partition", default="natural")
+    certs.add_parser(sub)
+    deploy.add_parser(sub)
     args = parser.parse_args(args_in)
 
     if args.cmd == "simulate":
@@ -54,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         simulate(cfg, verbose=args.verbose)
         return 0
+    if args.cmd == "certs":
+        return certs.run(args)
+    if args.cmd == "deploy":
+        return deploy.run(args)
     if args.cmd == "data" and args.data_cmd == "fetch":
         from medical_data.fetch import fetch_all
 
