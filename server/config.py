@@ -206,21 +206,21 @@ class UnlearningConfig:
 
     method: str = "pga"
     """Silo-side erasure: pga (projected gradient ascent, Halimi et al. 2022) or relabel."""
-    steps: int = 30
+    steps: int = 5
     """Local erasure steps."""
     lr: float = 0.01
     """Local erasure learning rate."""
     radius: float = 2.0
     """PGA: L2 radius of the ball around the reference model."""
-    server_removal: bool = True
+    server_removal: bool = False
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
     calibration: bool = True
     """Project later updates out of the erased data's gradient signature (invariance)."""
     calibration_strength: float = 1.0
     """How much of an update's component in the signature subspace is removed (1: all)."""
-    signature_rank: int = 8
+    signature_rank: int = 4
     """Rank of the gradient signature the erasing silo sends."""
-    signature_batches: int = 8
+    signature_batches: int = 4
     """Forget-set batches whose loss gradients span that signature (each costs about a step)."""
     pre_boundary: str = "project"
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
