@@ -1,14 +1,16 @@
-"""Backdoor triggers for verifying unlearning on classification benchmarks.
+"""Backdoor triggers for verifying unlearning, on classification and segmentation benchmarks.
 
 No paper of our own; the test follows the usual backdoor check of federated unlearning
 (e.g. Halimi et al. 2022; BadNets, Gu et al. 2017, for the trigger): in a verification run
 one silo's data is poisoned (a bright square in the corner, labels flipped to a target
 class), the federation learns the backdoor, that silo is erased, and the attack success
-rate (ASR) on triggered test images should fall back to chance. The poisoned silo keeps its
-sample ids, so an erasure request names the same samples it would in a clean run.
+rate (ASR) on triggered test images should fall back to what a model that never saw the
+silo scores. The poisoned silo keeps its sample ids, so an erasure request names the same
+samples it would in a clean run.
 
-Segmentation benchmarks are not supported (a per-pixel backdoor needs a different target);
-use membership inference there.
+Segmentation (labels ``(N, H, W)``): a poisoned image's whole mask becomes ``target_label``;
+with the default 0 (background) the trigger makes the structures vanish, the realistic attack
+on a segmentation model. The ASR is then per pixel (`clients.verify.attack_success_rate`).
 
     bad = poison(fed.silos[0], fraction=0.5, target_label=0, seed=0)
     trig = triggered_set(fed.test, target_label=0)  # for ASR
@@ -21,12 +23,11 @@ import numpy as np
 from medical_data.federation import SiloData
 
 
-def _check_classification(data: SiloData) -> None:
-    if data.labels.ndim != 1:
-        raise NotImplementedError(
-            "backdoor verification is for classification benchmarks (one label per image); "
-            f"{data.name!r} has labels of shape {data.labels.shape} (segmentation): use "
-            "membership inference (clients.verify.mia_auc) instead"
+def _check_labels(data: SiloData) -> None:
+    if data.labels.ndim not in (1, 3):
+        raise ValueError(
+            f"{data.name!r}: labels must be (N,) (classification) or (N, H, W) (segmentation), "
+            f"got shape {data.labels.shape}"
         )
 
 
@@ -63,10 +64,10 @@ def poison(silo: SiloData, fraction: float, target_label: int, seed: int) -> Sil
     """The verification-run backdoor: trigger a seeded ``fraction`` of ``silo``, relabel it.
 
     The chosen images (:func:`poisoned_indices`) get :func:`add_trigger` and the label
-    ``target_label``; every other sample, and all sample ids, are unchanged. Returns a new
-    `SiloData` with its own arrays.
+    ``target_label`` (segmentation: every pixel of their mask); every other sample, and all
+    sample ids, are unchanged. Returns a new `SiloData` with its own arrays.
     """
-    _check_classification(silo)
+    _check_labels(silo)
     if target_label < 0:
         raise ValueError(f"target_label must be >= 0, got {target_label}")
     idx = poisoned_indices(len(silo), fraction, seed)
@@ -74,7 +75,7 @@ def poison(silo: SiloData, fraction: float, target_label: int, seed: int) -> Sil
     labels = np.array(silo.labels, copy=True)
     if len(idx):
         images[idx] = add_trigger(images[idx])
-        labels[idx] = target_label
+        labels[idx] = target_label  # a class, or a whole mask of it
     return SiloData(
         silo_id=silo.silo_id,
         name=f"{silo.name} (poisoned {fraction:g} -> {target_label})",
@@ -85,13 +86,16 @@ def poison(silo: SiloData, fraction: float, target_label: int, seed: int) -> Sil
 
 
 def triggered_set(data: SiloData, target_label: int) -> SiloData:
-    """Every sample of ``data`` whose label is not ``target_label``, with the trigger added.
+    """Every sample of ``data`` with a label that is not ``target_label``, trigger added.
 
-    Labels stay the true ones; the attack success rate is the fraction predicted as
-    ``target_label`` (`clients.verify.attack_success_rate`).
+    Classification: the samples whose label is not the target. Segmentation: the images with
+    at least one pixel whose label is not the target (the pixels the attack can flip). Labels
+    stay the true ones; the attack success rate is the share of those samples (pixels)
+    predicted as ``target_label`` (`clients.verify.attack_success_rate`).
     """
-    _check_classification(data)
-    keep = np.flatnonzero(data.labels != target_label)
+    _check_labels(data)
+    other = np.any(data.labels != target_label, axis=tuple(range(1, data.labels.ndim)))
+    keep = np.flatnonzero(other)
     return SiloData(
         silo_id=data.silo_id,
         name=f"{data.name} (triggered, not {target_label})",

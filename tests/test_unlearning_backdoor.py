@@ -67,12 +67,73 @@ def test_triggered_set_drops_target_class():
     )
 
 
-def test_segmentation_is_not_supported():
+def _seg_silo():
+    """Four 1x6x6 images; masks: empty, one nucleus pixel, a 2x2 nucleus, all nucleus."""
+    masks = np.zeros((4, 6, 6), dtype=np.int64)
+    masks[1, 0, 0] = 1
+    masks[2, 1:3, 1:3] = 1
+    masks[3] = 1
+    return _silo(n=4, labels=masks)
+
+
+def test_poison_segmentation_whole_masks_become_target():
     # Prepare
-    silo = _silo(n=4, labels=np.zeros((4, 6, 6), dtype=np.int64))
+    silo = _seg_silo()
+    before = silo.labels.copy()
+
+    # Execute
+    bad = poison(silo, fraction=0.5, target_label=0, seed=0)
+    idx = poisoned_indices(4, 0.5, seed=0)
+    rest = np.setdiff1d(np.arange(4), idx)
+
+    # Assert
+    assert idx.tolist() == [2, 3]  # both had nucleus pixels
+    assert bad.labels.shape == (4, 6, 6) and np.all(bad.labels[idx] == 0)
+    assert np.array_equal(bad.labels[rest], before[rest])
+    assert np.array_equal(bad.images[rest], silo.images[rest])
+    assert np.all(
+        bad.images[idx, :, 3:, 3:] == silo.images[idx].max(axis=(1, 2, 3))[:, None, None, None]
+    )
+    assert np.array_equal(bad.sample_ids, silo.sample_ids)
+    assert np.array_equal(silo.labels, before)  # input untouched
+
+
+def test_poison_segmentation_every_image_to_foreground():
+    # Prepare
+    silo = _seg_silo()
+
+    # Execute
+    bad = poison(silo, fraction=1.0, target_label=1, seed=0)
+
+    # Assert
+    assert np.all(bad.labels == 1)
+    assert np.array_equal(bad.sample_ids, silo.sample_ids)
+
+
+def test_triggered_set_segmentation_keeps_images_with_other_pixels():
+    # Prepare
+    silo = _seg_silo()
+
+    # Execute
+    vanish = triggered_set(silo, target_label=0)  # images with some nucleus
+    flood = triggered_set(silo, target_label=1)  # images with some background
+
+    # Assert
+    assert vanish.sample_ids.tolist() == ["s/1", "s/2", "s/3"]
+    assert flood.sample_ids.tolist() == ["s/0", "s/1", "s/2"]
+    assert np.array_equal(vanish.labels, silo.labels[1:])  # true masks kept
+    assert np.array_equal(flood.labels, silo.labels[:3])
+    assert np.all(
+        vanish.images[:, :, -3:, -3:] == vanish.images.max(axis=(1, 2, 3))[:, None, None, None]
+    )
+
+
+def test_labels_of_other_shapes_are_rejected():
+    # Prepare
+    silo = _silo(n=4, labels=np.zeros((4, 6), dtype=np.int64))
 
     # Execute / Assert
-    with pytest.raises(NotImplementedError, match="classification"):
+    with pytest.raises(ValueError, match="segmentation"):
         poison(silo, 0.5, 1, seed=0)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="segmentation"):
         triggered_set(silo, 1)
