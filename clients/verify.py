@@ -6,7 +6,8 @@ threshold-free as a ROC AUC; the backdoor test of Halimi et al. 2022 (trigger fr
 `medical_data.backdoor`). After a good erasure the forget set looks like unseen data: its
 accuracy drops towards test accuracy, the membership AUC (forget vs unseen test samples)
 falls towards 0.5, and the attack success rate of a backdoor the erased silo planted falls
-towards chance.
+towards that of a model retrained without the silo (chance for classification; per pixel
+for segmentation, where a clean model's misses already count).
 """
 
 from __future__ import annotations
@@ -61,25 +62,56 @@ def accuracy(
     return evaluate(model, data, task=task, device=device)["score"]
 
 
+def _asr_images(pred: torch.Tensor, y: torch.Tensor, target: int) -> tuple[int, int]:
+    """Hits and trials of a classification batch: images, ``pred`` shape ``(b,)``."""
+    return int((pred == target).sum()), len(pred)
+
+
+def _asr_pixels(pred: torch.Tensor, y: torch.Tensor, target: int) -> tuple[int, int]:
+    """Hits and trials of a segmentation batch: the pixels whose true label is not
+    ``target`` (the ones the attack has to flip), ``pred`` and ``y`` shape ``(b, H, W)``."""
+    other = y != target
+    return int((pred[other] == target).sum()), int(other.sum())
+
+
+_ASR_COUNTS = {"classification": _asr_images, "segmentation": _asr_pixels}
+
+
 @torch.no_grad()
 def attack_success_rate(
     model: nn.Module,
     triggered: SiloData,
     target_label: int,
+    task: str = "classification",
     batch_size: int = 256,
     device: torch.device | None = None,
 ) -> float:
-    """Fraction of ``triggered`` (trigger added, true label not the target) predicted as
-    ``target_label``. Classification only; see `medical_data.backdoor.triggered_set`."""
+    """How often the trigger gets ``target_label`` out of ``model``, on ``triggered``
+    (`medical_data.backdoor.triggered_set`: trigger added, true labels kept).
+
+    Classification: the share of ``triggered`` predicted as ``target_label`` (its true labels
+    are not the target). Segmentation: of the pixels whose true label is not ``target_label``,
+    pooled over ``triggered``, the share predicted as ``target_label``. A clean segmentation
+    model scores above 0 there (with target background: 1 − its foreground recall on the
+    triggered images), so the reference is the ASR of a model retrained without the poisoned
+    silo, not 0.
+    """
+    count = _ASR_COUNTS.get(task)
+    if count is None:
+        raise ValueError(f"task must be one of {sorted(_ASR_COUNTS)}, got {task!r}")
     if len(triggered) == 0:
         raise ValueError("triggered set is empty")
     device = device or torch.device("cpu")
     model.to(device).eval()
-    hits = 0
+    hits, total = 0, 0
     for start in range(0, len(triggered), batch_size):
         x = torch.tensor(triggered.images[start : start + batch_size], device=device)
-        hits += int((model(x).argmax(dim=1) == target_label).sum())
-    return hits / len(triggered)
+        y = torch.tensor(triggered.labels[start : start + batch_size], device=device)
+        h, n = count(model(x).argmax(dim=1), y, target_label)
+        hits, total = hits + h, total + n
+    if total == 0:
+        raise ValueError(f"no pixel of the triggered set has a label other than {target_label}")
+    return hits / total
 
 
 def mia_auc(
@@ -139,7 +171,9 @@ def verification_report(
     if triggered is not None:
         if target_label is None:
             raise ValueError("a triggered set needs its target_label")
-        report["asr"] = attack_success_rate(model, triggered, target_label, device=device)
+        report["asr"] = attack_success_rate(
+            model, triggered, target_label, task=task, device=device
+        )
     rng = np.random.default_rng(seed)
     k = min(len(forget), len(test))
     members = (

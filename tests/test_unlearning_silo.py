@@ -168,3 +168,101 @@ def test_verification_report_on_trained_model(trained):
     assert 0.0 <= r["asr"] <= 1.0
     assert losses.shape == (len(fed.silos[0]),)
     assert losses.mean() == pytest.approx(evaluate(model, fed.silos[0], task=TASK)["loss"])
+
+
+class _Constant(torch.nn.Module):
+    """Predicts ``label`` everywhere: logits ``(b, classes)`` or ``(b, classes, H, W)``."""
+
+    def __init__(self, label, classes=2, segmentation=True):
+        super().__init__()
+        self.label, self.classes, self.segmentation = label, classes, segmentation
+
+    def forward(self, x):
+        shape = (
+            (len(x), self.classes, *x.shape[2:]) if self.segmentation else (len(x), self.classes)
+        )
+        out = torch.zeros(shape)
+        out[:, self.label] = 1.0
+        return out
+
+
+class _Threshold(torch.nn.Module):
+    """Foreground where the image is above 0.5, except in columns ``blind`` and beyond."""
+
+    def __init__(self, blind=None):
+        super().__init__()
+        self.blind = blind
+
+    def forward(self, x):
+        fg = (x[:, 0] > 0.5).float()
+        if self.blind is not None:
+            fg[:, :, self.blind :] = 0.0
+        return torch.stack([1.0 - fg, fg], dim=1)
+
+
+def _masks_as_images():
+    """Three 4x4 images that show their own mask (1.0 on nucleus pixels); masks: 3 nucleus
+    pixels (2 in columns 2-3), 2 (1 in columns 2-3), none."""
+    masks = np.zeros((3, 4, 4), np.int64)
+    masks[0, 0, 0] = masks[0, 0, 3] = masks[0, 1, 3] = 1
+    masks[1, 2, 1] = masks[1, 3, 2] = 1
+    images = masks[:, None].astype(np.float32)
+    return SiloData(0, "seg", images, masks, np.array(["a", "b", "c"]))
+
+
+def test_asr_segmentation_by_hand():
+    # Prepare
+    data = _masks_as_images()
+
+    # Execute
+    erased = verify.attack_success_rate(_Constant(0), data, 0, task="segmentation", batch_size=2)
+    clean = verify.attack_success_rate(_Threshold(), data, 0, task="segmentation", batch_size=2)
+    half = verify.attack_success_rate(
+        _Threshold(blind=2), data, 0, task="segmentation", batch_size=2
+    )
+    flood = verify.attack_success_rate(_Constant(1), data, 1, task="segmentation")
+
+    # Assert
+    assert erased == pytest.approx(1.0)  # every nucleus pixel vanished
+    assert clean == pytest.approx(0.0)  # the true masks
+    assert half == pytest.approx(3 / 5)  # pooled pixels, not the mean of 2/3 and 1/2
+    assert flood == pytest.approx(1.0)  # of the 43 background pixels, all predicted nucleus
+
+
+def test_asr_classification_unchanged_by_default():
+    # Prepare: labels are ignored, as before (a triggered set holds no target labels)
+    data = _data(5)
+
+    # Execute
+    hit = verify.attack_success_rate(_Constant(2, classes=3, segmentation=False), data, 2)
+    miss = verify.attack_success_rate(_Constant(2, classes=3, segmentation=False), data, 0)
+
+    # Assert
+    assert hit == pytest.approx(1.0)
+    assert miss == pytest.approx(0.0)
+
+
+def test_asr_rejects_unknown_task_and_nothing_to_flip():
+    # Prepare
+    data = _masks_as_images()
+    empty = verify.subset(data, np.array([2]))  # no nucleus pixel
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match="task"):
+        verify.attack_success_rate(_Constant(0), data, 0, task="detection")
+    with pytest.raises(ValueError, match="other than 0"):
+        verify.attack_success_rate(_Constant(0), empty, 0, task="segmentation")
+
+
+def test_verification_report_segmentation_asr_per_pixel():
+    # Prepare
+    data = _masks_as_images()
+
+    # Execute
+    r = verify.verification_report(
+        _Constant(0), forget=data, test=data, triggered=data, target_label=0, task="segmentation"
+    )
+
+    # Assert
+    assert r["asr"] == pytest.approx(1.0)  # per pixel (counted per image: 48 hits / 3 = 16)
+    assert r["test_accuracy"] == pytest.approx(0.0)  # no nucleus predicted: Dice 0
