@@ -8,9 +8,10 @@ a model that erased it from one that never learnt it). At ``--erase-at-s`` virtu
   model learnt from the silo);
 - ``retrain``: retraining from scratch without the silo (same seed, same budget): the gold
   standard every other method is judged against;
-- ``sync-halt``: synchronous FedAvg whose federation halts while the silo erases, with the
-  FedEraser-style removal of the silo's recorded contributions (Liu et al. 2021) and no
-  invariance calibration;
+- ``sync-halt``: synchronous FedAvg whose federation halts while FedEraser (Liu et al. 2021)
+  rebuilds the model without the silo: from the initial model, one calibration round (half
+  the local steps) of the remaining silos per retained round (every 2nd), each update
+  rescaled to the norm of the retained one; no invariance calibration;
 - ``async-nocal``: fedasync's asynchronous erasure without invariance calibration (ablation);
 - ``fedasync``: asynchronous erasure with invariance calibration.
 
@@ -59,6 +60,7 @@ def _methods(silo: int, at_s: float) -> dict[str, list[str]]:
             erase,
             "server.mode=sync",
             "unlearning.halt=true",
+            "unlearning.federaser=true",
             "unlearning.calibration=false",
         ],
         "async-nocal": [erase, "server.mode=fedasync", "unlearning.calibration=false"],

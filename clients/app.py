@@ -105,7 +105,7 @@ def train(msg: Message, context: Context) -> Message:
         model,
         data,
         task=fed.spec.task,
-        steps=ccfg.local_steps,
+        steps=int(cfg.get(P.LOCAL_STEPS, ccfg.local_steps)),  # type: ignore[arg-type]
         batch_size=ccfg.batch_size,
         lr=ccfg.lr,
         momentum=ccfg.momentum,

@@ -46,6 +46,8 @@ UNLEARN_JSON = "unlearn-json"
 """Unlearn: the UnlearningConfig as JSON."""
 RELEARN = "relearn"
 """Relearning attack (verification runs): also train on the backdoored silo's poisoned data."""
+LOCAL_STEPS = "local-steps"
+"""Train: local steps for this message only (FedEraser's shorter calibration training)."""
 KEEP_REPLY = "keep-reply"
 """Keep a copy of this reply in the node state (only needed to inject a replay)."""
 

@@ -40,6 +40,8 @@ from fedasync.types import Params, Update
 from fedasync.unlearning import (
     ContributionLedger,
     GradientSignature,
+    UpdateHistory,
+    federaser_step,
     flatten,
     l2_distance,
     project_to_ball,
@@ -51,6 +53,8 @@ from fedasync.versions import FutureVersionError, VersionedSnapshots, staleness
 __all__ = [
     "ContributionLedger",
     "GradientSignature",
+    "UpdateHistory",
+    "federaser_step",
     "flatten",
     "l2_distance",
     "project_to_ball",

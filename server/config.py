@@ -228,6 +228,13 @@ class UnlearningConfig:
     """Versions after the boundary at which the erasure is verified (the relearning check)."""
     halt: bool = False
     """Halt the federation while a silo erases (the synchronous-unlearning baseline)."""
+    federaser: bool = False
+    """Halting baseline (with halt, server.mode=sync): instead of the silo's own erasure, rebuild
+    the model without it by FedEraser's calibration rounds (Liu et al. 2021)."""
+    federaser_interval: int = 2
+    """FedEraser: retain every this-many-th round's update norms (one calibration round each)."""
+    federaser_steps_ratio: float = 0.5
+    """FedEraser: calibration training's local steps as a share of client.local_steps."""
     service: bool = False
     """Run the erasure gRPC service during the run (live requests)."""
     address: str = "127.0.0.1:50151"
@@ -293,6 +300,12 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
         raise ValueError(
             "unlearning.steps must be >= 0, unlearning.signature_batches and "
             "unlearning.signature_rank >= 1"
+        )
+    if u.federaser and not (u.halt and cfg.server.mode == "sync"):
+        raise ValueError("unlearning.federaser needs unlearning.halt=true and server.mode=sync")
+    if u.federaser_interval < 1 or not 0.0 < u.federaser_steps_ratio <= 1.0:
+        raise ValueError(
+            "unlearning.federaser_interval must be >= 1, federaser_steps_ratio in (0, 1]"
         )
     if not 0.0 <= u.calibration_strength <= 1.0 or u.radius < 0:
         raise ValueError("unlearning.calibration_strength must be in [0, 1], radius >= 0")

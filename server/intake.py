@@ -63,7 +63,7 @@ class Job:
     wall_sent: float
     fault: str = ""
     kind: str = "train"
-    """train, or unlearn (an erasure running on the silo)."""
+    """train, unlearn (an erasure running on the silo) or calibrate (FedEraser's rebuild)."""
     erasure: Any = None
     """For unlearn jobs: the server.unlearning.Erasure it carries out."""
 

@@ -103,6 +103,7 @@ class AsyncServer:
         self.aggregator = build_aggregator(cfg)
         self.bound = StalenessBound(s.max_staleness, s.soft_staleness, s.soft_factor)
         self.norms = NormOutlierDetector(factor=s.norm_outlier_factor)
+        self.calibration_norms = NormOutlierDetector(factor=s.norm_outlier_factor)
         self.ef = ErrorFeedback(s.corrections.error_feedback_topk)
         # the weights each in-flight job was sent, by version (for DC-ASGD's w_base, and so that a
         # checkpoint can re-send in-flight work identically); pruned when no job refers to them
@@ -190,6 +191,22 @@ class AsyncServer:
         if timing is None:
             jt = self.clock.schedule(silo, job_id)
             timing = (jt.dispatched_at, jt.finishes_at)
+        self._push_train(silo, job_id, base_version, params, timing, fault=fault, keep=keep)
+
+    def _push_train(
+        self,
+        silo: int,
+        job_id: int,
+        base_version: int,
+        params: Params,
+        timing: tuple[float, float],
+        *,
+        fault: str = "",
+        keep: bool = False,
+        local_steps: int | None = None,
+        kind: str = "train",
+        erasure: Any = None,
+    ) -> None:
         seed = int(np.random.default_rng([self.cfg.run.seed, silo, job_id]).integers(2**31 - 1))
         config = ConfigRecord(
             {
@@ -205,6 +222,8 @@ class AsyncServer:
                 and self.clock.now >= self.cfg.backdoor.relearn_after_s,
             }
         )
+        if local_steps is not None:
+            config[P.LOCAL_STEPS] = int(local_steps)
         content = RecordDict({P.ARRAYS: wire.encode(params), P.CONFIG: config})
         msg = Message(content, dst_node_id=self.roster[silo], message_type=P.TRAIN)
         (mid,) = list(self.grid.push_messages([msg]))
@@ -218,6 +237,29 @@ class AsyncServer:
             timing[1],
             time.monotonic(),
             fault,
+            kind=kind,
+            erasure=erasure,
+        )
+
+    def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> None:
+        """FedEraser: a train message of ``steps`` local steps from the model being rebuilt."""
+        job_id = self.next_job_id
+        self.next_job_id += 1
+        if isinstance(self.clock, VirtualClock):
+            work = steps * self.cfg.silos.step_time_s / self.speeds[silo]
+            timing = (self.clock.now, self.clock.now + work + self.cfg.silos.latency_s)
+        else:
+            jt = self.clock.schedule(silo, job_id)
+            timing = (jt.dispatched_at, jt.finishes_at)
+        self._push_train(
+            silo,
+            job_id,
+            self.version,
+            start,
+            timing,
+            local_steps=steps,
+            kind="calibrate",
+            erasure=erasure,
         )
 
     def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> None:
@@ -367,6 +409,8 @@ class AsyncServer:
         """Validate and fold one reply; True when its silo may be sent work at once."""
         if job.kind == "unlearn":
             return self._take_unlearn(job, reply)
+        if job.kind == "calibrate":
+            return self._take_calibration(job, reply)
         res = take_reply(
             reply,
             job,
@@ -395,6 +439,23 @@ class AsyncServer:
             return True  # the silo goes back to training; the request says why it failed
         self.erasure.take_unlearn(erasure, result)
         return bool(erasure.sample_ids)  # a retired silo is not sent work again
+
+    def _take_calibration(self, job: Job, reply: Message) -> bool:
+        """A FedEraser calibration update: validated like any reply, handed to the coordinator
+        (never folded; the silo is sent regular work again only when the rebuild is done)."""
+        res = take_reply(
+            reply,
+            job,
+            version=self.version,
+            reference=self.params,
+            roster=self.roster,
+            bound=self.bound,
+            norms=self.calibration_norms,
+        )
+        if isinstance(res, Rejection):
+            self._reject(job, res)
+        self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)
+        return False
 
     def _down_s(self, job: Job) -> float:
         if job.fault != "crash":
@@ -468,7 +529,7 @@ class AsyncServer:
             contribution = {
                 n: t * share for n, t in update.tensors.items() if t.is_floating_point()
             }
-            self.erasure.record(job.silo, contribution, self.version)
+            self.erasure.record(job.silo, contribution, self.version, acc.norm)
         self.staleness_seen.append(acc.staleness)
         st = self.per_silo[job.silo]
         st["accepted"] += 1

@@ -36,7 +36,13 @@ import numpy as np
 import torch
 
 from fedasync import Params, Rejection, RejectReason
-from fedasync.unlearning import ContributionLedger, GradientSignature
+from fedasync.tensors import clone
+from fedasync.unlearning import (
+    ContributionLedger,
+    GradientSignature,
+    UpdateHistory,
+    federaser_step,
+)
 
 if TYPE_CHECKING:
     from server.erasure.store import ErasureStore
@@ -61,6 +67,19 @@ class Erasure:
     metrics_at_boundary: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class Rebuild:
+    """A FedEraser rebuild in progress (the halting baseline; not checkpointed: after a
+    restart the request is still erasing and the rebuild starts again)."""
+
+    erasure: Erasure
+    model: Params
+    rounds: list[int]
+    idx: int = 0
+    pending: set[int] = field(default_factory=set)
+    updates: dict[str, Any] = field(default_factory=dict)
+
+
 class ErasureCoordinator:
     """Drives erasure requests through their states from inside the server loop."""
 
@@ -70,6 +89,9 @@ class ErasureCoordinator:
         self.cfg = srv.cfg.unlearning
         self.verify_fn = verify_fn  # (params, silo, sample_ids) -> metrics
         self.ledger = ContributionLedger()
+        self.history = UpdateHistory(self.cfg.federaser_interval)  # the FedEraser baseline's
+        self.history.start(srv.params)
+        self.rebuild: Rebuild | None = None
         self.signature: GradientSignature | None = None
         self.boundary = -1
         self.retired: set[int] = set()
@@ -151,8 +173,84 @@ class ErasureCoordinator:
                 model_version=srv.version,
                 detail=f"sent train.unlearn to silo {req.silo}",
             )
+        if self.cfg.federaser:
+            self._start_rebuild(e)
+            return
         start = srv.params if e.removal is None else _add(srv.params, e.removal)
         srv.dispatch_unlearn(req.silo, start, e)
+
+    # -------------------------------------------------------------- FedEraser (baseline)
+    def _start_rebuild(self, e: Erasure) -> None:
+        """FedEraser (Liu et al. 2021): rebuild the model without the silo, from the model
+        training started from, one calibration round per retained round: the remaining silos
+        train briefly from the model being rebuilt, the server keeps each retained update's
+        norm and takes the new direction (`fedasync.unlearning.federaser_step`)."""
+        if e.sample_ids:
+            self.failed(e, "FedEraser (the halting baseline) erases whole silos only")
+            return
+        if self.history.initial is None:
+            raise RuntimeError("FedEraser needs the initial model in the update history")
+        self.rebuild = Rebuild(e, clone(self.history.initial), self.history.rounds())
+        self.srv.events.write(
+            "erasure",
+            t=self.srv.clock.now,
+            version=self.srv.version,
+            request=e.request_id,
+            silo=e.silo,
+            state="erasing",
+            method="federaser",
+        )
+        log.info(
+            "FedEraser: rebuilding without silo %d over %d retained rounds",
+            e.silo,
+            len(self.rebuild.rounds),
+        )
+        self._calibration_round()
+
+    def _calibration_round(self) -> None:
+        rb, srv = self.rebuild, self.srv
+        assert rb is not None
+        steps = max(1, round(srv.cfg.client.local_steps * self.cfg.federaser_steps_ratio))
+        while rb.idx < len(rb.rounds):
+            norms = self.history.norms(rb.rounds[rb.idx])
+            silos = [
+                s
+                for s in sorted(srv.roster)
+                if str(s) in norms
+                and s != rb.erasure.silo
+                and s not in self.retired
+                and not srv.is_down(s)
+            ]
+            if silos:
+                rb.pending = set(silos)
+                rb.updates = {}
+                for silo in silos:
+                    srv.dispatch_calibration(silo, rb.model, steps, rb.erasure)
+                return
+            rb.idx += 1  # nobody left from that round
+        self.rebuild = None
+        self._apply(rb.erasure, rb.model, None, {"federaser_rounds": float(len(rb.rounds))})
+
+    def take_calibration(self, job: Job, update: Any) -> None:
+        """One silo's calibration update (None: it failed, the round goes on without it)."""
+        rb = self.rebuild
+        if rb is None or job.silo not in rb.pending:
+            return
+        rb.pending.discard(job.silo)
+        if update is not None:
+            rb.updates[str(job.silo)] = update
+        if rb.pending:
+            return
+        norms = self.history.norms(rb.rounds[rb.idx])
+        rb.model = federaser_step(
+            rb.model,
+            {s: u.tensors for s, u in rb.updates.items()},
+            norms,
+            weights={s: float(u.num_samples) for s, u in rb.updates.items()},
+            lr=self.srv.cfg.server.optimizer.lr,
+        )
+        rb.idx += 1
+        self._calibration_round()
 
     # -------------------------------------------------------------- replies
     def calibrate(self, job: Job, tensors: Params) -> Params | Rejection:
@@ -176,8 +274,13 @@ class ErasureCoordinator:
         self.last_overlap = self.signature.overlap(tensors)
         return self.signature.project_out(tensors, strength=self.cfg.calibration_strength)
 
-    def record(self, silo: int, contribution: Params, version: int) -> None:
+    def record(
+        self, silo: int, contribution: Params, version: int, norm: float | None = None
+    ) -> None:
+        """An applied update: its contribution (ledger) and its raw norm (FedEraser history)."""
         self.ledger.record(str(silo), contribution, version)
+        if norm is not None:
+            self.history.record(version, str(silo), norm)
 
     def take_unlearn(self, erasure: Erasure, decoded: tuple) -> None:
         """Apply a silo's erasure: removal + its delta onto the current model; boundary."""
@@ -186,8 +289,19 @@ class ErasureCoordinator:
         new = _add(srv.params, delta)
         if erasure.removal is not None:
             new = _add(new, erasure.removal)
-        sig = GradientSignature(basis=basis, names=names)
-        self.signature = sig if self.signature is None else self.signature.merge(sig)
+        self._apply(erasure, new, GradientSignature(basis=basis, names=names), metrics)
+
+    def _apply(
+        self,
+        erasure: Erasure,
+        new: Params,
+        sig: GradientSignature | None,
+        metrics: dict[str, float],
+    ) -> None:
+        """Put the erased model in force: the erasure boundary, verification, durability."""
+        srv = self.srv
+        if sig is not None:
+            self.signature = sig if self.signature is None else self.signature.merge(sig)
         if erasure.sample_ids:
             self.excluded.setdefault(erasure.silo, []).extend(erasure.sample_ids)
         else:
@@ -295,6 +409,7 @@ class ErasureCoordinator:
     def state_dict(self) -> dict[str, Any]:
         return {
             "ledger": self.ledger.state_dict(),
+            "history": self.history.state_dict(),
             "signature": None if self.signature is None else self.signature.state_dict(),
             "boundary": self.boundary,
             "retired": sorted(self.retired),
@@ -319,6 +434,8 @@ class ErasureCoordinator:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.ledger.load_state_dict(d["ledger"])
+        if "history" in d:  # (checkpoints from before the FedEraser baseline lack it)
+            self.history.load_state_dict(d["history"])
         if d["signature"] is not None:
             self.signature = GradientSignature(basis=torch.zeros(0, 0), names=[])
             self.signature.load_state_dict(d["signature"])

@@ -107,6 +107,44 @@ def test_halting_baseline_stops_the_others_while_erasing(small_cfg):
     assert row["updates_from_others_while_erasing"] == 0
 
 
+def test_federaser_baseline_rebuilds_without_the_silo(small_cfg):
+    """Sync + halt + FedEraser: the model is rebuilt from the initial one by calibration
+    rounds of the remaining silos only (half the local steps), one per retained round, while
+    nobody trains; then training resumes without the silo."""
+    cfg = small_cfg(
+        "run.max_versions=12",
+        "server.mode=sync",
+        "erasures=[{silo: 1, at_s: 10}]",
+        "unlearning.halt=true",
+        "unlearning.federaser=true",
+        "unlearning.federaser_interval=2",
+        *ERASE,
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    (row,) = summary["erasures"]["verified"]
+    boundary = row["boundary_version"]
+    events = read_events(run_dir / "metrics.jsonl")
+    erasing_t = next(e["t"] for e in events if e["event"] == "erasure" and e["state"] == "erasing")
+    rounds_before = len(
+        {e["version"] for e in events if e["event"] == "update" and e["t"] <= erasing_t}
+    )
+    # one calibration round per retained (every 2nd) round before the request
+    assert row["at_boundary"]["silo_federaser_rounds"] == len(range(0, rounds_before, 2)) >= 1
+    assert row["updates_from_others_while_erasing"] == 0  # the federation was halted
+    after = [e for e in events if e["event"] == "update" and e["version"] >= boundary]
+    assert after and {e["silo"] for e in after} == {0, 2}
+    # a rebuild is calibration training (half of client.local_steps), never folded as updates
+    assert summary["versions"] == 12 and row["erasure_latency_s"] > 0
+
+
+def test_federaser_needs_the_sync_halting_baseline(small_cfg):
+    import pytest
+
+    with pytest.raises(ValueError, match="federaser"):
+        small_cfg("unlearning.federaser=true")
+
+
 def test_excluded_silo_never_trains(small_cfg):
     cfg = small_cfg("run.max_versions=10", "silos.exclude=[0]")
     run_dir = Path(cfg.run.out_dir) / cfg.run.name

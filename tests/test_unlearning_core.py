@@ -7,6 +7,8 @@ from fedasync.checkpoint import load_checkpoint, save_checkpoint
 from fedasync.unlearning import (
     ContributionLedger,
     GradientSignature,
+    UpdateHistory,
+    federaser_step,
     flatten,
     l2_distance,
     project_to_ball,
@@ -191,3 +193,51 @@ def test_ledger_running_sums_by_hand_and_state_round_trip(tmp_path):
     assert back.total("a") is None and back.count("a") == 0 and back.silos() == ["b"]
     assert back.total("b")["w"].tolist() == [10.0, 10.0] and back.last_version("b") == 2
     assert ledger.silos() == ["a", "b"]  # the original is independent of the loaded copy
+
+
+def test_federaser_step_by_hand():
+    # old magnitudes, new directions: silo a's calibration (3, 4) has norm 5 and its retained
+    # update had norm 10 -> (6, 8); silo b's (0, 2) -> norm 1 -> (0, 1); equal weights average
+    base = {"w": torch.tensor([1.0, 1.0]), "n": torch.tensor(7)}
+    cal = {
+        "a": {"w": torch.tensor([3.0, 4.0]), "n": torch.tensor(0)},
+        "b": {"w": torch.tensor([0.0, 2.0]), "n": torch.tensor(0)},
+    }
+    out = federaser_step(base, cal, {"a": 10.0, "b": 1.0})
+    assert torch.allclose(out["w"], torch.tensor([1.0 + 3.0, 1.0 + 4.5]))
+    assert out["n"].item() == 7 and base["w"].tolist() == [1.0, 1.0]  # nothing mutated
+    # weights (3:1) and a server learning rate; a silo without a retained norm is left out
+    cal["c"] = {"w": torch.tensor([100.0, 0.0]), "n": torch.tensor(0)}
+    out = federaser_step(
+        base, cal, {"a": 10.0, "b": 1.0}, weights={"a": 3.0, "b": 1.0, "c": 1.0}, lr=0.5
+    )
+    assert torch.allclose(
+        out["w"], torch.tensor([1.0 + 0.5 * 0.75 * 6.0, 1.0 + 0.5 * (0.75 * 8.0 + 0.25 * 1.0)])
+    )
+    # a zero calibration update carries no direction: left out, the others renormalised
+    out = federaser_step(
+        base,
+        {"a": cal["a"], "z": {"w": torch.zeros(2), "n": torch.tensor(0)}},
+        {"a": 10.0, "z": 4.0},
+    )
+    assert torch.allclose(out["w"], torch.tensor([7.0, 9.0]))
+
+
+def test_update_history_keeps_every_interval_th_round(tmp_path):
+    h = UpdateHistory(interval=2)
+    h.start({"w": torch.tensor([1.0, 2.0])})
+    h.start({"w": torch.tensor([9.0, 9.0])})  # only the first model is kept
+    for r in range(5):
+        h.record(r, "0", float(r))
+        h.record(r, "1", 10.0 + r)
+    assert h.rounds() == [0, 2, 4]
+    assert h.norms(2) == {"0": 2.0, "1": 12.0} and h.norms(3) == {}
+    with pytest.raises(ValueError):
+        h.record(6, "0", float("nan"))
+    with pytest.raises(ValueError):
+        UpdateHistory(interval=0)
+    save_checkpoint(tmp_path / "h.pt", h.state_dict())
+    h2 = UpdateHistory()
+    h2.load_state_dict(load_checkpoint(tmp_path / "h.pt"))
+    assert h2.interval == 2 and h2.rounds() == [0, 2, 4] and h2.norms(4) == {"0": 4.0, "1": 14.0}
+    assert h2.initial is not None and h2.initial["w"].tolist() == [1.0, 2.0]
