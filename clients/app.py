@@ -234,7 +234,13 @@ def unlearn(msg: Message, context: Context) -> Message:
     content = RecordDict(
         {
             P.ARRAYS: wire.encode(delta),
-            P.SIGNATURE: wire.encode({"basis": signature.basis}),
+            P.SIGNATURE: wire.encode(
+                {
+                    "basis": signature.basis.to(
+                        getattr(torch, ucfg.get("signature_dtype", "float32"))
+                    )
+                }
+            ),
             P.METRICS: metrics,
             P.CONFIG: ConfigRecord({"signature-names": list(signature.names)}),
         }

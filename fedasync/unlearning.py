@@ -163,6 +163,25 @@ class GradientSignature:
         k = min(k, rank, int((s > 1e-5 * s[0]).sum()))
         return cls(vh[:k].T.contiguous(), keys)
 
+    @classmethod
+    def from_basis(cls, basis: torch.Tensor, names: Sequence[str]) -> GradientSignature:
+        """A signature from a received ``(d, k)`` basis, re-orthonormalised in float32.
+
+        A basis sent in float16 (half the bytes) is orthonormal only to about 1e-3; a
+        projection with it would leave that much of the erased directions in every update.
+        QR restores orthonormal columns spanning the same subspace; columns that rounding
+        made dependent (a diagonal entry of R below 1e-3 of the largest) are dropped.
+        """
+        if basis.dim() != 2:
+            raise ValueError(f"basis must be (d, k), got shape {tuple(basis.shape)}")
+        b = basis.detach().cpu().float()
+        if b.shape[1] == 0:
+            return cls(b, list(names))
+        q, r = torch.linalg.qr(b)
+        diag = r.diagonal().abs()
+        keep = diag > 1e-3 * float(diag.max()) if float(diag.max()) > 0 else diag > 0
+        return cls(q[:, keep].contiguous(), list(names))
+
     @property
     def rank(self) -> int:
         """Number of basis directions ``k``."""

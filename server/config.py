@@ -222,6 +222,9 @@ class UnlearningConfig:
     """Rank of the gradient signature the erasing silo sends."""
     signature_batches: int = 4
     """Forget-set batches whose loss gradients span that signature (each costs about a step)."""
+    signature_dtype: str = "float32"
+    """Precision the signature crosses the wire in: float32, or float16 (half the bytes; the
+    server re-orthonormalises it)."""
     pre_boundary: str = "project"
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
     relearn_versions: int = 20
@@ -301,6 +304,8 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
             "unlearning.steps must be >= 0, unlearning.signature_batches and "
             "unlearning.signature_rank >= 1"
         )
+    if u.signature_dtype not in ("float32", "float16"):
+        raise ValueError("unlearning.signature_dtype must be float32 or float16")
     if u.federaser and not (u.halt and cfg.server.mode == "sync"):
         raise ValueError("unlearning.federaser needs unlearning.halt=true and server.mode=sync")
     if u.federaser_interval < 1 or not 0.0 < u.federaser_steps_ratio <= 1.0:

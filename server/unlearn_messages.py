@@ -55,7 +55,11 @@ def read_unlearn_reply(
             return f"{bad.reason.value}: {bad.detail}"
         basis = wire.decode(reply.content[P.SIGNATURE])["basis"]
         names = [str(n) for n in reply.content[P.CONFIG]["signature-names"]]  # type: ignore[union-attr]
-        if basis.dim() != 2 or not bool(torch.isfinite(basis).all()):
+        if (
+            basis.dim() != 2
+            or not basis.is_floating_point()
+            or not bool(torch.isfinite(basis).all())
+        ):
             return "the gradient signature is not a finite (d, k) matrix"
         metrics = {
             k: float(v)  # type: ignore[arg-type]

@@ -289,7 +289,7 @@ class ErasureCoordinator:
         new = _add(srv.params, delta)
         if erasure.removal is not None:
             new = _add(new, erasure.removal)
-        self._apply(erasure, new, GradientSignature(basis=basis, names=names), metrics)
+        self._apply(erasure, new, GradientSignature.from_basis(basis, names), metrics)
 
     def _apply(
         self,

@@ -241,3 +241,24 @@ def test_update_history_keeps_every_interval_th_round(tmp_path):
     h2.load_state_dict(load_checkpoint(tmp_path / "h.pt"))
     assert h2.interval == 2 and h2.rounds() == [0, 2, 4] and h2.norms(4) == {"0": 4.0, "1": 14.0}
     assert h2.initial is not None and h2.initial["w"].tolist() == [1.0, 2.0]
+
+
+def test_float16_signature_is_reorthonormalised():
+    # a rank-3 signature over d=5000 sent in float16: rounding leaves its columns about 1e-3
+    # from orthonormal; from_basis restores them and the projection still removes the span
+    torch.manual_seed(0)
+    grads = [{"w": torch.randn(5000)} for _ in range(3)]
+    sig = GradientSignature.from_gradients(grads, rank=3)
+    half = sig.basis.half()
+    gram = half.float().T @ half.float()
+    assert float((gram - torch.eye(3)).abs().max()) > 1e-5  # not orthonormal as received
+    got = GradientSignature.from_basis(half, sig.names)
+    assert got.rank == 3 and got.basis.dtype == torch.float32
+    assert torch.allclose(got.basis.T @ got.basis, torch.eye(3), atol=1e-5)
+    update = {"w": grads[0]["w"] + 0.1 * torch.randn(5000)}
+    assert sig.overlap(update) > 0.9
+    assert got.overlap(got.project_out(update)) < 1e-4
+    # same subspace as the float32 original, to float16 precision
+    assert sig.overlap(got.project_out(update)) < 1e-2
+    with pytest.raises(ValueError):
+        GradientSignature.from_basis(torch.zeros(4), ["w"])
