@@ -1,0 +1,401 @@
+"""``fedasync deploy local``: Flower's deployment engine on this machine, over TLS, with
+SuperNode authentication. It is the demo and the integration test of deployment.
+
+    fedasync deploy local --silos N [--config FILE] [--certs DIR] [key=value ...]
+
+1. certificates: ``--certs DIR`` (made by ``fedasync certs``) or made in the run folder;
+2. a SuperLink on 127.0.0.1 with TLS and ``--enable-supernode-auth`` (Flower 1.42 serves its
+   Fleet, Control and Runtime APIs on one HTTPS port);
+3. each silo's public key registered through the Control API (``flwr supernode register``);
+4. one SuperNode per silo with its own port and node config ``partition-id=<silo>
+   num-partitions=<N>``, which is how the ClientApp learns its silo (as in simulation);
+5. ``flwr run`` of this project's app (a copy of what the apps import, in the run folder)
+   against that SuperLink, with the whole config as JSON in the run config key
+   ``config-json`` (``server.app:app``: wall clock, replies taken as they arrive);
+6. progress (from the run's metrics.jsonl) and the ServerApp's log stream on the console;
+7. every process it started is stopped, by process group and pid, when the run ends, on a
+   failure and on Ctrl-C / SIGTERM, and the stop is verified: each process carries a marker in
+   its environment, which also finds those Flower detaches into sessions of their own.
+
+Everything lands in the run folder ``<run.out_dir>/<run.name>/``: the ServerApp's outputs
+(summary.json, metrics.jsonl, run.log, checkpoint.pt), ``config.yaml``, ``deploy.json`` (what
+was measured) and ``deploy/`` (certificates and each process's FLWR_HOME, temp folder and log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from server.config import FedAsyncConfig
+from server.events import json_safe
+from simulations.certs import CertPaths, write_certs
+from simulations.config import to_container, to_yaml
+from simulations.deploy_progress import EventTail, measurements, print_result, show
+from simulations.processes import Proc, Processes
+
+FEDERATION = "fedasync-local"
+"""The SuperLink connection's name in the flwr CLI's config.toml."""
+
+
+class DeployError(RuntimeError):
+    """The deployment could not start or the run did not finish."""
+
+
+class Interrupted(Exception):
+    """SIGTERM (or SIGHUP) arrived: stop like on Ctrl-C."""
+
+
+def free_ports(k: int) -> list[int]:
+    """``k`` distinct TCP ports free on 127.0.0.1 now (all held open while choosing)."""
+    socks = [socket.socket() for _ in range(k)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def project_root() -> Path:
+    """The folder whose pyproject.toml declares the Flower app (``flwr run`` builds it)."""
+    root = Path(__file__).resolve().parent.parent
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file() or "[tool.flwr.app" not in pyproject.read_text():
+        raise DeployError(f"{root} has no pyproject.toml with [tool.flwr.app]: install with -e")
+    return root
+
+
+APP_PACKAGES = ("fedasync", "clients", "server", "medical_data")
+"""What the ServerApp and the ClientApp import: the Flower App Bundle carries these."""
+
+
+def stage_app(dest: Path) -> Path:
+    """Copy the Flower app (pyproject.toml and the Python files of ``APP_PACKAGES``) to ``dest``
+    for ``flwr run`` to bundle: from the project folder it walks .venv too (about 9 s)."""
+    root = project_root()
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    shutil.copy2(root / "pyproject.toml", dest / "pyproject.toml")
+    for pkg in APP_PACKAGES:
+        for src in (root / pkg).rglob("*.py"):
+            if "__pycache__" not in src.parts:
+                out = dest / src.relative_to(root)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, out)
+    return dest
+
+
+def tool(name: str) -> str:
+    """A Flower executable of this environment (the venv's bin folder)."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise DeployError(f"{name} not found next to {sys.executable}")
+    return str(path)
+
+
+def wait_for_port(port: int, alive: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise DeployError("the SuperLink exited while starting")
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise DeployError(f"the SuperLink did not listen on port {port} within {timeout_s:.0f}s")
+
+
+def write_cli_config(home: Path, port: int, ca_cert: Path) -> None:
+    """The flwr CLI's config.toml: one connection, ``FEDERATION``, to the local SuperLink."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{FEDERATION}"\n\n'
+        f"[superlink.{FEDERATION}]\n"
+        f'address = "127.0.0.1:{port}"\n'
+        f"root-certificates = {json.dumps(str(ca_cert.resolve()))}\n"
+    )
+
+
+def run_config_toml(cfg: FedAsyncConfig) -> str:
+    """``--run-config`` file content: the config as JSON under ``config-json`` (a JSON string is
+    a valid TOML basic string)."""
+    return "config-json = " + json.dumps(json.dumps(to_container(cfg), sort_keys=True)) + "\n"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _pump(stream: Any, log_path: Path, echo: Callable[[str], None]) -> None:
+    """Copy ``flwr run``'s output to its log file and, without Flower's empty lines, to echo."""
+    with open(log_path, "a", encoding="utf-8") as log:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            text = _ANSI.sub("", line).rstrip()
+            if text and text.split(":", 1)[-1].strip():
+                echo(f"  server | {text}")
+
+
+def register_nodes(procs: Processes, cli_home: Path, keys: dict[str, Path]) -> dict[str, int]:
+    """Register SuperNode public keys (name -> key file) with the SuperLink through its Control
+    API (``flwr supernode register``, all at once); their node ids by name."""
+    started = {
+        name: procs.start(
+            f"register-{name}",
+            [tool("flwr"), "supernode", "register", str(key), FEDERATION]
+            + ["--name", name, "--format", "json"],
+            cli_home,
+            env={"FLWR_HOME": str(cli_home)},
+            pipe=True,
+        )
+        for name, key in keys.items()
+    }
+    ids: dict[str, int] = {}
+    for name, p in started.items():
+        try:
+            out, _ = p.popen.communicate(timeout=60.0)
+        except subprocess.TimeoutExpired as e:
+            raise DeployError(f"registering {name}'s key timed out") from e
+        try:
+            ids[name] = int(json.loads(out[out.index("{") :])["node-id"])
+        except (ValueError, KeyError) as e:
+            raise DeployError(f"registering {name}'s key failed:\n{out}") from e
+    return ids
+
+
+def supernode_command(
+    link_port: int, port: int, paths: CertPaths, silo: int, num_silos: int
+) -> list[str]:
+    """flower-supernode for ``silo``: TLS to the SuperLink, its auth key, its partition."""
+    return [
+        tool("flower-supernode"),
+        *("--superlink", f"127.0.0.1:{link_port}"),
+        *("--root-certificates", str(paths.ca_cert)),
+        *("--auth-supernode-private-key", str(paths.node_key(silo))),
+        *("--node-config", f"partition-id={silo} num-partitions={num_silos}"),
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+
+
+def superlink_command(port: int, paths: CertPaths) -> list[str]:
+    """flower-superlink on 127.0.0.1:``port``: TLS, SuperNode authentication, no installs."""
+    return [
+        tool("flower-superlink"),
+        *("--ssl-certfile", str(paths.server_cert), "--ssl-keyfile", str(paths.server_key)),
+        *("--ssl-ca-certfile", str(paths.ca_cert), "--enable-supernode-auth"),
+        "--disable-runtime-dependency-installation",
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+
+
+def start_superlink(procs: Processes, work: Path, paths: CertPaths) -> tuple[Proc, int]:
+    """Start the SuperLink and wait until it listens; (its process, its port)."""
+    (port,) = free_ports(1)
+    link = procs.start("superlink", superlink_command(port, paths), work / "superlink")
+    wait_for_port(port, lambda: link.popen.poll() is None, timeout_s=60.0)
+    return link, port
+
+
+def _trap_signals() -> dict[int, Any]:
+    """SIGTERM and SIGHUP raise Interrupted (SIGINT raises KeyboardInterrupt already), so that
+    the caller's ``finally`` stops the processes. Only possible in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _shield_signals() -> dict[int, Any]:
+    """Ignore SIGINT/SIGTERM/SIGHUP while stopping (a second Ctrl-C must not leave orphans)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {
+        s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for s, h in previous.items():
+        signal.signal(s, h)
+
+
+def prepare(cfg: FedAsyncConfig, certs: Path | None) -> tuple[Path, CertPaths]:
+    """The run folder, its deploy/ folder, config.yaml, run-config.toml and certificates."""
+    n = cfg.silos.count
+    cfg.run.out_dir = str(Path(cfg.run.out_dir).resolve())  # the ServerApp runs elsewhere
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    work = run_dir / "deploy"
+    work.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    server_cfg = copy.deepcopy(cfg)
+    server_cfg.run.progress = False  # the console shows progress from here, not a bar
+    (work / "run-config.toml").write_text(run_config_toml(server_cfg))
+    paths = CertPaths(Path(certs).resolve() if certs else work / "certs", n)
+    if not paths.complete():
+        if certs is not None:
+            raise DeployError(f"{certs} lacks files for {n} silos (make them: fedasync certs)")
+        paths = write_certs(paths.root, n, force=True)
+    if not cfg.run.resume:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # progress reads only this run's
+    return run_dir, paths
+
+
+def deploy_local(
+    cfg: FedAsyncConfig,
+    *,
+    certs: Path | None = None,
+    echo: Callable[[str], None] = print,
+    grace_s: float = 10.0,
+) -> dict[str, Any]:
+    """Run ``cfg`` on a local SuperLink and ``silos.count`` SuperNodes over TLS; return the
+    run's summary with ``deployment`` added (measurements, node ids, every pid seen).
+
+    Raises DeployError when something did not start or the run did not finish, Interrupted on
+    SIGTERM/SIGHUP and KeyboardInterrupt on Ctrl-C; in every case the processes it started
+    are stopped first.
+    """
+    run_dir, paths = prepare(cfg, certs)
+    work = run_dir / "deploy"
+    procs = Processes(marker=f"{work}:{os.getpid()}:{time.time_ns()}")
+    events = EventTail(run_dir / "metrics.jsonl")
+    nodes: dict[int, int] = {}
+    summary_path = run_dir / "summary.json"
+    started_at, t0 = time.time(), time.monotonic()
+    link_port = 0
+    previous = _trap_signals()
+    try:
+        link, link_port = start_superlink(procs, work, paths)
+        echo(f"SuperLink on 127.0.0.1:{link_port} (TLS, SuperNode authentication); logs in {work}/")
+        cli_home = work / "flwr-home"
+        write_cli_config(cli_home, link_port, paths.ca_cert)
+        keys = {f"silo-{s}": paths.node_public_key(s) for s in range(cfg.silos.count)}
+        ids = register_nodes(procs, cli_home, keys)
+        nodes.update({s: ids[f"silo-{s}"] for s in range(cfg.silos.count)})
+        echo("registered: " + ", ".join(f"silo {s} = node {v}" for s, v in nodes.items()))
+        supernodes = [
+            procs.start(
+                f"silo-{s}",
+                supernode_command(link_port, port, paths, s, cfg.silos.count),
+                work / f"silo-{s}",
+            )
+            for s, port in enumerate(free_ports(cfg.silos.count))
+        ]
+        flwr_run = procs.start(
+            "flwr-run",
+            [
+                tool("flwr"),
+                *("run", str(stage_app(work / "app")), FEDERATION),
+                *("--run-config", str(work / "run-config.toml"), "--stream"),
+            ],
+            cli_home,
+            env={"FLWR_HOME": str(cli_home)},
+            pipe=True,
+        )
+        pump = threading.Thread(
+            target=_pump, args=(flwr_run.popen.stdout, flwr_run.log, echo), daemon=True
+        )
+        pump.start()
+        last_scan = 0.0
+        while flwr_run.popen.poll() is None:
+            show(events.poll(), echo, cfg.run.progress)
+            for p in [link, *supernodes]:
+                if p.popen.poll() is not None:
+                    raise DeployError(
+                        f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}"
+                    )
+            if time.monotonic() - last_scan > 2.0:
+                procs.scan()  # remember the ServerApp's and ClientApps' pids
+                last_scan = time.monotonic()
+            time.sleep(0.3)
+        pump.join(timeout=5.0)
+        show(events.poll(), echo, cfg.run.progress)
+        fresh = summary_path.exists() and summary_path.stat().st_mtime >= started_at
+        if flwr_run.popen.returncode != 0 or not fresh:
+            raise DeployError(
+                f"the run did not finish (flwr run exited with {flwr_run.popen.returncode}); "
+                f"see {flwr_run.log} and {run_dir / 'run.log'}"
+            )
+    finally:
+        shielded = _shield_signals()
+        t_stop = time.monotonic()
+        try:
+            left = procs.stop(grace_s)
+            stop_s = time.monotonic() - t_stop
+        finally:
+            _restore_signals(shielded)
+            _restore_signals(previous)
+        if left:
+            echo(f"fedasync deploy: processes {left} are still running")
+    summary: dict[str, Any] = json.loads(summary_path.read_text())
+    deployment = {
+        "superlink": f"127.0.0.1:{link_port}",
+        "nodes": {str(s): v for s, v in nodes.items()},
+        "wall_s": time.monotonic() - t0,
+        **measurements(events.events),
+        "stop_s": stop_s,
+        "pids": sorted(procs.seen),
+        "left_running": left,
+    }
+    (run_dir / "deploy.json").write_text(json.dumps(json_safe(deployment), indent=2) + "\n")
+    summary["deployment"] = deployment
+    return summary
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``fedasync deploy local`` on the CLI's sub-command parser."""
+    dep = sub.add_parser("deploy", help="run on Flower's deployment engine")
+    dsub = dep.add_subparsers(dest="deploy_cmd", required=True)
+    loc = dsub.add_parser(
+        "local", help="SuperLink + one SuperNode per silo on this machine, over TLS"
+    )
+    loc.add_argument("--silos", type=int, help="number of silos (default: silos.count)")
+    loc.add_argument("--config", help="YAML config file (default: the packaged default.yaml)")
+    loc.add_argument("--certs", type=Path, help="folder from `fedasync certs` (default: made)")
+    loc.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.budget_s=120")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``fedasync deploy local``: exit 0 when the run finished, 1 when it failed, 130/143 when
+    interrupted (after stopping everything)."""
+    from simulations.config import load_config
+
+    overrides = list(args.overrides)
+    if args.silos is not None:
+        overrides.append(f"silos.count={args.silos}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fedasync: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = deploy_local(cfg, certs=args.certs)
+    except DeployError as e:
+        print(f"fedasync deploy: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fedasync deploy: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+    except Interrupted as e:
+        print(f"fedasync deploy: {e}; every process it started was stopped", file=sys.stderr)
+        return 143
+    print_result(summary, Path(cfg.run.out_dir) / cfg.run.name)
+    return 0

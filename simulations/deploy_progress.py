@@ -1,0 +1,142 @@
+"""What a local deployment shows while it runs and what it measured (``fedasync deploy``).
+
+Progress comes from the run's own event log (metrics.jsonl, written by the ServerApp), so the
+console shows what the server did, on its wall clock: silos connected, updates, rejections,
+evaluations. The measurements are derived from the same events (``deploy.json``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def round_trips(events: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """Per silo, wall seconds from sending each train job to taking its reply.
+
+    A silo is sent its next job as soon as its reply is taken (or rejected), so a job's round
+    trip is the time between two consecutive takes of that silo's replies; the first job was
+    sent right after the version-0 evaluation (or the resume). Meaningful in the async modes (in ``sync``
+    mode a silo also waits for the round's barrier).
+    """
+    start = _training_start(events)
+    if start is None:
+        return {}
+    last: dict[int, float] = {}
+    out: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] in ("update", "reject") and "silo" in e:
+            silo = int(e["silo"])
+            out.setdefault(silo, []).append(e["t"] - last.get(silo, start))
+            last[silo] = e["t"]
+    return out
+
+
+def _training_start(events: list[dict[str, Any]]) -> float | None:
+    return next((e["t"] for e in events if e["event"] in ("eval", "resume")), None)
+
+
+def measurements(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What deployment costs, from a run's events: roster time, round trips, throughput."""
+    trips = round_trips(events)
+    flat = sorted(x for v in trips.values() for x in v)
+    roster = next((e["t"] for e in events if e["event"] == "roster"), None)
+    updates = [e for e in events if e["event"] == "update"]
+    end = max((e["t"] for e in events), default=0.0)
+    start = _training_start(events) or 0.0
+    return {
+        "roster_s": roster,
+        "round_trip_s": {
+            "mean": sum(flat) / len(flat) if flat else None,
+            "median": flat[len(flat) // 2] if flat else None,
+            "min": flat[0] if flat else None,
+            "max": flat[-1] if flat else None,
+            "count": len(flat),
+        },
+        "round_trips_by_silo": {str(s): v for s, v in sorted(trips.items())},
+        "updates_per_wall_s": len(updates) / (end - start) if end > start else None,
+    }
+
+
+class EventTail:
+    """New lines of the run's metrics.jsonl since the last call (the file may be recreated)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+        self.events: list[dict[str, Any]] = []
+        """Every event read so far."""
+        self._partial = ""
+        self._inode = 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The events appended since the last call (a line still being written waits)."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return []
+        if st.st_ino != self._inode or st.st_size < self.offset:  # a new file, or truncated
+            self.offset, self._partial, self._inode = 0, "", st.st_ino
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self.offset)
+            text = self._partial + f.read()
+            self.offset = f.tell()
+        *lines, self._partial = text.split("\n")
+        new = [json.loads(x) for x in lines if x.strip()]
+        self.events += new
+        return new
+
+
+def describe(e: dict[str, Any]) -> str | None:
+    """One progress line for an event (None: not shown)."""
+    t = f"[{e.get('t', 0.0):7.1f}s]"
+    kind = e["event"]
+    if kind == "roster":
+        nodes = ", ".join(f"silo {s} = node {v['node']}" for s, v in sorted(e["silos"].items()))
+        return f"{t} silos connected: {nodes}"
+    if kind == "eval":
+        return f"{t} version {e['version']}: score {e['score']:.4f}, loss {e['loss']:.4f}"
+    if kind == "update":
+        return f"{t} update from silo {e['silo']} taken at version {e['version']} (staleness {e['staleness']})"
+    if kind == "reject":
+        return f"{t} rejected silo {e['silo']}: {e['reason']}: {e.get('detail', '')}"
+    if kind == "end":
+        return f"{t} run ended at version {e['version']}"
+    return None
+
+
+def show(events: list[dict[str, Any]], echo: Callable[[str], None], progress: bool) -> None:
+    """Echo a line for each event worth showing (nothing unless ``progress``)."""
+    if not progress:
+        return
+    for e in events:
+        line = describe(e)
+        if line:
+            echo(line)
+
+
+def print_result(summary: dict[str, Any], run_dir: Path) -> None:
+    """The closing lines of ``fedasync deploy local``."""
+    d = summary["deployment"]
+    rt = d["round_trip_s"]
+    per_silo = ", ".join(
+        f"silo {s}: {v['accepted']} accepted"
+        for s, v in sorted(summary["per_silo"].items(), key=lambda kv: int(kv[0]))
+    )
+    print()
+    print(
+        f"{summary['mode']}: {summary['versions']} versions in {summary['wall_time_s']:.0f}s "
+        f"(ServerApp wall), final {summary['metric']} {summary['final_accuracy']:.4f}"
+    )
+    print(f"updates: {per_silo}; rejected {summary['updates_rejected_total']}")
+    if rt["count"]:
+        print(
+            f"round trip per train message: mean {rt['mean']:.1f}s, median {rt['median']:.1f}s "
+            f"(min {rt['min']:.1f}, max {rt['max']:.1f}, n={rt['count']}); "
+            f"roster query {d['roster_s']:.1f}s after the ServerApp started"
+        )
+    print(f"{len(d['pids'])} processes started and stopped (stopping took {d['stop_s']:.1f}s)")
+    print(
+        f"outputs: {run_dir}/ (summary.json, metrics.jsonl, deploy.json, deploy/) in {d['wall_s']:.0f}s"
+    )
