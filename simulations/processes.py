@@ -108,14 +108,17 @@ class Processes:
     def stop(self, grace_s: float = 10.0) -> list[int]:
         """Stop everything started, newest first; return the pids still alive (should be none).
 
-        SIGTERM to each process group, ``grace_s`` to exit, SIGKILL to the groups; then the
-        marked processes outside those groups get SIGTERM and, after ``grace_s``, SIGKILL.
+        SIGTERM to each process group and to every marked process (also those in sessions of
+        their own), ``grace_s`` to exit, then SIGKILL to the groups and to every marked process
+        left, until two scans in a row find none (a child started late is caught too).
         """
-        self.scan()
+        deadline = time.monotonic() + grace_s
         live = [p for p in reversed(self.procs) if p.popen.poll() is None]
         for p in live:
             _signal_group(p.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        termed = set(self.scan())
+        for pid in termed:
+            _kill(pid, signal.SIGTERM)
         for p in live:
             try:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -127,13 +130,11 @@ class Processes:
                 p.popen.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 log.error("%s (pid %d) survived SIGKILL", p.name, p.popen.pid)
-        return self._stop_marked(grace_s)
+        return self._stop_marked(deadline, termed)
 
-    def _stop_marked(self, grace_s: float) -> list[int]:
-        deadline = time.monotonic() + grace_s
-        termed: set[int] = set()
+    def _stop_marked(self, deadline: float, termed: set[int]) -> list[int]:
         quiet = 0
-        while quiet < 2:  # two scans in a row with nothing: a late child is caught too
+        while quiet < 2:
             left = self.scan()
             if not left:
                 quiet += 1
