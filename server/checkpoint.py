@@ -86,6 +86,7 @@ class CheckpointState:
             extra={
                 "erasure": srv.erasure.state_dict() if srv.erasure is not None else None,
                 "accept_times": list(srv.accept_times),
+                "started_at": srv.started_at,
             },
         )
 
@@ -116,6 +117,8 @@ class CheckpointState:
         srv.updates_applied = int(c["updates_applied"])
         srv.updates_accepted = int(c["updates_accepted"])
         srv.accept_times = list(self.extra.get("accept_times", []))
+        started = self.extra.get("started_at")
+        srv.started_at = 0.0 if started is None else float(started)  # the budget's origin
         if srv.erasure is not None and self.extra.get("erasure") is not None:
             srv.erasure.load_state_dict(self.extra["erasure"])
         return list(self.jobs)

@@ -92,7 +92,14 @@ class ServerConfig:
     wait_for_nodes_s: float = 120.0
     """How long to wait for all silos to connect at start."""
     reply_timeout_s: float = 600.0
-    """Wall seconds after which an unanswered message is abandoned and its silo re-sent work."""
+    """Wall seconds after which an unanswered message is abandoned and its silo re-sent work;
+    also every message's Flower TTL (the SuperLink drops it, a SuperNode never starts it, after
+    this long)."""
+    poll_interval_s: float = 0.2
+    """Wall clock (deployment): seconds between polls for replies; each poll is a request to the
+    SuperLink. The virtual clock (simulation) polls every 5 ms."""
+    offline_retry_s: float = 10.0
+    """Wall seconds before a silo the SuperLink reports offline is sent work again."""
 
 
 @dataclass
@@ -286,6 +293,9 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
             0.0 < cfg.server.corrections.error_feedback_topk <= 1.0,
             "server.corrections.error_feedback_topk must be in (0, 1]",
         ),
+        (cfg.server.reply_timeout_s > 0, "server.reply_timeout_s must be > 0"),
+        (cfg.server.poll_interval_s > 0, "server.poll_interval_s must be > 0"),
+        (cfg.server.offline_retry_s >= 0, "server.offline_retry_s must be >= 0"),
         (
             cfg.server.optimizer.kind in ("sgd", "momentum", "adam"),
             "server.optimizer.kind must be sgd, momentum or adam",

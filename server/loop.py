@@ -10,7 +10,12 @@ Which reply is taken next is the clock's decision (server/clock.py): virtual-fin
 simulation (deterministic for a seed), arrival order on the wall clock in deployment. A silo
 whose job failed (client error, crash) is sent work again after ``down_s`` of an injected
 crash or at once; a message unanswered for ``server.reply_timeout_s`` wall seconds is
-abandoned and its silo re-sent work, so a silent silo holds nothing up.
+abandoned and its silo re-sent work, so a silent silo holds nothing up; every message
+carries that limit as its Flower TTL, so a SuperLink drops what nobody fetched in time and a
+SuperNode never starts expired work. A silo the SuperLink reports offline is sent work again
+after ``server.offline_retry_s``. On the wall clock the loop polls for replies every
+``server.poll_interval_s`` (each poll is a request to the SuperLink), and ``run.budget_s``
+counts from the first dispatch, not from the roster query.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from clients import protocol as P
@@ -139,6 +145,7 @@ class AsyncServer:
         self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
         self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
         self.accept_times: list[float] = []
+        self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
@@ -225,7 +232,12 @@ class AsyncServer:
         if local_steps is not None:
             config[P.LOCAL_STEPS] = int(local_steps)
         content = RecordDict({P.ARRAYS: wire.encode(params), P.CONFIG: config})
-        msg = Message(content, dst_node_id=self.roster[silo], message_type=P.TRAIN)
+        msg = Message(
+            content,
+            dst_node_id=self.roster[silo],
+            message_type=P.TRAIN,
+            ttl=self.cfg.server.reply_timeout_s,
+        )
         (mid,) = list(self.grid.push_messages([msg]))
         self.inflight[mid] = Job(
             mid,
@@ -325,9 +337,18 @@ class AsyncServer:
                 self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
                 self._after_failure(job, down_s=0.0)
 
+    @property
+    def deadline(self) -> float:
+        """Clock time at which the run stops: ``run.budget_s`` after the first dispatch."""
+        start = self.clock.now if self.started_at is None else self.started_at
+        return start + self.cfg.run.budget_s
+
     def run(self) -> None:
-        """Train until the clock passes ``run.budget_s`` (or ``run.max_versions``)."""
-        budget, max_v = self.cfg.run.budget_s, self.cfg.run.max_versions
+        """Train until ``run.budget_s`` has passed since the first dispatch (or
+        ``run.max_versions``)."""
+        if self.started_at is None:
+            self.started_at = self.clock.now  # 0 on the virtual clock
+        budget, max_v = self.deadline, self.cfg.run.max_versions
         if not self.inflight:
             for silo in sorted(self.roster):
                 self.dispatch(silo)
@@ -387,11 +408,18 @@ class AsyncServer:
             if due is not None:
                 return due
             self._abandon_timed_out()
-            if not self.inflight:
+            if not isinstance(self.clock, WallClock):
+                if not self.inflight:
+                    return None
+                time.sleep(0.005)
+                continue
+            if self.clock.now > self.deadline or (
+                self.retries and self.retries[0][0] <= self.clock.now
+            ):
+                return None  # the loop's top re-sends work to silos that are due
+            if not self.inflight and not self.retries:
                 return None
-            if isinstance(self.clock, WallClock) and self.clock.now > self.cfg.run.budget_s:
-                return None
-            time.sleep(0.005)
+            time.sleep(self.cfg.server.poll_interval_s)
 
     def _close_round(self) -> None:
         """Sync mode: average what the round brought, then send everyone the new model."""
@@ -423,7 +451,7 @@ class AsyncServer:
         if isinstance(res, Rejection):
             self._reject(job, res)
             if res.reason.value == "client_error":
-                self._after_failure(job, down_s=self._down_s(job))
+                self._after_failure(job, down_s=self._down_s(job, reply))
                 return False
             return True
         self._fold(job, res)
@@ -457,7 +485,9 @@ class AsyncServer:
         self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)
         return False
 
-    def _down_s(self, job: Job) -> float:
+    def _down_s(self, job: Job, reply: Message) -> float:
+        if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+            return self.cfg.server.offline_retry_s  # not at once: the SuperLink would refuse again
         if job.fault != "crash":
             return 0.0
         fired = [f for f in self.faults_fired if f["silo"] == job.silo and f["kind"] == "crash"]
@@ -579,7 +609,8 @@ class AsyncServer:
 
     def _tick(self) -> None:
         if self.progress is not None:
-            self.progress.n = min(self.clock.now, self.cfg.run.budget_s)
+            elapsed = self.clock.now - (self.started_at or 0.0)
+            self.progress.n = min(elapsed, self.cfg.run.budget_s)
             self.progress.refresh()
 
     # ---------------------------------------------------------------- checkpoints

@@ -20,7 +20,12 @@ log = logging.getLogger("fedasync.server")
 
 
 def exchange(grid: Grid, messages: Sequence[Message], timeout_s: float) -> list[Message | None]:
-    """Push ``messages`` and return their replies in the same order (None: none in time)."""
+    """Push ``messages`` and return their replies in the same order (None: none in time).
+
+    Each message's TTL becomes ``timeout_s``: what is not fetched by then is dropped.
+    """
+    for m in messages:
+        m.metadata.ttl = timeout_s
     ids = list(grid.push_messages(list(messages)))
     index = {m: i for i, m in enumerate(ids)}
     replies: list[Message | None] = [None] * len(ids)

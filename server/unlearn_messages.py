@@ -39,7 +39,12 @@ def unlearn_message(
         }
     )
     content = RecordDict({P.ARRAYS: wire.encode(start), P.CONFIG: config})
-    return Message(content, dst_node_id=srv.roster[silo], message_type=P.UNLEARN)
+    return Message(
+        content,
+        dst_node_id=srv.roster[silo],
+        message_type=P.UNLEARN,
+        ttl=srv.cfg.server.reply_timeout_s,
+    )
 
 
 def read_unlearn_reply(

@@ -1,0 +1,128 @@
+"""The loop on the wall clock (deployment): TTLs, the budget's origin, polling, offline silos.
+
+Driven through the real ClientApp on an in-process grid whose replies can be held back, so
+that what a SuperLink would do (answer late, report a node offline) is played in-process.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode
+from inprocess import InProcessGrid
+
+from clients.app import app as client_app
+from server.app import run_server
+from server.events import read_events
+
+
+class _SlowGrid(InProcessGrid):
+    """Nodes appear after ``roster_delay_s``; each reply is visible ``reply_delay_s`` after its
+    push; ``pulls`` counts calls of pull_messages."""
+
+    def __init__(self, *args, roster_delay_s: float = 0.0, reply_delay_s: float = 0.0, **kw):
+        super().__init__(*args, **kw)
+        self.t0 = time.monotonic()
+        self.roster_delay_s, self.reply_delay_s = roster_delay_s, reply_delay_s
+        self.visible_at: dict[str, float] = {}
+        self.pulls = 0
+
+    def get_node_ids(self):
+        return list(self.contexts) if time.monotonic() - self.t0 >= self.roster_delay_s else []
+
+    def push_messages(self, messages):
+        ids = list(super().push_messages(messages))
+        for m in ids:
+            self.visible_at[m] = time.monotonic() + self.reply_delay_s
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        now = time.monotonic()
+        ready = [m for m in message_ids if m in self.replies and self.visible_at[m] <= now]
+        return [self.replies.pop(m) for m in ready]
+
+
+def _run(cfg, grid):
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    return run_server(grid, cfg, run_dir, wall_clock=True), run_dir
+
+
+def test_every_message_carries_the_reply_timeout_as_ttl(small_cfg):
+    # Prepare
+    cfg = small_cfg("run.max_versions=3", "server.reply_timeout_s=45")
+    grid = InProcessGrid(client_app, 3)
+    # Execute
+    _run(cfg, grid)
+    # Assert: every train message; the roster query's TTL is its own timeout
+    ttl = {(m.metadata.message_type, m.metadata.ttl) for m in grid.pushed}
+    assert ttl == {("train", 45), ("query", 120)}  # server.wait_for_nodes_s
+
+
+def test_budget_counts_from_the_first_dispatch(small_cfg):
+    # Prepare: the silos appear 1.5 s after the start, the budget is 1 s
+    cfg = small_cfg("run.max_versions=4", "run.budget_s=1.0", "server.poll_interval_s=0.01")
+    grid = _SlowGrid(client_app, 3, roster_delay_s=1.5)
+    # Execute
+    summary, run_dir = _run(cfg, grid)
+    # Assert: training still happened (the roster wait did not eat the budget)
+    assert summary["versions"] >= 1
+    roster = next(e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "roster")
+    assert roster["t"] >= 1.4
+
+
+def test_wall_clock_polls_at_the_configured_interval(small_cfg):
+    # Prepare: every reply arrives 0.6 s after its push
+    cfg = small_cfg("run.max_versions=3", "server.poll_interval_s=0.2")
+    grid = _SlowGrid(client_app, 3, reply_delay_s=0.6)
+    # Execute
+    t0 = time.monotonic()
+    summary, _ = _run(cfg, grid)
+    # Assert: about one poll per 0.2 s of waiting, not one per 5 ms
+    waited = time.monotonic() - t0
+    assert summary["versions"] == 3
+    assert grid.pulls <= waited / 0.2 + 10, (grid.pulls, waited)
+
+
+class _OfflineSilo(InProcessGrid):
+    """Silo 2's node is offline for its first ``offline`` train messages: each is answered at
+    once with the SuperLink's NODE_UNAVAILABLE error reply."""
+
+    def __init__(self, *args, offline: int = 2, **kw):
+        super().__init__(*args, **kw)
+        self.offline = offline
+        self.pushed_to_2: list[float] = []
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            if msg.metadata.message_type != "train" or msg.metadata.dst_node_id != 1002:
+                ids.extend(super().push_messages([msg]))
+                continue
+            self.pushed_to_2.append(time.monotonic())
+            if len(self.pushed_to_2) > self.offline:
+                ids.extend(super().push_messages([msg]))
+                continue
+            mid = f"offline-{len(self.pushed_to_2)}"
+            msg.metadata.__dict__["_message_id"] = mid
+            err = Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node is offline")
+            self.replies[mid] = Message(err, reply_to=msg)
+            ids.append(mid)
+        return ids
+
+
+def test_offline_silo_is_retried_after_a_pause_not_at_once(small_cfg):
+    # Prepare
+    cfg = small_cfg("run.max_versions=30", "server.offline_retry_s=0.3")
+    grid = _OfflineSilo(client_app, 3, offline=2)
+    # Execute
+    summary, run_dir = _run(cfg, grid)
+    # Assert: two refusals, each followed by a pause of offline_retry_s; then silo 2 trains
+    gaps = [b - a for a, b in zip(grid.pushed_to_2, grid.pushed_to_2[1:])]
+    assert gaps[0] >= 0.3 and gaps[1] >= 0.3
+    assert summary["updates_rejected"]["client_error"] == 2
+    assert summary["per_silo"]["2"]["accepted"] >= 1
+    rejects = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "reject"]
+    assert all(e["silo"] == 2 and "offline" in e["detail"] for e in rejects)
