@@ -194,13 +194,29 @@ def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Pa
         if not cred.exists():
             write_private(run_dir / "tokens.json", generate_credentials(cfg.silos.count, cred))
     service = ErasureService(store, Authorizer.from_file(cred), _Catalog(srv, fed))
-    server, port = serve(service, cfg.unlearning.address)
+    server, port = serve(service, cfg.unlearning.address, server_credentials=_tls(cfg))
     host = cfg.unlearning.address.rsplit(":", 1)[0]
     tmp = run_dir / "erasure_address.tmp"
     tmp.write_text(f"{host}:{port}\n")
     os.replace(tmp, run_dir / "erasure_address")  # whole or absent for a reader
-    log.info("erasure service listening on %s:%d", host, port)
+    log.info(
+        "erasure service listening on %s:%d (%s)",
+        host,
+        port,
+        "TLS" if cfg.unlearning.tls_certfile else "insecure",
+    )
     return server
+
+
+def _tls(cfg: FedAsyncConfig) -> Any:
+    """The erasure service's TLS credentials (certificate and key), or None: insecure."""
+    u = cfg.unlearning
+    if u.tls_certfile is None or u.tls_keyfile is None:
+        return None
+    import grpc
+
+    pair = (Path(u.tls_keyfile).read_bytes(), Path(u.tls_certfile).read_bytes())
+    return grpc.ssl_server_credentials([pair])
 
 
 class _Catalog:

@@ -256,6 +256,11 @@ class UnlearningConfig:
 @dataclass
 class FedAsyncConfig:
     """Everything a run needs."""
+    tls_certfile: str | None = None
+    """PEM certificate the erasure service serves TLS with (None: insecure, for simulation on
+    one machine); ``fedasync deploy local`` gives it the SuperLink's."""
+    tls_keyfile: str | None = None
+    """Its private key (PEM)."""
 
     run: RunConfig = field(default_factory=RunConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -328,6 +333,8 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
         if not 0 <= e.silo < cfg.silos.count:
             raise ValueError(
                 f"erasures[{i}].silo={e.silo} is not a silo (0..{cfg.silos.count - 1})"
+    if (u.tls_certfile is None) != (u.tls_keyfile is None):
+        raise ValueError("unlearning.tls_certfile and unlearning.tls_keyfile go together")
             )
         if not 0.0 < e.fraction <= 1.0:
             raise ValueError(f"erasures[{i}].fraction must be in (0, 1]")

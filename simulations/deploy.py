@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from server.config import FedAsyncConfig
+from server.erasure.auth import generate_credentials
 from server.events import json_safe
-from simulations.certs import CertPaths, write_certs
+from simulations.certs import CertPaths, write_certs, write_file
 from simulations.config import to_container, to_yaml
 from simulations.deploy_progress import EventTail, measurements, print_result, show
 from simulations.processes import Proc, Processes
@@ -238,6 +239,26 @@ def _restore_signals(previous: dict[int, Any]) -> None:
         signal.signal(s, h)
 
 
+def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> None:
+    """The erasure service of a deployment: TLS with the SuperLink's certificate (unless the
+    config names one), and per-silo credentials made once in ``folder`` and kept for a resumed
+    run: ``credentials.json`` (the hashes the service checks) and one token file each,
+    ``silo-<i>.token`` and ``admin.token`` (0600), to hand to their holders."""
+    u = cfg.unlearning
+    if u.tls_certfile is None:
+        u.tls_certfile, u.tls_keyfile = str(paths.server_cert), str(paths.server_key)
+    if u.credentials is not None:
+        return
+    hashes = folder / "credentials.json"
+    if not hashes.exists():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tokens = generate_credentials(cfg.silos.count, folder / ".credentials.json")
+        for name, token in tokens.items():
+            write_file(folder / f"{name}.token", token.encode() + b"\n", 0o600)
+        os.replace(folder / ".credentials.json", hashes)  # tokens first: all or none
+    u.credentials = str(hashes)
+
+
 def prepare(cfg: FedAsyncConfig, certs: Path | None) -> tuple[Path, CertPaths]:
     """The run folder, its deploy/ folder, config.yaml, run-config.toml and certificates."""
     n = cfg.silos.count
@@ -245,15 +266,17 @@ def prepare(cfg: FedAsyncConfig, certs: Path | None) -> tuple[Path, CertPaths]:
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     work = run_dir / "deploy"
     work.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    server_cfg = copy.deepcopy(cfg)
-    server_cfg.run.progress = False  # the console shows progress from here, not a bar
-    (work / "run-config.toml").write_text(run_config_toml(server_cfg))
     paths = CertPaths(Path(certs).resolve() if certs else work / "certs", n)
     if not paths.complete():
         if certs is not None:
             raise DeployError(f"{certs} lacks files for {n} silos (make them: fedasync certs)")
         paths = write_certs(paths.root, n, force=True)
+    if cfg.unlearning.service:
+        prepare_erasure(cfg, work / "erasure", paths)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    server_cfg = copy.deepcopy(cfg)
+    server_cfg.run.progress = False  # the console shows progress from here, not a bar
+    (work / "run-config.toml").write_text(run_config_toml(server_cfg))
     if not cfg.run.resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # progress reads only this run's
     return run_dir, paths

@@ -8,7 +8,8 @@ fedasync erase credentials DIR --silos N     make tokens (DIR/tokens.json, keep 
                                              and their hashes (DIR/credentials.json, server)
 
 Common options: --address host:port (default $FEDASYNC_ERASURE_ADDRESS or 127.0.0.1:50151),
---token (default $FEDASYNC_TOKEN) or --token-file, --tls-ca FILE for TLS, --json.
+--token (default $FEDASYNC_TOKEN) or --token-file, --ca-cert FILE for TLS (the
+deployment's ca.pem; --tls-ca is the same), --json.
 Exit codes: 0 ok, 1 failed call, 2 authentication / permission / usage.
 """
 
@@ -45,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--token", default=os.environ.get("FEDASYNC_TOKEN"), help="bearer token")
     common.add_argument("--token-file", type=Path, help="file holding the bearer token")
-    common.add_argument("--tls-ca", type=Path, help="root certificate (PEM): use TLS")
+    common.add_argument(
+        "--ca-cert", "--tls-ca", dest="tls_ca", type=Path, help="CA certificate (PEM): use TLS"
+    )
     common.add_argument("--json", action="store_true", help="print JSON, one object a line")
     common.add_argument("--timeout", type=float, default=30.0, help="seconds per unary call")
 
