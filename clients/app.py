@@ -10,6 +10,7 @@ engines.
 from __future__ import annotations
 
 import logging
+import time
 from functools import lru_cache
 
 import torch
@@ -101,6 +102,7 @@ def train(msg: Message, context: Context) -> Message:
     model = _network(setup)
     base = wire.decode(msg.content[P.ARRAYS])
     model.load_state_dict(base)
+    t_train = time.perf_counter()
     stats = train_local(
         model,
         data,
@@ -114,6 +116,7 @@ def train(msg: Message, context: Context) -> Message:
         seed=int(cfg[P.SEED]),
         device=device,
     )
+    stats = {**stats, P.TRAIN_SECONDS: time.perf_counter() - t_train}
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     delta = sub(local, base)
     base_version = int(cfg[P.BASE_VERSION])

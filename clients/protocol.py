@@ -54,6 +54,9 @@ KEEP_REPLY = "keep-reply"
 # metric keys (silo -> server)
 SILO = "silo"
 NUM_SAMPLES = "num-samples"
+TRAIN_SECONDS = "train_seconds"
+"""Train reply: wall seconds of the local training itself (the ``train_`` prefix carries it into
+the server's update events; the deployment benchmark subtracts it from the round trip)."""
 
 
 def dumps(obj: Any) -> str:
