@@ -85,13 +85,21 @@ APP_PACKAGES = ("fedasync", "clients", "server", "medical_data")
 """What the ServerApp and the ClientApp import: the Flower App Bundle carries these."""
 
 
-def stage_app(dest: Path) -> Path:
+def stage_app(dest: Path, serverapp: str | None = None) -> Path:
     """Copy the Flower app (pyproject.toml and the Python files of ``APP_PACKAGES``) to ``dest``
-    for ``flwr run`` to bundle: from the project folder it walks .venv too (about 9 s)."""
+    for ``flwr run`` to bundle: from the project folder it walks .venv too (about 9 s).
+    ``serverapp`` (``module:attribute``) replaces the ServerApp component in the copy."""
     root = project_root()
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    shutil.copy2(root / "pyproject.toml", dest / "pyproject.toml")
+    pyproject = (root / "pyproject.toml").read_text()
+    if serverapp is not None:
+        pyproject, n = re.subn(
+            r'(?m)^serverapp = ".*"$', f"serverapp = {json.dumps(serverapp)}", pyproject
+        )
+        if n != 1:
+            raise DeployError("pyproject.toml names no [tool.flwr.app.components] serverapp")
+    (dest / "pyproject.toml").write_text(pyproject)
     for pkg in APP_PACKAGES:
         for src in (root / pkg).rglob("*.py"):
             if "__pycache__" not in src.parts:
@@ -288,9 +296,12 @@ def deploy_local(
     certs: Path | None = None,
     echo: Callable[[str], None] = print,
     grace_s: float = 10.0,
+    serverapp: str | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` on a local SuperLink and ``silos.count`` SuperNodes over TLS; return the
     run's summary with ``deployment`` added (measurements, node ids, every pid seen).
+    ``serverapp`` (``module:attribute``) runs another ServerApp than ``server.app:app``; it must
+    write the run folder's summary.json too.
 
     Raises DeployError when something did not start or the run did not finish, Interrupted on
     SIGTERM/SIGHUP and KeyboardInterrupt on Ctrl-C; in every case the processes it started
@@ -326,7 +337,7 @@ def deploy_local(
             "flwr-run",
             [
                 tool("flwr"),
-                *("run", str(stage_app(work / "app")), FEDERATION),
+                *("run", str(stage_app(work / "app", serverapp)), FEDERATION),
                 *("--run-config", str(work / "run-config.toml"), "--stream"),
             ],
             cli_home,
