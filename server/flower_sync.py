@@ -1,0 +1,256 @@
+"""Flower's own synchronous FedAvg strategy driving our ClientApp: the deployment baseline.
+
+FedAvg (McMahan et al. 2017) as Flower 1.42 ships it (``flwr.serverapp.strategy.FedAvg`` and
+its ``Strategy.start`` round loop, ``grid.send_and_receive``: every node each round, a barrier,
+replies polled every 3 s in deployment). ``benchmarks/deployment_overhead.py`` runs it on the
+same local TLS deployment and ClientApp as fedasync's ServerApp. What the subclass changes to
+speak our protocol (``clients/protocol.py``):
+
+- ``configure_train``: Flower puts one shared record in every message; ours carry their own
+  config (setup-json, job-id, base-version = the round's model version, a seed per silo and
+  job) and the model packed by ``clients/wire.py``;
+- ``aggregate_train``: our replies carry the local *delta*, not the local model, weighted by
+  ``num-samples``: ``x <- x + sum_i n_i d_i / sum_i n_i``, which is FedAvg's sample-weighted mean
+  of the local models since all started from ``x``;
+- the run ends after ``run.max_versions`` rounds or, on the wall clock, at the first round that
+  would start ``run.budget_s`` seconds after the first dispatch;
+- the global model is evaluated on the held-out test set after every round (no federated
+  evaluation), and the outputs are the ServerApp's usual ones: ``metrics.jsonl`` (events
+  start, eval, update, end; ``t`` in wall seconds since the ServerApp started) and
+  ``summary.json`` with each train message's dispatch, take and training seconds.
+
+Deployment only: ``fedasync deploy local`` with ``serverapp="server.flower_sync:app"``
+(``simulations.deploy.deploy_local``), as the benchmark does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from clients import protocol as P
+from clients import wire
+from clients.config import to_dict
+from clients.local import evaluate
+from fedasync.tensors import add, weighted_sum
+from fedasync.types import Params
+from server.app import _federation, _log_to, initial_model
+from server.config import FedAsyncConfig, from_container
+from server.events import EventLog
+from server.summary import write_summary
+
+log = logging.getLogger("fedasync.server")
+
+
+class BudgetSpent(Exception):
+    """The wall budget is spent: no further round starts."""
+
+
+def mean_delta_step(params: Params, deltas: list[tuple[Params, int]]) -> Params:
+    """``params + sum_i n_i d_i / sum_i n_i`` for ``deltas`` = [(d_i, n_i)]; integer tensors
+    (buffers) stay those of ``params``."""
+    total = sum(n for _, n in deltas)
+    if not deltas or total <= 0:
+        raise ValueError("need at least one delta and a positive total of samples")
+    step = weighted_sum([d for d, _ in deltas], [n / total for _, n in deltas])
+    return add(params, step)
+
+
+def setup_json(cfg: FedAsyncConfig) -> str:
+    """What every message tells the ClientApp about the run (as server.loop sends it)."""
+    return P.dumps(
+        {
+            "client": to_dict(cfg.client),
+            "data": to_dict(cfg.data),
+            "backdoor": to_dict(cfg.backdoor),
+            "num_silos": cfg.silos.count,
+            "seed": cfg.run.seed,
+        }
+    )
+
+
+class ProtocolFedAvg(FedAvg):
+    """Flower's FedAvg, sending our train messages and folding our replies' deltas.
+
+    ``params`` is the global model (the ``arrays`` Strategy.start hands around are its wire
+    encoding); ``messages`` records every train message: silo, round, dispatched and taken
+    (wall seconds since the ServerApp started), the silo's training seconds and when the
+    ClientApp created its reply (same axis).
+    """
+
+    def __init__(self, cfg: FedAsyncConfig, params: Params, events: EventLog, t0: float):
+        n = cfg.silos.count
+        super().__init__(
+            fraction_evaluate=0.0,
+            min_train_nodes=n,
+            min_available_nodes=n,
+            weighted_by_key=P.NUM_SAMPLES,
+            arrayrecord_key=P.ARRAYS,
+            configrecord_key=P.CONFIG,
+        )
+        self.cfg, self.params, self.events, self.t0 = cfg, params, events, t0
+        self.unix0 = time.time() - (time.monotonic() - t0)  # t0 on the Unix clock
+        self.setup_json = setup_json(cfg)
+        self.version = 0
+        self.next_job_id = 0
+        self.started_at: float | None = None
+        self.inflight: dict[int, dict[str, Any]] = {}  # job id -> message record
+        self.messages: list[dict[str, Any]] = []
+
+    def now(self) -> float:
+        """Wall seconds since the ServerApp started."""
+        return time.monotonic() - self.t0
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """FedAvg's node sampling (all nodes), then one message of ours per node."""
+        if self.started_at is not None and self.now() - self.started_at >= self.cfg.run.budget_s:
+            raise BudgetSpent
+        sampled = list(super().configure_train(server_round, arrays, config, grid))
+        record = wire.encode(self.params)
+        out = []
+        for m in sampled:
+            job_id = self.next_job_id
+            self.next_job_id += 1
+            node = int(m.metadata.dst_node_id)
+            seed = int(np.random.default_rng([self.cfg.run.seed, node, job_id]).integers(2**31 - 1))
+            cfg_rec = ConfigRecord(
+                {
+                    P.SETUP: self.setup_json,
+                    P.JOB_ID: job_id,
+                    P.BASE_VERSION: self.version,
+                    P.SEED: seed,
+                }
+            )
+            out.append(
+                Message(
+                    RecordDict({P.ARRAYS: record, P.CONFIG: cfg_rec}),
+                    dst_node_id=node,
+                    message_type=P.TRAIN,
+                    ttl=self.cfg.server.reply_timeout_s,
+                )
+            )
+            self.inflight[job_id] = {"round": server_round, "node": node, "job": job_id}
+        t = self.now()
+        if self.started_at is None:
+            self.started_at = t
+        for rec in self.inflight.values():
+            rec.setdefault("dispatched", t)
+        return out
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The sample-weighted mean of the replies' deltas, added to the global model."""
+        taken = self.now()
+        valid, _ = self._check_and_log_replies(list(replies), is_train=True)
+        deltas: list[tuple[Params, int]] = []
+        for reply in valid:
+            m: Any = reply.content[P.METRICS]
+            rec = self.inflight.pop(int(m[P.JOB_ID]), None)
+            if rec is None or int(m[P.BASE_VERSION]) != self.version:
+                log.warning("reply to an unknown job or another version: dropped")
+                continue
+            n = int(m[P.NUM_SAMPLES])
+            deltas.append((wire.decode(reply.content[P.ARRAYS]), n))  # type: ignore[arg-type]
+            rec.update(
+                silo=int(m[P.SILO]),
+                taken=taken,
+                num_samples=n,
+                train_seconds=float(m.get(P.TRAIN_SECONDS, float("nan"))),
+                reply_created=reply.metadata.created_at - self.unix0,
+            )
+            self.messages.append(rec)
+            self.events.write(
+                "update",
+                t=taken,
+                version=self.version + 1,
+                silo=rec["silo"],
+                job=rec["job"],
+                staleness=0,
+                **{k: float(v) for k, v in m.items() if k.startswith("train_")},
+            )
+        self.inflight.clear()  # unanswered messages of this round are abandoned
+        if not deltas:
+            return None, None
+        self.params = mean_delta_step(self.params, deltas)
+        self.version += 1
+        self.events.write("version", t=self.now(), version=self.version)
+        return wire.encode(self.params), MetricRecord({"updates": len(deltas)})
+
+
+def run_flower_fedavg(grid: Grid, cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
+    """Run Flower's FedAvg with our protocol on ``grid``; write metrics.jsonl and summary.json."""
+    t0 = time.monotonic()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    fed = _federation(cfg)
+    model = initial_model(cfg)
+    task = fed.spec.task
+    events = EventLog(run_dir / "metrics.jsonl")
+    strategy = ProtocolFedAvg(cfg, model.state_dict(), events, t0)
+    evals: list[dict[str, float]] = []
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(strategy.params)
+        res = evaluate(model, fed.test, task=task)
+        rec = {"t": strategy.now(), "version": strategy.version, **res}
+        evals.append(rec)
+        events.write("eval", **rec)
+        return MetricRecord({k: float(v) for k, v in res.items()})
+
+    events.write("start", t=0.0, version=0, mode="flower-fedavg", clock="wall")
+    try:
+        strategy.start(
+            grid,
+            wire.encode(strategy.params),
+            num_rounds=cfg.run.max_versions or 1_000_000,
+            timeout=cfg.server.reply_timeout_s,
+            evaluate_fn=evaluate_fn,
+        )
+    except BudgetSpent:
+        pass
+    metric = "accuracy" if task == "classification" else "dice"
+    final = evals[-1] if evals else {"score": float("nan"), "loss": float("nan")}
+    per_silo: dict[str, dict[str, float]] = {}
+    for rec in strategy.messages:
+        per_silo.setdefault(str(rec["silo"]), {"accepted": 0, "rejected": 0})["accepted"] += 1
+    summary = {
+        "mode": "flower-fedavg",
+        "clock": "wall",
+        "metric": metric,
+        "versions": strategy.version,
+        "wall_time_s": time.monotonic() - t0,
+        "training_started_s": strategy.started_at,
+        "final_accuracy": final["score"],
+        "best_accuracy": max((e["score"] for e in evals), default=float("nan")),
+        "evals": evals,
+        "per_silo": per_silo,
+        "updates_rejected_total": 0,
+        "messages": strategy.messages,
+    }
+    events.write("end", t=strategy.now(), version=strategy.version, final_score=final["score"])
+    events.close()
+    write_summary(run_dir / "summary.json", summary)
+    return summary
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Deployment entry point: the config arrives as JSON in run config ``config-json``."""
+    cfg = from_container(P.loads(str(context.run_config.get("config-json", "{}"))))
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    _log_to(run_dir / "run.log")
+    run_flower_fedavg(grid, cfg, run_dir)
