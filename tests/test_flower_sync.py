@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-from inprocess import set_task_identity
+from inprocess import InProcessGrid, set_task_identity
 
 from clients import protocol as P
 from clients import wire
+from clients.app import app as client_app
 from server.config import FedAsyncConfig
-from server.events import EventLog
-from server.flower_sync import BudgetSpent, ProtocolFedAvg, mean_delta_step
+from server.events import EventLog, read_events
+from server.flower_sync import BudgetSpent, ProtocolFedAvg, mean_delta_step, run_flower_fedavg
 
 
 def test_mean_delta_step_weights_deltas_by_samples() -> None:
@@ -103,3 +104,30 @@ def test_no_round_starts_after_the_budget(tmp_path: Path) -> None:
     with pytest.raises(BudgetSpent):
         strategy.configure_train(3, wire.encode(strategy.params), ConfigRecord(), FakeGrid())  # type: ignore[arg-type]
     events.close()
+
+
+class _BlockingGrid(InProcessGrid):
+    """The in-process grid with Flower's blocking ``send_and_receive`` (all replies at once)."""
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
+        return list(self.pull_messages(self.push_messages(messages)))
+
+
+def test_flower_fedavg_runs_rounds_with_the_real_clientapp(small_cfg: Any) -> None:
+    # Prepare: 3 silos, 2 rounds
+    cfg = small_cfg("run.max_versions=2")
+    grid = _BlockingGrid(client_app, 3)
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    # Execute
+    summary = run_flower_fedavg(grid, cfg, run_dir)  # type: ignore[arg-type]
+    # Assert: every silo once per round, each reply's training timed, the model evaluated
+    # before the first round and after each
+    assert summary["versions"] == 2
+    assert sorted((m["round"], m["silo"]) for m in summary["messages"]) == [
+        (r, s) for r in (1, 2) for s in range(3)
+    ]
+    assert all(m["train_seconds"] > 0 for m in summary["messages"])
+    assert [e["version"] for e in summary["evals"]] == [0, 1, 2]
+    assert (run_dir / "summary.json").exists()
+    events = [e["event"] for e in read_events(run_dir / "metrics.jsonl")]
+    assert events.count("update") == 6 and events[0] == "start" and events[-1] == "end"
