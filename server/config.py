@@ -153,10 +153,15 @@ class RunConfig:
 
 @dataclass
 class EngineConfig:
-    """Flower simulation engine (Ray) resources."""
+    """Flower simulation engine (Ray): where it runs and with what resources."""
 
+    ray_address: str | None = None
+    """Attach to this running Ray cluster (its head's ``host:port``, or ``auto`` for the one
+    ``ray start`` last started on this machine) instead of starting a private local Ray; the
+    cluster's CPUs decide how many ClientApp actors run, and it is left running afterwards.
+    None: a private Ray, started and stopped by each run."""
     num_cpus: int | None = None
-    """CPUs given to Ray (None: all of this machine's)."""
+    """CPUs given to a private Ray (None: all of this machine's); unset with ray_address."""
     client_cpus: int = 1
     """CPUs per ClientApp actor (an integer)."""
     client_gpus: float = 0.0
@@ -294,6 +299,15 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
         (cfg.client.local_steps >= 1, "client.local_steps must be >= 1"),
         (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
         (cfg.engine.client_cpus >= 1, "engine.client_cpus must be an integer >= 1"),
+        (
+            cfg.engine.ray_address is None or cfg.engine.num_cpus is None,
+            "engine.num_cpus cannot be set with engine.ray_address: a running cluster's CPUs "
+            "are fixed by `ray start --num-cpus` on its nodes",
+        ),
+        (
+            cfg.engine.ray_address is None or "://" not in cfg.engine.ray_address,
+            "engine.ray_address must be host:port or auto (Ray Client ray:// is not supported)",
+        ),
         (
             0.0 < cfg.server.corrections.error_feedback_topk <= 1.0,
             "server.corrections.error_feedback_topk must be in (0, 1]",

@@ -3,8 +3,10 @@
 ``simulate(cfg)`` runs the configured mode and, with ``run.compare_sync``, the synchronous
 FedAvg baseline on the same data, speeds and virtual clock; then it fills in time-to-target
 (95% of the baseline's best score unless ``run.target_accuracy`` is set), writes
-``summary.json`` and the PNG plots. Flower's engine runs on Ray; Ray is started and stopped
-here (its temp folder is private to the run and removed afterwards).
+``summary.json`` and the PNG plots. Flower's engine runs on Ray: by default a private Ray is
+started and stopped here (its temp folder is private to the run and removed afterwards);
+with ``engine.ray_address`` the run attaches to a running cluster as one Ray job and leaves
+the cluster as it found it (Ray ends the job's actors when this driver disconnects).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server.config import FedAsyncConfig
+from server.config import EngineConfig, FedAsyncConfig
 from server.summary import time_to_target, write_summary
 from simulations.config import to_yaml
 from simulations.plots import plot_score_vs_time, plot_silo_contribution, plot_staleness
@@ -79,20 +81,15 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     ray_tmp = tempfile.mkdtemp(prefix="fa-ray-")
     previous = os.environ.get(SESSION_ENV)
     os.environ[SESSION_ENV] = ray_tmp  # inherited by every Ray process: how we find them
-    num_cpus = cfg.engine.num_cpus or os.cpu_count() or 1
     backend_config: dict[str, Any] = {
         "client_resources": {
             "num_cpus": cfg.engine.client_cpus,
             "num_gpus": cfg.engine.client_gpus,
         },
-        "init_args": {
-            "num_cpus": num_cpus,
-            "include_dashboard": False,
-            "logging_level": "ERROR",
-            "log_to_driver": False,
-            "_temp_dir": ray_tmp,
-        },
+        "init_args": {**ray_init_args(cfg.engine, ray_tmp), "logging_level": "ERROR"},
     }
+    if cfg.engine.ray_address:
+        log.info("attaching to the Ray cluster at %s", cfg.engine.ray_address)
     try:
         run_simulation(
             server_app=server_app,
@@ -117,6 +114,21 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
 SESSION_ENV = "FEDASYNC_RAY_SESSION"
 
 
+def ray_init_args(engine: EngineConfig, ray_tmp: str) -> dict[str, Any]:
+    """What Flower's Ray backend passes to ``ray.init`` (its ``init_args``).
+
+    Private (``engine.ray_address`` None): a new local Ray with ``engine.num_cpus`` CPUs and
+    its temp folder in ``ray_tmp``; ``address="local"`` so that a ``RAY_ADDRESS`` in the
+    environment cannot attach it elsewhere. Attached: only the address; the cluster's nodes
+    fix CPUs and temp folders, and Ray refuses ``num_cpus`` when connecting.
+    """
+    args: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if engine.ray_address:
+        return {**args, "address": engine.ray_address}
+    num_cpus = engine.num_cpus or os.cpu_count() or 1
+    return {**args, "address": "local", "num_cpus": num_cpus, "_temp_dir": ray_tmp}
+
+
 def _pids_with_env(name: str, value: str) -> list[int]:
     """Processes (not this one) whose environment has ``name=value``."""
     needle = f"{name}={value}".encode()
@@ -135,10 +147,12 @@ def _pids_with_env(name: str, value: str) -> list[int]:
 def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
     """Stop, by pid, every process of this run's Ray session.
 
-    Every Ray process (GCS, raylet, and the workers, which Ray re-parents to init) inherits
-    ``FEDASYNC_RAY_SESSION=<session>`` from this process. ``ray.shutdown()`` asks them to exit
-    but does not wait for the workers; a leftover one could outlive the command and hang CI.
-    Wait ``grace_s``, then SIGTERM, then SIGKILL what is left. Linux only (/proc).
+    Every process of a private Ray (GCS, raylet, and the workers, which Ray re-parents to
+    init) inherits ``FEDASYNC_RAY_SESSION=<session>`` from this process. An attached cluster's
+    processes were started by ``ray start``, not by us, and never carry it: they are left alone.
+    ``ray.shutdown()`` asks a private Ray's processes to exit but does not wait for the
+    workers; a leftover one could outlive the command and hang CI. Wait ``grace_s``, then
+    SIGTERM, then SIGKILL what is left. Linux only (/proc).
     """
     if not Path("/proc").is_dir():
         return
