@@ -21,6 +21,15 @@ from clients import protocol as P
 from clients import wire
 from clients.config import ClientConfig, DataConfig, DPConfig, build_silos
 from clients.local import concat, evaluate, pick_device, select, train_local, training_data
+from clients.privacy import (
+    DP_DELTA,
+    DP_EPSILON,
+    REFUSAL,
+    REFUSAL_DETAIL,
+    BudgetExhausted,
+    Refusal,
+    ledger_path,
+)
 from fedasync.tensors import sub
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
@@ -102,20 +111,44 @@ def train(msg: Message, context: Context) -> Message:
     model = _network(setup)
     base = wire.decode(msg.content[P.ARRAYS])
     model.load_state_dict(base)
+    steps = int(cfg.get(P.LOCAL_STEPS, ccfg.local_steps))  # type: ignore[arg-type]
     t_train = time.perf_counter()
-    stats = train_local(
-        model,
-        data,
-        task=fed.spec.task,
-        steps=int(cfg.get(P.LOCAL_STEPS, ccfg.local_steps)),  # type: ignore[arg-type]
-        batch_size=ccfg.batch_size,
-        lr=ccfg.lr,
-        momentum=ccfg.momentum,
-        weight_decay=ccfg.weight_decay,
-        proximal_mu=ccfg.proximal_mu,
-        seed=int(cfg[P.SEED]),
-        device=device,
-    )
+    if ccfg.dp.enabled:
+        from clients.dp import train_private  # opacus only when DP is on
+
+        try:
+            model, stats = train_private(
+                model,
+                data,
+                ccfg.dp,
+                ledger=ledger_path(context.node_config, cfg, silo),
+                silo=silo,
+                job_id=int(cfg[P.JOB_ID]),
+                task=fed.spec.task,
+                steps=steps,
+                batch_size=ccfg.batch_size,
+                lr=ccfg.lr,
+                momentum=ccfg.momentum,
+                weight_decay=ccfg.weight_decay,
+                proximal_mu=ccfg.proximal_mu,
+                device=device,
+            )
+        except BudgetExhausted as e:
+            return _refuse(msg, silo, e)
+    else:
+        stats = train_local(
+            model,
+            data,
+            task=fed.spec.task,
+            steps=steps,
+            batch_size=ccfg.batch_size,
+            lr=ccfg.lr,
+            momentum=ccfg.momentum,
+            weight_decay=ccfg.weight_decay,
+            proximal_mu=ccfg.proximal_mu,
+            seed=int(cfg[P.SEED]),
+            device=device,
+        )
     stats = {**stats, P.TRAIN_SECONDS: time.perf_counter() - t_train}
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     delta = sub(local, base)
@@ -147,6 +180,23 @@ def train(msg: Message, context: Context) -> Message:
         context.state[LAST_ARRAYS] = wire.encode(delta)
         context.state[LAST_METRICS] = MetricRecord(dict(metrics))
     return Message(content, reply_to=msg)
+
+
+def _refuse(msg: Message, silo: int, e: BudgetExhausted) -> Message:
+    """A typed refusal (no arrays): this silo's privacy budget does not allow the work."""
+    log.warning("silo %d refuses training: %s", silo, e)
+    cfg = msg.content[P.CONFIG]
+    metrics = MetricRecord(
+        {
+            P.SILO: silo,
+            P.BASE_VERSION: int(cfg[P.BASE_VERSION]),  # type: ignore[arg-type]
+            P.JOB_ID: int(cfg[P.JOB_ID]),  # type: ignore[arg-type]
+            DP_EPSILON: e.spent,
+            DP_DELTA: e.delta,
+        }
+    )
+    why = ConfigRecord({REFUSAL: Refusal.BUDGET_EXHAUSTED, REFUSAL_DETAIL: str(e)})
+    return Message(RecordDict({P.METRICS: metrics, P.CONFIG: why}), reply_to=msg)
 
 
 @app.evaluate()

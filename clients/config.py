@@ -16,10 +16,49 @@ if TYPE_CHECKING:
 
 @dataclass
 class DPConfig:
-    """Differential privacy (opacus DP-SGD); configured here, carried out in a later issue."""
+    """Differential privacy: DP-SGD on every silo with opacus (clients/dp.py), each silo's
+    epsilon accumulated across messages and runs in its ledger (clients/privacy.py)."""
 
     enabled: bool = False
-    """Train with DP-SGD."""
+    """Train with DP-SGD (per-sample clipping, Gaussian noise, Poisson-sampled batches)."""
+    noise_multiplier: float = 1.0
+    """Noise standard deviation as a multiple of max_grad_norm (unused with target_epsilon)."""
+    target_epsilon: float | None = None
+    """Instead of noise_multiplier: the smallest noise for which one train message costs at
+    most this epsilon (at delta), by opacus's get_noise_multiplier."""
+    max_grad_norm: float = 1.0
+    """Per-sample gradient clipping norm C (L2 over all parameters)."""
+    delta: float = 1e-5
+    """The delta every reported epsilon is for."""
+    epsilon_budget: float | None = None
+    """A silo refuses any message that would take its accumulated epsilon past this (None: no
+    budget)."""
+    accountant: str = "rdp"
+    """opacus accountant: rdp, prv, or gdp (one noise multiplier and sample rate only)."""
+
+    def __post_init__(self) -> None:
+        """Validated whenever built (omegaconf builds a run's config, the ClientApp the one it
+        is sent); an error names the key."""
+        checks = [
+            (
+                self.accountant in ("rdp", "prv", "gdp"),
+                "client.dp.accountant must be rdp, prv or gdp",
+            ),
+            (self.noise_multiplier > 0, "client.dp.noise_multiplier must be > 0"),
+            (
+                self.target_epsilon is None or self.target_epsilon > 0,
+                "client.dp.target_epsilon must be > 0 (or null)",
+            ),
+            (self.max_grad_norm > 0, "client.dp.max_grad_norm must be > 0"),
+            (0.0 < self.delta < 1.0, "client.dp.delta must be in (0, 1)"),
+            (
+                self.epsilon_budget is None or self.epsilon_budget > 0,
+                "client.dp.epsilon_budget must be > 0 (or null)",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
 
 
 @dataclass

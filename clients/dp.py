@@ -31,8 +31,9 @@ Where it departs from ``clients.local.train_local`` (and why):
   run is therefore not reproducible for a seed. opacus's ``secure_mode`` (a cryptographic
   generator, torchcsprng) is not used.
 - The state dict keeps the network's own names: the model is wrapped for the message only,
-  opacus's hooks are removed afterwards, and the names the server sees carry no ``_module.``
-  prefix (``plain_state`` strips it where a wrapped module's state is taken).
+  its state is read from the unwrapped network after opacus's hooks are removed, so the names
+  the server sees carry no ``_module.`` prefix (``train_private`` checks that they are the
+  names it was sent).
 
 Networks: ``make_compatible`` runs opacus's ``ModuleValidator``; every network of
 ``medical_data.networks`` already uses GroupNorm and non-inplace activations, so nothing is
@@ -64,9 +65,6 @@ from clients.local import _loss_fn, _score, _targets
 from clients.privacy import DP_DELTA, DP_EPSILON, PrivacyLedger
 from medical_data.federation import SiloData
 
-WRAP_PREFIX = "_module."
-"""What opacus's GradSampleModule puts before every state-dict name."""
-
 History = list[tuple[float, float, int]]
 """An accountant's history: ``(noise_multiplier, sample_rate, steps)`` entries."""
 
@@ -89,16 +87,6 @@ def make_compatible(model: nn.Module) -> nn.Module:
             "(medical_data.networks does) so that server and silos share one model"
         )
     return fixed
-
-
-def plain_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with opacus's ``_module.`` prefix removed from every name (detached, on CPU)."""
-    out = {}
-    for k, v in state.items():
-        while k.startswith(WRAP_PREFIX):
-            k = k[len(WRAP_PREFIX) :]
-        out[k] = v.detach().cpu()
-    return out
 
 
 def sample_rate(num_samples: int, batch_size: int) -> float:
@@ -265,6 +253,7 @@ def train_private(
         accountant=dp.accountant,
     )
     acct = {"delta": dp.delta, "mechanism": dp.accountant, "budget": dp.epsilon_budget}
+    names = set(model.state_dict())
     with PrivacyLedger(ledger) as book:
         book.check([(sigma, rate, steps)], **acct)  # type: ignore[arg-type]
         model = make_compatible(model)
@@ -283,5 +272,7 @@ def train_private(
             proximal_mu=proximal_mu,
             device=device,
         )
+        if set(model.state_dict()) != names:  # never opacus's "_module." names on the wire
+            raise RuntimeError("DP training changed the network's state-dict names")
         eps = book.record(history, silo=silo, job_id=job_id, **acct)  # type: ignore[arg-type]
     return model, {**stats, DP_EPSILON: eps, DP_DELTA: dp.delta}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from clients.dp import make_compatible, plain_state, sample_rate, train_local_dp
+from clients.dp import make_compatible, sample_rate, train_local_dp
 from clients.privacy import BudgetExhausted, PrivacyLedger, epsilon_of, ledger_path, merge
 from medical_data.federation import SiloData
 from medical_data.networks import build_network
@@ -63,11 +63,6 @@ def test_make_compatible_refuses_a_fix_that_renames_parameters():
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
     with pytest.raises(ValueError, match="GroupNorm"):
         make_compatible(net)
-
-
-def test_plain_state_strips_opacus_prefix():
-    state = {"_module.head.weight": torch.ones(2), "features.0.bias": torch.zeros(1)}
-    assert set(plain_state(state)) == {"head.weight", "features.0.bias"}
 
 
 def test_sample_rate_is_opacus_poisson_rate():
