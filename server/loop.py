@@ -35,6 +35,7 @@ from flwr.serverapp import Grid
 from clients import protocol as P
 from clients import wire
 from clients.config import to_dict
+from clients.privacy import PRIVACY_DIR
 from fedasync import (
     ErrorFeedback,
     FedAsyncAggregator,
@@ -53,6 +54,7 @@ from server.clock import VirtualClock, WallClock, silo_speeds
 from server.config import FedAsyncConfig
 from server.events import EventLog
 from server.intake import Accepted, Job, take_reply
+from server.privacy import reported_epsilon, take_privacy
 from server.roster import discover_silos
 from server.unlearn_messages import read_unlearn_reply, unlearn_message
 
@@ -135,6 +137,7 @@ class AsyncServer:
         self.per_silo: dict[int, dict[str, float]] = defaultdict(
             lambda: {"accepted": 0, "rejected": 0, "weight": 0.0}
         )
+        self.stopped: dict[int, str] = {}  # silo -> why it refused further work (privacy budget)
         self.staleness_seen: list[int] = []
         self.evals: list[dict[str, float]] = []
         self.updates_accepted = 0  # passed intake and were folded (FedBuff: maybe still buffered)
@@ -185,6 +188,8 @@ class AsyncServer:
         """Send ``silo`` a train message with the newest model (or, on resume, its old job)."""
         if silo in self.cfg.silos.exclude:
             return  # retraining without this silo's data
+        if silo in self.stopped:
+            return  # it refused further work (out of privacy budget)
         if self.erasure is not None and not self.erasure.may_train(silo):
             return  # retired by a whole-silo erasure, erasing, or the federation is halted
         if job_id is None:
@@ -231,6 +236,8 @@ class AsyncServer:
         )
         if local_steps is not None:
             config[P.LOCAL_STEPS] = int(local_steps)
+        if self.cfg.client.dp.enabled:  # where silos without a privacy-db node config keep theirs
+            config[PRIVACY_DIR] = str((self.run_dir / "privacy").resolve())
         content = RecordDict({P.ARRAYS: wire.encode(params), P.CONFIG: config})
         msg = Message(
             content,
@@ -437,6 +444,10 @@ class AsyncServer:
         """Validate and fold one reply; True when its silo may be sent work at once."""
         if job.kind == "unlearn":
             return self._take_unlearn(job, reply)
+        if take_privacy(self, job, reply):  # a refusal: the silo is out of privacy budget
+            if job.kind == "calibrate":
+                self.erasure.take_calibration(job, None)
+            return False
         if job.kind == "calibrate":
             return self._take_calibration(job, reply)
         res = take_reply(
@@ -454,6 +465,9 @@ class AsyncServer:
                 self._after_failure(job, down_s=self._down_s(job, reply))
                 return False
             return True
+        eps = reported_epsilon(reply)
+        if eps is not None:
+            res.update.metrics["dp_epsilon"] = eps[0]
         self._fold(job, res)
         return True
 

@@ -35,6 +35,7 @@ def build_summary(
             "speed": srv.speeds[s],
             "num_samples": srv.num_samples.get(s, 0),
             **srv.per_silo.get(s, {"accepted": 0, "rejected": 0, "weight": 0.0}),
+            **({"stopped": srv.stopped[s]} if s in srv.stopped else {}),
             **({"eval": silo_evals[s]} if s in silo_evals else {}),
         }
         for s in range(srv.cfg.silos.count)
