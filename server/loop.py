@@ -409,6 +409,7 @@ class AsyncServer:
             self._tick()
 
     def _wait_due(self) -> list[str] | None:
+        entered = time.monotonic()
         while True:
             self._poll()
             due = self.clock.select(self.inflight, set(self.arrived))
@@ -426,6 +427,8 @@ class AsyncServer:
                 return None  # the loop's top re-sends work to silos that are due
             if not self.inflight and not self.retries:
                 return None
+            if self.erasure is not None and time.monotonic() - entered > 1.0:
+                return None  # the loop's top starts live erasure requests within a second
             time.sleep(self.cfg.server.poll_interval_s)
 
     def _close_round(self) -> None:
