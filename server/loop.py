@@ -657,4 +657,9 @@ class AsyncServer:
                 timing=(j["dispatched_at"], j["finishes_at"]),
                 fault=j["fault"],
             )
+        if not self.barrier:  # a silo between two jobs at the checkpoint (its reply just taken)
+            busy = {j.silo for j in self.inflight.values()}
+            for silo in sorted(self.roster):
+                if silo not in busy and not self.is_down(silo):
+                    self.dispatch(silo)
         return True

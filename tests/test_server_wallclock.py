@@ -126,3 +126,24 @@ def test_offline_silo_is_retried_after_a_pause_not_at_once(small_cfg):
     assert summary["per_silo"]["2"]["accepted"] >= 1
     rejects = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "reject"]
     assert all(e["silo"] == 2 and "offline" in e["detail"] for e in rejects)
+
+
+def test_resume_sends_work_to_a_silo_that_was_between_jobs(small_cfg, tmp_path):
+    """A checkpoint written while a reply is folded holds no job of that silo (its next one
+    is sent right after); a resumed run must send it work, or it never trains again."""
+    from server.checkpoint import load_state, save_state
+
+    # Prepare: a run, and its checkpoint with silo 2's job removed
+    first = small_cfg("run.max_versions=3", "server.checkpoint_every=1")
+    _run(first, InProcessGrid(client_app, 3))
+    path = tmp_path / "t" / "checkpoint.pt"
+    state = load_state(path)
+    state.jobs = [j for j in state.jobs if j["silo"] != 2]
+    save_state(path, state)
+    # Execute
+    again = small_cfg("run.max_versions=9", "server.checkpoint_every=1", "run.resume=true")
+    summary, run_dir = _run(again, InProcessGrid(client_app, 3))
+    # Assert: silo 2 trained after the resume
+    events = read_events(run_dir / "metrics.jsonl")
+    resumed = max(i for i, e in enumerate(events) if e["event"] == "resume")
+    assert any(e["event"] == "update" and e["silo"] == 2 for e in events[resumed:])
