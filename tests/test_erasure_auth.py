@@ -56,3 +56,13 @@ def test_bearer_token_parsing():
     assert bearer_token([("authorization", "Basic abc")]) is None
     assert bearer_token([("authorization", "Bearer ")]) is None
     assert bearer_token([]) is None and bearer_token(None) is None
+
+
+def test_tokens_never_start_with_a_dash(monkeypatch):
+    # Prepare: the generator first draws a token an argument parser would take for an option
+    import server.erasure.auth as auth
+
+    draws = iter(["-starts-with-dash", "fine-token"])
+    monkeypatch.setattr(auth.secrets, "token_urlsafe", lambda n: next(draws))
+    # Execute / Assert
+    assert auth.new_token() == "fine-token"

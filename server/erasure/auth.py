@@ -56,6 +56,15 @@ def write_private(path: Path, data: object) -> None:
         raise
 
 
+def new_token() -> str:
+    """A random bearer token (256 bits, URL-safe) that does not start with '-': a command
+    line (``fedasync erase --token ...``) would read such a token as an option."""
+    while True:
+        token = secrets.token_urlsafe(32)
+        if not token.startswith("-"):
+            return token
+
+
 def generate_credentials(num_silos: int, path: Path) -> dict[str, str]:
     """Make one token per silo plus an admin token; write their hashes to ``path`` (0600).
 
@@ -64,10 +73,10 @@ def generate_credentials(num_silos: int, path: Path) -> dict[str, str]:
     """
     if num_silos < 0:
         raise ValueError("num_silos must be >= 0")
-    tokens = {ADMIN: secrets.token_urlsafe(32)}
+    tokens = {ADMIN: new_token()}
     entries: dict[str, dict[str, object]] = {hash_token(tokens[ADMIN]): {"role": ADMIN}}
     for i in range(num_silos):
-        tokens[f"silo-{i}"] = secrets.token_urlsafe(32)
+        tokens[f"silo-{i}"] = new_token()
         entries[hash_token(tokens[f"silo-{i}"])] = {"role": "silo", "silo": i}
     write_private(Path(path), entries)
     return tokens
