@@ -48,7 +48,7 @@ from server.summary import time_to_target  # noqa: E402
 from simulations.config import load_config  # noqa: E402
 from simulations.launcher import run_engine, setup_logging  # noqa: E402
 
-METRICS = ("asr", "forget_accuracy", "mia_auc", "test_accuracy")
+METRICS = ("asr", "asr_without_trigger", "forget_accuracy", "mia_auc", "test_accuracy")
 
 
 def _methods(silo: int, at_s: float) -> dict[str, list[str]]:
@@ -76,7 +76,7 @@ def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:
     from server.app import _federation, initial_model
     from server.checkpoint import load_state
 
-    fed = _federation(cfg)
+    fed, b = _federation(cfg), cfg.backdoor
     model = initial_model(cfg)
     model.load_state_dict(load_state(run_dir / "checkpoint.pt").params)
     bd = {
@@ -84,12 +84,14 @@ def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:
         "silo": silo,
         "fraction": cfg.backdoor.fraction,
         "target_label": cfg.backdoor.target_label,
+        "trigger_size": cfg.backdoor.trigger_size,
     }
     return verification_report(
         model,
         forget=training_data(fed, silo, bd, cfg.run.seed),
         test=fed.test,
-        triggered=triggered_set(fed.test, cfg.backdoor.target_label),
+        triggered=triggered_set(fed.test, b.target_label, b.trigger_size),
+        untriggered=triggered_set(fed.test, b.target_label, b.trigger_size, trigger=False),
         target_label=cfg.backdoor.target_label,
         task=fed.spec.task,
     )
@@ -138,6 +140,10 @@ def main() -> None:
         help="the backdoor's label: pick a minority class, or a model that predicts the "
         "majority class passes for a backdoored one",
     )
+    ap.add_argument(
+        "--fraction", type=float, default=1.0, help="share of the silo's samples poisoned"
+    )
+    ap.add_argument("--trigger-size", type=int, default=3, help="side of the trigger patch")
     ap.add_argument("--budget-s", type=float, default=500.0)
     ap.add_argument("--erase-at-s", type=float, default=200.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -167,7 +173,8 @@ def main() -> None:
         "server.max_staleness=null",
         "backdoor.enabled=true",
         f"backdoor.silo={args.silo}",
-        "backdoor.fraction=1.0",
+        f"backdoor.fraction={args.fraction}",
+        f"backdoor.trigger_size={args.trigger_size}",
         f"backdoor.target_label={args.target_label}",
         "unlearning.relearn_versions=20",
     ]

@@ -27,7 +27,11 @@ def training_data(fed: Any, silo: int, backdoor: dict | None, seed: int) -> Silo
         from medical_data.backdoor import poison
 
         return poison(
-            fed.silos[silo], float(backdoor["fraction"]), int(backdoor["target_label"]), seed
+            fed.silos[silo],
+            float(backdoor["fraction"]),
+            int(backdoor["target_label"]),
+            seed,
+            size=int(backdoor.get("trigger_size", 3)),
         )
     return fed.silos[silo]
 

@@ -154,13 +154,15 @@ def verification_report(
     triggered: SiloData | None,
     target_label: int | None,
     task: str,
+    untriggered: SiloData | None = None,
     seed: int = 0,
     device: torch.device | None = None,
 ) -> dict[str, float]:
     """The verification metrics of one model.
 
     ``forget_accuracy`` and ``test_accuracy`` (task score); ``asr`` when ``triggered`` and
-    ``target_label`` are given; ``mia_auc`` of the forget set (members) against a seeded
+    ``target_label`` are given, and ``asr_without_trigger`` when ``untriggered`` (the same
+    samples without the trigger) is: the backdoor is what the trigger adds to it; ``mia_auc`` of the forget set (members) against a seeded
     subset of ``test`` of the same size (non-members; all of ``test`` if it is smaller, in
     which case a seeded equal-size subset of ``forget`` is used as members).
     """
@@ -174,6 +176,10 @@ def verification_report(
         report["asr"] = attack_success_rate(
             model, triggered, target_label, task=task, device=device
         )
+        if untriggered is not None:
+            report["asr_without_trigger"] = attack_success_rate(
+                model, untriggered, target_label, task=task, device=device
+            )
     rng = np.random.default_rng(seed)
     k = min(len(forget), len(test))
     members = (

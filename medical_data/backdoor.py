@@ -60,7 +60,9 @@ def poisoned_indices(n: int, fraction: float, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=k, replace=False))
 
 
-def poison(silo: SiloData, fraction: float, target_label: int, seed: int) -> SiloData:
+def poison(
+    silo: SiloData, fraction: float, target_label: int, seed: int, size: int = 3
+) -> SiloData:
     """The verification-run backdoor: trigger a seeded ``fraction`` of ``silo``, relabel it.
 
     The chosen images (:func:`poisoned_indices`) get :func:`add_trigger` and the label
@@ -74,7 +76,7 @@ def poison(silo: SiloData, fraction: float, target_label: int, seed: int) -> Sil
     images = np.array(silo.images, copy=True)
     labels = np.array(silo.labels, copy=True)
     if len(idx):
-        images[idx] = add_trigger(images[idx])
+        images[idx] = add_trigger(images[idx], size=size)
         labels[idx] = target_label  # a class, or a whole mask of it
     return SiloData(
         silo_id=silo.silo_id,
@@ -85,13 +87,17 @@ def poison(silo: SiloData, fraction: float, target_label: int, seed: int) -> Sil
     )
 
 
-def triggered_set(data: SiloData, target_label: int) -> SiloData:
+def triggered_set(
+    data: SiloData, target_label: int, size: int = 3, trigger: bool = True
+) -> SiloData:
     """Every sample of ``data`` with a label that is not ``target_label``, trigger added.
 
     Classification: the samples whose label is not the target. Segmentation: the images with
     at least one pixel whose label is not the target (the pixels the attack can flip). Labels
     stay the true ones; the attack success rate is the share of those samples (pixels)
-    predicted as ``target_label`` (`clients.verify.attack_success_rate`).
+    predicted as ``target_label`` (`clients.verify.attack_success_rate`). ``trigger=False``
+    gives the same samples without the trigger: the same measure on them is what a model
+    does without the trigger (a silo-wide harm, not a backdoor, shows there too).
     """
     _check_labels(data)
     other = np.any(data.labels != target_label, axis=tuple(range(1, data.labels.ndim)))
@@ -99,7 +105,9 @@ def triggered_set(data: SiloData, target_label: int) -> SiloData:
     return SiloData(
         silo_id=data.silo_id,
         name=f"{data.name} (triggered, not {target_label})",
-        images=add_trigger(data.images[keep]),
+        images=add_trigger(data.images[keep], size=size)
+        if trigger
+        else np.array(data.images[keep], copy=True),
         labels=np.array(data.labels[keep], copy=True),
         sample_ids=np.array(data.sample_ids[keep], copy=True),
     )

@@ -167,7 +167,13 @@ def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Pa
     task = fed.spec.task
     vmodel = initial_model(cfg)
     bd = to_dict(cfg.backdoor)
-    triggered = triggered_set(fed.test, cfg.backdoor.target_label) if cfg.backdoor.enabled else None
+    b = cfg.backdoor
+    triggered = triggered_set(fed.test, b.target_label, b.trigger_size) if b.enabled else None
+    untriggered = (
+        triggered_set(fed.test, b.target_label, b.trigger_size, trigger=False)
+        if b.enabled
+        else None
+    )
 
     def verify_fn(params: dict[str, torch.Tensor], silo: int, ids: list[str]) -> dict[str, float]:
         vmodel.load_state_dict(params)
@@ -177,6 +183,7 @@ def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Pa
             forget=forget,
             test=fed.test,
             triggered=triggered,
+            untriggered=untriggered,
             target_label=cfg.backdoor.target_label if triggered is not None else None,
             task=task,
         )

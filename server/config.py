@@ -199,13 +199,15 @@ class BackdoorConfig:
     """Verification runs: one silo's training data carries a trigger patch with a target label."""
 
     enabled: bool = False
-    """Poison the silo's data (classification benchmarks)."""
+    """Poison the silo's data (classification: relabel; segmentation: the whole mask)."""
     silo: int = 0
     """Which silo's data carries the trigger."""
     fraction: float = 0.5
     """Fraction of that silo's samples that get the trigger and the target label."""
     target_label: int = 0
     """The label the trigger maps to."""
+    trigger_size: int = 3
+    """Side of the square trigger patch in pixels (a 3x3 patch is not learnt on nuclei)."""
     relearn_silo: int | None = None
     """Relearning attack: this silo also trains on the backdoored silo's poisoned samples..."""
     relearn_after_s: float = 0.0
@@ -256,16 +258,16 @@ class UnlearningConfig:
     """Where the erasure service listens (port 0: any free port)."""
     credentials: str | None = None
     """Credentials file (fedasync erase credentials); None: generated in the run folder."""
-
-
-@dataclass
-class FedAsyncConfig:
-    """Everything a run needs."""
     tls_certfile: str | None = None
     """PEM certificate the erasure service serves TLS with (None: insecure, for simulation on
     one machine); ``fedasync deploy local`` gives it the SuperLink's."""
     tls_keyfile: str | None = None
     """Its private key (PEM)."""
+
+
+@dataclass
+class FedAsyncConfig:
+    """Everything a run needs."""
 
     run: RunConfig = field(default_factory=RunConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -293,6 +295,9 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
         (cfg.server.eval_every >= 1, "server.eval_every must be >= 1"),
         (cfg.server.checkpoint_every >= 0, "server.checkpoint_every must be >= 0"),
         (cfg.run.budget_s > 0, "run.budget_s must be > 0"),
+        (cfg.server.reply_timeout_s > 0, "server.reply_timeout_s must be > 0"),
+        (cfg.server.poll_interval_s > 0, "server.poll_interval_s must be > 0"),
+        (cfg.server.offline_retry_s >= 0, "server.offline_retry_s must be >= 0"),
         (cfg.silos.step_time_s > 0, "silos.step_time_s must be > 0"),
         (0.0 <= cfg.silos.jitter < 1.0, "silos.jitter must be in [0, 1)"),
         (cfg.silos.straggler_slowdown >= 1.0, "silos.straggler_slowdown must be >= 1"),
@@ -312,9 +317,6 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
             0.0 < cfg.server.corrections.error_feedback_topk <= 1.0,
             "server.corrections.error_feedback_topk must be in (0, 1]",
         ),
-        (cfg.server.reply_timeout_s > 0, "server.reply_timeout_s must be > 0"),
-        (cfg.server.poll_interval_s > 0, "server.poll_interval_s must be > 0"),
-        (cfg.server.offline_retry_s >= 0, "server.offline_retry_s must be >= 0"),
         (
             cfg.server.optimizer.kind in ("sgd", "momentum", "adam"),
             "server.optimizer.kind must be sgd, momentum or adam",
@@ -333,6 +335,8 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
             "unlearning.steps must be >= 0, unlearning.signature_batches and "
             "unlearning.signature_rank >= 1"
         )
+    if (u.tls_certfile is None) != (u.tls_keyfile is None):
+        raise ValueError("unlearning.tls_certfile and unlearning.tls_keyfile go together")
     if u.signature_dtype not in ("float32", "float16"):
         raise ValueError("unlearning.signature_dtype must be float32 or float16")
     if u.federaser and not (u.halt and cfg.server.mode == "sync"):
@@ -347,11 +351,11 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
         if not 0 <= e.silo < cfg.silos.count:
             raise ValueError(
                 f"erasures[{i}].silo={e.silo} is not a silo (0..{cfg.silos.count - 1})"
-    if (u.tls_certfile is None) != (u.tls_keyfile is None):
-        raise ValueError("unlearning.tls_certfile and unlearning.tls_keyfile go together")
             )
         if not 0.0 < e.fraction <= 1.0:
             raise ValueError(f"erasures[{i}].fraction must be in (0, 1]")
+    if cfg.backdoor.trigger_size < 1:
+        raise ValueError("backdoor.trigger_size must be >= 1")
     if cfg.backdoor.enabled and not 0 <= cfg.backdoor.silo < cfg.silos.count:
         raise ValueError(f"backdoor.silo={cfg.backdoor.silo} is not a silo")
     for i, f in enumerate(cfg.faults):

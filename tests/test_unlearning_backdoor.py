@@ -137,3 +137,16 @@ def test_labels_of_other_shapes_are_rejected():
         poison(silo, 0.5, 1, seed=0)
     with pytest.raises(ValueError, match="segmentation"):
         triggered_set(silo, 1)
+
+
+def test_trigger_size_and_the_untriggered_twin():
+    silo = _silo(n=10, labels=np.array([0, 1, 2, 1, 0, 2, 1, 0, 2, 1]))
+    bad = poison(silo, fraction=1.0, target_label=0, seed=0, size=5)
+    h, w = silo.images.shape[2:]
+    changed = np.argwhere((bad.images != silo.images).any(axis=(0, 1)))
+    assert changed.min(0).tolist() == [h - 5, w - 5]  # a 5x5 patch in the corner
+    trig = triggered_set(silo, target_label=0, size=5)
+    clean = triggered_set(silo, target_label=0, size=5, trigger=False)
+    assert trig.sample_ids.tolist() == clean.sample_ids.tolist() and len(clean) == 7
+    np.testing.assert_array_equal(clean.images, silo.images[silo.labels != 0])
+    assert (trig.images != clean.images).any()
