@@ -17,6 +17,9 @@ SuperNode authentication. It is the demo and the integration test of deployment.
    failure and on Ctrl-C / SIGTERM, and the stop is verified: each process carries a marker in
    its environment, which also finds those Flower detaches into sessions of their own.
 
+With ``unlearning.service=true`` the erasure service serves TLS with the SuperLink's
+certificate, and per-silo tokens are made once in ``deploy/erasure/`` (``prepare_erasure``).
+
 Everything lands in the run folder ``<run.out_dir>/<run.name>/``: the ServerApp's outputs
 (summary.json, metrics.jsonl, run.log, checkpoint.pt), ``config.yaml``, ``deploy.json`` (what
 was measured) and ``deploy/`` (certificates and each process's FLWR_HOME, temp folder and log).

@@ -1,0 +1,352 @@
+"""Faults on Flower's deployment engine, on loopback over TLS with SuperNode authentication.
+
+One deployment (a SuperLink, two SuperNodes) serves every check, because a message costs
+about 25 s here (a fresh ClientApp process each). The scenario, run once by the ``scenario``
+fixture, in this order:
+
+1. run A (``flwr run``) trains with the erasure service on (TLS, per-silo tokens) and
+   ``server.reply_timeout_s=300``; once training has started, silo 0's SuperNode with its
+   SuperExec and the ClientApp it runs (its process group: the host dies) is killed with
+   SIGKILL mid-training. It is restarted once the SuperLink reports it offline: a SuperNode
+   that comes back before that is refused ("Failed to activate SuperNode", exit 305) because
+   its node is still marked online, so the restart is retried like a supervisor would;
+2. erasures of silo 0's samples are requested over TLS with silo 1's token (refused) and
+   with silo 0's own (accepted);
+3. once the restarted silo 0 has carried out the erasure (``calibrating``), the ServerApp is
+   killed with SIGKILL. We found no supported way in Flower 1.42 to start only the ServerApp
+   of a run whose ServerApp died (the SuperLink's SuperExec starts one per run that
+   ``flwr run`` submits), so ``flwr run`` is started again against the same SuperLink,
+   SuperNodes and run folder with ``run.resume=true`` (run B, a new Flower run id).
+
+A reply arriving twice, late past the staleness bound or corrupted is not re-tested over the
+network: those are properties of the loop's intake, covered in-process by
+tests/test_server_faults.py. A SuperNode with an unregistered key or a foreign CA is refused in
+tests/test_deploy_local.py. Slow: 3.7-4.6 minutes on 2 cores at a load average of 4-10,
+10.5 at 20-30.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clients.config import build_silos
+from server.checkpoint import load_state
+from server.events import read_events
+from simulations.config import load_config
+from simulations.deploy import (
+    FEDERATION,
+    free_ports,
+    prepare,
+    register_nodes,
+    run_config_toml,
+    stage_app,
+    start_superlink,
+    supernode_command,
+    tool,
+    write_cli_config,
+)
+from simulations.deploy_progress import EventTail
+from simulations.erase_cli import main as erase
+from simulations.processes import Proc, Processes, alive
+
+pytestmark = pytest.mark.slow
+
+REPLY_TIMEOUT_S = 300.0  # long: a message may wait behind another at a busy SuperNode
+OFFLINE_RETRY_S = 5.0
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (a SuperNode, its SuperExec, its ClientApps)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid and alive(int(entry.name)):
+                out.append(int(entry.name))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _audit(store: Path) -> list[tuple[str, str]]:
+    """(request id, state) of every audit row, in order (read-only: the ServerApp writes)."""
+    if not store.exists():
+        return []
+    with sqlite3.connect(f"file:{store}?mode=ro", uri=True) as db:
+        return list(db.execute("SELECT request_id, to_state FROM audit ORDER BY seq"))
+
+
+class Federation:
+    """The SuperLink and SuperNodes of the scenario, and what it observed."""
+
+    def __init__(self, root: Path):
+        self.cfg = load_config(
+            None,
+            [
+                f"run.out_dir={root}",
+                "run.name=faults",
+                "run.compare_sync=false",
+                "run.progress=false",
+                "run.budget_s=900",
+                "silos.count=2",
+                "client.local_steps=2",
+                "client.batch_size=16",
+                "data.max_samples=300",
+                "server.checkpoint_every=1",
+                "server.eval_every=1",
+                "server.evaluate_silos=false",
+                f"server.reply_timeout_s={REPLY_TIMEOUT_S}",
+                f"server.offline_retry_s={OFFLINE_RETRY_S}",
+                "unlearning.service=true",
+                "unlearning.address=127.0.0.1:0",
+                "unlearning.relearn_versions=2",
+            ],
+        )
+        self.run_dir, self.paths = prepare(self.cfg, None)
+        self.work = self.run_dir / "deploy"
+        self.cli = self.work / "flwr-home"
+        self.procs = Processes(marker=f"{root}:faults:{time.time_ns()}")
+        self.obs: dict[str, Any] = {}
+        self.offset = float("inf")
+        """This process's monotonic clock minus the ServerApp's wall clock (run A), from when
+        each event was first seen: at most the polling delay too large."""
+
+    def start(self) -> None:
+        self.link, self.port = start_superlink(self.procs, self.work, self.paths)
+        write_cli_config(self.cli, self.port, self.paths.ca_cert)
+        keys = {f"silo-{s}": self.paths.node_public_key(s) for s in range(2)}
+        self.nodes = register_nodes(self.procs, self.cli, keys)
+        self.node_ports = free_ports(2)
+        self.supernodes = {s: self.start_supernode(s, f"silo-{s}") for s in range(2)}
+        self.app = stage_app(self.work / "app")
+
+    def start_supernode(self, silo: int, name: str) -> Proc:
+        cmd = supernode_command(self.port, self.node_ports[silo], self.paths, silo, 2)
+        return self.procs.start(name, cmd, self.work / f"silo-{silo}")
+
+    def restart_supernode(self, silo: int, timeout_s: float = 120.0) -> Proc:
+        """Start silo's SuperNode again until the SuperLink accepts it (its log names its node
+        id); a refused one exits within seconds and is started again 3 s later."""
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(1, 100):
+            proc = self.start_supernode(silo, f"silo-{silo}-restart-{attempt}")
+            while proc.popen.poll() is None and "SuperNode ID:" not in proc.log.read_text():
+                assert time.monotonic() < deadline, proc.tail()
+                time.sleep(0.5)
+            if proc.popen.poll() is None:
+                self.obs["restart_attempts"] = attempt
+                return proc
+            assert time.monotonic() < deadline, proc.tail()
+            time.sleep(3.0)
+        raise AssertionError("unreachable")
+
+    def flwr_run(self, name: str, cfg: Any) -> Proc:
+        server_cfg = copy.deepcopy(cfg)
+        server_cfg.run.progress = False
+        conf = self.work / f"{name}.toml"
+        conf.write_text(run_config_toml(server_cfg))
+        cmd = [tool("flwr"), "run", str(self.app), FEDERATION, "--run-config", str(conf)]
+        return self.procs.start(
+            name, [*cmd, "--stream"], self.cli, env={"FLWR_HOME": str(self.cli)}
+        )
+
+    def wait(self, what: str, cond: Callable[[], bool], timeout_s: float, tail: EventTail) -> None:
+        """Poll ``tail`` until ``cond()``; fail naming ``what`` if a process died or time ran out."""
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            now = time.monotonic()
+            for e in tail.poll():
+                self.offset = min(self.offset, now - e["t"])
+            self.procs.scan()
+            assert self.link.popen.poll() is None, f"the SuperLink exited:\n{self.link.tail()}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.5)
+
+    def serverapp_pids(self) -> list[int]:
+        return [p for p in self.procs.scan() if b"flwr-serverapp" in _cmdline(p)]
+
+
+def _updates(events: list[dict[str, Any]], silo: int) -> list[float]:
+    return [e["t"] for e in events if e["event"] == "update" and e["silo"] == silo]
+
+
+def _run_scenario(fed: Federation) -> None:
+    obs, cfg = fed.obs, fed.cfg
+    fed.start()
+    tail = EventTail(fed.run_dir / "metrics.jsonl")
+    ev = tail.events
+    run_a = fed.flwr_run("run-a", cfg)
+    # 1. silo 0 dies mid-training (its SuperNode and the ClientApp it runs) and comes back
+    fed.wait("the first dispatch", lambda: any(e["event"] == "eval" for e in ev), 180, tail)
+    sn0 = fed.supernodes[0].popen.pid
+
+    def clientapps() -> list[int]:
+        return [p for p in _group(sn0) if b"flwr-clientapp" in _cmdline(p)]
+
+    fed.wait("silo 0's ClientApp", lambda: bool(clientapps()), 60, tail)
+    time.sleep(3.0)  # it is importing torch or training now
+    victims = _group(sn0)  # the SuperNode, its SuperExec and the ClientApp: the host dies
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    fed.supernodes[0].popen.wait(timeout=10)
+    obs["killed_at"] = killed - fed.offset  # on the ServerApp's clock
+    obs["victims"] = victims
+
+    def offline() -> bool:
+        return any("Node Unavailable" in e.get("detail", "") for e in ev if e.get("silo") == 0)
+
+    fed.wait("the SuperLink to report silo 0 offline", offline, 180, tail)
+    fed.supernodes[0] = fed.restart_supernode(0)
+    obs["restarted_at"] = time.monotonic() - fed.offset
+    # 2. erasure requests over TLS
+    address = (fed.run_dir / "erasure_address").read_text().strip()
+    erasure_dir = fed.work / "erasure"
+    ids = [str(x) for x in build_silos(cfg.data, 2, cfg.run.seed).silos[0].sample_ids[:3]]
+    common = ["--address", address, "--ca-cert", str(fed.paths.ca_cert), "--json"]
+    submit = ["submit", "--silo", "0", "--samples", ",".join(ids), *common]
+    obs["erase_wrong_silo"] = erase([*submit, "--token-file", str(erasure_dir / "silo-1.token")])
+    obs["erase_plain"] = erase(
+        ["list", "--address", address, "--timeout", "3"]
+        + ["--token-file", str(erasure_dir / "silo-0.token")]
+    )
+    obs["erase_own_silo"] = erase([*submit, "--token-file", str(erasure_dir / "silo-0.token")])
+    # 3. the ServerApp dies once silo 0 trained again and the erasure was applied
+    store = fed.run_dir / "erasures.sqlite"
+
+    def applied() -> bool:  # by the restarted silo 0
+        return any(s in ("calibrating", "failed") for _, s in _audit(store))
+
+    fed.wait("the erasure applied", applied, 400, tail)
+    serverapps = fed.serverapp_pids()
+    assert serverapps, "no flwr-serverapp process found"
+    for pid in serverapps:
+        os.kill(pid, signal.SIGKILL)
+    obs["events_a"] = list(ev)
+    time.sleep(1.0)
+    obs["checkpoint_version"] = load_state(fed.run_dir / "checkpoint.pt").version
+    obs["audit_at_kill"] = _audit(store)
+    os.killpg(run_a.popen.pid, signal.SIGTERM)  # the CLI streaming run A's logs
+    run_a.popen.wait(timeout=15)
+    # run B: the same run folder, resumed, two more versions
+    cfg_b = copy.deepcopy(cfg)
+    cfg_b.run.resume = True
+    cfg_b.run.max_versions = obs["checkpoint_version"] + 2
+    tail_b = EventTail(fed.run_dir / "metrics.jsonl")
+    run_b = fed.flwr_run("run-b", cfg_b)
+    fed.wait("run B to finish", lambda: run_b.popen.poll() is not None, 300, tail_b)
+    assert run_b.popen.returncode == 0, run_b.log.read_text()[-3000:]
+    obs["events_b"] = read_events(fed.run_dir / "metrics.jsonl")
+    obs["summary_b"] = json.loads((fed.run_dir / "summary.json").read_text())
+    obs["audit_after"] = _audit(store)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    fed = Federation(tmp_path_factory.mktemp("faults"))
+    t0 = time.monotonic()
+    try:
+        _run_scenario(fed)
+    finally:
+        left = fed.procs.stop(grace_s=10.0)
+        fed.obs["wall_s"] = time.monotonic() - t0
+    assert left == [] and [p for p in fed.procs.seen if alive(p)] == []
+    o = fed.obs
+    gave_up = min(
+        e["t"] for e in o["events_a"] if e["event"] == "reject" and e["t"] > o["killed_at"]
+    )
+    print(
+        f"fault scenario: {o['wall_s']:.0f}s wall; on the ServerApp's clock: silo 0 killed at "
+        f"{o['killed_at']:.0f}s, its job given up at {gave_up:.0f}s, restarted at "
+        f"{o['restarted_at']:.0f}s (attempt {o['restart_attempts']}); ServerApp killed at "
+        f"version {o['checkpoint_version']}, resumed there"
+    )
+    return fed.obs
+
+
+def test_supernode_killed_mid_training_is_abandoned_and_the_other_silo_goes_on(scenario):
+    """Silo 0's host dies mid-training (SuperNode, SuperExec, ClientApp: SIGKILL) and comes
+    back with the same key once the SuperLink has marked it offline.
+
+    Expected: its job in flight is never answered, and a restarted SuperNode does not fetch a
+    delivered message again, so the job is given up within ``server.reply_timeout_s`` (also
+    its TTL: the SuperLink answers "Message Unavailable", or the loop "no reply within"), or
+    earlier when the SuperLink reports the node offline; each is a ``client_error``
+    rejection, and no update of silo 0 is taken in between. While it is offline silo 0 is
+    tried again every ``server.offline_retry_s``, not in a tight loop. Back with the same node
+    id, it trains and its updates are taken again. Silo 1 never stops: none of its work is
+    rejected and it keeps delivering updates while silo 0 is out.
+    """
+    ev = scenario["events_a"]
+    killed, restarted = scenario["killed_at"], scenario["restarted_at"]
+    zero = [e for e in ev if e.get("silo") == 0 and e["t"] > killed]
+    rejects = [e for e in zero if e["event"] == "reject" and e["t"] < restarted]
+    assert rejects and {e["reason"] for e in rejects} == {"client_error"}, rejects
+    assert rejects[0]["t"] <= killed + REPLY_TIMEOUT_S + 10  # given up within the timeout
+    assert not [e for e in zero if e["event"] == "update" and e["t"] < restarted]
+    # back: it carried out the erasure (test below) and trains again (in run A or after resume)
+    resumed = next(e["t"] for e in scenario["events_b"] if e["event"] == "resume")
+    back = [e for e in zero if e["event"] == "update"]
+    back += [e for e in scenario["events_b"] if e["event"] == "update" and e["t"] > resumed]
+    assert any(e["silo"] == 0 for e in back), "silo 0 trained again"
+    offline = [e["t"] for e in rejects if "Node Unavailable" in e["detail"]]
+    assert offline, "the SuperLink reported silo 0 offline"
+    gaps = [b - a for a, b in zip(offline, offline[1:])]
+    assert all(g >= OFFLINE_RETRY_S - 0.5 for g in gaps), gaps
+    assert not [e for e in ev if e["event"] == "reject" and e["silo"] == 1]
+    assert len([t for t in _updates(ev, 1) if killed < t]) >= 2
+
+
+def test_erasure_over_tls_needs_the_silos_own_credential(scenario):
+    """Over TLS (the SuperLink's certificate, ``--ca-cert ca.pem``): silo 1's token asking to
+    erase silo 0's samples is refused (PERMISSION_DENIED, exit 2) and writes nothing; a client
+    without TLS gets no answer (exit 1); silo 0's own token is accepted (exit 0) and the
+    request is carried out (queued, erasing, calibrating) by the restarted silo."""
+    assert scenario["erase_wrong_silo"] == 2
+    assert scenario["erase_plain"] == 1
+    assert scenario["erase_own_silo"] == 0
+    requests = {rid for rid, _ in scenario["audit_after"]}
+    assert len(requests) == 1
+    states = [s for _, s in scenario["audit_at_kill"]]
+    assert states[:3] == ["queued", "erasing", "calibrating"]
+
+
+def test_serverapp_killed_resumes_from_its_checkpoint(scenario):
+    """The ServerApp is killed (SIGKILL) after the erasure was applied; ``flwr run`` is started
+    again on the same SuperLink and run folder with ``run.resume=true``.
+
+    Expected: run B resumes at the checkpoint's version (``resume`` event), its versions go on
+    from there without a gap or a repeat, and it reaches two more; the erasure store holds the
+    same request as before the kill (none lost, none added), which was applied once: one
+    ``calibrating`` state change in the audit log, before and after the restart.
+    """
+    v = scenario["checkpoint_version"]
+    ev = scenario["events_b"]
+    resume = [e for e in ev if e["event"] == "resume"]
+    assert [e["version"] for e in resume] == [v]
+    versions = [e["version"] for e in ev if e["event"] == "version"]
+    assert versions == list(range(1, v + 3)), versions
+    assert scenario["summary_b"]["versions"] == v + 2
+    before, after = scenario["audit_at_kill"], scenario["audit_after"]
+    assert after[: len(before)] == before  # the audit log is append-only
+    assert {r for r, _ in after} == {r for r, _ in before}
+    assert [s for _, s in after].count("calibrating") == 1
+    assert [s for _, s in after].count("erasing") == 1
