@@ -453,15 +453,7 @@ class AsyncServer:
             return False
         if job.kind == "calibrate":
             return self._take_calibration(job, reply)
-        res = take_reply(
-            reply,
-            job,
-            version=self.version,
-            reference=self.params,
-            roster=self.roster,
-            bound=self.bound,
-            norms=self.norms,
-        )
+        res = self._validate(job, reply, self.norms)
         if isinstance(res, Rejection):
             self._reject(job, res)
             if res.reason.value == "client_error":
@@ -488,19 +480,24 @@ class AsyncServer:
     def _take_calibration(self, job: Job, reply: Message) -> bool:
         """A FedEraser calibration update: validated like any reply, handed to the coordinator
         (never folded; the silo is sent regular work again only when the rebuild is done)."""
-        res = take_reply(
+        res = self._validate(job, reply, self.calibration_norms)
+        if isinstance(res, Rejection):
+            self._reject(job, res)
+        self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)
+        return False
+
+    def _validate(
+        self, job: Job, reply: Message, norms: NormOutlierDetector
+    ) -> Accepted | Rejection:
+        return take_reply(
             reply,
             job,
             version=self.version,
             reference=self.params,
             roster=self.roster,
             bound=self.bound,
-            norms=self.calibration_norms,
+            norms=norms,
         )
-        if isinstance(res, Rejection):
-            self._reject(job, res)
-        self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)
-        return False
 
     def _down_s(self, job: Job, reply: Message) -> float:
         if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
