@@ -83,6 +83,8 @@ class ServerConfig:
     corrections: CorrectionsConfig = field(default_factory=CorrectionsConfig)
     norm_outlier_factor: float = 10.0
     """Reject an update whose norm exceeds this multiple of the median accepted norm."""
+    clip_norm: float | None = None
+    """Server-side clipping: scale every accepted update to at most this L2 norm (None: off)."""
     eval_every: int = 5
     """Evaluate the global model on the held-out test set every N versions."""
     checkpoint_every: int = 20
@@ -354,6 +356,8 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
             )
         if not 0.0 < e.fraction <= 1.0:
             raise ValueError(f"erasures[{i}].fraction must be in (0, 1]")
+    if cfg.server.clip_norm is not None and not cfg.server.clip_norm > 0:
+        raise ValueError("server.clip_norm must be > 0 (or null)")
     if cfg.backdoor.trigger_size < 1:
         raise ValueError("backdoor.trigger_size must be >= 1")
     if cfg.backdoor.enabled and not 0 <= cfg.backdoor.silo < cfg.silos.count:

@@ -49,6 +49,7 @@ from fedasync import (
     delay_compensate_delta,
     make_weight_fn,
 )
+from fedasync.tensors import clip_by_norm
 from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import VirtualClock, WallClock, silo_speeds
 from server.config import FedAsyncConfig
@@ -543,6 +544,10 @@ class AsyncServer:
             update.tensors = calibrated
             if self.erasure.last_overlap is not None:
                 update.metrics["calibration_overlap"] = self.erasure.last_overlap
+        if self.cfg.server.clip_norm is not None:  # bounds any one silo's influence
+            update.tensors, c = clip_by_norm(update.tensors, self.cfg.server.clip_norm, acc.norm)
+            if c < 1.0:
+                update.metrics["clip_factor"] = c
         corr = self.cfg.server.corrections
         if corr.delay_compensation > 0 and acc.staleness > 0:
             w_base = self.sent.get(job.base_version)

@@ -130,3 +130,18 @@ def test_versioned_snapshots_round_trip():
         a, b = snaps.get(v), restored.get(v)
         assert a is not None and b is not None
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_clip_by_norm_by_hand():
+    from fedasync.tensors import clip_by_norm
+
+    p = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0]), "n": torch.tensor([7])}
+    out, c = clip_by_norm(p, 2.5)  # norm 5 -> half
+    assert c == 0.5 and out["a"].tolist() == [1.5, 0.0] and out["b"].tolist() == [2.0]
+    assert out["n"].tolist() == [7] and out["n"].dtype == torch.int64  # integers untouched
+    same, c = clip_by_norm(p, 10.0)
+    assert c == 1.0 and same["a"].tolist() == [3.0, 0.0] and same["a"] is not p["a"]
+    _, c = clip_by_norm(p, 1.0, norm=4.0)  # the caller's norm is used as given
+    assert c == 0.25
+    with pytest.raises(ValueError):
+        clip_by_norm(p, 0.0)

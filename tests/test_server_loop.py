@@ -141,3 +141,16 @@ def test_wall_clock_takes_replies_in_arrival_order(small_cfg):
     assert summary["clock"] == "wall" and summary["virtual_time_s"] is None
     assert summary["versions"] == 6
     assert summary["wall_time_s"] > 0
+
+
+def test_server_side_clipping_bounds_every_update(small_cfg):
+    """With server.clip_norm every accepted update is scaled to the bound before it is folded,
+    and says so: its logged clip factor is bound / its norm."""
+    cfg = small_cfg("run.max_versions=8", "server.clip_norm=0.01")
+    _, run_dir, _ = _run(cfg)
+    ups = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"]
+    assert ups and all(e["norm"] > 0.01 for e in ups)  # this bound binds every update
+    for e in ups:
+        assert e["clip_factor"] == pytest.approx(0.01 / e["norm"], rel=1e-6)
+    with pytest.raises(ValueError, match="clip_norm"):
+        small_cfg("server.clip_norm=0")
