@@ -15,11 +15,11 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from server.config import SilosConfig
+from server.config import FedAsyncConfig, SilosConfig
 
 
 def silo_speeds(cfg: SilosConfig, seed: int) -> list[float]:
@@ -41,6 +41,24 @@ def silo_speeds(cfg: SilosConfig, seed: int) -> list[float]:
     if cfg.speed_profile == "lognormal":
         return [float(x) for x in np.exp(rng.normal(0.0, cfg.sigma, size=n))]
     raise ValueError(f"unknown speed profile {cfg.speed_profile!r}")
+
+
+def client_setup(cfg: FedAsyncConfig) -> dict[str, Any]:
+    """What every train message tells the ClientApp about the run (both ServerApps send it).
+
+    ``emulate_speeds``: each silo's speed when ``silos.emulate_speed`` is on (the ClientApp
+    then waits after training, see ``clients.app``), else None.
+    """
+    from clients.config import to_dict
+
+    return {
+        "client": to_dict(cfg.client),
+        "data": to_dict(cfg.data),
+        "backdoor": to_dict(cfg.backdoor),
+        "num_silos": cfg.silos.count,
+        "seed": cfg.run.seed,
+        "emulate_speeds": silo_speeds(cfg.silos, cfg.run.seed) if cfg.silos.emulate_speed else None,
+    }
 
 
 class Timed(Protocol):

@@ -125,6 +125,9 @@ class SilosConfig:
     """Virtual seconds of communication per message (both ways together)."""
     jitter: float = 0.1
     """Relative jitter of each job's duration (seeded per silo and job)."""
+    emulate_speed: bool = False
+    """Wall clock (deployment on one machine): each silo waits after training so that its
+    message takes 1/speed as long as its training did, making the speed profile real."""
     exclude: list[int] = field(default_factory=list)
     """Silos that never train (retraining from scratch without their data)."""
 

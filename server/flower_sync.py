@@ -38,11 +38,11 @@ from flwr.serverapp.strategy import FedAvg
 
 from clients import protocol as P
 from clients import wire
-from clients.config import to_dict
 from clients.local import evaluate
 from fedasync.tensors import add, weighted_sum
 from fedasync.types import Params
 from server.app import _federation, _log_to, initial_model
+from server.clock import client_setup
 from server.config import FedAsyncConfig, from_container
 from server.events import EventLog
 from server.summary import write_summary
@@ -66,15 +66,7 @@ def mean_delta_step(params: Params, deltas: list[tuple[Params, int]]) -> Params:
 
 def setup_json(cfg: FedAsyncConfig) -> str:
     """What every message tells the ClientApp about the run (as server.loop sends it)."""
-    return P.dumps(
-        {
-            "client": to_dict(cfg.client),
-            "data": to_dict(cfg.data),
-            "backdoor": to_dict(cfg.backdoor),
-            "num_silos": cfg.silos.count,
-            "seed": cfg.run.seed,
-        }
-    )
+    return P.dumps(client_setup(cfg))
 
 
 class ProtocolFedAvg(FedAvg):

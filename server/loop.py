@@ -51,7 +51,7 @@ from fedasync import (
 )
 from fedasync.tensors import clip_by_norm
 from server.checkpoint import CheckpointState, load_state, save_state
-from server.clock import VirtualClock, WallClock, silo_speeds
+from server.clock import VirtualClock, WallClock, client_setup, silo_speeds
 from server.config import FedAsyncConfig
 from server.events import EventLog
 from server.intake import Accepted, Job, take_reply
@@ -117,15 +117,7 @@ class AsyncServer:
         # the weights each in-flight job was sent, by version (for DC-ASGD's w_base, and so that a
         # checkpoint can re-send in-flight work identically); pruned when no job refers to them
         self.sent: dict[int, Params] = {}
-        self.setup_json = P.dumps(
-            {
-                "client": to_dict(cfg.client),
-                "data": to_dict(cfg.data),
-                "backdoor": to_dict(cfg.backdoor),
-                "num_silos": cfg.silos.count,
-                "seed": cfg.run.seed,
-            }
-        )
+        self.setup_json = P.dumps(client_setup(cfg))
         self.roster: dict[int, int] = {}
         self.num_samples: dict[int, int] = {}
         self.inflight: dict[str, Job] = {}

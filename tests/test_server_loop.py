@@ -154,3 +154,26 @@ def test_server_side_clipping_bounds_every_update(small_cfg):
         assert e["clip_factor"] == pytest.approx(0.01 / e["norm"], rel=1e-6)
     with pytest.raises(ValueError, match="clip_norm"):
         small_cfg("server.clip_norm=0")
+
+
+def test_emulated_speed_makes_stragglers_wait(small_cfg):
+    """silos.emulate_speed: a silo of speed 1/2 waits as long again as it trained; the others
+    do not wait (what makes a one-machine deployment heterogeneous)."""
+    from server.clock import silo_speeds
+
+    cfg = small_cfg(
+        "run.max_versions=6",
+        "silos.speed_profile=stragglers",
+        "silos.straggler_fraction=0.34",
+        "silos.straggler_slowdown=2",
+        "silos.emulate_speed=true",
+    )
+    _, run_dir, _ = _run(cfg)
+    speeds = silo_speeds(cfg.silos, cfg.run.seed)
+    ups = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"]
+    for e in ups:
+        if speeds[e["silo"]] < 1.0:
+            assert e["train_emulated_wait_s"] == pytest.approx(e["train_seconds"], rel=1e-6)
+        else:
+            assert "train_emulated_wait_s" not in e
+    assert any(speeds[e["silo"]] < 1.0 for e in ups)
