@@ -153,10 +153,9 @@ def train(msg: Message, context: Context) -> Message:
     stats = {**stats, P.TRAIN_SECONDS: trained_s}
     speeds = P.loads(setup).get("emulate_speeds")
     if speeds:  # a deployment on one machine made heterogeneous: silo i takes 1/speed as long
-        wait = min(trained_s * (1.0 / float(speeds[silo]) - 1.0), 3600.0)
-        if wait > 0:
-            time.sleep(wait)
-            stats["train_emulated_wait_s"] = wait
+        wait = max(0.0, min(trained_s * (1.0 / float(speeds[silo]) - 1.0), 3600.0))
+        time.sleep(wait)
+        stats["train_emulated_wait_s"] = wait  # every silo reports it (FedAvg wants equal keys)
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     delta = sub(local, base)
     base_version = int(cfg[P.BASE_VERSION])
