@@ -64,11 +64,6 @@ def mean_delta_step(params: Params, deltas: list[tuple[Params, int]]) -> Params:
     return add(params, step)
 
 
-def setup_json(cfg: FedAsyncConfig) -> str:
-    """What every message tells the ClientApp about the run (as server.loop sends it)."""
-    return P.dumps(client_setup(cfg))
-
-
 class ProtocolFedAvg(FedAvg):
     """Flower's FedAvg, sending our train messages and folding our replies' deltas.
 
@@ -90,7 +85,7 @@ class ProtocolFedAvg(FedAvg):
         )
         self.cfg, self.params, self.events, self.t0 = cfg, params, events, t0
         self.unix0 = time.time() - (time.monotonic() - t0)  # t0 on the Unix clock
-        self.setup_json = setup_json(cfg)
+        self.setup_json = P.dumps(client_setup(cfg))
         self.version = 0
         self.next_job_id = 0
         self.started_at: float | None = None
