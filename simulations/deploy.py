@@ -8,7 +8,10 @@ SuperNode authentication. It is the demo and the integration test of deployment.
    Fleet, Control and Runtime APIs on one HTTPS port);
 3. each silo's public key registered through the Control API (``flwr supernode register``);
 4. one SuperNode per silo with its own port and node config ``partition-id=<silo>
-   num-partitions=<N>``, which is how the ClientApp learns its silo (as in simulation);
+   num-partitions=<N> privacy-db="<ledger>"``: ``partition-id`` is how the ClientApp learns
+   its silo (as in simulation), ``privacy-db`` the silo's DP privacy ledger, one SQLite file
+   per silo, ``<run folder>/privacy/silo-<i>.sqlite`` or ``--privacy-dir DIR/silo-<i>.sqlite``
+   (a folder made 0700); the files are kept, so a silo's epsilon adds up across runs;
 5. ``flwr run`` of this project's app (a copy of what the apps import, in the run folder)
    against that SuperLink, with the whole config as JSON in the run config key
    ``config-json`` (``server.app:app``: wall clock, replies taken as they arrive);
@@ -16,6 +19,10 @@ SuperNode authentication. It is the demo and the integration test of deployment.
 7. every process it started is stopped, by process group and pid, when the run ends, on a
    failure and on Ctrl-C / SIGTERM, and the stop is verified: each process carries a marker in
    its environment, which also finds those Flower detaches into sessions of their own.
+
+``run.compare_sync`` (the sync FedAvg baseline after the run) is simulation-only: a deployment
+says so on the console and in ``deploy.json`` (``compare_sync``) instead of running it;
+``benchmarks/deployment_overhead.py`` runs Flower's FedAvg on the same deployment.
 
 With ``unlearning.service=true`` the erasure service serves TLS with the SuperLink's
 certificate, and per-silo tokens are made once in ``deploy/erasure/`` (``prepare_erasure``).
@@ -43,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from clients.privacy import PRIVACY_DB
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
 from server.events import json_safe
@@ -191,18 +199,71 @@ def register_nodes(procs: Processes, cli_home: Path, keys: dict[str, Path]) -> d
     return ids
 
 
+def node_config_string(value: str) -> str:
+    """``value`` as a string of a SuperNode's ``--node-config`` (``key="value"``: Flower parses
+    each value as TOML, and a bare path is no TOML value). Flower's parser ends a quoted value
+    at the next double quote, so a value holding one cannot be passed."""
+    if '"' in value:
+        raise DeployError(f"a node config value cannot contain a double quote: {value!r}")
+    return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+
+
+def node_config(silo: int, num_silos: int, privacy_db: Path | None = None) -> str:
+    """A SuperNode's ``--node-config``: its silo, the number of silos and, when given, its
+    privacy ledger (``clients.privacy.PRIVACY_DB``)."""
+    config = f"partition-id={silo} num-partitions={num_silos}"
+    if privacy_db is not None:
+        config += f" {PRIVACY_DB}={node_config_string(str(privacy_db))}"
+    return config
+
+
 def supernode_command(
-    link_port: int, port: int, paths: CertPaths, silo: int, num_silos: int
+    link_port: int,
+    port: int,
+    paths: CertPaths,
+    silo: int,
+    num_silos: int,
+    privacy_db: Path | None = None,
 ) -> list[str]:
-    """flower-supernode for ``silo``: TLS to the SuperLink, its auth key, its partition."""
+    """flower-supernode for ``silo``: TLS to the SuperLink, its auth key, its partition and
+    its privacy ledger."""
     return [
         tool("flower-supernode"),
         *("--superlink", f"127.0.0.1:{link_port}"),
         *("--root-certificates", str(paths.ca_cert)),
         *("--auth-supernode-private-key", str(paths.node_key(silo))),
-        *("--node-config", f"partition-id={silo} num-partitions={num_silos}"),
+        *("--node-config", node_config(silo, num_silos, privacy_db)),
         *("--host", "127.0.0.1", "--port", str(port)),
     ]
+
+
+def privacy_ledgers(folder: Path, num_silos: int) -> dict[int, Path]:
+    """Each silo's privacy ledger file, ``<folder>/silo-<i>.sqlite`` (absolute: the ClientApp
+    runs elsewhere). ``folder`` is made 0700 if missing (an existing one is left as it is);
+    the files are made by the silos on their first DP message and kept across runs, so that
+    a silo's epsilon accumulates over every run that used its data."""
+    folder = Path(folder).expanduser().resolve()
+    if not folder.is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700)
+        os.chmod(folder, 0o700)  # whatever the umask
+    return {s: folder / f"silo-{s}.sqlite" for s in range(num_silos)}
+
+
+SYNC_NOT_RUN = "not run in deployment"
+"""``deploy.json["compare_sync"]`` when ``run.compare_sync`` asked for the baseline."""
+
+
+def sync_comparison_warning(cfg: FedAsyncConfig) -> str | None:
+    """The line to show when the config asks for the sync baseline, which only the simulation
+    launcher runs (None: nothing asked, or the run is sync itself, as in simulation)."""
+    if not cfg.run.compare_sync or cfg.server.mode == "sync":
+        return None
+    return (
+        "warning: run.compare_sync=true is simulation-only; no sync baseline is run in "
+        "deployment (benchmarks/deployment_overhead.py runs Flower's FedAvg on the same "
+        "deployment; set run.compare_sync=false to silence this)"
+    )
 
 
 def superlink_command(port: int, paths: CertPaths) -> list[str]:
@@ -270,8 +331,11 @@ def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> None
     u.credentials = str(hashes)
 
 
-def prepare(cfg: FedAsyncConfig, certs: Path | None) -> tuple[Path, CertPaths]:
-    """The run folder, its deploy/ folder, config.yaml, run-config.toml and certificates."""
+def prepare(
+    cfg: FedAsyncConfig, certs: Path | None, privacy_dir: Path | None = None
+) -> tuple[Path, CertPaths, dict[int, Path]]:
+    """The run folder, its deploy/ folder, config.yaml, run-config.toml, certificates and the
+    silos' privacy ledgers (in ``privacy_dir``, default ``<run folder>/privacy``)."""
     n = cfg.silos.count
     cfg.run.out_dir = str(Path(cfg.run.out_dir).resolve())  # the ServerApp runs elsewhere
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -290,13 +354,15 @@ def prepare(cfg: FedAsyncConfig, certs: Path | None) -> tuple[Path, CertPaths]:
     (work / "run-config.toml").write_text(run_config_toml(server_cfg))
     if not cfg.run.resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # progress reads only this run's
-    return run_dir, paths
+    ledgers = privacy_ledgers(run_dir / "privacy" if privacy_dir is None else privacy_dir, n)
+    return run_dir, paths, ledgers
 
 
 def deploy_local(
     cfg: FedAsyncConfig,
     *,
     certs: Path | None = None,
+    privacy_dir: Path | None = None,
     echo: Callable[[str], None] = print,
     grace_s: float = 10.0,
     serverapp: str | None = None,
@@ -304,13 +370,14 @@ def deploy_local(
     """Run ``cfg`` on a local SuperLink and ``silos.count`` SuperNodes over TLS; return the
     run's summary with ``deployment`` added (measurements, node ids, every pid seen).
     ``serverapp`` (``module:attribute``) runs another ServerApp than ``server.app:app``; it must
-    write the run folder's summary.json too.
+    write the run folder's summary.json too. ``privacy_dir`` holds the silos' privacy ledgers
+    (default ``<run folder>/privacy``; see ``privacy_ledgers``).
 
     Raises DeployError when something did not start or the run did not finish, Interrupted on
     SIGTERM/SIGHUP and KeyboardInterrupt on Ctrl-C; in every case the processes it started
     are stopped first.
     """
-    run_dir, paths = prepare(cfg, certs)
+    run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir)
     work = run_dir / "deploy"
     procs = Processes(marker=f"{work}:{os.getpid()}:{time.time_ns()}")
     events = EventTail(run_dir / "metrics.jsonl")
@@ -318,6 +385,9 @@ def deploy_local(
     summary_path = run_dir / "summary.json"
     started_at, t0 = time.time(), time.monotonic()
     link_port = 0
+    sync_warning = sync_comparison_warning(cfg)
+    if sync_warning is not None:
+        echo(sync_warning)
     previous = _trap_signals()
     try:
         link, link_port = start_superlink(procs, work, paths)
@@ -331,7 +401,7 @@ def deploy_local(
         supernodes = [
             procs.start(
                 f"silo-{s}",
-                supernode_command(link_port, port, paths, s, cfg.silos.count),
+                supernode_command(link_port, port, paths, s, cfg.silos.count, ledgers[s]),
                 work / f"silo-{s}",
             )
             for s, port in enumerate(free_ports(cfg.silos.count))
@@ -386,6 +456,8 @@ def deploy_local(
     deployment = {
         "superlink": f"127.0.0.1:{link_port}",
         "nodes": {str(s): v for s, v in nodes.items()},
+        "privacy_db": {str(s): str(p) for s, p in ledgers.items()},
+        "compare_sync": SYNC_NOT_RUN if sync_warning is not None else False,
         "wall_s": time.monotonic() - t0,
         **measurements(events.events),
         "stop_s": stop_s,
@@ -407,6 +479,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--silos", type=int, help="number of silos (default: silos.count)")
     loc.add_argument("--config", help="YAML config file (default: the packaged default.yaml)")
     loc.add_argument("--certs", type=Path, help="folder from `fedasync certs` (default: made)")
+    loc.add_argument(
+        "--privacy-dir",
+        type=Path,
+        help="folder of the silos' DP privacy ledgers, silo-<i>.sqlite, kept across runs "
+        "(default: <run folder>/privacy)",
+    )
     loc.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.budget_s=120")
 
 
@@ -424,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedasync: {e}", file=sys.stderr)
         return 2
     try:
-        summary = deploy_local(cfg, certs=args.certs)
+        summary = deploy_local(cfg, certs=args.certs, privacy_dir=args.privacy_dir)
     except DeployError as e:
         print(f"fedasync deploy: {e}", file=sys.stderr)
         return 1

@@ -120,7 +120,7 @@ class Federation:
                 "unlearning.relearn_versions=2",
             ],
         )
-        self.run_dir, self.paths = prepare(self.cfg, None)
+        self.run_dir, self.paths, self.ledgers = prepare(self.cfg, None)
         self.work = self.run_dir / "deploy"
         self.cli = self.work / "flwr-home"
         self.procs = Processes(marker=f"{root}:faults:{time.time_ns()}")
@@ -139,7 +139,9 @@ class Federation:
         self.app = stage_app(self.work / "app")
 
     def start_supernode(self, silo: int, name: str) -> Proc:
-        cmd = supernode_command(self.port, self.node_ports[silo], self.paths, silo, 2)
+        cmd = supernode_command(
+            self.port, self.node_ports[silo], self.paths, silo, 2, self.ledgers[silo]
+        )
         return self.procs.start(name, cmd, self.work / f"silo-{silo}")
 
     def restart_supernode(self, silo: int, timeout_s: float = 120.0) -> Proc:

@@ -1,18 +1,34 @@
 """The pieces of `fedasync deploy local` that need no SuperLink: stopping process trees (also
-detached and stubborn ones), the files Flower reads, and what is measured from the events."""
+detached and stubborn ones), the files Flower reads, the command lines it builds (privacy
+ledgers), what it records, and what is measured from the events."""
 
 from __future__ import annotations
 
 import json
+import stat
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
+import simulations.deploy as deploy
+from clients.privacy import PRIVACY_DB, ledger_path
 from server.config import from_container
+from simulations.certs import CertPaths
 from simulations.config import to_container
-from simulations.deploy import FEDERATION, run_config_toml, write_cli_config
+from simulations.deploy import (
+    FEDERATION,
+    SYNC_NOT_RUN,
+    DeployError,
+    deploy_local,
+    privacy_ledgers,
+    run_config_toml,
+    supernode_command,
+    write_cli_config,
+)
 from simulations.deploy_progress import EventTail, measurements, round_trips
-from simulations.processes import Processes, alive
+from simulations.processes import Proc, Processes, alive
 
 
 def _wait_for(pred, timeout_s: float = 10.0) -> None:
@@ -117,3 +133,108 @@ def test_event_tail_waits_for_whole_lines_and_follows_a_new_file(tmp_path):
     assert [e["event"] for e in tail.poll()] == ["roster"]
     path.write_text('{"event": "start", "t": 0}\n')  # a new run's log
     assert [e["event"] for e in tail.poll()] == ["start"]
+
+
+def _node_config(cmd: list[str]) -> dict:
+    """A SuperNode command line's node config as the SuperNode itself parses it."""
+    from flwr.common.config import parse_config_args
+
+    return parse_config_args([cmd[cmd.index("--node-config") + 1]])
+
+
+def test_supernode_node_config_names_the_silos_own_ledger(tmp_path):
+    # Prepare: a ledger folder whose path Flower's parser must not split or unquote
+    paths = CertPaths(tmp_path / "certs", 3)
+    ledgers = privacy_ledgers(tmp_path / "ledgers 'of' the silos", 3)
+    # Execute
+    configs = {
+        s: _node_config(supernode_command(8000, 9094, paths, s, 3, ledgers[s])) for s in range(3)
+    }
+    # Assert: each SuperNode has its own file, which is where its ClientApp keeps its ledger
+    for s, node in configs.items():
+        want = tmp_path / "ledgers 'of' the silos" / f"silo-{s}.sqlite"
+        assert node == {"partition-id": s, "num-partitions": 3, PRIVACY_DB: str(want)}
+        assert ledger_path(node, {"privacy-dir": "/elsewhere"}, s) == want
+    folder = tmp_path / "ledgers 'of' the silos"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    # without a ledger the node config is what it was
+    assert _node_config(supernode_command(8000, 9094, paths, 1, 3)) == {
+        "partition-id": 1,
+        "num-partitions": 3,
+    }
+    with pytest.raises(DeployError, match="double quote"):
+        supernode_command(8000, 9094, paths, 0, 3, tmp_path / 'a"b.sqlite')
+
+
+def test_ledger_folder_is_made_0700_and_an_existing_one_kept(tmp_path):
+    made = tmp_path / "a" / "privacy"
+    privacy_ledgers(made, 1)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    (made / "silo-0.sqlite").write_bytes(b"ledger")
+    assert privacy_ledgers(made, 2) == {0: made / "silo-0.sqlite", 1: made / "silo-1.sqlite"}
+    assert (made / "silo-0.sqlite").read_bytes() == b"ledger", "a silo's ledger is kept"
+
+
+class _FakeProcesses(Processes):
+    """Records what deploy_local starts; ``flwr run`` 'runs' by writing the summary."""
+
+    started: list[tuple[str, list[str]]] = []
+    run_dir: Path
+
+    def start(self, name, cmd, home, *, env=None, pipe=False):
+        type(self).started.append((name, list(cmd)))
+        home.mkdir(parents=True, exist_ok=True)
+        if name == "flwr-run":
+            summary = {"mode": "fedasync", "versions": 0, "per_silo": {}}
+            (self.run_dir / "summary.json").write_text(json.dumps(summary))
+        popen = subprocess.Popen(["true"], stdout=subprocess.PIPE if pipe else None, text=True)
+        popen.wait()
+        return Proc(name, popen, home / f"{name}.log")
+
+    def scan(self):
+        return []
+
+    def stop(self, grace_s=10.0):
+        return []
+
+
+@pytest.mark.parametrize(("privacy_dir", "compare_sync"), [(None, True), ("mine", False)])
+def test_deploy_local_gives_supernodes_ledgers_and_says_sync_is_not_run(
+    small_cfg, tmp_path, monkeypatch, privacy_dir, compare_sync
+):
+    # Prepare: every process is a stand-in (no SuperLink, no SuperNodes, no flwr run)
+    cfg = small_cfg("silos.count=2", f"run.compare_sync={str(compare_sync).lower()}")
+    run_dir = tmp_path / "t"
+    _FakeProcesses.started, _FakeProcesses.run_dir = [], run_dir
+    monkeypatch.setattr(deploy, "Processes", _FakeProcesses)
+    monkeypatch.setattr(
+        deploy,
+        "start_superlink",
+        lambda procs, work, paths: (procs.start("superlink", ["true"], work / "superlink"), 1),
+    )
+    monkeypatch.setattr(
+        deploy, "register_nodes", lambda procs, home, keys: {k: 100 + i for i, k in enumerate(keys)}
+    )
+    monkeypatch.setattr(deploy, "stage_app", lambda dest, serverapp=None: dest)
+    folder = None if privacy_dir is None else tmp_path / privacy_dir
+    lines: list[str] = []
+    # Execute
+    summary = deploy_local(cfg, privacy_dir=folder, echo=lines.append)
+    # Assert: each SuperNode is given its silo's ledger, in a folder only its owner can enter
+    want = run_dir / "privacy" if folder is None else folder
+    supernodes = {name: cmd for name, cmd in _FakeProcesses.started if name.startswith("silo-")}
+    for s in range(2):
+        node = _node_config(supernodes[f"silo-{s}"])
+        assert node[PRIVACY_DB] == str(want / f"silo-{s}.sqlite")
+        assert node["partition-id"] == s
+    assert stat.S_IMODE(want.stat().st_mode) == 0o700
+    recorded = json.loads((run_dir / "deploy.json").read_text())
+    assert recorded["privacy_db"] == {str(s): str(want / f"silo-{s}.sqlite") for s in range(2)}
+    assert summary["deployment"]["privacy_db"] == recorded["privacy_db"]
+    # ...and a sync comparison asked for is said not to run, once, not silently dropped
+    warned = [x for x in lines if "compare_sync" in x]
+    if compare_sync:
+        assert len(warned) == 1 and "benchmarks/deployment_overhead.py" in warned[0]
+        assert recorded["compare_sync"] == SYNC_NOT_RUN
+    else:
+        assert warned == [] and recorded["compare_sync"] is False
