@@ -25,6 +25,7 @@ from fedasync.importance import (
     truncated_importance_weight,
 )
 from fedasync.optim import ServerOptimizer
+from fedasync.privacy import GaussianMechanism, gaussian_epsilon
 from fedasync.staleness import (
     WEIGHT_FUNCTIONS,
     BoundDecision,
@@ -65,6 +66,8 @@ __all__ = [
     "FedAsyncAggregator",
     "FedBuffAggregator",
     "FoldResult",
+    "GaussianMechanism",
+    "gaussian_epsilon",
     "FutureVersionError",
     "NormOutlierDetector",
     "Params",

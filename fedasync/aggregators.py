@@ -21,10 +21,11 @@ optional sample weighting is our addition. Integer buffers (e.g. BatchNorm
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fedasync.optim import ServerOptimizer
+from fedasync.privacy import GaussianMechanism, largest_share
 from fedasync.staleness import WeightFn
 from fedasync.tensors import axpy, clone, is_arithmetic, weighted_sum
 from fedasync.types import Params, Update
@@ -40,6 +41,11 @@ class FoldResult:
     """Effective weight given to this update (dimensionless)."""
     flushed: int
     """Number of updates applied by this call (0 if only buffered)."""
+    released: list[str] = field(default_factory=list)
+    """With central DP: the silos whose data this call's new params release (each one
+    Gaussian mechanism at the aggregator's noise multiplier); empty otherwise."""
+    noise_std: float = 0.0
+    """With central DP: the noise std per coordinate added to the params (after mixing)."""
 
 
 def fedavg(updates: Sequence[Update], weight_by_samples: bool = True) -> Params:
@@ -77,19 +83,35 @@ class FedAsyncAggregator:
 
     - ``kind="model"``: x ← (1 − s)·x + s·x_silo
     - ``kind="delta"``: x ← x + s·Δ
+
+    With ``mechanism`` (central DP, :mod:`fedasync.privacy`) only deltas are accepted, each is
+    clipped to C and noised with std σC before mixing: x ← x + s·(clip(Δ) + N(0, σ²C²)).
     """
 
-    def __init__(self, alpha: float, weight_fn: WeightFn) -> None:
+    def __init__(
+        self, alpha: float, weight_fn: WeightFn, mechanism: GaussianMechanism | None = None
+    ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.weight_fn = weight_fn
+        self.mechanism = mechanism
 
     def fold(self, params: Params, update: Update, tau: int, factor: float = 1.0) -> FoldResult:
         """Apply ``update`` of staleness ``tau`` to ``params``; always returns new params."""
         _check_names(params, update)
         _check_factor(factor)
         s = self.alpha * self.weight_fn(tau) * factor
+        if self.mechanism is not None:
+            if update.kind != "delta":
+                raise ValueError("central DP clips deltas: FedAsync with DP takes kind='delta'")
+            clipped, _ = self.mechanism.clip(update.tensors)
+            noisy, std = self.mechanism.noise(clipped, 1.0)
+            new = axpy(s, noisy, params)
+            new.update({k: v.detach().clone() for k, v in params.items() if not is_arithmetic(v)})
+            return FoldResult(
+                params=new, weight=s, flushed=1, released=[update.silo], noise_std=s * std
+            )
         if update.kind == "model":
             new = weighted_sum([params, update.tensors], [1.0 - s, s])
         elif update.kind == "delta":
@@ -118,6 +140,11 @@ class FedBuffAggregator:
 
     then params ← optimizer.step(params, Δ̄). Only ``kind="delta"`` updates are accepted.
     Buffered deltas are stored as detached clones on their original device.
+
+    With ``mechanism`` (central DP, :mod:`fedasync.privacy`) each delta is clipped to C when
+    it is buffered, and Δ̄ gets N(0, (σ·C·max_j S_j)²) at the flush, S_j being silo j's summed
+    coefficient in the buffer; ``sample weighting`` then leaks sample counts (the server
+    refuses that combination).
     """
 
     def __init__(
@@ -126,6 +153,7 @@ class FedBuffAggregator:
         weight_fn: WeightFn,
         weight_by_samples: bool = False,
         optimizer: ServerOptimizer | None = None,
+        mechanism: GaussianMechanism | None = None,
     ) -> None:
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
@@ -133,6 +161,7 @@ class FedBuffAggregator:
         self.weight_fn = weight_fn
         self.weight_by_samples = weight_by_samples
         self.optimizer = optimizer if optimizer is not None else ServerOptimizer("sgd", lr=1.0)
+        self.mechanism = mechanism
         self._deltas: list[Params] = []
         self._weights: list[float] = []
         self._num_samples: list[int] = []
@@ -157,7 +186,11 @@ class FedBuffAggregator:
         if self.weight_by_samples and update.num_samples <= 0:
             raise ValueError(f"num_samples must be > 0, got {update.num_samples}")
         w = self.weight_fn(tau) * factor
-        self._deltas.append(clone(update.tensors))
+        if self.mechanism is not None:
+            clipped, _ = self.mechanism.clip(update.tensors)
+            self._deltas.append(clipped)  # clip_by_norm returns a copy
+        else:
+            self._deltas.append(clone(update.tensors))
         self._weights.append(w)
         self._num_samples.append(int(update.num_samples))
         self._silos.append(update.silo)
@@ -181,10 +214,17 @@ class FedBuffAggregator:
         else:
             coeffs = [w / k for w in self._weights]
         mean_delta = weighted_sum(self._deltas, coeffs)
+        released: list[str] = []
+        std = 0.0
+        if self.mechanism is not None:
+            share, released = largest_share(self._silos, coeffs)
+            mean_delta, std = self.mechanism.noise(mean_delta, share)
         new = self.optimizer.step(params, mean_delta)
         total_weight = float(sum(self._weights))
         self._deltas, self._weights, self._num_samples, self._silos = [], [], [], []
-        return FoldResult(params=new, weight=total_weight, flushed=k)
+        return FoldResult(
+            params=new, weight=total_weight, flushed=k, released=released, noise_std=std
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Config, buffered deltas with their weights/sample counts/silos, optimizer state.

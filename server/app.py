@@ -134,12 +134,39 @@ def run_server(
         )
         if srv.erasure is not None:
             summary["erasures"] = erasure_summary(srv)
+        if srv.central is not None:
+            summary["central_dp"] = central_dp_summary(srv)
         write_summary(run_dir / "summary.json", summary)
         return summary
     finally:
         if service is not None:
             service.stop(grace=1.0).wait(5.0)
         srv.events.close()
+        if srv.central is not None:
+            srv.central.close()
+
+
+def central_dp_summary(srv: AsyncServer) -> dict[str, Any]:
+    """Central DP's settings and every silo's epsilon (all runs of its ledger), also logged."""
+    dp = srv.cfg.server.dp
+    eps = {str(s): srv.central.epsilon(s) for s in sorted(srv.roster)} if srv.central else {}
+    releases = {str(s): srv.central.releases(s) for s in sorted(srv.roster)} if srv.central else {}
+    log.info(
+        "central DP (noise %.3g x clip %.3g, delta %g): epsilon per silo %s",
+        dp.noise_multiplier,
+        srv.cfg.server.clip_norm,
+        dp.delta,
+        ", ".join(f"{s}: {e:.3g} ({releases[s]} releases)" for s, e in eps.items()),
+    )
+    return {
+        "noise_multiplier": dp.noise_multiplier,
+        "clip_norm": srv.cfg.server.clip_norm,
+        "delta": dp.delta,
+        "epsilon_budget": dp.epsilon_budget,
+        "ledger": str(srv.central.path) if srv.central else None,
+        "epsilon": eps,
+        "releases": releases,
+    }
 
 
 def _start_afresh(run_dir: Path) -> None:

@@ -60,6 +60,21 @@ class CorrectionsConfig:
 
 
 @dataclass
+class ServerDPConfig:
+    """Central (server-side) DP: noise on every release of the global model (fedasync/privacy.py)."""
+
+    noise_multiplier: float | None = None
+    """Gaussian noise std in units of server.clip_norm, added to each fold (fedasync) or flush
+    (fedbuff, sync); None: off. Needs server.clip_norm."""
+    delta: float = 1e-5
+    """The delta each silo's central epsilon is reported at."""
+    epsilon_budget: float | None = None
+    """A silo whose central epsilon would pass this is no longer folded in, nor sent work."""
+    ledger: str | None = None
+    """SQLite file of every release per silo (kept across runs); None: <run>/privacy/central.sqlite."""
+
+
+@dataclass
 class ServerConfig:
     """The asynchronous server loop."""
 
@@ -85,6 +100,7 @@ class ServerConfig:
     """Reject an update whose norm exceeds this multiple of the median accepted norm."""
     clip_norm: float | None = None
     """Server-side clipping: scale every accepted update to at most this L2 norm (None: off)."""
+    dp: ServerDPConfig = field(default_factory=ServerDPConfig)
     eval_every: int = 5
     """Evaluate the global model on the held-out test set every N versions."""
     checkpoint_every: int = 20
@@ -361,6 +377,24 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
             raise ValueError(f"erasures[{i}].fraction must be in (0, 1]")
     if cfg.server.clip_norm is not None and not cfg.server.clip_norm > 0:
         raise ValueError("server.clip_norm must be > 0 (or null)")
+    dp = cfg.server.dp
+    if dp.noise_multiplier is not None:
+        if not dp.noise_multiplier > 0:
+            raise ValueError("server.dp.noise_multiplier must be > 0 (or null: no central DP)")
+        if cfg.server.clip_norm is None:
+            raise ValueError(
+                "server.dp.noise_multiplier needs server.clip_norm: the noise is in units of "
+                "the clipping norm, which bounds each silo's influence"
+            )
+        if cfg.server.mode != "fedasync" and cfg.server.sample_weighting:
+            raise ValueError(
+                "server.dp with fedbuff/sync needs server.sample_weighting=false: the sample "
+                "counts silos report are their data too, and weighting by them is not noised"
+            )
+        if not 0.0 < dp.delta < 1.0:
+            raise ValueError("server.dp.delta must be in (0, 1)")
+        if dp.epsilon_budget is not None and not dp.epsilon_budget > 0:
+            raise ValueError("server.dp.epsilon_budget must be > 0 (or null)")
     if cfg.backdoor.trigger_size < 1:
         raise ValueError("backdoor.trigger_size must be >= 1")
     if cfg.backdoor.enabled and not 0 <= cfg.backdoor.silo < cfg.silos.count:

@@ -49,13 +49,20 @@ from fedasync import (
     delay_compensate_delta,
     make_weight_fn,
 )
+from fedasync.privacy import GaussianMechanism
 from fedasync.tensors import clip_by_norm
 from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import VirtualClock, WallClock, client_setup, silo_speeds
 from server.config import FedAsyncConfig
 from server.events import EventLog
 from server.intake import Accepted, Job, take_reply
-from server.privacy import reported_epsilon, take_privacy
+from server.privacy import (
+    CentralLedger,
+    central_budget_refuses,
+    record_release,
+    reported_epsilon,
+    take_privacy,
+)
 from server.roster import discover_silos
 from server.unlearn_messages import read_unlearn_reply, unlearn_message
 
@@ -66,20 +73,24 @@ def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggrega
     """The core aggregator for ``server.mode``; sync is FedBuff with K = all silos, tau = 0."""
     s = cfg.server
     opt = ServerOptimizer(kind=s.optimizer.kind, lr=s.optimizer.lr, momentum=s.optimizer.momentum)  # type: ignore[arg-type]
+    mech = None
+    if s.dp.noise_multiplier is not None and s.clip_norm is not None:
+        mech = GaussianMechanism(s.clip_norm, s.dp.noise_multiplier)  # noise from OS entropy
     if s.mode == "fedasync":
         return FedAsyncAggregator(
-            s.alpha, make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
+            s.alpha, make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b), mechanism=mech
         )
     if s.mode == "fedbuff":
         fn = make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
         return FedBuffAggregator(
-            s.buffer_size, fn, weight_by_samples=s.sample_weighting, optimizer=opt
+            s.buffer_size, fn, weight_by_samples=s.sample_weighting, optimizer=opt, mechanism=mech
         )
     return FedBuffAggregator(
         cfg.silos.count,
         make_weight_fn("constant"),
         weight_by_samples=s.sample_weighting,
         optimizer=opt,
+        mechanism=mech,
     )
 
 
@@ -131,6 +142,10 @@ class AsyncServer:
             lambda: {"accepted": 0, "rejected": 0, "weight": 0.0}
         )
         self.stopped: dict[int, str] = {}  # silo -> why it refused further work (privacy budget)
+        self.central: CentralLedger | None = None  # central DP's per-silo release ledger
+        if s.dp.noise_multiplier is not None:
+            path = Path(s.dp.ledger) if s.dp.ledger else run_dir / "privacy" / "central.sqlite"
+            self.central = CentralLedger(path, run=run_dir.name, delta=s.dp.delta)
         self.staleness_seen: list[int] = []
         self.evals: list[dict[str, float]] = []
         self.updates_accepted = 0  # passed intake and were folded (FedBuff: maybe still buffered)
@@ -349,6 +364,8 @@ class AsyncServer:
         if self.started_at is None:
             self.started_at = self.clock.now  # 0 on the virtual clock
         budget, max_v = self.deadline, self.cfg.run.max_versions
+        for silo in sorted(self.roster):
+            central_budget_refuses(self, silo)  # a ledger kept across runs may be spent already
         if not self.inflight:
             for silo in sorted(self.roster):
                 self.dispatch(silo)
@@ -429,6 +446,7 @@ class AsyncServer:
         if isinstance(self.aggregator, FedBuffAggregator) and self.aggregator.pending > 0:
             res = self.aggregator.flush(self.params)
             if res.params is not None:
+                record_release(self, res.released, res.noise_std)
                 self._new_version(res.params)
         # silos that were down rejoin at the start of the next round
         self.retries = []
@@ -456,6 +474,8 @@ class AsyncServer:
         eps = reported_epsilon(reply)
         if eps is not None:
             res.update.metrics["dp_epsilon"] = eps[0]
+        if central_budget_refuses(self, job.silo, job.job_id):
+            return False
         self._fold(job, res)
         return True
 
@@ -528,6 +548,7 @@ class AsyncServer:
 
     def _fold(self, job: Job, acc: Accepted) -> None:
         update = acc.update
+        raw = update.tensors  # acc.norm is this one's norm
         if self.erasure is not None:
             calibrated = self.erasure.calibrate(job, update.tensors)
             if isinstance(calibrated, Rejection):
@@ -536,10 +557,6 @@ class AsyncServer:
             update.tensors = calibrated
             if self.erasure.last_overlap is not None:
                 update.metrics["calibration_overlap"] = self.erasure.last_overlap
-        if self.cfg.server.clip_norm is not None:  # bounds any one silo's influence
-            update.tensors, c = clip_by_norm(update.tensors, self.cfg.server.clip_norm, acc.norm)
-            if c < 1.0:
-                update.metrics["clip_factor"] = c
         corr = self.cfg.server.corrections
         if corr.delay_compensation > 0 and acc.staleness > 0:
             w_base = self.sent.get(job.base_version)
@@ -549,7 +566,16 @@ class AsyncServer:
                 )
         if corr.error_feedback_topk < 1.0:
             update.tensors = self.ef.apply(update.silo, update.tensors)
+        if self.cfg.server.clip_norm is not None:  # last: corrections change the norm
+            norm = acc.norm if update.tensors is raw else None
+            update.tensors, c = clip_by_norm(update.tensors, self.cfg.server.clip_norm, norm)
+            if c < 1.0:
+                update.metrics["clip_factor"] = c
         res = self.aggregator.fold(self.params, update, acc.staleness, factor=acc.decision.factor)
+        if res.released:
+            record_release(self, res.released, res.noise_std)
+            if str(job.silo) in res.released:
+                update.metrics["central_epsilon"] = self.per_silo[job.silo]["central_epsilon"]
         self.updates_accepted += 1
         self.updates_applied += res.flushed
         self.accept_times.append(self.clock.now)
