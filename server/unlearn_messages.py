@@ -3,7 +3,9 @@
 The reply carries the erasure delta (relative to the model sent), the forget data's gradient
 signature basis ``(d, k)`` with the names of the tensors it spans, and the silo's metrics.
 Anything malformed is an error message (the request fails with it), never an exception that
-would stop the loop.
+would stop the loop. An error reply (the silo's ClientApp raised or crashed, the SuperLink
+reports the node offline, the message expired) is a ``SiloLost``: the silo went down
+mid-erasure, and the request goes back to the queue instead of failing.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
 
 from clients import protocol as P
 from clients import wire
@@ -47,13 +50,32 @@ def unlearn_message(
     )
 
 
+class SiloLost(str):
+    """Why a silo did not carry out an erasure it was sent: it went down (an error reply, or no
+    reply at all). A ``str``, so a caller that only tells results from reasons still can;
+    ``offline`` is True when the SuperLink reported the node unavailable (its heartbeats
+    stopped: a restart, a network cut), when trying again only makes sense once it is back."""
+
+    offline: bool
+
+    def __new__(cls, reason: str, offline: bool = False) -> SiloLost:
+        lost = super().__new__(cls, reason)
+        lost.offline = offline
+        return lost
+
+
 def read_unlearn_reply(
     reply: Message, reference: Params
 ) -> tuple[Params, torch.Tensor, list[str], dict[str, float]] | str:
-    """(delta, signature basis, basis tensor names, metrics), or why the reply is unusable."""
+    """(delta, signature basis, basis tensor names, metrics), or why the reply is unusable:
+    a ``SiloLost`` for an error reply (the silo went down; the request is retried), a plain
+    ``str`` for a reply that came back malformed (the request fails)."""
     try:
         if reply.has_error():
-            return f"the silo failed: {reply.error.reason}".splitlines()[0][:300]
+            return SiloLost(
+                f"the silo failed: {reply.error.reason}".splitlines()[0][:300],
+                offline=reply.error.code == ErrorCode.NODE_UNAVAILABLE,
+            )
         delta = wire.decode(reply.content[P.ARRAYS])
         bad = check_tensors(delta, reference)
         if bad is not None:

@@ -22,6 +22,16 @@ here are ours) and uses Halimi et al. 2022 and FedEraser (Liu et al. 2021) as pa
    metrics (forget accuracy, test accuracy, membership-inference AUC, backdoor ASR) are
    measured again on the model that kept training (the relearning check).
 
+A silo that goes down while erasing (its reply is an error: its ClientApp crashed or raised,
+its SuperNode restarted, the SuperLink reports it offline; or no reply within
+``server.reply_timeout_s``) sends its request back: erasing -> queued, the audit row saying
+why, and it is started again (from the then-current model) when the silo is back. Nothing of
+an erasure is in the model before erasing -> calibrating, so it is applied once however often
+it was started. An offline silo (the SuperLink's word) is tried again after
+``server.offline_retry_s`` and not counted; any other loss counts, and the
+``unlearning.max_attempts``-th one (default 3) fails the request with the reason. A reply
+that arrives but is malformed fails it at once, as do requests a method cannot carry out.
+
 A whole-silo erasure retires the silo; a sample-level erasure lets it keep training without
 the erased samples (every later train message lists them to exclude).
 """
@@ -43,6 +53,7 @@ from fedasync.unlearning import (
     UpdateHistory,
     federaser_step,
 )
+from server.unlearn_messages import SiloLost
 
 if TYPE_CHECKING:
     from server.erasure.store import ErasureStore
@@ -50,6 +61,11 @@ if TYPE_CHECKING:
     from server.loop import AsyncServer
 
 log = logging.getLogger("fedasync.server")
+
+WENT_DOWN = "silo went down mid-erasure"
+"""Audit detail of an erasing -> queued that counts against ``unlearning.max_attempts``."""
+WENT_OFFLINE = "silo went offline mid-erasure"
+"""Audit detail of an erasing -> queued that does not (the SuperLink reported it offline)."""
 
 
 @dataclass
@@ -105,10 +121,18 @@ class ErasureCoordinator:
         self.last_overlap: float | None = None
         self.seen: dict[str, float] = {}  # request id -> clock time it was first seen queued
         self.halting = False
+        self.max_attempts = int(getattr(self.cfg, "max_attempts", 3))
+        self.not_before: dict[str, float] = {}  # requeued id -> clock time it may start again
 
     # -------------------------------------------------------------- scheduling
     def next_time(self) -> float:
-        return self.schedule[0][0] if self.schedule else float("inf")
+        """The next clock time at which ``poll`` has something to do by itself: a scheduled
+        erasure to submit, or a requeued one whose pause is over."""
+        now = self.srv.clock.now
+        times = [t for t in self.not_before.values() if t > now]
+        if self.schedule:
+            times.append(self.schedule[0][0])
+        return min(times, default=float("inf"))
 
     def erasing(self, silo: int) -> bool:
         return any(e.silo == silo and e.boundary is None for e in self.active.values())
@@ -133,6 +157,7 @@ class ErasureCoordinator:
             ids = self._fraction_ids(silo, fraction)
             req, _ = self.store.submit(silo, ids or None, "schedule", self.srv.version)
             log.info("scheduled erasure %s of silo %d submitted at t=%.1f", req.id, silo, now)
+        self._requeue_abandoned()
         queued = [r for r in self.store.unfinished() if r.state.value == "queued"]
         for req in queued:
             self.seen.setdefault(req.id, now)
@@ -148,6 +173,9 @@ class ErasureCoordinator:
                 continue
             if self.srv.is_down(req.silo) or self.erasing(req.silo):
                 continue  # offline: it waits, queued, until the silo returns
+            if self.not_before.get(req.id, now) > now:
+                continue  # it went down while erasing: tried again after a pause
+            self.not_before.pop(req.id, None)
             self._start(req)
 
     def _fraction_ids(self, silo: int, fraction: float) -> list[str]:
@@ -285,6 +313,9 @@ class ErasureCoordinator:
     def take_unlearn(self, erasure: Erasure, decoded: tuple) -> None:
         """Apply a silo's erasure: removal + its delta onto the current model; boundary."""
         srv = self.srv
+        if self.active.get(erasure.request_id) is not erasure:
+            log.warning("ignored a reply to erasure %s: not in progress", erasure.request_id)
+            return  # requeued or finished meanwhile: only the attempt in progress is applied
         delta, basis, names, metrics = decoded
         new = _add(srv.params, delta)
         if erasure.removal is not None:
@@ -340,6 +371,13 @@ class ErasureCoordinator:
                 srv.dispatch(silo)  # the halted federation resumes
 
     def failed(self, erasure: Erasure, why: str) -> None:
+        """The erasure cannot be carried out: ``failed`` with ``why``. A ``SiloLost`` reason
+        (the silo went down) sends it back to the queue instead (``requeue``)."""
+        if self.active.get(erasure.request_id) is not erasure:
+            return  # an attempt already given up (requeued): its request has moved on
+        if isinstance(why, SiloLost):
+            self.requeue(erasure, why)
+            return
         self.active.pop(erasure.request_id, None)
         self.store.transition(
             erasure.request_id,
@@ -357,6 +395,59 @@ class ErasureCoordinator:
             state="failed",
             detail=why,
         )
+
+    def requeue(self, erasure: Erasure, why: str) -> None:
+        """Its silo went down mid-erasure: back to ``queued`` (the audit row says why), to be
+        started again by ``poll`` when the silo is back; ``failed`` after
+        ``unlearning.max_attempts`` losses that were not the silo being offline."""
+        srv, rid = self.srv, erasure.request_id
+        if self.active.get(rid) is not erasure or erasure.boundary is not None:
+            return  # not in progress, or already applied (then it is not lost)
+        offline = isinstance(why, SiloLost) and why.offline
+        if offline:
+            detail = (
+                f"{WENT_OFFLINE}: {why}; will retry when it returns "
+                "(not counted against unlearning.max_attempts)"
+            )
+            self.not_before[rid] = srv.clock.now + srv.cfg.server.offline_retry_s
+        else:
+            n = 1 + sum(1 for a in self.store.requeues(rid) if a.detail.startswith(WENT_DOWN))
+            if n >= self.max_attempts:
+                self.failed(
+                    erasure,
+                    f"{WENT_DOWN} {n} times (unlearning.max_attempts={self.max_attempts}); "
+                    f"last: {why}",
+                )
+                return
+            detail = (
+                f"{WENT_DOWN} (attempt {n} of {self.max_attempts}): {why}; "
+                "will retry when it returns"
+            )
+        del self.active[rid]
+        log.warning("erasure %s of silo %d back to queued: %s", rid, erasure.silo, detail)
+        self.store.transition(
+            rid, _state("queued"), actor="server", model_version=srv.version, detail=detail
+        )
+        srv.events.write(
+            "erasure",
+            t=srv.clock.now,
+            version=srv.version,
+            request=rid,
+            silo=erasure.silo,
+            state="queued",
+            detail=detail,
+        )
+
+    def _requeue_abandoned(self) -> None:
+        """Requeue erasures whose train.unlearn the loop gave up on (no reply within
+        ``server.reply_timeout_s``): in progress, not applied, not a FedEraser rebuild, and
+        no unlearn job of theirs in flight any more."""
+        waiting = {id(j.erasure) for j in self.srv.inflight.values() if j.kind == "unlearn"}
+        rebuilding = self.rebuild.erasure if self.rebuild is not None else None
+        for e in list(self.active.values()):
+            if e.boundary is None and e is not rebuilding and id(e) not in waiting:
+                timeout = self.srv.cfg.server.reply_timeout_s
+                self.requeue(e, SiloLost(f"no reply within {timeout:g}s wall"))
 
     def row(self, e: Erasure) -> dict[str, Any]:
         """What the summary reports of an applied erasure."""

@@ -146,6 +146,7 @@ def test_transition_table(from_state, to_state):
     allowed = {
         (State.QUEUED, State.ERASING),
         (State.ERASING, State.CALIBRATING),
+        (State.ERASING, State.QUEUED),  # its silo went down mid-erasure: tried again later
         (State.CALIBRATING, State.VERIFIED),
         (State.QUEUED, State.FAILED),
         (State.ERASING, State.FAILED),
@@ -165,12 +166,12 @@ def test_store_transitions_happy_path_and_rejections(store):
     r, _ = store.submit(0, ["a"], "silo-0", 10)
     store.transition(r.id, State.ERASING, actor="server", model_version=11, boundary_version=11)
     with pytest.raises(InvalidTransition):
-        store.transition(r.id, State.QUEUED, actor="server", model_version=11)
-    with pytest.raises(InvalidTransition):
         store.transition(r.id, State.VERIFIED, actor="server", model_version=11)
     store.transition(
         r.id, State.CALIBRATING, actor="server", model_version=12, metrics={"forget_acc": 0.5}
     )
+    with pytest.raises(InvalidTransition):  # applied: it can no longer be lost
+        store.transition(r.id, State.QUEUED, actor="server", model_version=12)
     done = store.transition(
         r.id, State.VERIFIED, actor="server", model_version=14, metrics={"test_acc": 0.9}
     )
@@ -187,6 +188,29 @@ def test_store_transitions_happy_path_and_rejections(store):
         State.ERASING,
         State.CALIBRATING,
         State.VERIFIED,
+    ]
+
+
+def test_requeue_mid_erasure_is_audited_with_its_reason(store):
+    r, _ = store.submit(2, None, "silo-2", 5)
+    store.transition(r.id, State.ERASING, actor="server", model_version=6)
+    why = "silo went down mid-erasure (attempt 1 of 3): crashed; will retry when it returns"
+    back = store.transition(r.id, State.QUEUED, actor="server", model_version=7, detail=why)
+    assert back.state is State.QUEUED and back.failure_reason == ""
+    assert back in store.unfinished() and store.erased(2) == (True, set())
+    store.transition(r.id, State.ERASING, actor="server", model_version=8)
+    (row,) = store.requeues(r.id)
+    assert (row.from_state, row.to_state, row.detail, row.model_version) == (
+        State.ERASING,
+        State.QUEUED,
+        why,
+        7,
+    )
+    assert [e.state for e in store.events_since(0, r.id)] == [
+        State.QUEUED,
+        State.ERASING,
+        State.QUEUED,
+        State.ERASING,
     ]
 
 

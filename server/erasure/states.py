@@ -2,10 +2,15 @@
 
     queued -> erasing -> calibrating -> verified
        \\---------\\-----------\\--------> failed (with a reason)
+    erasing -> queued: its silo went down mid-erasure (started again when it returns)
 
 ``verified`` and ``failed`` are terminal. A request waits in ``queued`` while its silo is
-offline; the training server moves it on with ``ErasureStore.transition``. After a restart
-every unfinished request (queued, erasing, calibrating) is resumed from where it stood.
+offline; the training server moves it on with ``ErasureStore.transition``. A request whose
+silo goes down while erasing (crashes, restarts, goes offline, does not answer) goes back to
+``queued`` and is started again when the silo returns; nothing of it is in the model yet (it
+is applied only on ``erasing -> calibrating``), so starting again applies it once. After a
+restart every unfinished request (queued, erasing, calibrating) is resumed from where it
+stood.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ UNFINISHED: frozenset[State] = frozenset({State.QUEUED, State.ERASING, State.CAL
 
 ALLOWED: dict[State, frozenset[State]] = {
     State.QUEUED: frozenset({State.ERASING, State.FAILED}),
-    State.ERASING: frozenset({State.CALIBRATING, State.FAILED}),
+    State.ERASING: frozenset({State.CALIBRATING, State.QUEUED, State.FAILED}),
     State.CALIBRATING: frozenset({State.VERIFIED, State.FAILED}),
     State.VERIFIED: frozenset(),
     State.FAILED: frozenset(),

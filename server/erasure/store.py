@@ -277,6 +277,15 @@ class ErasureStore:
             rows = self._db.execute(sql + " ORDER BY seq", args).fetchall()
         return [AuditRow(**_decode(r)) for r in rows]  # type: ignore[arg-type]
 
+    def requeues(self, request_id: str) -> builtins.list[AuditRow]:
+        """The audit rows that sent request ``request_id`` back from ``erasing`` to ``queued``
+        (its silo went down mid-erasure), in order."""
+        return [
+            a
+            for a in self.audit(request_id)
+            if a.from_state is State.ERASING and a.to_state is State.QUEUED
+        ]
+
     def events_since(
         self, seq: int, request_id: str | None = None, limit: int | None = None
     ) -> builtins.list[Event]:
