@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import lru_cache
+from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -74,6 +75,23 @@ def _client_cfg(setup_json: str) -> ClientConfig:
     return ClientConfig(**{**c, "dp": DPConfig(**c.get("dp", {}))})
 
 
+def training_kwargs(
+    ccfg: ClientConfig, *, task: str, steps: int, device: torch.device
+) -> dict[str, Any]:
+    """The keyword arguments local training takes with and without DP (``train_local`` and
+    ``clients.dp.train_private``): built once, so the two cannot drift apart."""
+    return {
+        "task": task,
+        "steps": steps,
+        "batch_size": ccfg.batch_size,
+        "lr": ccfg.lr,
+        "momentum": ccfg.momentum,
+        "weight_decay": ccfg.weight_decay,
+        "proximal_mu": ccfg.proximal_mu,
+        "device": device,
+    }
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Say which silo this node is and how many samples it holds."""
@@ -112,6 +130,7 @@ def train(msg: Message, context: Context) -> Message:
     base = wire.decode(msg.content[P.ARRAYS])
     model.load_state_dict(base)
     steps = int(cfg.get(P.LOCAL_STEPS, ccfg.local_steps))  # type: ignore[arg-type]
+    common = training_kwargs(ccfg, task=fed.spec.task, steps=steps, device=device)
     t_train = time.perf_counter()
     if ccfg.dp.enabled:
         from clients.dp import train_private  # opacus only when DP is on
@@ -123,32 +142,13 @@ def train(msg: Message, context: Context) -> Message:
                 ccfg.dp,
                 ledger=ledger_path(context.node_config, cfg, silo),
                 silo=silo,
-                job_id=int(cfg[P.JOB_ID]),
-                task=fed.spec.task,
-                steps=steps,
-                batch_size=ccfg.batch_size,
-                lr=ccfg.lr,
-                momentum=ccfg.momentum,
-                weight_decay=ccfg.weight_decay,
-                proximal_mu=ccfg.proximal_mu,
-                device=device,
+                job_id=int(cfg[P.JOB_ID]),  # (no seed: DP draws from the OS's entropy)
+                **common,
             )
         except BudgetExhausted as e:
             return _refuse(msg, silo, e)
     else:
-        stats = train_local(
-            model,
-            data,
-            task=fed.spec.task,
-            steps=steps,
-            batch_size=ccfg.batch_size,
-            lr=ccfg.lr,
-            momentum=ccfg.momentum,
-            weight_decay=ccfg.weight_decay,
-            proximal_mu=ccfg.proximal_mu,
-            seed=int(cfg[P.SEED]),
-            device=device,
-        )
+        stats = train_local(model, data, seed=int(cfg[P.SEED]), **common)
     trained_s = time.perf_counter() - t_train
     stats = {**stats, P.TRAIN_SECONDS: trained_s}
     speeds = P.loads(setup).get("emulate_speeds")

@@ -277,3 +277,21 @@ def test_ledger_path_from_node_config_first(tmp_path):
     assert ledger_path({}, {"privacy-dir": str(tmp_path)}, 2) == tmp_path / "silo-2.sqlite"
     with pytest.raises(ValueError, match="privacy-db"):
         ledger_path({}, {}, 2)
+
+
+def test_dp_and_plain_training_take_the_same_training_arguments():
+    """The ClientApp builds the arguments both trainers share once; each must accept all."""
+    import inspect
+
+    from clients.app import training_kwargs
+    from clients.config import ClientConfig
+    from clients.dp import train_private
+    from clients.local import train_local
+
+    common = training_kwargs(ClientConfig(), task="classification", steps=3, device=None)
+    inspect.signature(train_local).bind(None, None, seed=0, **common)
+    inspect.signature(train_private).bind(None, None, None, ledger=None, silo=0, job_id=0, **common)
+    shared = set(inspect.signature(train_local).parameters) & set(
+        inspect.signature(train_private).parameters
+    )
+    assert shared - {"model", "data"} == set(common), "a shared argument is passed one way only"
