@@ -7,7 +7,7 @@ baseline), then with Gaussian noise on every release for each noise multiplier i
 and the largest and smallest per-silo central epsilon at delta 1e-5 (``summary.json``).
 Each run takes about a minute; the commands are printed.
 
-    .venv/bin/python benchmarks/central_dp.py [--clip 0.15] [--sigmas 0.01 0.1 1.0] [--mode fedasync]
+    .venv/bin/python benchmarks/central_dp.py [--clip 0.15] [--sigmas 1.0 0.1 0.01] [--mode fedasync]
 
 Last line: ``central_dp_accuracy_ratio=<final accuracy with the first sigma / clip only>``.
 """
@@ -35,7 +35,7 @@ def run(out: Path, name: str, common: list[str], extra: list[str]) -> tuple[dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clip", type=float, default=0.15, help="server.clip_norm (C)")
-    ap.add_argument("--sigmas", type=float, nargs="+", default=[0.01, 0.1, 1.0])
+    ap.add_argument("--sigmas", type=float, nargs="+", default=[1.0, 0.1, 0.01])
     ap.add_argument("--mode", default="fedasync", choices=["fedasync", "fedbuff", "sync"])
     ap.add_argument("--budget-s", type=float, default=400.0, help="virtual seconds per run")
     ap.add_argument("--out", type=Path, default=None, help="run folder (default: a temp dir)")
