@@ -117,8 +117,7 @@ def test_no_reply_mid_erasure_is_requeued_too(small_cfg):
     assert req["state"] == "verified" and grid.unlearn_sent == 2
     moves = _transitions(run_dir, req["id"])
     (requeue,) = [d for a, b, d in moves if (a, b) == ("erasing", "queued")]
-    assert requeue.startswith(WENT_DOWN) and "no reply within 0.5s wall" in requeue
-    assert "no reply within" in requeue
+    assert requeue.startswith(WENT_DOWN) and "no reply within" in requeue
     assert [(a, b) for a, b, _ in moves].count(("erasing", "calibrating")) == 1
 
 
