@@ -326,6 +326,11 @@ def main(grid: Grid, context: Context) -> None:
     cfg = from_container(P.loads(str(raw)))
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     _log_to(run_dir / "run.log")
+    if cfg.run.compare_sync and cfg.server.mode != "sync":
+        log.warning(
+            "run.compare_sync=true is simulation-only: no sync baseline is run in deployment "
+            "(benchmarks/deployment_overhead.py compares with Flower's FedAvg)"
+        )
     run_server(grid, cfg, run_dir, wall_clock=True)
 
 

@@ -264,6 +264,10 @@ class UnlearningConfig:
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
     relearn_versions: int = 20
     """Versions after the boundary at which the erasure is verified (the relearning check)."""
+    max_attempts: int = 3
+    """Times an erasure may be lost by its silo going down mid-erasure (a crash, an error
+    reply, no reply within server.reply_timeout_s) before it is failed; being reported offline
+    does not count (it is retried every server.offline_retry_s)."""
     halt: bool = False
     """Halt the federation while a silo erases (the synchronous-unlearning baseline)."""
     federaser: bool = False
@@ -351,6 +355,8 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
     if cfg.unlearning.pre_boundary not in ("project", "drop"):
         raise ValueError("unlearning.pre_boundary must be project or drop")
     u = cfg.unlearning
+    if u.max_attempts < 1:
+        raise ValueError("unlearning.max_attempts must be >= 1")
     if u.steps < 0 or u.signature_batches < 1 or u.signature_rank < 1:
         raise ValueError(
             "unlearning.steps must be >= 0, unlearning.signature_batches and "

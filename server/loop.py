@@ -64,7 +64,7 @@ from server.privacy import (
     take_privacy,
 )
 from server.roster import discover_silos
-from server.unlearn_messages import read_unlearn_reply, unlearn_message
+from server.unlearn_messages import SiloLost, read_unlearn_reply, unlearn_message
 
 log = logging.getLogger("fedasync.server")
 
@@ -348,9 +348,13 @@ class AsyncServer:
         for mid, job in list(self.inflight.items()):
             if mid not in self.arrived and time.monotonic() - job.wall_sent > limit:
                 del self.inflight[mid]
-                detail = f"no reply within {limit:.0f}s wall (job {job.job_id} abandoned)"
+                detail = f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
                 self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
                 self._after_failure(job, down_s=0.0)
+                if job.kind == "unlearn":
+                    self.erasure.requeue(job.erasure, SiloLost(detail))
+                elif job.kind == "calibrate":  # a FedEraser rebuild goes on without it
+                    self.erasure.take_calibration(job, None)
 
     @property
     def deadline(self) -> float:
@@ -483,6 +487,10 @@ class AsyncServer:
         """A silo's erasure result: validate it, then let the coordinator apply it."""
         erasure = job.erasure
         result = read_unlearn_reply(reply, self.params)
+        if isinstance(result, SiloLost):  # it went down mid-erasure: queued again, not failed
+            self.erasure.requeue(erasure, result)
+            self._after_failure(job, down_s=self._down_s(job, reply))
+            return False  # sent work, and the erasure, again once it is back
         if isinstance(result, str):
             log.error("erasure %s failed: %s", erasure.request_id, result)
             self.erasure.failed(erasure, result)

@@ -121,7 +121,7 @@ class ErasureCoordinator:
         self.last_overlap: float | None = None
         self.seen: dict[str, float] = {}  # request id -> clock time it was first seen queued
         self.halting = False
-        self.max_attempts = int(getattr(self.cfg, "max_attempts", 3))
+        self.max_attempts = int(self.cfg.max_attempts)
         self.not_before: dict[str, float] = {}  # requeued id -> clock time it may start again
 
     # -------------------------------------------------------------- scheduling
