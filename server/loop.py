@@ -440,6 +440,10 @@ class AsyncServer:
             ):
                 return None  # the loop's top re-sends work to silos that are due
             if not self.inflight and not self.retries:
+                if self.erasure is not None and self.erasure.next_time() < float("inf"):
+                    # nothing in flight (a halted federation) while an erasure waits out its
+                    # pause: the loop's top would otherwise spin until it is due
+                    time.sleep(self.cfg.server.poll_interval_s)
                 return None
             if self.erasure is not None and time.monotonic() - entered > 1.0:
                 return None  # the loop's top starts live erasure requests within a second
