@@ -35,6 +35,20 @@ def _delta(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str, t
     return {k: v.detach() - base[k] for k, v in model.state_dict().items()}
 
 
+def _train_dp(model, data, **kw):
+    """``train_local_dp`` on a classification silo; batch 16, lr 0.05, noise 1, clipping 1 and
+    seed 0 unless ``kw`` says otherwise (``seed=None``: from the OS's entropy)."""
+    args = dict(
+        task="classification",
+        batch_size=16,
+        lr=0.05,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        seed=0,
+    )
+    return train_local_dp(model, data, **{**args, **kw})
+
+
 def _clipped_mean_grad(base: dict[str, torch.Tensor], data: SiloData, clip: float) -> dict:
     """By hand: each sample's own gradient, clipped to L2 norm ``clip``, averaged."""
     model = _net()
@@ -76,17 +90,7 @@ def test_dp_training_keeps_state_dict_names_and_removes_hooks():
     model, data = _net(), _data(40)
     names = list(model.state_dict())
     # Execute
-    stats, history = train_local_dp(
-        model,
-        data,
-        task="classification",
-        steps=3,
-        batch_size=16,
-        lr=0.05,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        seed=0,
-    )
+    stats, history = _train_dp(model, data, steps=3)
     # Assert
     assert list(model.state_dict()) == names
     assert not any(k.startswith("_module.") for k in model.state_dict())
@@ -105,17 +109,7 @@ def test_update_is_the_mean_of_per_sample_gradients_clipped_by_hand():
     base = {k: v.clone() for k, v in model.state_dict().items()}
     expected = _clipped_mean_grad(base, data, clip)
     # Execute
-    train_local_dp(
-        model,
-        data,
-        task="classification",
-        steps=1,
-        batch_size=32,
-        lr=1.0,
-        noise_multiplier=0.0,
-        max_grad_norm=clip,
-        seed=0,
-    )
+    _train_dp(model, data, steps=1, batch_size=32, lr=1.0, noise_multiplier=0.0, max_grad_norm=clip)
     # Assert
     delta = _delta(model, base)
     for n, g in expected.items():
@@ -140,10 +134,9 @@ def test_noise_has_the_dp_sgd_scale():
     runs = []
     for seed in (1, 2):
         model.load_state_dict(base)
-        train_local_dp(
+        _train_dp(
             model,
             data,
-            task="classification",
             steps=1,
             batch_size=32,
             lr=1.0,
@@ -166,16 +159,7 @@ def test_unseeded_dp_training_differs_each_time():
     for _ in range(2):
         model = _net()
         base = {k: v.clone() for k, v in model.state_dict().items()}
-        train_local_dp(
-            model,
-            data,
-            task="classification",
-            steps=2,
-            batch_size=16,
-            lr=0.05,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-        )
+        _train_dp(model, data, steps=2, seed=None)
         deltas.append(_delta(model, base)["head.weight"])
     assert not torch.allclose(deltas[0], deltas[1])
 
@@ -187,19 +171,7 @@ def test_ledger_across_messages_equals_one_accountant_of_every_step(tmp_path):
 
     # Prepare
     messages = [[(1.0, 0.1, 10)], [(1.0, 0.1, 10)], [(1.3, 0.125, 4)], [(0.8, 0.1, 1)]]
-    messages.append(
-        train_local_dp(
-            _net(),
-            _data(40),
-            task="classification",
-            steps=5,
-            batch_size=16,
-            lr=0.05,
-            noise_multiplier=1.1,
-            max_grad_norm=1.0,
-            seed=0,
-        )[1]
-    )
+    messages.append(_train_dp(_net(), _data(40), steps=5, noise_multiplier=1.1)[1])
     reference = RDPAccountant()
     for entries in messages:
         for sigma, q, n in entries:
