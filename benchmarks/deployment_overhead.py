@@ -52,10 +52,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from server.events import read_events  # noqa: E402
 from server.summary import time_to_target  # noqa: E402
 from simulations.config import load_config  # noqa: E402
 from simulations.deploy import deploy_local  # noqa: E402
-from simulations.deploy_progress import EventTail  # noqa: E402
+from simulations.deploy_progress import takes, training_start  # noqa: E402
+from simulations.processes import alive  # noqa: E402
 
 SERVERAPPS = {
     "fedasync": ("server.app:app", ["server.mode=fedasync"]),
@@ -72,18 +74,14 @@ def async_messages(events: list[dict[str, Any]]) -> tuple[float, list[dict[str, 
     """fedasync: (first dispatch, one record per taken update: taken, round trip, train s).
 
     The first jobs go out right after the version-0 evaluation; each later job of a silo right
-    after its previous reply was taken (or rejected)."""
-    start = next(e["t"] for e in events if e["event"] == "eval")
-    last: dict[int, float] = {}
-    out = []
-    for e in events:
-        if e["event"] in ("update", "reject") and "silo" in e:
-            silo = int(e["silo"])
-            rt = e["t"] - last.get(silo, start)
-            last[silo] = e["t"]
-            if e["event"] == "update":
-                train = e.get("train_seconds", 0.0)
-                out.append({"silo": silo, "taken": e["t"], "rt": rt, "train": train})
+    after its previous reply was taken (or rejected): ``deploy_progress.takes``."""
+    start = training_start(events)
+    assert start is not None, "the run never started training"
+    out = [
+        {"silo": silo, "taken": e["t"], "rt": rt, "train": e.get("train_seconds", 0.0)}
+        for e, silo, rt in takes(events)
+        if e["event"] == "update"
+    ]
     return start, out
 
 
@@ -114,10 +112,8 @@ def steady_rate(start: float, msgs: list[dict[str, float]]) -> float:
 
 def figures(mode: str, summary: dict[str, Any], run_dir: Path, budget_s: float) -> dict[str, Any]:
     """One row of the table (wall seconds)."""
-    tail = EventTail(run_dir / "metrics.jsonl")
-    tail.poll()
     if mode == "fedasync":
-        start, msgs = async_messages(tail.events)
+        start, msgs = async_messages(read_events(run_dir / "metrics.jsonl"))
     else:
         start, msgs = sync_messages(summary)
     rts = [m["rt"] for m in msgs]
@@ -151,19 +147,6 @@ def reuse(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["deployment"] = json.loads((run_dir / "deploy.json").read_text())
     return summary, json.loads((run_dir / "bench.json").read_text())
-
-
-def still_running(pids: list[int]) -> list[int]:
-    """Those of ``pids`` that are still alive (zombies count as stopped)."""
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, IndexError):
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
 
 
 def prefixed(name: str) -> Callable[[str], None]:
@@ -256,7 +239,7 @@ def main() -> None:
         "training, ovh = rt - train, ready = dispatch -> reply created (FedAvg); updates = within "
         "the budget/all; load = 1-min load average before-after"
     )
-    left = still_running(sorted(set(pids)))
+    left = [p for p in sorted(set(pids)) if alive(p)]
     print(
         f"processes started by this invocation: {len(set(pids))}; still running after the runs: {left or 'none'}"
     )

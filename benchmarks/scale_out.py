@@ -30,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from simulations.config import load_config  # noqa: E402
-from simulations.launcher import _pids_with_env, simulate  # noqa: E402
+from simulations.launcher import simulate  # noqa: E402
+from simulations.processes import pids_with_env  # noqa: E402
 
 MARKER_ENV = "FEDASYNC_SCALE_OUT_BENCH"
 
@@ -84,7 +85,7 @@ class MemorySampler(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
             rss, pss, by_kind = 0.0, 0.0, {}
-            for pid in [os.getpid(), *_pids_with_env(MARKER_ENV, self.marker)]:
+            for pid in [os.getpid(), *pids_with_env(MARKER_ENV, self.marker)]:
                 proc = Path(f"/proc/{pid}")
                 try:
                     r = _kib(proc / "status", "VmRSS") / 1024

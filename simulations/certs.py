@@ -219,7 +219,8 @@ def write_file(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
-def _private_dir(path: Path) -> None:
+def private_dir(path: Path) -> None:
+    """Make ``path`` (and its parents) a folder only its owner may enter: 0700."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
 
@@ -238,7 +239,7 @@ def write_certs(
     if root.exists() and any(root.iterdir()) and not force:
         raise FileExistsError(f"{root} exists and is not empty (use --force to overwrite it)")
     paths = CertPaths(root, silos)
-    _private_dir(root)
+    private_dir(root)
     if force:
         for old in root.glob("silo-*"):
             if old.is_dir():
@@ -250,7 +251,7 @@ def write_certs(
     write_file(paths.server_key, pem_private(srv_key), 0o600)
     write_file(paths.server_cert, srv_cert.public_bytes(serialization.Encoding.PEM), 0o644)
     for s in range(silos):
-        _private_dir(paths.silo_dir(s))
+        private_dir(paths.silo_dir(s))
         key = make_node_key()
         write_file(paths.node_key(s), openssh_private(key), 0o600)
         write_file(paths.node_public_key(s), openssh_public(key, f"fedasync-silo-{s}"), 0o644)

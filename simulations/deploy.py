@@ -54,7 +54,7 @@ from clients.privacy import PRIVACY_DB
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
 from server.events import json_safe
-from simulations.certs import CertPaths, write_certs, write_file
+from simulations.certs import CertPaths, private_dir, write_certs, write_file
 from simulations.config import to_container, to_yaml
 from simulations.deploy_progress import EventTail, measurements, print_result, show
 from simulations.processes import Proc, Processes
@@ -181,7 +181,6 @@ def register_nodes(procs: Processes, cli_home: Path, keys: dict[str, Path]) -> d
             [tool("flwr"), "supernode", "register", str(key), FEDERATION]
             + ["--name", name, "--format", "json"],
             cli_home,
-            env={"FLWR_HOME": str(cli_home)},
             pipe=True,
         )
         for name, key in keys.items()
@@ -244,9 +243,7 @@ def privacy_ledgers(folder: Path, num_silos: int) -> dict[int, Path]:
     a silo's epsilon accumulates over every run that used its data."""
     folder = Path(folder).expanduser().resolve()
     if not folder.is_dir():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        folder.mkdir(mode=0o700)
-        os.chmod(folder, 0o700)  # whatever the umask
+        private_dir(folder)
     return {s: folder / f"silo-{s}.sqlite" for s in range(num_silos)}
 
 
@@ -264,6 +261,16 @@ def sync_comparison_warning(cfg: FedAsyncConfig) -> str | None:
         "deployment (benchmarks/deployment_overhead.py runs Flower's FedAvg on the same "
         "deployment; set run.compare_sync=false to silence this)"
     )
+
+
+def write_run_config(cfg: FedAsyncConfig, path: Path) -> None:
+    """The run config ``flwr run`` is given: ``cfg`` as JSON, with the ServerApp's progress bar
+    off (the console shows progress from the event log) and no sync-comparison warning of its
+    own (``deploy_local`` has said it, once)."""
+    server_cfg = copy.deepcopy(cfg)
+    server_cfg.run.progress = False
+    server_cfg.run.compare_sync = False
+    path.write_text(run_config_toml(server_cfg))
 
 
 def superlink_command(port: int, paths: CertPaths) -> list[str]:
@@ -349,9 +356,7 @@ def prepare(
     if cfg.unlearning.service:
         prepare_erasure(cfg, work / "erasure", paths)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    server_cfg = copy.deepcopy(cfg)
-    server_cfg.run.progress = False  # the console shows progress from here, not a bar
-    (work / "run-config.toml").write_text(run_config_toml(server_cfg))
+    write_run_config(cfg, work / "run-config.toml")
     if not cfg.run.resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # progress reads only this run's
     ledgers = privacy_ledgers(run_dir / "privacy" if privacy_dir is None else privacy_dir, n)
@@ -414,7 +419,6 @@ def deploy_local(
                 *("--run-config", str(work / "run-config.toml"), "--stream"),
             ],
             cli_home,
-            env={"FLWR_HOME": str(cli_home)},
             pipe=True,
         )
         pump = threading.Thread(

@@ -8,7 +8,7 @@ evaluations. The measurements are derived from the same events (``deploy.json``)
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +21,28 @@ def round_trips(events: list[dict[str, Any]]) -> dict[int, list[float]]:
     sent right after the version-0 evaluation (or the resume). Meaningful in the async modes (in ``sync``
     mode a silo also waits for the round's barrier).
     """
-    start = _training_start(events)
-    if start is None:
-        return {}
-    last: dict[int, float] = {}
     out: dict[int, list[float]] = {}
-    for e in events:
-        if e["event"] in ("update", "reject") and "silo" in e:
-            silo = int(e["silo"])
-            out.setdefault(silo, []).append(e["t"] - last.get(silo, start))
-            last[silo] = e["t"]
+    for _, silo, rt in takes(events):
+        out.setdefault(silo, []).append(rt)
     return out
 
 
-def _training_start(events: list[dict[str, Any]]) -> float | None:
+def takes(events: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], int, float]]:
+    """Every taken reply (``update`` or ``reject`` event) with its silo and round trip, in
+    order (see ``round_trips``); nothing before training started."""
+    start = training_start(events)
+    if start is None:
+        return
+    last: dict[int, float] = {}
+    for e in events:
+        if e["event"] in ("update", "reject") and "silo" in e:
+            silo = int(e["silo"])
+            yield e, silo, e["t"] - last.get(silo, start)
+            last[silo] = e["t"]
+
+
+def training_start(events: list[dict[str, Any]]) -> float | None:
+    """Wall time the first jobs went out: the version-0 evaluation, or the resume."""
     return next((e["t"] for e in events if e["event"] in ("eval", "resume")), None)
 
 
@@ -45,7 +53,7 @@ def measurements(events: list[dict[str, Any]]) -> dict[str, Any]:
     roster = next((e["t"] for e in events if e["event"] == "roster"), None)
     updates = [e for e in events if e["event"] == "update"]
     end = max((e["t"] for e in events), default=0.0)
-    start = _training_start(events) or 0.0
+    start = training_start(events) or 0.0
     return {
         "roster_s": roster,
         "round_trip_s": {

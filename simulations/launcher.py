@@ -25,6 +25,7 @@ from server.config import EngineConfig, FedAsyncConfig
 from server.summary import time_to_target, write_summary
 from simulations.config import to_yaml
 from simulations.plots import plot_score_vs_time, plot_silo_contribution, plot_staleness
+from simulations.processes import pids_with_env
 
 log = logging.getLogger("fedasync")
 
@@ -129,21 +130,6 @@ def ray_init_args(engine: EngineConfig, ray_tmp: str) -> dict[str, Any]:
     return {**args, "address": "local", "num_cpus": num_cpus, "_temp_dir": ray_tmp}
 
 
-def _pids_with_env(name: str, value: str) -> list[int]:
-    """Processes (not this one) whose environment has ``name=value``."""
-    needle = f"{name}={value}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
 def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
     """Stop, by pid, every process of this run's Ray session.
 
@@ -160,7 +146,7 @@ def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
     signals = [signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]
     quiet = 0
     while quiet < 2:  # two scans in a row with nothing left: a worker spawned late is caught
-        left = _pids_with_env(SESSION_ENV, session)
+        left = pids_with_env(SESSION_ENV, session)
         if not left:
             quiet += 1
             time.sleep(0.3)

@@ -57,7 +57,6 @@ class Processes:
         cmd: Sequence[str],
         home: Path,
         *,
-        env: dict[str, str] | None = None,
         pipe: bool = False,
     ) -> Proc:
         """Start ``cmd`` in ``home`` (its FLWR_HOME, cwd and, under tmp/, its TMPDIR); output to
@@ -73,7 +72,6 @@ class Processes:
             "FLWR_TELEMETRY_ENABLED": "0",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
             "PYTHONUNBUFFERED": "1",
-            **(env or {}),
             MARKER_ENV: self.marker,
         }
         log_path = home / f"{name}.log"
@@ -99,9 +97,7 @@ class Processes:
 
     def scan(self) -> list[int]:
         """Live processes carrying the marker (zombies excluded); remembered in ``seen``."""
-        from simulations.launcher import _pids_with_env  # the launcher's /proc scan (Ray's)
-
-        pids = _pids_with_env(MARKER_ENV, self.marker)
+        pids = pids_with_env(MARKER_ENV, self.marker)
         self.seen.update(pids)
         return pids
 
@@ -167,6 +163,21 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Processes (not this one) whose environment has ``name=value``."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
 
 
 def alive(pid: int) -> bool:

@@ -48,12 +48,12 @@ from simulations.deploy import (
     free_ports,
     prepare,
     register_nodes,
-    run_config_toml,
     stage_app,
     start_superlink,
     supernode_command,
     tool,
     write_cli_config,
+    write_run_config,
 )
 from simulations.deploy_progress import EventTail
 from simulations.erase_cli import main as erase
@@ -161,14 +161,10 @@ class Federation:
         raise AssertionError("unreachable")
 
     def flwr_run(self, name: str, cfg: Any) -> Proc:
-        server_cfg = copy.deepcopy(cfg)
-        server_cfg.run.progress = False
         conf = self.work / f"{name}.toml"
-        conf.write_text(run_config_toml(server_cfg))
+        write_run_config(cfg, conf)
         cmd = [tool("flwr"), "run", str(self.app), FEDERATION, "--run-config", str(conf)]
-        return self.procs.start(
-            name, [*cmd, "--stream"], self.cli, env={"FLWR_HOME": str(self.cli)}
-        )
+        return self.procs.start(name, [*cmd, "--stream"], self.cli)
 
     def wait(self, what: str, cond: Callable[[], bool], timeout_s: float, tail: EventTail) -> None:
         """Poll ``tail`` until ``cond()``; fail naming ``what`` if a process died or time ran out."""

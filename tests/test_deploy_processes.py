@@ -181,7 +181,7 @@ class _FakeProcesses(Processes):
     started: list[tuple[str, list[str]]] = []
     run_dir: Path
 
-    def start(self, name, cmd, home, *, env=None, pipe=False):
+    def start(self, name, cmd, home, *, pipe=False):
         type(self).started.append((name, list(cmd)))
         home.mkdir(parents=True, exist_ok=True)
         if name == "flwr-run":
