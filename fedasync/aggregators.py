@@ -45,7 +45,8 @@ class FoldResult:
     """With central DP: the silos whose data this call's new params release (each one
     Gaussian mechanism at the aggregator's noise multiplier); empty otherwise."""
     noise_std: float = 0.0
-    """With central DP: the noise std per coordinate added to the params (after mixing)."""
+    """With central DP: the noise std per coordinate, in params space for FedAsync (after
+    mixing), on the mean delta before the server optimiser's step for FedBuff."""
 
 
 def fedavg(updates: Sequence[Update], weight_by_samples: bool = True) -> Params:
@@ -102,25 +103,21 @@ class FedAsyncAggregator:
         _check_names(params, update)
         _check_factor(factor)
         s = self.alpha * self.weight_fn(tau) * factor
+        tensors, released, noise_std = update.tensors, [], 0.0
         if self.mechanism is not None:
             if update.kind != "delta":
                 raise ValueError("central DP clips deltas: FedAsync with DP takes kind='delta'")
-            clipped, _ = self.mechanism.clip(update.tensors)
-            noisy, std = self.mechanism.noise(clipped, 1.0)
-            new = axpy(s, noisy, params)
-            new.update({k: v.detach().clone() for k, v in params.items() if not is_arithmetic(v)})
-            return FoldResult(
-                params=new, weight=s, flushed=1, released=[update.silo], noise_std=s * std
-            )
+            tensors, std = self.mechanism.noise(self.mechanism.clip(tensors)[0], 1.0)
+            released, noise_std = [update.silo], s * std
         if update.kind == "model":
-            new = weighted_sum([params, update.tensors], [1.0 - s, s])
+            new = weighted_sum([params, tensors], [1.0 - s, s])
         elif update.kind == "delta":
-            new = axpy(s, update.tensors, params)
+            new = axpy(s, tensors, params)
             # axpy takes integer buffers from its first argument (the delta): restore ours.
             new.update({k: v.detach().clone() for k, v in params.items() if not is_arithmetic(v)})
         else:
             raise ValueError(f"unknown update kind {update.kind!r}")
-        return FoldResult(params=new, weight=s, flushed=1)
+        return FoldResult(params=new, weight=s, flushed=1, released=released, noise_std=noise_std)
 
     def state_dict(self) -> dict[str, Any]:
         """Config only (the weight function itself is not serialised)."""
@@ -186,11 +183,10 @@ class FedBuffAggregator:
         if self.weight_by_samples and update.num_samples <= 0:
             raise ValueError(f"num_samples must be > 0, got {update.num_samples}")
         w = self.weight_fn(tau) * factor
-        if self.mechanism is not None:
-            clipped, _ = self.mechanism.clip(update.tensors)
-            self._deltas.append(clipped)  # clip_by_norm returns a copy
-        else:
-            self._deltas.append(clone(update.tensors))
+        tensors = (
+            update.tensors if self.mechanism is None else self.mechanism.clip(update.tensors)[0]
+        )
+        self._deltas.append(clone(tensors))
         self._weights.append(w)
         self._num_samples.append(int(update.num_samples))
         self._silos.append(update.silo)

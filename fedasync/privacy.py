@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 import torch
 
-from fedasync.tensors import clip_by_norm
+from fedasync.tensors import clip_by_norm, global_norm
 from fedasync.types import Params
 
 RDP_ORDERS: tuple[float, ...] = (
@@ -48,19 +49,22 @@ RDP_ORDERS: tuple[float, ...] = (
 """Rényi orders; the same grid as opacus's RDPAccountant.DEFAULT_ALPHAS."""
 
 
-def gaussian_epsilon(
-    releases: Mapping[float, int] | Iterable[tuple[float, int]], delta: float
-) -> float:
+def gaussian_epsilon(releases: Mapping[float, int], delta: float) -> float:
     """(ε at ``delta``) of a composition of Gaussian mechanisms, ``{noise_multiplier: count}``.
 
     Without sampling: RDP(α) = Σ count·α/(2σ²); ε = min over α of
     RDP(α) − (log δ + log α)/(α − 1) + log((α − 1)/α). Zero releases cost 0; a noise
-    multiplier of 0 costs infinity.
+    multiplier of 0 costs infinity. Memoised: a server asks for the same counts again (the
+    budget check before a fold, the report after it).
     """
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
-    items = list(releases.items()) if isinstance(releases, Mapping) else list(releases)
-    items = [(float(s), int(n)) for s, n in items if int(n) > 0]
+    items = tuple(sorted((float(s), int(n)) for s, n in releases.items() if int(n) > 0))
+    return _epsilon(items, delta)
+
+
+@lru_cache(maxsize=4096)
+def _epsilon(items: tuple[tuple[float, int], ...], delta: float) -> float:
     if not items:
         return 0.0
     if any(s <= 0.0 for s, _ in items):
@@ -92,8 +96,13 @@ class GaussianMechanism:
         self._generators: dict[str, torch.Generator] = {}
 
     def clip(self, tensors: Params) -> tuple[Params, float]:
-        """``tensors`` scaled to L2 norm at most C, and the factor used (1.0: untouched)."""
-        return clip_by_norm(tensors, self.clip_norm)
+        """``tensors`` scaled to L2 norm at most C, and the factor used. Within the bound they
+        come back as they are, not copied (the server has usually clipped them already; the
+        norm is checked again so that the sensitivity never rests on the caller)."""
+        n = global_norm(tensors)
+        if n <= self.clip_norm:
+            return tensors, 1.0
+        return clip_by_norm(tensors, self.clip_norm, n)
 
     def std(self, share: float) -> float:
         """Noise std per coordinate for an aggregate whose largest silo coefficient is ``share``."""

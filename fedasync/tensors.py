@@ -126,17 +126,15 @@ def global_norm(p: Params) -> float:
 def clip_by_norm(p: Params, max_norm: float, norm: float | None = None) -> tuple[Params, float]:
     """``p`` scaled so its global L2 norm is at most ``max_norm``, and the factor used.
 
-    ``norm`` is ``global_norm(p)`` when the caller already has it. Only floating tensors are
-    scaled; a ``p`` within the bound comes back as a copy with factor 1.
+    ``norm`` is ``global_norm(p)`` when the caller already has it. Only arithmetic tensors
+    are scaled (as ``global_norm`` counts them); a ``p`` within the bound comes back as a copy
+    with factor 1.
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     n = global_norm(p) if norm is None else float(norm)
     c = 1.0 if n <= max_norm else max_norm / n
-    out = {
-        k: v * c if v.is_floating_point() and c != 1.0 else v.detach().clone() for k, v in p.items()
-    }
-    return out, c
+    return (scale(p, c) if c != 1.0 else clone(p)), c
 
 
 def is_finite(p: Params) -> bool:

@@ -149,8 +149,9 @@ def run_server(
 def central_dp_summary(srv: AsyncServer) -> dict[str, Any]:
     """Central DP's settings and every silo's epsilon (all runs of its ledger), also logged."""
     dp = srv.cfg.server.dp
-    eps = {str(s): srv.central.epsilon(s) for s in sorted(srv.roster)} if srv.central else {}
-    releases = {str(s): srv.central.releases(s) for s in sorted(srv.roster)} if srv.central else {}
+    assert srv.central is not None
+    eps = {str(s): srv.central.epsilon(s) for s in sorted(srv.roster)}
+    releases = {str(s): srv.central.releases(s) for s in sorted(srv.roster)}
     log.info(
         "central DP (noise %.3g x clip %.3g, delta %g): epsilon per silo %s",
         dp.noise_multiplier,
@@ -163,7 +164,7 @@ def central_dp_summary(srv: AsyncServer) -> dict[str, Any]:
         "clip_norm": srv.cfg.server.clip_norm,
         "delta": dp.delta,
         "epsilon_budget": dp.epsilon_budget,
-        "ledger": str(srv.central.path) if srv.central else None,
+        "ledger": str(srv.central.path),
         "epsilon": eps,
         "releases": releases,
     }

@@ -145,7 +145,7 @@ class AsyncServer:
         self.central: CentralLedger | None = None  # central DP's per-silo release ledger
         if s.dp.noise_multiplier is not None:
             path = Path(s.dp.ledger) if s.dp.ledger else run_dir / "privacy" / "central.sqlite"
-            self.central = CentralLedger(path, run=run_dir.name, delta=s.dp.delta)
+            self.central = CentralLedger(path, run_dir.name, s.dp.noise_multiplier, s.dp.delta)
         self.staleness_seen: list[int] = []
         self.evals: list[dict[str, float]] = []
         self.updates_accepted = 0  # passed intake and were folded (FedBuff: maybe still buffered)
@@ -270,14 +270,7 @@ class AsyncServer:
 
     def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> None:
         """FedEraser: a train message of ``steps`` local steps from the model being rebuilt."""
-        job_id = self.next_job_id
-        self.next_job_id += 1
-        if isinstance(self.clock, VirtualClock):
-            work = steps * self.cfg.silos.step_time_s / self.speeds[silo]
-            timing = (self.clock.now, self.clock.now + work + self.cfg.silos.latency_s)
-        else:
-            jt = self.clock.schedule(silo, job_id)
-            timing = (jt.dispatched_at, jt.finishes_at)
+        job_id, timing = self._side_job(silo, steps)
         self._push_train(
             silo,
             job_id,
@@ -289,17 +282,21 @@ class AsyncServer:
             erasure=erasure,
         )
 
-    def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> None:
-        """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``."""
+    def _side_job(self, silo: int, steps: int) -> tuple[int, tuple[float, float]]:
+        """A new job id and (dispatched, finishes) for a job of ``steps`` steps outside the
+        regular schedule (erasure work: no jitter, as the virtual clock's schedule has)."""
         job_id = self.next_job_id
         self.next_job_id += 1
         if isinstance(self.clock, VirtualClock):
-            u = self.cfg.unlearning  # the erasure steps, then one gradient per signature batch
-            work = (u.steps + u.signature_batches) * self.cfg.silos.step_time_s / self.speeds[silo]
-            timing = (self.clock.now, self.clock.now + work + self.cfg.silos.latency_s)
-        else:
-            jt = self.clock.schedule(silo, job_id)
-            timing = (jt.dispatched_at, jt.finishes_at)
+            work = steps * self.cfg.silos.step_time_s / self.speeds[silo]
+            return job_id, (self.clock.now, self.clock.now + work + self.cfg.silos.latency_s)
+        jt = self.clock.schedule(silo, job_id)
+        return job_id, (jt.dispatched_at, jt.finishes_at)
+
+    def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> None:
+        """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``."""
+        u = self.cfg.unlearning  # the erasure steps, then one gradient per signature batch
+        job_id, timing = self._side_job(silo, u.steps + u.signature_batches)
         msg = unlearn_message(self, silo, job_id, start, erasure)
         (mid,) = list(self.grid.push_messages([msg]))
         self.inflight[mid] = Job(
@@ -466,7 +463,8 @@ class AsyncServer:
         """Validate and fold one reply; True when its silo may be sent work at once."""
         if job.kind == "unlearn":
             return self._take_unlearn(job, reply)
-        if take_privacy(self, job, reply):  # a refusal: the silo is out of privacy budget
+        eps = reported_epsilon(reply)
+        if take_privacy(self, job, reply, eps):  # a refusal: the silo is out of privacy budget
             if job.kind == "calibrate":
                 self.erasure.take_calibration(job, None)
             return False
@@ -479,7 +477,6 @@ class AsyncServer:
                 self._after_failure(job, down_s=self._down_s(job, reply))
                 return False
             return True
-        eps = reported_epsilon(reply)
         if eps is not None:
             res.update.metrics["dp_epsilon"] = eps[0]
         if central_budget_refuses(self, job.silo, job.job_id):
@@ -586,8 +583,7 @@ class AsyncServer:
         res = self.aggregator.fold(self.params, update, acc.staleness, factor=acc.decision.factor)
         if res.released:
             record_release(self, res.released, res.noise_std)
-            if str(job.silo) in res.released:
-                update.metrics["central_epsilon"] = self.per_silo[job.silo]["central_epsilon"]
+            update.metrics["central_epsilon"] = self.per_silo[job.silo]["central_epsilon"]
         self.updates_accepted += 1
         self.updates_applied += res.flushed
         self.accept_times.append(self.clock.now)

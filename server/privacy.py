@@ -14,6 +14,7 @@ data never leave it).
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -53,10 +54,12 @@ def refusal(reply: Message) -> tuple[str, str] | None:
     return str(cfg[REFUSAL]), str(cfg.get(REFUSAL_DETAIL, ""))[:300]
 
 
-def take_privacy(srv: AsyncServer, job: Job, reply: Message) -> bool:
-    """Note the epsilon ``reply`` reports for ``job``'s silo; True when the silo refused the
-    work (it is then stopped: never sent training again in this run)."""
-    eps = reported_epsilon(reply)
+def take_privacy(
+    srv: AsyncServer, job: Job, reply: Message, eps: tuple[float, float] | None
+) -> bool:
+    """Note the epsilon ``reply`` reports (``eps``: ``reported_epsilon(reply)``) for ``job``'s
+    silo; True when the silo refused the work (it is then stopped: never sent training again
+    in this run)."""
     if eps is not None:
         srv.per_silo[job.silo]["dp_epsilon"] = eps[0]
         log.info(
@@ -113,12 +116,10 @@ class CentralLedger:
     process writes during a run.
     """
 
-    def __init__(self, path: Path, run: str, delta: float):
-        import sqlite3
-
+    def __init__(self, path: Path, run: str, noise_multiplier: float, delta: float):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.run, self.delta = run, delta
+        self.run, self.noise_multiplier, self.delta = run, float(noise_multiplier), delta
         self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -143,8 +144,10 @@ class CentralLedger:
             counts[sigma] = counts.get(sigma, 0) + n
         return gaussian_epsilon(counts, self.delta)
 
-    def record(self, silos: list[int], noise_multiplier: float, version: int) -> None:
-        """One release at ``noise_multiplier`` for each of ``silos``, durably, all or none."""
+    def record(self, silos: list[int], version: int) -> None:
+        """One release at this run's noise multiplier for each of ``silos``, durably, all or
+        none."""
+        noise_multiplier = self.noise_multiplier
         now = time.time()
         self._db.execute("BEGIN IMMEDIATE")
         try:
@@ -169,11 +172,11 @@ def central_budget_refuses(srv: AsyncServer, silo: int, job_id: int | None = Non
     update of job ``job_id`` is then discarded) and, for a ledger that outlives runs, before
     the first dispatch. Not a fault: nothing is counted as rejected."""
     dp = srv.cfg.server.dp
-    if srv.central is None or dp.epsilon_budget is None or dp.noise_multiplier is None:
+    if srv.central is None or dp.epsilon_budget is None:
         return False
     if silo in srv.stopped:
         return True
-    would_be = srv.central.epsilon(silo, {float(dp.noise_multiplier): 1})
+    would_be = srv.central.epsilon(silo, {srv.central.noise_multiplier: 1})
     if would_be <= dp.epsilon_budget:
         return False
     spent = srv.central.epsilon(silo)
@@ -208,14 +211,14 @@ def record_release(srv: AsyncServer, silos: list[str], noise_std: float) -> None
     """Account a new global version that releases ``silos``' data (before it goes anywhere)."""
     if srv.central is None or not silos:
         return
-    sigma = float(srv.cfg.server.dp.noise_multiplier or 0.0)
     ids = [int(s) for s in silos]
-    srv.central.record(ids, sigma, srv.version + 1)
+    srv.central.record(ids, srv.version + 1)
     for s in ids:
         srv.per_silo[s]["central_epsilon"] = srv.central.epsilon(s)
-    log.debug(
-        "version %d: central DP noise std %.3g; releases %s",
-        srv.version + 1,
-        noise_std,
-        ", ".join(f"silo {s} (epsilon {srv.per_silo[s]['central_epsilon']:.3g})" for s in ids),
-    )
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "version %d: central DP noise std %.3g; releases %s",
+            srv.version + 1,
+            noise_std,
+            ", ".join(f"silo {s} (epsilon {srv.per_silo[s]['central_epsilon']:.3g})" for s in ids),
+        )
