@@ -272,7 +272,7 @@ def unlearn(msg: Message, context: Context) -> Message:
         model,
         forget,
         task=fed.spec.task,
-        batches=int(ucfg.get("signature_batches", 8)),
+        batches=int(ucfg["signature_batches"]),
         batch_size=ccfg.batch_size,
         rank=int(ucfg["signature_rank"]),
         seed=seed,
@@ -294,11 +294,7 @@ def unlearn(msg: Message, context: Context) -> Message:
         {
             P.ARRAYS: wire.encode(delta),
             P.SIGNATURE: wire.encode(
-                {
-                    "basis": signature.basis.to(
-                        getattr(torch, ucfg.get("signature_dtype", "float32"))
-                    )
-                }
+                {"basis": signature.basis.to(getattr(torch, ucfg["signature_dtype"]))}
             ),
             P.METRICS: metrics,
             P.CONFIG: ConfigRecord({"signature-names": list(signature.names)}),

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from clients.privacy import ACCOUNTANTS
+
 if TYPE_CHECKING:
     from medical_data.federation import Federation
 
@@ -41,7 +43,7 @@ class DPConfig:
         is sent); an error names the key."""
         checks = [
             (
-                self.accountant in ("rdp", "prv", "gdp"),
+                self.accountant in ACCOUNTANTS,
                 "client.dp.accountant must be rdp, prv or gdp",
             ),
             (self.noise_multiplier > 0, "client.dp.noise_multiplier must be > 0"),

@@ -62,11 +62,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from clients.config import DPConfig
 from clients.local import _loss_fn, _score, _targets
-from clients.privacy import DP_DELTA, DP_EPSILON, PrivacyLedger
+from clients.privacy import DP_DELTA, DP_EPSILON, History, PrivacyLedger
 from medical_data.federation import SiloData
-
-History = list[tuple[float, float, int]]
-"""An accountant's history: ``(noise_multiplier, sample_rate, steps)`` entries."""
 
 
 def make_compatible(model: nn.Module) -> nn.Module:
@@ -255,7 +252,8 @@ def train_private(
     acct = {"delta": dp.delta, "mechanism": dp.accountant, "budget": dp.epsilon_budget}
     names = set(model.state_dict())
     with PrivacyLedger(ledger) as book:
-        book.check([(sigma, rate, steps)], **acct)  # type: ignore[arg-type]
+        if dp.epsilon_budget is not None:  # refuse before training, not after
+            book.check([(sigma, rate, steps)], **acct)  # type: ignore[arg-type]
         model = make_compatible(model)
         stats, history = train_local_dp(
             model,

@@ -59,6 +59,7 @@ class Refusal:
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
 History = list[tuple[float, float, int]]
+"""An accountant's history: ``(noise_multiplier, sample_rate, steps)`` entries."""
 
 
 class BudgetExhausted(Exception):
@@ -190,9 +191,10 @@ class PrivacyLedger:
         self, planned: History, *, delta: float, mechanism: str, budget: float | None
     ) -> float:
         """Epsilon spent so far; raise BudgetExhausted if ``planned`` would pass ``budget``."""
-        spent = self.epsilon(delta, mechanism)
+        past = self.history()
+        spent = epsilon_of(past, delta, mechanism)
         if budget is not None:
-            would_be = epsilon_of([*self.history(), *planned], delta, mechanism)
+            would_be = epsilon_of([*past, *planned], delta, mechanism)
             if would_be > budget:
                 raise BudgetExhausted(spent, would_be, budget, delta)
         return spent
@@ -217,10 +219,7 @@ class PrivacyLedger:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
-            rows = db.execute(
-                "SELECT noise_multiplier, sample_rate, steps FROM steps ORDER BY id"
-            ).fetchall()
-            before = [(float(s), float(q), int(n)) for s, q, n in rows]
+            before = self.history()
             after = epsilon_of([*before, *entries], delta, mechanism)
             if budget is not None and after > budget:
                 raise BudgetExhausted(epsilon_of(before, delta, mechanism), after, budget, delta)

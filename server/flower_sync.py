@@ -39,8 +39,9 @@ from flwr.serverapp.strategy import FedAvg
 from clients import protocol as P
 from clients import wire
 from clients.local import evaluate
-from fedasync.tensors import add, weighted_sum
-from fedasync.types import Params
+from fedasync.aggregators import fedavg
+from fedasync.tensors import add
+from fedasync.types import Params, Update
 from server.app import _federation, _log_to, initial_model
 from server.clock import client_setup
 from server.config import FedAsyncConfig, from_container
@@ -57,10 +58,7 @@ class BudgetSpent(Exception):
 def mean_delta_step(params: Params, deltas: list[tuple[Params, int]]) -> Params:
     """``params + sum_i n_i d_i / sum_i n_i`` for ``deltas`` = [(d_i, n_i)]; integer tensors
     (buffers) stay those of ``params``."""
-    total = sum(n for _, n in deltas)
-    if not deltas or total <= 0:
-        raise ValueError("need at least one delta and a positive total of samples")
-    step = weighted_sum([d for d, _ in deltas], [n / total for _, n in deltas])
+    step = fedavg([Update(str(i), 0, d, n) for i, (d, n) in enumerate(deltas)])
     return add(params, step)
 
 

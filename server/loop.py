@@ -310,14 +310,7 @@ class AsyncServer:
             kind="unlearn",
             erasure=erasure,
         )
-        self.events.write(
-            "erasure",
-            t=self.clock.now,
-            version=self.version,
-            request=erasure.request_id,
-            silo=silo,
-            state="erasing",
-        )
+        self.erasure.event(erasure, "erasing")
 
     def is_down(self, silo: int) -> bool:
         """A silo whose work failed and that waits to be sent work again (offline)."""

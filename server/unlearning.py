@@ -105,8 +105,10 @@ class ErasureCoordinator:
         self.cfg = srv.cfg.unlearning
         self.verify_fn = verify_fn  # (params, silo, sample_ids) -> metrics
         self.ledger = ContributionLedger()
-        self.history = UpdateHistory(self.cfg.federaser_interval)  # the FedEraser baseline's
-        self.history.start(srv.params)
+        self.history: UpdateHistory | None = None  # the FedEraser baseline's record
+        if self.cfg.federaser:
+            self.history = UpdateHistory(self.cfg.federaser_interval)
+            self.history.start(srv.params)
         self.rebuild: Rebuild | None = None
         self.signature: GradientSignature | None = None
         self.boundary = -1
@@ -157,7 +159,6 @@ class ErasureCoordinator:
             ids = self._fraction_ids(silo, fraction)
             req, _ = self.store.submit(silo, ids or None, "schedule", self.srv.version)
             log.info("scheduled erasure %s of silo %d submitted at t=%.1f", req.id, silo, now)
-        self._requeue_abandoned()
         queued = [r for r in self.store.unfinished() if r.state.value == "queued"]
         for req in queued:
             self.seen.setdefault(req.id, now)
@@ -216,18 +217,10 @@ class ErasureCoordinator:
         if e.sample_ids:
             self.failed(e, "FedEraser (the halting baseline) erases whole silos only")
             return
-        if self.history.initial is None:
+        if self.history is None or self.history.initial is None:
             raise RuntimeError("FedEraser needs the initial model in the update history")
         self.rebuild = Rebuild(e, clone(self.history.initial), self.history.rounds())
-        self.srv.events.write(
-            "erasure",
-            t=self.srv.clock.now,
-            version=self.srv.version,
-            request=e.request_id,
-            silo=e.silo,
-            state="erasing",
-            method="federaser",
-        )
+        self.event(e, "erasing", method="federaser")
         log.info(
             "FedEraser: rebuilding without silo %d over %d retained rounds",
             e.silo,
@@ -307,7 +300,7 @@ class ErasureCoordinator:
     ) -> None:
         """An applied update: its contribution (ledger) and its raw norm (FedEraser history)."""
         self.ledger.record(str(silo), contribution, version)
-        if norm is not None:
+        if norm is not None and self.history is not None:
             self.history.record(version, str(silo), norm)
 
     def take_unlearn(self, erasure: Erasure, decoded: tuple) -> None:
@@ -356,28 +349,17 @@ class ErasureCoordinator:
             metrics=erasure.metrics_at_boundary,
             detail=f"erasure applied at version {srv.version}; calibrating",
         )
-        srv.events.write(
-            "erasure",
-            t=srv.clock.now,
-            version=srv.version,
-            request=erasure.request_id,
-            silo=erasure.silo,
-            state="calibrating",
-            **erasure.metrics_at_boundary,
-        )
+        self.event(erasure, "calibrating", **erasure.metrics_at_boundary)
         self.halting = False  # re-evaluated by the next poll if more requests wait
         if self.cfg.halt and not srv.barrier:  # (a sync round restarts everyone by itself)
             for silo in self.halted_silos():
                 srv.dispatch(silo)  # the halted federation resumes
 
     def failed(self, erasure: Erasure, why: str) -> None:
-        """The erasure cannot be carried out: ``failed`` with ``why``. A ``SiloLost`` reason
-        (the silo went down) sends it back to the queue instead (``requeue``)."""
+        """The erasure cannot be carried out: ``failed`` with ``why`` (a silo that went down
+        is ``requeue``'s, not this)."""
         if self.active.get(erasure.request_id) is not erasure:
             return  # an attempt already given up (requeued): its request has moved on
-        if isinstance(why, SiloLost):
-            self.requeue(erasure, why)
-            return
         self.active.pop(erasure.request_id, None)
         self.store.transition(
             erasure.request_id,
@@ -386,25 +368,16 @@ class ErasureCoordinator:
             model_version=self.srv.version,
             detail=why,
         )
-        self.srv.events.write(
-            "erasure",
-            t=self.srv.clock.now,
-            version=self.srv.version,
-            request=erasure.request_id,
-            silo=erasure.silo,
-            state="failed",
-            detail=why,
-        )
+        self.event(erasure, "failed", detail=why)
 
-    def requeue(self, erasure: Erasure, why: str) -> None:
+    def requeue(self, erasure: Erasure, why: SiloLost) -> None:
         """Its silo went down mid-erasure: back to ``queued`` (the audit row says why), to be
         started again by ``poll`` when the silo is back; ``failed`` after
         ``unlearning.max_attempts`` losses that were not the silo being offline."""
         srv, rid = self.srv, erasure.request_id
         if self.active.get(rid) is not erasure or erasure.boundary is not None:
             return  # not in progress, or already applied (then it is not lost)
-        offline = isinstance(why, SiloLost) and why.offline
-        if offline:
+        if why.offline:
             detail = (
                 f"{WENT_OFFLINE}: {why}; will retry when it returns "
                 "(not counted against unlearning.max_attempts)"
@@ -428,26 +401,20 @@ class ErasureCoordinator:
         self.store.transition(
             rid, _state("queued"), actor="server", model_version=srv.version, detail=detail
         )
+        self.event(erasure, "queued", detail=detail)
+
+    def event(self, e: Erasure, state: str, **extra: Any) -> None:
+        """The ``erasure`` event of ``e`` entering ``state`` (metrics.jsonl)."""
+        srv = self.srv
         srv.events.write(
             "erasure",
             t=srv.clock.now,
             version=srv.version,
-            request=rid,
-            silo=erasure.silo,
-            state="queued",
-            detail=detail,
+            request=e.request_id,
+            silo=e.silo,
+            state=state,
+            **extra,
         )
-
-    def _requeue_abandoned(self) -> None:
-        """Requeue erasures whose train.unlearn the loop gave up on (no reply within
-        ``server.reply_timeout_s``): in progress, not applied, not a FedEraser rebuild, and
-        no unlearn job of theirs in flight any more."""
-        waiting = {id(j.erasure) for j in self.srv.inflight.values() if j.kind == "unlearn"}
-        rebuilding = self.rebuild.erasure if self.rebuild is not None else None
-        for e in list(self.active.values()):
-            if e.boundary is None and e is not rebuilding and id(e) not in waiting:
-                timeout = self.srv.cfg.server.reply_timeout_s
-                self.requeue(e, SiloLost(f"no reply within {timeout:g}s wall"))
 
     def row(self, e: Erasure) -> dict[str, Any]:
         """What the summary reports of an applied erasure."""
@@ -486,21 +453,13 @@ class ErasureCoordinator:
                 metrics=after,
                 detail=f"verified after {self.cfg.relearn_versions} versions",
             )
-            srv.events.write(
-                "erasure",
-                t=srv.clock.now,
-                version=srv.version,
-                request=rid,
-                silo=e.silo,
-                state="verified",
-                **after,
-            )
+            self.event(e, "verified", **after)
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {
             "ledger": self.ledger.state_dict(),
-            "history": self.history.state_dict(),
+            "history": None if self.history is None else self.history.state_dict(),
             "signature": None if self.signature is None else self.signature.state_dict(),
             "boundary": self.boundary,
             "retired": sorted(self.retired),
@@ -525,7 +484,7 @@ class ErasureCoordinator:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.ledger.load_state_dict(d["ledger"])
-        if "history" in d:  # (checkpoints from before the FedEraser baseline lack it)
+        if self.history is not None and d.get("history"):  # (absent: FedEraser was off)
             self.history.load_state_dict(d["history"])
         if d["signature"] is not None:
             self.signature = GradientSignature(basis=torch.zeros(0, 0), names=[])

@@ -136,6 +136,10 @@ def test_federaser_baseline_rebuilds_without_the_silo(small_cfg):
     after = [e for e in events if e["event"] == "update" and e["version"] >= boundary]
     assert after and {e["silo"] for e in after} == {0, 2}
     # a rebuild is calibration training (half of client.local_steps), never folded as updates
+    applied_t = next(
+        e["t"] for e in events if e["event"] == "erasure" and e["state"] == "calibrating"
+    )
+    assert not [e for e in events if e["event"] == "update" and erasing_t < e["t"] < applied_t]
     assert summary["versions"] == 12 and row["erasure_latency_s"] > 0
 
 

@@ -166,8 +166,7 @@ def test_a_silo_that_keeps_going_down_fails_the_erasure_after_max_attempts(small
 
 
 def test_max_attempts_is_read_from_the_config(small_cfg):
-    cfg = small_cfg("run.max_versions=20", *ERASE)
-    cfg.unlearning.max_attempts = 1  # (the key unlearning.max_attempts, once config.py has it)
+    cfg = small_cfg("run.max_versions=20", *ERASE, "unlearning.max_attempts=1")
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     grid = _SiloDownMidErasure(client_app, 3, lose=100)
     summary = run_server(grid, cfg, run_dir)
