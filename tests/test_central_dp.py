@@ -156,7 +156,7 @@ def test_every_fold_is_accounted_to_its_silo(small_cfg):
         expected = eps_of({1.0: stats["accepted"]}, 1e-5)
         assert summary["central_dp"]["epsilon"][str(silo)] == pytest.approx(expected)
         eps = [e["central_epsilon"] for e in events if e["silo"] == silo]
-        assert eps == sorted(eps) and (not eps or eps[-1] == pytest.approx(expected))
+        assert eps and eps == sorted(eps) and eps[-1] == pytest.approx(expected)
 
 
 def test_sync_rounds_release_every_silo_once_per_round(small_cfg):
