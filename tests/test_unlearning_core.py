@@ -243,22 +243,25 @@ def test_update_history_keeps_every_interval_th_round(tmp_path):
     assert h2.initial is not None and h2.initial["w"].tolist() == [1.0, 2.0]
 
 
-def test_float16_signature_is_reorthonormalised():
-    # a rank-3 signature over d=5000 sent in float16: rounding leaves its columns about 1e-3
-    # from orthonormal; from_basis restores them and the projection still removes the span
-    torch.manual_seed(0)
-    grads = [{"w": torch.randn(5000)} for _ in range(3)]
+def test_received_basis_is_reorthonormalised():
+    # A basis that arrives far from orthonormal (columns mixed by a known triangular M, then
+    # sent in float16) comes back orthonormal and spanning the same subspace. The departure
+    # is made by construction (|M^T M - I| = 0.3), not left to float16 rounding, whose size
+    # depends on the machine's BLAS/LAPACK kernels.
+    gen = torch.Generator().manual_seed(0)
+    grads = [{"w": torch.randn(5000, generator=gen)} for _ in range(3)]
     sig = GradientSignature.from_gradients(grads, rank=3)
-    half = sig.basis.half()
+    mix = torch.tensor([[1.0, 0.3, 0.0], [0.0, 1.0, 0.2], [0.0, 0.0, 0.8]])
+    half = (sig.basis @ mix).half()
     gram = half.float().T @ half.float()
-    assert float((gram - torch.eye(3)).abs().max()) > 1e-5  # not orthonormal as received
+    assert float((gram - torch.eye(3)).abs().max()) > 0.1  # 0.3 by construction
     got = GradientSignature.from_basis(half, sig.names)
     assert got.rank == 3 and got.basis.dtype == torch.float32
-    assert torch.allclose(got.basis.T @ got.basis, torch.eye(3), atol=1e-5)
-    update = {"w": grads[0]["w"] + 0.1 * torch.randn(5000)}
+    assert torch.allclose(got.basis.T @ got.basis, torch.eye(3), atol=1e-4)
+    update = {"w": grads[0]["w"] + 0.1 * torch.randn(5000, generator=gen)}
     assert sig.overlap(update) > 0.9
-    assert got.overlap(got.project_out(update)) < 1e-4
-    # same subspace as the float32 original, to float16 precision
-    assert sig.overlap(got.project_out(update)) < 1e-2
+    assert got.overlap(got.project_out(update)) < 1e-3
+    # the same subspace as the float32 original, to float16 precision (about 1e-3)
+    assert sig.overlap(got.project_out(update)) < 3e-2
     with pytest.raises(ValueError):
         GradientSignature.from_basis(torch.zeros(4), ["w"])
