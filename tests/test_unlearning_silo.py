@@ -167,7 +167,10 @@ def test_verification_report_on_trained_model(trained):
     assert r["mia_auc"] > 0.5
     assert 0.0 <= r["asr"] <= 1.0
     assert losses.shape == (len(fed.silos[0]),)
-    assert losses.mean() == pytest.approx(evaluate(model, fed.silos[0], task=TASK)["loss"])
+    # per-sample losses and evaluate's batch means: two summation orders, so a tolerance
+    assert losses.mean() == pytest.approx(
+        evaluate(model, fed.silos[0], task=TASK)["loss"], rel=1e-4
+    )
 
 
 class _Constant(torch.nn.Module):
