@@ -1,9 +1,11 @@
 """``fedasync erase``: talk to the erasure service of a running training server.
 
-fedasync erase submit --silo N [--samples a,b | --samples-file F] [--key K] [--reason R]
+fedasync erase submit --silo N (--whole-silo | --samples a,b | --samples-file F)
+                      [--key K] [--reason R]
 fedasync erase status ID
 fedasync erase list [--silo N] [--state S]
 fedasync erase watch [ID] [--from-seq N]
+fedasync erase refusals [--limit N]          refused calls (admin only)
 fedasync erase credentials DIR --silos N     make tokens (DIR/tokens.json, keep it secret)
                                              and their hashes (DIR/credentials.json, server)
 
@@ -56,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     submit = sub.add_parser("submit", parents=[common], help="ask to erase a silo or samples")
     submit.add_argument("--silo", type=int, required=True)
-    group = submit.add_mutually_exclusive_group()
-    group.add_argument("--samples", help="comma-separated sample ids (default: whole silo)")
+    group = submit.add_mutually_exclusive_group(required=True)
+    group.add_argument("--whole-silo", action="store_true", help="erase the whole silo")
+    group.add_argument("--samples", help="comma-separated sample ids")
     group.add_argument("--samples-file", type=Path, help="file with one sample id a line")
     submit.add_argument("--key", default="", help="idempotency key: a retry returns the same id")
     submit.add_argument("--reason", default="", help="free text kept in the audit log")
@@ -69,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", parents=[common], help="follow state changes")
     watch.add_argument("id", nargs="?", default="", help="one request (ends when it is done)")
     watch.add_argument("--from-seq", type=int, default=0, help="first event seq to show")
+    refusals = sub.add_parser("refusals", parents=[common], help="refused calls (admin only)")
+    refusals.add_argument("--limit", type=int, default=20, help="newest rows to show")
     creds = sub.add_parser("credentials", help="generate tokens for an admin and N silos")
     creds.add_argument("dir", type=Path)
     creds.add_argument("--silos", type=int, required=True)
@@ -109,6 +114,16 @@ def format_event(e: pb.ErasureEvent) -> str:
     if e.detail:
         line += f"  ({e.detail})"
     return line
+
+
+def format_refusal(r: pb.Refusal) -> str:
+    """One readable line for a refused call."""
+    return f"{_ms(r.time_ms)}  {r.code}  {r.who} ({r.peer})  {r.method}  {r.reason}"
+
+
+def format_refusal_count(c: pb.RefusalCount) -> str:
+    """One readable line for a count of refused calls."""
+    return f"{c.count:>8}  {c.code}  {c.who}  {c.method}  last {_ms(c.last_ms)}"
 
 
 def _emit(message: Message, as_json: bool, fmt: Callable[[Any], str]) -> None:
@@ -157,8 +172,14 @@ def _call(
             ids = [s.strip() for s in args.samples.split(",") if s.strip()]
         elif args.samples_file is not None:
             ids = [s.strip() for s in args.samples_file.read_text().splitlines() if s.strip()]
+        if not args.whole_silo and not ids:
+            raise ValueError("no sample ids given (use --whole-silo to erase the whole silo)")
         msg = pb.SubmitRequest(
-            silo=args.silo, sample_ids=ids, idempotency_key=args.key, reason=args.reason
+            silo=args.silo,
+            sample_ids=ids,
+            whole_silo=args.whole_silo,
+            idempotency_key=args.key,
+            reason=args.reason,
         )
         _emit(stub.Submit(msg, metadata=metadata, timeout=t), args.json, format_request)
     elif args.cmd == "status":
@@ -174,6 +195,14 @@ def _call(
         msg = pb.WatchRequest(request_id=args.id, from_seq=args.from_seq)
         for e in stub.Watch(msg, metadata=metadata):
             _emit(e, args.json, format_event)
+    elif args.cmd == "refusals":
+        reply = stub.ListRefusals(
+            pb.ListRefusalsRequest(limit=args.limit), metadata=metadata, timeout=t
+        )
+        for c in reply.counts:
+            _emit(c, args.json, format_refusal_count)
+        for r in reply.refusals:
+            _emit(r, args.json, format_refusal)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"fedasync erase: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:
+        print(f"fedasync erase: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     finally:

@@ -110,19 +110,20 @@ def test_submit_status_list_watch(running, capsys, tmp_path, monkeypatch):
 
 def test_errors_and_exit_codes(running, capsys):
     _, tokens, _ = running
-    assert main(["submit", "--silo", "0"]) == 2  # no token
+    whole = ["submit", "--whole-silo", "--silo"]
+    assert main([*whole, "0"]) == 2  # no token
     assert "UNAUTHENTICATED" in capsys.readouterr().err
-    assert main(["submit", "--silo", "0", "--token", tokens["silo-1"]]) == 2
+    assert main([*whole, "0", "--token", tokens["silo-1"]]) == 2
     assert "PERMISSION_DENIED" in capsys.readouterr().err
-    assert main(["submit", "--silo", "9", "--token", tokens["admin"]]) == 1
+    assert main([*whole, "9", "--token", tokens["admin"]]) == 1
     assert "NOT_FOUND: unknown silo 9" in capsys.readouterr().err
     assert main(["submit", "--silo", "0", "--samples", "nope", "--token", tokens["admin"]]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
     assert main(["status", "0" * 32, "--token", tokens["admin"]]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
-    assert main(["submit", "--silo", "0", "--token", tokens["admin"]]) == 0
+    assert main([*whole, "0", "--token", tokens["admin"]]) == 0
     capsys.readouterr()
-    assert main(["submit", "--silo", "0", "--token", tokens["admin"]]) == 1
+    assert main([*whole, "0", "--token", tokens["admin"]]) == 1
     assert "ALREADY_EXISTS" in capsys.readouterr().err
 
 
@@ -175,7 +176,8 @@ def test_tls(tmp_path, capsys):
     server, port = serve(service, "localhost:0", server_credentials=creds)
     try:
         common = ["--address", f"localhost:{port}", "--token", tokens["admin"]]
-        assert main(["submit", "--silo", "0", *common, "--tls-ca", str(tmp_path / "ca.pem")]) == 0
+        tls = ["--tls-ca", str(tmp_path / "ca.pem")]
+        assert main(["submit", "--whole-silo", "--silo", "0", *common, *tls]) == 0
         assert "queued" in capsys.readouterr().out
         # a plain-text client cannot talk to the TLS server
         assert main(["list", *common, "--timeout", "2"]) == 1

@@ -88,10 +88,10 @@ def test_live_erasure_through_the_service(small_cfg, tmp_path):
             time.sleep(0.05)
         address = (run_dir / "erasure_address").read_text().strip()
         token = json.loads((run_dir / "tokens.json").read_text())["silo-2"]
-        rc = erase(["submit", "--silo", "2", "--address", address, "--token", token, "--key", "k1"])
-        assert rc == 0
+        common = ["--whole-silo", "--address", address, "--token", token]
+        assert erase(["submit", "--silo", "2", *common, "--key", "k1"]) == 0
         # a silo may not erase another silo's data
-        assert erase(["submit", "--silo", "0", "--address", address, "--token", token]) != 0
+        assert erase(["submit", "--silo", "0", *common]) != 0
     finally:
         worker.join(timeout=300)
     states = {r["silo"]: r["state"] for r in result["erasures"]["requests"]}

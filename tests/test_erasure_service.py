@@ -52,6 +52,8 @@ class Env:
         return getattr(self.stub, method)(msg, metadata=md, timeout=kw.pop("timeout", 10), **kw)
 
     def submit(self, silo, ids=(), who="admin", **kw):
+        """Samples ``ids`` of ``silo``; the whole silo when there are none."""
+        kw.setdefault("whole_silo", not ids)
         return self.call("Submit", pb.SubmitRequest(silo=silo, sample_ids=list(ids), **kw), who)
 
     def rows(self) -> tuple[int, int]:
@@ -110,7 +112,8 @@ def test_bad_submits_get_a_clear_status_and_write_nothing(env, who, token, silo,
     if who is None and token is None:
         md = []
     with pytest.raises(grpc.RpcError) as info:
-        env.stub.Submit(pb.SubmitRequest(silo=silo, sample_ids=ids), metadata=md, timeout=10)
+        msg = pb.SubmitRequest(silo=silo, sample_ids=ids, whole_silo=not ids)
+        env.stub.Submit(msg, metadata=md, timeout=10)
     assert info.value.code() == code
     assert words in info.value.details()
     assert env.rows() == before
@@ -209,7 +212,12 @@ def test_watch_streams_the_lifecycle_and_ends_at_the_terminal_state(env):
     # replay from a seq: only what follows; past the end of a finished request: ends at once
     later = list(env.call("Watch", pb.WatchRequest(request_id=r.id, from_seq=events[2].seq)))
     assert [e.state for e in later] == [pb.CALIBRATING, pb.VERIFIED]
-    assert list(env.call("Watch", pb.WatchRequest(request_id=r.id, from_seq=10_000))) == []
+    after = events[-1].seq + 1
+    assert list(env.call("Watch", pb.WatchRequest(request_id=r.id, from_seq=after))) == []
+    # a seq that no event has reached yet (or a negative one) is a mistake, not a wait
+    for bad in (after + 1, 10_000, -1):
+        msg = pb.WatchRequest(request_id=r.id, from_seq=bad)
+        assert _code(lambda m=msg: list(env.call("Watch", m))) == C.INVALID_ARGUMENT
 
 
 def test_watch_all_filters_by_principal_and_stops_on_cancel(env):

@@ -64,5 +64,30 @@ class Event:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """One refused call to the erasure service (texts already cut to a bounded length)."""
+
+    time_ms: int
+    who: str
+    """Principal name, or ``"unauthenticated"``."""
+    peer: str
+    method: str
+    code: str
+    """gRPC status code name."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class RefusalCount:
+    """How many calls ``who`` made to ``method`` that were refused with ``code``."""
+
+    who: str
+    method: str
+    code: str
+    count: int
+    last_ms: int
+
+
 class RequestNotFound(KeyError):
     """No request with that id."""

@@ -2,18 +2,32 @@
 
 Submit checks the caller and the request, then writes it to the store (one committed
 transaction) and only then answers, so an acknowledged request survives any crash. Every
-rejected call writes nothing. Status codes:
+rejected call writes nothing to the requests and audit tables; it is recorded in the
+store's refusals table instead (``guard.Guard``). Status codes:
 
 - missing or unknown token: UNAUTHENTICATED; a token not allowed for that silo:
-  PERMISSION_DENIED
+  PERMISSION_DENIED (checked before anything else of the request)
+- a malformed message (bytes that are not the request type), a field over its limit
+  (``limits.Limits``), an unknown or unspecified enum value, a Submit without ``silo`` or
+  without an explicit scope (``whole_silo`` xor ``sample_ids``), an empty sample id, a
+  ``from_seq`` out of range: INVALID_ARGUMENT. Errors quote caller input cut to a few dozen
+  characters (``limits.quoted``)
 - unknown silo: NOT_FOUND; unknown sample ids: INVALID_ARGUMENT (names up to 5)
 - already erased or pending (the whole silo, or any of the sample ids): ALREADY_EXISTS
 - an idempotency key reused with a different body: INVALID_ARGUMENT
+- sample ids that (with those already erased or pending) cover every sample of the silo:
+  accepted as a whole-silo erasure (``whole_silo`` set, the audit row says why), so no
+  erasure leaves a silo training on no data
 - an offline silo is accepted and stays QUEUED until the training server sees it return
+- a message over ``Limits.max_message_bytes``, or more open streams than
+  ``Limits.streams_per_principal`` / ``streams_total``: RESOURCE_EXHAUSTED
+- ListRefusals by a silo: PERMISSION_DENIED (admin only)
+- anything unexpected: INTERNAL with a fixed message (the traceback is logged); never UNKNOWN
 
 Silo principals see only requests about their own silo (others are NOT_FOUND); the admin
 sees all. The training server drives the lifecycle with ``ErasureStore.transition``;
-``Watch`` streams those changes from the store's change feed.
+``Watch`` streams those changes from the store's change feed and ends when its request is
+finished, when the client goes away, or when the server stops.
 """
 
 from __future__ import annotations
@@ -31,16 +45,14 @@ from server.erasure.auth import Authorizer, Principal, bearer_token
 from server.erasure.catalog import Catalog
 from server.erasure.gen import erasure_pb2 as pb
 from server.erasure.gen import erasure_pb2_grpc
+from server.erasure.guard import Guard, Metadata
+from server.erasure.limits import Limits, named, quoted
 from server.erasure.states import State, is_terminal
 from server.erasure.store import ErasureStore, Event, Request
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Erasure"].full_name  # fedasync.erasure.v1.Erasure
+STATE_VALUES = frozenset(v.number for v in pb.State.DESCRIPTOR.values) - {pb.STATE_UNSPECIFIED}
 log = logging.getLogger(__name__)
-
-
-def _named(ids: list[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(s) for s in ids[:limit])
-    return shown + (f" (+{len(ids) - limit} more)" if len(ids) > limit else "")
 
 
 def from_pb_state(value: int) -> State:
@@ -83,7 +95,7 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
     """Implements the Erasure RPCs over an ``ErasureStore``.
 
     ``poll_s`` bounds how long a ``Watch`` blocks between checks that its client is still
-    there; new events wake it at once.
+    there; new events, the client leaving and the server stopping wake it at once.
     """
 
     def __init__(
@@ -93,13 +105,20 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         catalog: Catalog,
         *,
         poll_s: float = 0.5,
+        limits: Limits | None = None,
     ) -> None:
         self.store = store
         self.authorizer = authorizer
         self.catalog = catalog
         self.poll_s = poll_s
+        self.limits = limits or Limits()
         # Checks and insert of one submit must not interleave with another's.
         self._submit_lock = threading.Lock()
+
+    def who(self, metadata: Metadata) -> str | None:
+        """The principal name behind ``metadata``, or None (for ``guard.Guard``)."""
+        principal = self.authorizer.principal(bearer_token(metadata))
+        return None if principal is None else principal.name
 
     def _principal(self, context: grpc.ServicerContext) -> Principal:
         principal = self.authorizer.principal(bearer_token(context.invocation_metadata()))
@@ -115,8 +134,45 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         r = self.store.get(request_id) if request_id else None
         return r if r is not None and self.authorizer.may_see(principal, r.silo) else None
 
+    def _check_len(self, context: grpc.ServicerContext, what: str, text: str, limit: int) -> None:
+        if len(text) > limit:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{what} is {len(text)} characters long (at most {limit})",
+            )
+
+    def _check_request_id(self, context: grpc.ServicerContext, rid: str) -> None:
+        self._check_len(context, "request id", rid, self.limits.max_request_id_chars)
+
+    def _check_submit(self, request: pb.SubmitRequest, context: grpc.ServicerContext) -> None:
+        """Shape and size of a Submit, before anything is looked up."""
+        lim, bad = self.limits, grpc.StatusCode.INVALID_ARGUMENT
+        if not request.HasField("silo"):
+            context.abort(bad, "silo is required")
+        n = len(request.sample_ids)
+        if request.whole_silo and n:
+            context.abort(bad, "give either whole_silo or sample_ids, not both")
+        if not request.whole_silo and not n:
+            context.abort(
+                bad, "say what to erase: whole_silo = true, or a non-empty list of sample_ids"
+            )
+        if n > lim.max_sample_ids:
+            context.abort(bad, f"{n} sample ids in one request (at most {lim.max_sample_ids})")
+        long = [s for s in request.sample_ids if len(s) > lim.max_sample_id_chars]
+        if long:
+            context.abort(
+                bad,
+                f"{len(long)} sample id(s) longer than {lim.max_sample_id_chars} characters: "
+                + named(long, 1),
+            )
+        if any(not s for s in request.sample_ids):
+            context.abort(bad, "sample ids must not be empty")
+        self._check_len(context, "reason", request.reason, lim.max_reason_chars)
+        self._check_len(context, "idempotency key", request.idempotency_key, lim.max_key_chars)
+
     def Submit(self, request: pb.SubmitRequest, context: grpc.ServicerContext) -> pb.ErasureRequest:
         principal = self._principal(context)
+        self._check_submit(request, context)
         silo, ids = request.silo, list(dict.fromkeys(request.sample_ids))
         key = request.idempotency_key or None
         if not self.authorizer.may_erase(principal, silo):
@@ -126,8 +182,6 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
             )
         if silo not in self.catalog.silo_ids():
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown silo {silo}")
-        if any(not s for s in ids):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sample ids must not be empty")
         with self._submit_lock:
             if key is not None and self.store.find_by_key(principal.name, key) is not None:
                 return self._store_submit(principal, silo, ids, key, request.reason, context)
@@ -142,16 +196,19 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
                 context.abort(
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"{len(done)} sample id(s) of silo {silo} already erased or pending: "
-                    + _named(done),
+                    + named(done),
                 )
             known = self.catalog.sample_ids(silo)
             unknown = [s for s in ids if s not in known]
             if unknown:
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{len(unknown)} unknown sample id(s) in silo {silo}: " + _named(unknown),
+                    f"{len(unknown)} unknown sample id(s) in silo {silo}: " + named(unknown),
                 )
-            return self._store_submit(principal, silo, ids, key, request.reason, context)
+            everything = bool(ids) and known <= covered.union(ids)
+            return self._store_submit(
+                principal, silo, ids, key, request.reason, context, everything=everything
+            )
 
     def _store_submit(
         self,
@@ -161,12 +218,18 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         key: str | None,
         reason: str,
         context: grpc.ServicerContext,
+        *,
+        everything: bool = False,
     ) -> pb.ErasureRequest:
-        detail = reason
-        if not self.catalog.is_online(silo):
-            detail = f"silo {silo} is offline; the request waits queued until it returns" + (
-                f"; reason: {reason}" if reason else ""
+        notes = []
+        if everything:
+            notes.append(
+                f"the {len(ids)} sample id(s) cover every remaining sample of silo {silo}"
+                " (with those already erased or pending): erased as the whole silo"
             )
+        if not self.catalog.is_online(silo):
+            notes.append(f"silo {silo} is offline; the request waits queued until it returns")
+        detail = "; ".join(notes + [f"reason: {reason}"] if reason else notes) if notes else reason
         try:
             r, created = self.store.submit(
                 silo,
@@ -176,6 +239,7 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
                 idempotency_key=key,
                 reason=reason,
                 detail=detail,
+                whole_silo=everything,
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -186,9 +250,10 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.ErasureRequest:
         principal = self._principal(context)
+        self._check_request_id(context, request.id)
         r = self._visible(principal, request.id)
         if r is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no erasure request {request.id!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no erasure request {quoted(request.id)}")
         assert r is not None
         return request_to_pb(r)
 
@@ -202,8 +267,18 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
             )
         if not principal.is_admin:
             silo = principal.silo
-        if any(s == pb.STATE_UNSPECIFIED for s in request.states):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "STATE_UNSPECIFIED is no filter")
+        if len(request.states) > self.limits.max_states:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.states)} states in the filter (at most {self.limits.max_states})",
+            )
+        wrong = sorted({int(s) for s in request.states} - STATE_VALUES)
+        if wrong:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"no such state filter: {wrong[:5]} (STATE_UNSPECIFIED and unknown values are"
+                " no filter)",
+            )
         states = [from_pb_state(s) for s in request.states] or None
         rows = self.store.list(silo=silo, states=states)
         return pb.ListResponse(requests=[request_to_pb(r) for r in rows])
@@ -212,11 +287,26 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         self, request: pb.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ErasureEvent]:
         principal = self._principal(context)
+        self._check_request_id(context, request.request_id)
         rid = request.request_id or None
         if rid is not None and self._visible(principal, rid) is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no erasure request {rid!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no erasure request {quoted(rid)}")
+        newest = self.store.last_seq
+        if not 0 <= request.from_seq <= newest + 1:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"from_seq {request.from_seq} is out of range (0 to {newest + 1}, the newest"
+                " event's seq + 1)",
+            )
+        gone = threading.Event()
+
+        def leave() -> None:
+            gone.set()
+            self.store.wake()
+
+        context.add_callback(leave)  # the client went away or the server stops
         seq = max(request.from_seq, 1) - 1
-        while context.is_active():
+        while context.is_active() and not gone.is_set():
             events = self.store.events_since(seq, rid, limit=256)
             for e in events:
                 seq = e.seq
@@ -230,7 +320,26 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
                 r = self.store.get(rid)
                 if r is not None and is_terminal(r.state):
                     return  # from_seq lies past its terminal event
-            self.store.wait_for_change(seq, self.poll_s)
+            self.store.wait_for_change(seq, self.poll_s, stop=gone.is_set)
+
+    def ListRefusals(
+        self, request: pb.ListRefusalsRequest, context: grpc.ServicerContext
+    ) -> pb.ListRefusalsResponse:
+        principal = self._principal(context)
+        if not principal.is_admin:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"{principal.name} may not list refusals"
+            )
+        if not 0 <= request.limit <= self.limits.max_refusals:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"limit {request.limit} is out of range (0 to {self.limits.max_refusals})",
+            )
+        rows = self.store.refusals(request.limit or 100)
+        return pb.ListRefusalsResponse(
+            refusals=[pb.Refusal(**vars(r)) for r in rows],
+            counts=[pb.RefusalCount(**vars(c)) for c in self.store.refusal_counts()],
+        )
 
 
 def serve(
@@ -238,15 +347,29 @@ def serve(
     address: str,
     *,
     server_credentials: grpc.ServerCredentials | None = None,
-    max_workers: int = 8,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server with the Erasure service, health checking and reflection.
 
     Binds ``address`` (``host:0`` picks a free port), insecure unless ``server_credentials``
-    are given, starts it and returns ``(server, port)``. Stop it with ``server.stop(grace)``.
-    Each open ``Watch`` holds one of the ``max_workers`` threads.
+    are given, starts it and returns ``(server, port)``. Stop it with ``server.stop(grace)``:
+    open streams end then.
+
+    Every RPC goes through ``guard.Guard``. Each open stream holds one worker thread, so the
+    pool has ``Limits.streams_total`` threads for streams plus ``Limits.unary_workers`` that
+    streams can never take: health checks and unary calls still run with every stream
+    open. (gRPC's ``maximum_concurrent_rpcs`` is not used: it would refuse unary calls and
+    health checks as well.)
     """
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="erasure"))
+    lim = service.limits
+    guard = Guard(service.who, service.store.record_refusal, lim)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=lim.workers, thread_name_prefix="erasure"),
+        interceptors=[guard],
+        options=[
+            ("grpc.max_receive_message_length", lim.max_message_bytes),
+            ("grpc.max_metadata_size", 16 * 1024),
+        ],
+    )
     erasure_pb2_grpc.add_ErasureServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

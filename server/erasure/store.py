@@ -13,26 +13,57 @@ triggers make the audit table append-only.
 
 One connection, shared by all threads behind a lock: erasure traffic is a handful of
 requests, so simplicity beats concurrency here.
+
+The database and its ``-wal``/``-shm`` files are private (mode 0600, like the tokens and
+checkpoints): the file is created 0600 before SQLite opens it, SQLite gives the WAL and SHM
+the database's mode, and files left by an older version are chmod-ed on open.
+
+Refused calls (bad token, someone else's silo, invalid input, limits) go to ``refusals``:
+who, peer, method, status code and a reason cut to ``REFUSAL_TEXT`` characters, never the
+caller's raw input. The table keeps the newest ``REFUSALS_KEPT`` rows; ``refusal_counts``
+counts every refusal per (who, method, code), so a flood costs a bounded amount of disk.
 """
 
 from __future__ import annotations
 
 import builtins
+import hashlib
 import json
+import os
 import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from server.erasure.records import AuditRow, Event, Request, RequestNotFound
+from server.erasure.records import (
+    AuditRow,
+    Event,
+    Refusal,
+    RefusalCount,
+    Request,
+    RequestNotFound,
+)
 from server.erasure.states import UNFINISHED, State, check_transition
 
-__all__ = ["AuditRow", "ErasureStore", "Event", "Request", "RequestNotFound", "now_ms"]
+__all__ = [
+    "AuditRow",
+    "ErasureStore",
+    "Event",
+    "Refusal",
+    "RefusalCount",
+    "Request",
+    "RequestNotFound",
+    "now_ms",
+]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+REFUSALS_KEPT = 1000
+"""Newest refusal rows kept; older ones live on only in ``refusal_counts``."""
+REFUSAL_TEXT = 256
+"""Longest who/peer/method/reason text stored for a refusal (longer is cut)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -49,7 +80,8 @@ CREATE TABLE IF NOT EXISTS requests (
     updated_at_ms INTEGER NOT NULL,
     model_version_at_submit INTEGER NOT NULL,
     boundary_version INTEGER NOT NULL DEFAULT -1,
-    metrics TEXT NOT NULL DEFAULT '{}'    -- JSON object of floats
+    metrics TEXT NOT NULL DEFAULT '{}',   -- JSON object of floats
+    body_sha256 TEXT                      -- what was asked (idempotency); NULL before v2
 );
 CREATE UNIQUE INDEX IF NOT EXISTS requests_idempotency
     ON requests (requester, idempotency_key) WHERE idempotency_key IS NOT NULL;
@@ -60,7 +92,7 @@ CREATE TABLE IF NOT EXISTS audit (
     request_id TEXT NOT NULL REFERENCES requests (id),
     requester TEXT NOT NULL,              -- who asked for the erasure
     actor TEXT NOT NULL,                  -- who made this change (requester on submit)
-    action TEXT NOT NULL,                 -- 'submit' | 'transition'
+    action TEXT NOT NULL,                 -- 'submit' | 'transition' | 'note'
     from_state TEXT,                      -- NULL on submit
     to_state TEXT NOT NULL,
     model_version INTEGER NOT NULL,
@@ -72,11 +104,46 @@ CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
     BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
 CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
     BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
+CREATE TABLE IF NOT EXISTS refusals (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time_ms INTEGER NOT NULL,
+    who TEXT NOT NULL,                    -- principal name or 'unauthenticated'
+    peer TEXT NOT NULL,
+    method TEXT NOT NULL,
+    code TEXT NOT NULL,                   -- gRPC status code name
+    reason TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS refusal_counts (
+    who TEXT NOT NULL,
+    method TEXT NOT NULL,
+    code TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    last_ms INTEGER NOT NULL,
+    PRIMARY KEY (who, method, code)
+);
 """
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _private(path: str) -> None:
+    """Create ``path`` empty with mode 0600 if absent; make it and its WAL/SHM 0600."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    for name in (path, path + "-wal", path + "-shm"):
+        if os.path.exists(name):
+            os.chmod(name, 0o600)
+
+
+def _cut(text: str, limit: int = REFUSAL_TEXT) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _body_sha256(silo: int, ids: Iterable[str], reason: str) -> str:
+    """A fingerprint of what a submit asked for (the ids as given, not as stored)."""
+    return hashlib.sha256(json.dumps([silo, sorted(ids), reason]).encode()).hexdigest()
 
 
 def _normalise_ids(sample_ids: Iterable[str] | None) -> tuple[str, ...]:
@@ -92,6 +159,10 @@ class ErasureStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
+        self.opened_ms = now_ms()
+        """When this store was opened: a request created before was made before a restart."""
+        if self.path != ":memory:" and not self.path.startswith("file:"):
+            _private(self.path)
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)
         """Notified after every committed write; see ``wait_for_change``."""
@@ -101,7 +172,12 @@ class ErasureStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(requests)")}
+        if "body_sha256" not in columns:  # a version-1 store
+            self._db.execute("ALTER TABLE requests ADD COLUMN body_sha256 TEXT")
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        if self.path != ":memory:" and not self.path.startswith("file:"):
+            _private(self.path)  # the WAL and SHM now exist
         self._last_seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()[0]
 
     # -- writes ------------------------------------------------------------------------
@@ -116,6 +192,7 @@ class ErasureStore:
         reason: str = "",
         *,
         detail: str | None = None,
+        whole_silo: bool = False,
     ) -> tuple[Request, bool]:
         """Persist a new request (state ``queued``) and its audit row in one transaction.
 
@@ -123,34 +200,48 @@ class ErasureStore:
         may acknowledge afterwards. A known ``idempotency_key`` of the same requester returns
         the stored request with ``created=False``; the same key with a different body raises
         ``ValueError``. ``detail`` goes into the audit row (default: ``reason``).
+
+        No ``sample_ids`` means the whole silo. ``whole_silo=True`` with sample ids stores a
+        whole-silo request for ids that cover the silo (the ids as asked still decide what
+        an idempotent retry must repeat).
         """
         ids = _normalise_ids(sample_ids)
         key = idempotency_key or None
+        body = _body_sha256(silo, ids, reason)
+        whole = whole_silo or not ids
         with self._transaction() as db:
             if key is not None:
-                existing = self._find_by_key(requester, key)
-                if existing is not None:
-                    same = (
-                        existing.silo == silo
-                        and sorted(existing.sample_ids) == sorted(ids)
-                        and existing.reason == reason
-                    )
+                row = db.execute(
+                    "SELECT * FROM requests WHERE requester = ? AND idempotency_key = ?",
+                    (requester, key),
+                ).fetchone()
+                if row is not None:
+                    existing = _request(row)
+                    if row["body_sha256"] is not None:
+                        same = row["body_sha256"] == body
+                    else:  # written before version 2
+                        same = (
+                            existing.silo == silo
+                            and sorted(existing.sample_ids) == sorted(ids)
+                            and existing.reason == reason
+                        )
                     if not same:
                         raise ValueError(
-                            f"idempotency key {key!r} was used for a different request "
-                            f"({existing.id})"
+                            f"idempotency key {_cut(key, 64)!r} was used for a different "
+                            f"request ({existing.id})"
                         )
                     return existing, False
             rid, t = uuid.uuid4().hex, now_ms()
             db.execute(
                 "INSERT INTO requests (id, silo, sample_ids, whole_silo, state, requester,"
                 " reason, idempotency_key, created_at_ms, updated_at_ms,"
-                " model_version_at_submit) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " model_version_at_submit, body_sha256)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     rid,
                     silo,
-                    json.dumps(ids),
-                    int(not ids),
+                    json.dumps(() if whole else ids),
+                    int(whole),
                     State.QUEUED.value,
                     requester,
                     reason,
@@ -158,6 +249,7 @@ class ErasureStore:
                     t,
                     t,
                     model_version,
+                    body,
                 ),
             )
             self._append_audit(
@@ -231,7 +323,76 @@ class ErasureStore:
         assert request is not None
         return request
 
+    def note(self, id: str, *, actor: str, model_version: int, detail: str) -> Request:
+        """Append an audit row (action ``note``) that changes no state, e.g. a request
+        resumed after a restart. It is also a change-feed event (in the current state)."""
+        with self._transaction() as db:
+            current = self._get(id)
+            if current is None:
+                raise RequestNotFound(id)
+            self._append_audit(
+                db,
+                now_ms(),
+                id,
+                current.requester,
+                actor,
+                "note",
+                current.state,
+                current.state,
+                model_version,
+                detail,
+                {},
+            )
+        return current
+
+    def record_refusal(self, who: str, peer: str, method: str, code: str, reason: str) -> None:
+        """Record one refused call; keep the newest ``REFUSALS_KEPT`` rows and count all.
+
+        Every text is cut to ``REFUSAL_TEXT`` characters. Not part of the change feed."""
+        who, peer, method, code = (_cut(x) for x in (who, peer, method, code))
+        t = now_ms()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self._db.execute(
+                    "INSERT INTO refusals (time_ms, who, peer, method, code, reason)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (t, who, peer, method, code, _cut(reason)),
+                )
+                self._db.execute(
+                    "INSERT INTO refusal_counts (who, method, code, count, last_ms)"
+                    " VALUES (?, ?, ?, 1, ?) ON CONFLICT (who, method, code)"
+                    " DO UPDATE SET count = count + 1, last_ms = excluded.last_ms",
+                    (who, method, code, t),
+                )
+                self._db.execute(
+                    "DELETE FROM refusals WHERE id <= ?", ((cur.lastrowid or 0) - REFUSALS_KEPT,)
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
     # -- reads -------------------------------------------------------------------------
+
+    def refusals(self, limit: int = 100) -> builtins.list[Refusal]:
+        """The newest refused calls, newest first (at most ``REFUSALS_KEPT`` are kept)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT time_ms, who, peer, method, code, reason FROM refusals"
+                " ORDER BY id DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [Refusal(**dict(r)) for r in rows]
+
+    def refusal_counts(self) -> builtins.list[RefusalCount]:
+        """How many calls were refused per (who, method, code), most frequent first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT who, method, code, count, last_ms FROM refusal_counts"
+                " ORDER BY count DESC, who, method, code"
+            ).fetchall()
+        return [RefusalCount(**dict(r)) for r in rows]
 
     def get(self, id: str) -> Request | None:
         with self._lock:
@@ -314,10 +475,20 @@ class ErasureStore:
         with self._lock:
             return self._last_seq
 
-    def wait_for_change(self, after_seq: int, timeout: float) -> bool:
-        """Block until an event newer than ``after_seq`` exists or ``timeout`` seconds pass."""
+    def wait_for_change(
+        self, after_seq: int, timeout: float, stop: Callable[[], bool] | None = None
+    ) -> bool:
+        """Block until an event newer than ``after_seq`` exists, ``stop()`` is true (checked
+        on every ``wake``) or ``timeout`` seconds pass."""
         with self.changed:
-            return self.changed.wait_for(lambda: self._last_seq > after_seq, timeout)
+            return self.changed.wait_for(
+                lambda: self._last_seq > after_seq or (stop is not None and stop()), timeout
+            )
+
+    def wake(self) -> None:
+        """Wake every ``wait_for_change`` to check its ``stop`` (a Watch whose client left)."""
+        with self.changed:
+            self.changed.notify_all()
 
     def close(self) -> None:
         with self._lock:
@@ -398,6 +569,7 @@ class ErasureStore:
 def _decode(row: sqlite3.Row) -> dict[str, object]:
     """A row as dataclass keyword arguments: JSON columns parsed, states as ``State``."""
     d = dict(row)
+    d.pop("body_sha256", None)
     for key in ("state", "to_state", "from_state"):
         if d.get(key) is not None:
             d[key] = State(d[key])

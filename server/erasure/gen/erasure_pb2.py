@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!fedasync/erasure/v1/erasure.proto\x12\x13\x66\x65\x64\x61sync.erasure.v1\"Z\n\rSubmitRequest\x12\x0c\n\x04silo\x18\x01 \x01(\x05\x12\x12\n\nsample_ids\x18\x02 \x03(\t\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x94\x03\n\x0e\x45rasureRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04silo\x18\x02 \x01(\x05\x12\x12\n\nsample_ids\x18\x03 \x03(\t\x12\x12\n\nwhole_silo\x18\x04 \x01(\x08\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.fedasync.erasure.v1.State\x12\x16\n\x0e\x66\x61ilure_reason\x18\x06 \x01(\t\x12\x11\n\trequester\x18\x07 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x08 \x01(\x03\x12\x15\n\rupdated_at_ms\x18\t \x01(\x03\x12\x1f\n\x17model_version_at_submit\x18\n \x01(\x03\x12\x18\n\x10\x62oundary_version\x18\x0b \x01(\x03\x12\x41\n\x07metrics\x18\x0c \x03(\x0b\x32\x30.fedasync.erasure.v1.ErasureRequest.MetricsEntry\x12\x0e\n\x06reason\x18\r \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x18\n\nGetRequest\x12\n\n\x02id\x18\x01 \x01(\t\"U\n\x0bListRequest\x12\x11\n\x04silo\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12*\n\x06states\x18\x02 \x03(\x0e\x32\x1a.fedasync.erasure.v1.StateB\x07\n\x05_silo\"E\n\x0cListResponse\x12\x35\n\x08requests\x18\x01 \x03(\x0b\x32#.fedasync.erasure.v1.ErasureRequest\"4\n\x0cWatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\"\xa0\x02\n\x0c\x45rasureEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.fedasync.erasure.v1.State\x12\x15\n\rmodel_version\x18\x04 \x01(\x03\x12\x0f\n\x07time_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12?\n\x07metrics\x18\x07 \x03(\x0b\x32..fedasync.erasure.v1.ErasureEvent.MetricsEntry\x12\x0c\n\x04silo\x18\x08 \x01(\x05\x12\r\n\x05\x61\x63tor\x18\t \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*b\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\x0b\n\x07\x45RASING\x10\x02\x12\x0f\n\x0b\x43\x41LIBRATING\x10\x03\x12\x0c\n\x08VERIFIED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x32\xc7\x02\n\x07\x45rasure\x12Q\n\x06Submit\x12\".fedasync.erasure.v1.SubmitRequest\x1a#.fedasync.erasure.v1.ErasureRequest\x12K\n\x03Get\x12\x1f.fedasync.erasure.v1.GetRequest\x1a#.fedasync.erasure.v1.ErasureRequest\x12K\n\x04List\x12 .fedasync.erasure.v1.ListRequest\x1a!.fedasync.erasure.v1.ListResponse\x12O\n\x05Watch\x12!.fedasync.erasure.v1.WatchRequest\x1a!.fedasync.erasure.v1.ErasureEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!fedasync/erasure/v1/erasure.proto\x12\x13\x66\x65\x64\x61sync.erasure.v1\"|\n\rSubmitRequest\x12\x11\n\x04silo\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nsample_ids\x18\x02 \x03(\t\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\nwhole_silo\x18\x05 \x01(\x08\x42\x07\n\x05_silo\"\x94\x03\n\x0e\x45rasureRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04silo\x18\x02 \x01(\x05\x12\x12\n\nsample_ids\x18\x03 \x03(\t\x12\x12\n\nwhole_silo\x18\x04 \x01(\x08\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.fedasync.erasure.v1.State\x12\x16\n\x0e\x66\x61ilure_reason\x18\x06 \x01(\t\x12\x11\n\trequester\x18\x07 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x08 \x01(\x03\x12\x15\n\rupdated_at_ms\x18\t \x01(\x03\x12\x1f\n\x17model_version_at_submit\x18\n \x01(\x03\x12\x18\n\x10\x62oundary_version\x18\x0b \x01(\x03\x12\x41\n\x07metrics\x18\x0c \x03(\x0b\x32\x30.fedasync.erasure.v1.ErasureRequest.MetricsEntry\x12\x0e\n\x06reason\x18\r \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x18\n\nGetRequest\x12\n\n\x02id\x18\x01 \x01(\t\"U\n\x0bListRequest\x12\x11\n\x04silo\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12*\n\x06states\x18\x02 \x03(\x0e\x32\x1a.fedasync.erasure.v1.StateB\x07\n\x05_silo\"E\n\x0cListResponse\x12\x35\n\x08requests\x18\x01 \x03(\x0b\x32#.fedasync.erasure.v1.ErasureRequest\"4\n\x0cWatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\"\xa0\x02\n\x0c\x45rasureEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.fedasync.erasure.v1.State\x12\x15\n\rmodel_version\x18\x04 \x01(\x03\x12\x0f\n\x07time_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12?\n\x07metrics\x18\x07 \x03(\x0b\x32..fedasync.erasure.v1.ErasureEvent.MetricsEntry\x12\x0c\n\x04silo\x18\x08 \x01(\x05\x12\r\n\x05\x61\x63tor\x18\t \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"$\n\x13ListRefusalsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"c\n\x07Refusal\x12\x0f\n\x07time_ms\x18\x01 \x01(\x03\x12\x0b\n\x03who\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12\x0e\n\x06method\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\"Y\n\x0cRefusalCount\x12\x0b\n\x03who\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\x12\x0f\n\x07last_ms\x18\x05 \x01(\x03\"y\n\x14ListRefusalsResponse\x12.\n\x08refusals\x18\x01 \x03(\x0b\x32\x1c.fedasync.erasure.v1.Refusal\x12\x31\n\x06\x63ounts\x18\x02 \x03(\x0b\x32!.fedasync.erasure.v1.RefusalCount*b\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\x0b\n\x07\x45RASING\x10\x02\x12\x0f\n\x0b\x43\x41LIBRATING\x10\x03\x12\x0c\n\x08VERIFIED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x32\xac\x03\n\x07\x45rasure\x12Q\n\x06Submit\x12\".fedasync.erasure.v1.SubmitRequest\x1a#.fedasync.erasure.v1.ErasureRequest\x12K\n\x03Get\x12\x1f.fedasync.erasure.v1.GetRequest\x1a#.fedasync.erasure.v1.ErasureRequest\x12K\n\x04List\x12 .fedasync.erasure.v1.ListRequest\x1a!.fedasync.erasure.v1.ListResponse\x12O\n\x05Watch\x12!.fedasync.erasure.v1.WatchRequest\x1a!.fedasync.erasure.v1.ErasureEvent0\x01\x12\x63\n\x0cListRefusals\x12(.fedasync.erasure.v1.ListRefusalsRequest\x1a).fedasync.erasure.v1.ListRefusalsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,26 +36,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERASUREREQUEST_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_ERASUREEVENT_METRICSENTRY']._loaded_options = None
   _globals['_ERASUREEVENT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_STATE']._serialized_start=1086
-  _globals['_STATE']._serialized_end=1184
+  _globals['_STATE']._serialized_start=1473
+  _globals['_STATE']._serialized_end=1571
   _globals['_SUBMITREQUEST']._serialized_start=58
-  _globals['_SUBMITREQUEST']._serialized_end=148
-  _globals['_ERASUREREQUEST']._serialized_start=151
-  _globals['_ERASUREREQUEST']._serialized_end=555
-  _globals['_ERASUREREQUEST_METRICSENTRY']._serialized_start=509
-  _globals['_ERASUREREQUEST_METRICSENTRY']._serialized_end=555
-  _globals['_GETREQUEST']._serialized_start=557
-  _globals['_GETREQUEST']._serialized_end=581
-  _globals['_LISTREQUEST']._serialized_start=583
-  _globals['_LISTREQUEST']._serialized_end=668
-  _globals['_LISTRESPONSE']._serialized_start=670
-  _globals['_LISTRESPONSE']._serialized_end=739
-  _globals['_WATCHREQUEST']._serialized_start=741
-  _globals['_WATCHREQUEST']._serialized_end=793
-  _globals['_ERASUREEVENT']._serialized_start=796
-  _globals['_ERASUREEVENT']._serialized_end=1084
-  _globals['_ERASUREEVENT_METRICSENTRY']._serialized_start=509
-  _globals['_ERASUREEVENT_METRICSENTRY']._serialized_end=555
-  _globals['_ERASURE']._serialized_start=1187
-  _globals['_ERASURE']._serialized_end=1514
+  _globals['_SUBMITREQUEST']._serialized_end=182
+  _globals['_ERASUREREQUEST']._serialized_start=185
+  _globals['_ERASUREREQUEST']._serialized_end=589
+  _globals['_ERASUREREQUEST_METRICSENTRY']._serialized_start=543
+  _globals['_ERASUREREQUEST_METRICSENTRY']._serialized_end=589
+  _globals['_GETREQUEST']._serialized_start=591
+  _globals['_GETREQUEST']._serialized_end=615
+  _globals['_LISTREQUEST']._serialized_start=617
+  _globals['_LISTREQUEST']._serialized_end=702
+  _globals['_LISTRESPONSE']._serialized_start=704
+  _globals['_LISTRESPONSE']._serialized_end=773
+  _globals['_WATCHREQUEST']._serialized_start=775
+  _globals['_WATCHREQUEST']._serialized_end=827
+  _globals['_ERASUREEVENT']._serialized_start=830
+  _globals['_ERASUREEVENT']._serialized_end=1118
+  _globals['_ERASUREEVENT_METRICSENTRY']._serialized_start=543
+  _globals['_ERASUREEVENT_METRICSENTRY']._serialized_end=589
+  _globals['_LISTREFUSALSREQUEST']._serialized_start=1120
+  _globals['_LISTREFUSALSREQUEST']._serialized_end=1156
+  _globals['_REFUSAL']._serialized_start=1158
+  _globals['_REFUSAL']._serialized_end=1257
+  _globals['_REFUSALCOUNT']._serialized_start=1259
+  _globals['_REFUSALCOUNT']._serialized_end=1348
+  _globals['_LISTREFUSALSRESPONSE']._serialized_start=1350
+  _globals['_LISTREFUSALSRESPONSE']._serialized_end=1471
+  _globals['_ERASURE']._serialized_start=1574
+  _globals['_ERASURE']._serialized_end=2002
 # @@protoc_insertion_point(module_scope)

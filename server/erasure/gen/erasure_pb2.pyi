@@ -24,16 +24,18 @@ VERIFIED: State
 FAILED: State
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("silo", "sample_ids", "idempotency_key", "reason")
+    __slots__ = ("silo", "sample_ids", "idempotency_key", "reason", "whole_silo")
     SILO_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_SILO_FIELD_NUMBER: _ClassVar[int]
     silo: int
     sample_ids: _containers.RepeatedScalarFieldContainer[str]
     idempotency_key: str
     reason: str
-    def __init__(self, silo: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., idempotency_key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    whole_silo: bool
+    def __init__(self, silo: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., idempotency_key: _Optional[str] = ..., reason: _Optional[str] = ..., whole_silo: _Optional[bool] = ...) -> None: ...
 
 class ErasureRequest(_message.Message):
     __slots__ = ("id", "silo", "sample_ids", "whole_silo", "state", "failure_reason", "requester", "created_at_ms", "updated_at_ms", "model_version_at_submit", "boundary_version", "metrics", "reason")
@@ -128,3 +130,47 @@ class ErasureEvent(_message.Message):
     silo: int
     actor: str
     def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., state: _Optional[_Union[State, str]] = ..., model_version: _Optional[int] = ..., time_ms: _Optional[int] = ..., detail: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., silo: _Optional[int] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class ListRefusalsRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("time_ms", "who", "peer", "method", "code", "reason")
+    TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    time_ms: int
+    who: str
+    peer: str
+    method: str
+    code: str
+    reason: str
+    def __init__(self, time_ms: _Optional[int] = ..., who: _Optional[str] = ..., peer: _Optional[str] = ..., method: _Optional[str] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RefusalCount(_message.Message):
+    __slots__ = ("who", "method", "code", "count", "last_ms")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAST_MS_FIELD_NUMBER: _ClassVar[int]
+    who: str
+    method: str
+    code: str
+    count: int
+    last_ms: int
+    def __init__(self, who: _Optional[str] = ..., method: _Optional[str] = ..., code: _Optional[str] = ..., count: _Optional[int] = ..., last_ms: _Optional[int] = ...) -> None: ...
+
+class ListRefusalsResponse(_message.Message):
+    __slots__ = ("refusals", "counts")
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    refusals: _containers.RepeatedCompositeFieldContainer[Refusal]
+    counts: _containers.RepeatedCompositeFieldContainer[RefusalCount]
+    def __init__(self, refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., counts: _Optional[_Iterable[_Union[RefusalCount, _Mapping]]] = ...) -> None: ...

@@ -55,6 +55,11 @@ class ErasureStub:
                 request_serializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.WatchRequest.SerializeToString,
                 response_deserializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ErasureEvent.FromString,
                 _registered_method=True)
+        self.ListRefusals = channel.unary_unary(
+                '/fedasync.erasure.v1.Erasure/ListRefusals',
+                request_serializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsRequest.SerializeToString,
+                response_deserializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsResponse.FromString,
+                _registered_method=True)
 
 
 class ErasureServicer:
@@ -90,6 +95,14 @@ class ErasureServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRefusals(self, request, context):
+        """The newest refused calls and a count of all of them per (who, method, code).
+        Admin only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ErasureServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_ErasureServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.WatchRequest.FromString,
                     response_serializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ErasureEvent.SerializeToString,
+            ),
+            'ListRefusals': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRefusals,
+                    request_deserializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsRequest.FromString,
+                    response_serializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +240,33 @@ class Erasure:
             '/fedasync.erasure.v1.Erasure/Watch',
             fedasync_dot_erasure_dot_v1_dot_erasure__pb2.WatchRequest.SerializeToString,
             fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ErasureEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRefusals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedasync.erasure.v1.Erasure/ListRefusals',
+            fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsRequest.SerializeToString,
+            fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsResponse.FromString,
             options,
             channel_credentials,
             insecure,

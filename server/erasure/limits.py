@@ -1,0 +1,64 @@
+"""Bounds on everything a caller of the erasure service can send, defined once.
+
+Every field of every request has a limit, and so has the whole message; a call over a
+limit is refused (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED for the message size and open
+streams), never cut silently. Error messages quote caller input through ``quoted``, so a
+huge value can never make the reply itself too big (gRPC status details travel as
+metadata, a few KiB at most).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The erasure service's limits. Defaults fit a silo of tens of thousands of samples."""
+
+    max_message_bytes: int = 4 * 1024 * 1024
+    """Largest request message (gRPC ``max_receive_message_length``)."""
+    max_sample_ids: int = 65_536
+    """Most sample ids in one Submit."""
+    max_sample_id_chars: int = 256
+    """Longest sample id."""
+    max_reason_chars: int = 1024
+    """Longest free-text reason."""
+    max_key_chars: int = 128
+    """Longest idempotency key."""
+    max_request_id_chars: int = 128
+    """Longest request id in Get and Watch (ids are 32 hex characters)."""
+    max_states: int = 16
+    """Most states in one List filter."""
+    max_refusals: int = 1000
+    """Most refusal rows in one ListRefusals answer."""
+    streams_per_principal: int = 2
+    """Open streams (Watch, health Watch, reflection) per principal; an unauthenticated
+    caller counts per peer host."""
+    streams_total: int = 16
+    """Open streams in all. Each holds one worker thread while open."""
+    unary_workers: int = 8
+    """Worker threads kept for unary calls and health checks beyond ``streams_total``."""
+
+    @property
+    def workers(self) -> int:
+        """The thread pool's size: every stream may be open and unary calls still run."""
+        return self.streams_total + self.unary_workers
+
+
+QUOTE_CHARS = 40
+"""Most characters of one caller value shown in an error message."""
+
+
+def quoted(value: str, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters with the full length said when longer."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def named(values: Sequence[str], limit: int = 5) -> str:
+    """Up to ``limit`` values, each ``quoted``, then how many more there are."""
+    shown = ", ".join(quoted(s) for s in values[:limit])
+    return shown + (f" (+{len(values) - limit} more)" if len(values) > limit else "")
