@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from fedasync.errors import ConfigError
+
 WeightFn = Callable[[int], float]
 
 
@@ -74,7 +76,10 @@ def make_weight_fn(name: str, a: float = 0.5, b: float = 4) -> WeightFn:
         return lambda tau: hinge(tau, a, b)
     if name == "exponential":
         return lambda tau: exponential(tau, a)
-    raise ValueError(f"unknown weight function {name!r}; valid: {sorted(WEIGHT_FUNCTIONS)}")
+    raise ConfigError(
+        f"unknown staleness weight function {name!r} (server.staleness.fn); valid: "
+        f"{sorted(WEIGHT_FUNCTIONS)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -105,19 +110,25 @@ class StalenessBound:
 
     def __post_init__(self) -> None:
         if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+            raise ConfigError(
+                f"max_staleness (server.max_staleness) must be >= 0, got {self.max_staleness}"
+            )
         if self.soft_staleness is not None and self.soft_staleness < 0:
-            raise ValueError(f"soft_staleness must be >= 0, got {self.soft_staleness}")
+            raise ConfigError(
+                f"soft_staleness (server.soft_staleness) must be >= 0, got {self.soft_staleness}"
+            )
         if (
             self.max_staleness is not None
             and self.soft_staleness is not None
             and self.soft_staleness > self.max_staleness
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"soft_staleness {self.soft_staleness} > max_staleness {self.max_staleness}"
             )
         if not 0.0 < self.soft_factor <= 1.0:
-            raise ValueError(f"soft_factor must be in (0, 1], got {self.soft_factor}")
+            raise ConfigError(
+                f"soft_factor (server.soft_factor) must be in (0, 1], got {self.soft_factor}"
+            )
 
     def check(self, tau: int) -> BoundDecision:
         """Decide for staleness ``tau`` (≥ 0)."""

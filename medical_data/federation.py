@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fedasync.errors import ConfigError, DataError
 from medical_data.partition import (
     apply_site_shift,
     dirichlet_partition,
@@ -28,9 +29,7 @@ from medical_data.partition import (
     natural_partition,
 )
 from medical_data.raw import RawData
-from medical_data.registry import BenchmarkSpec, get_spec
-
-PARTITIONS = ("natural", "dirichlet", "iid")
+from medical_data.registry import PARTITIONS, BenchmarkSpec, get_spec
 
 
 @dataclass
@@ -101,16 +100,25 @@ def _fmt_params(p: dict[str, float]) -> str:
 
 
 def _load(benchmark: str, data_dir: str | None) -> tuple[BenchmarkSpec, RawData]:
+    """The benchmark's spec and samples; DataError (naming the file and what to run) when a
+    data file is missing or is not the pinned one."""
     spec = get_spec(benchmark)
-    if spec.offline:
-        from medical_data.offline import load_offline
+    if not spec.offline and data_dir is None:
+        raise ConfigError(
+            f"benchmark {benchmark!r} reads a file you downloaded: set data.data_dir to it"
+        )
+    try:
+        if spec.offline:
+            from medical_data.offline import load_offline
 
-        return spec, load_offline(benchmark, cache_dir=data_dir)
-    if data_dir is None:
-        raise ValueError(f"benchmark {benchmark!r} reads a file you downloaded: pass data_dir")
-    from medical_data.online import load_online
+            return spec, load_offline(benchmark, cache_dir=data_dir)
+        from medical_data.online import load_online
 
-    raw = load_online(benchmark, data_dir)
+        raw = load_online(benchmark, str(data_dir))
+    except OSError as e:  # missing (FileNotFoundError) or not the pinned file (checksum)
+        if isinstance(e, DataError):
+            raise
+        raise DataError(str(e).splitlines()[0] if str(e) else repr(e)) from e
     derived = {k: raw.info[k] for k in ("in_channels", "num_classes", "image_size", "class_names")}
     return dataclasses.replace(spec, **derived), raw
 
@@ -162,9 +170,9 @@ def _build(
         raw = raw.subset(_stratified_pick(key, max_samples, rng))
     pool = np.arange(len(raw.images)) if raw.is_test is None else np.flatnonzero(~raw.is_test)
     if num_silos > len(pool) // 2:
-        raise ValueError(
-            f"{benchmark} has {len(pool)} training samples: at most {len(pool) // 2} silos, "
-            f"got num_silos={num_silos}"
+        raise ConfigError(
+            f"{benchmark} has {len(pool)} training samples: at most {len(pool) // 2} silos "
+            f"(silos.count, --silos), got {num_silos}"
         )
     if partition == "natural":
         parts = natural_partition(raw.groups[pool], num_silos)
@@ -249,17 +257,26 @@ def build_federation(
     """
     spec = get_spec(benchmark)
     if partition not in PARTITIONS:
-        raise ValueError(f"unknown partition {partition!r}; choose one of {PARTITIONS}")
+        raise ConfigError(
+            f"unknown partition {partition!r} (data.partition, --partition); choose one of "
+            f"{PARTITIONS}"
+        )
     if partition == "natural" and spec.natural_split.startswith("none"):
-        raise ValueError(f"{benchmark!r} has no natural split; use partition='dirichlet' or 'iid'")
+        raise ConfigError(
+            f"{benchmark!r} has no natural split; use partition dirichlet or iid "
+            "(data.partition, --partition)"
+        )
     if not isinstance(num_silos, int | np.integer) or num_silos < 1:
-        raise ValueError(f"num_silos must be an integer >= 1, got {num_silos!r}")
+        raise ConfigError(f"num_silos (silos.count, --silos) must be >= 1, got {num_silos!r}")
     if not 0.0 <= test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
+        raise ConfigError(f"data.test_fraction must be in [0, 1), got {test_fraction}")
     if site_shift < 0:
-        raise ValueError(f"site_shift must be >= 0, got {site_shift}")
+        raise ConfigError(f"data.site_shift must be >= 0, got {site_shift}")
     if max_samples is not None and max_samples < 2 * num_silos:
-        raise ValueError(f"max_samples={max_samples} is too small for {num_silos} silos")
+        raise ConfigError(
+            f"data.max_samples={max_samples} is too small for {num_silos} silos "
+            f"(at least {2 * num_silos})"
+        )
     return _build(
         benchmark,
         int(num_silos),

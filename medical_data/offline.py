@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedasync.errors import ConfigError, DataError
 from medical_data.fetch import data_dir, require_file
 from medical_data.raw import RawData, pad_square, resize_images, robust_unit
 
@@ -41,7 +42,9 @@ def nilearn_data_dir() -> Path:
     """Folder of the data files inside the installed nilearn wheel (without importing it)."""
     spec = importlib.util.find_spec("nilearn")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("nilearn is not installed; `pip install nilearn` (no data hub)")
+        raise DataError(
+            "nilearn is not installed (its wheel holds brain-tissue's data); `pip install nilearn`"
+        )
     return Path(spec.origin).parent / "datasets" / "data"
 
 
@@ -50,7 +53,9 @@ def _mni(kind: str) -> np.ndarray:
 
     path = nilearn_data_dir() / f"mni_icbm152_{kind}_tal_nlin_sym_09a_converted.nii.gz"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: reinstall the nilearn wheel")
+        raise DataError(
+            f"{path} is missing: reinstall the nilearn wheel (`pip install --force-reinstall nilearn`)"
+        )
     return np.asarray(nib.load(path).get_fdata(dtype=np.float32))
 
 
@@ -212,4 +217,4 @@ def load_offline(name: str, cache_dir: str | None = None) -> RawData:
         return load_radiomics(classification=name == "radiomics-slice", cache_dir=cache_dir)
     if name == "nuclei":
         return load_nuclei(cache_dir=cache_dir)
-    raise ValueError(f"{name!r} is not an offline benchmark")
+    raise ConfigError(f"{name!r} is not an offline benchmark (data.benchmark)")

@@ -27,11 +27,13 @@ from monai.transforms import (
     RandGaussianSmooth,
 )
 
+from fedasync.errors import ConfigError
+
 
 def iid_partition(n: int, num_silos: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Random even split of ``range(n)``: ``num_silos`` sorted int64 index arrays."""
     if num_silos < 1 or num_silos > n:
-        raise ValueError(f"cannot split {n} samples over {num_silos} silos")
+        raise ConfigError(f"cannot split {n} samples over {num_silos} silos (silos.count)")
     return [np.sort(part) for part in np.array_split(rng.permutation(n), num_silos)]
 
 
@@ -54,9 +56,9 @@ def dirichlet_partition(
     """
     labels = np.asarray(labels)
     if alpha <= 0:
-        raise ValueError(f"dirichlet alpha must be > 0, got {alpha}")
+        raise ConfigError(f"dirichlet alpha (data.dirichlet_alpha) must be > 0, got {alpha}")
     if num_silos < 1 or num_silos * min_per_silo > len(labels):
-        raise ValueError(
+        raise ConfigError(
             f"{len(labels)} samples cannot give {num_silos} silos >= {min_per_silo} samples each"
         )
     classes = np.unique(labels)
@@ -71,9 +73,9 @@ def dirichlet_partition(
         out = [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
         if min(len(p) for p in out) >= min_per_silo:
             return out
-    raise ValueError(
+    raise ConfigError(
         f"no Dirichlet(alpha={alpha}) draw in {max_tries} tries gave every one of {num_silos} "
-        f"silos >= {min_per_silo} samples; raise alpha or lower num_silos"
+        f"silos >= {min_per_silo} samples; raise data.dirichlet_alpha or lower silos.count"
     )
 
 
@@ -122,7 +124,9 @@ def natural_partition(groups: np.ndarray, num_silos: int) -> list[np.ndarray]:
     """
     groups = np.asarray(groups)
     if num_silos < 1 or num_silos > len(groups):
-        raise ValueError(f"cannot split {len(groups)} samples over {num_silos} silos")
+        raise ConfigError(
+            f"cannot split {len(groups)} samples over {num_silos} silos (silos.count)"
+        )
     ids, sizes = np.unique(groups, return_counts=True)
     order = np.argsort(groups, kind="stable")
     if len(ids) >= num_silos:
@@ -136,7 +140,10 @@ def natural_partition(groups: np.ndarray, num_silos: int) -> list[np.ndarray]:
     for _ in range(num_silos - len(ids)):
         pieces[np.argmax(np.where(pieces < sizes, sizes / pieces, -np.inf))] += 1
     if (pieces > sizes).any():
-        raise ValueError(f"groups of sizes {sizes.tolist()} cannot fill {num_silos} silos")
+        raise ConfigError(
+            f"groups of sizes {sizes.tolist()} cannot fill {num_silos} silos; lower silos.count "
+            "or use data.partition=iid"
+        )
     out = []
     for gid, k in zip(ids, pieces):
         members = order[groups[order] == gid]

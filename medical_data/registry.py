@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from fedasync.errors import ConfigError
+
+PARTITIONS = ("natural", "dirichlet", "iid")
+"""How samples are split into silos: natural groups, Dirichlet label skew, or iid."""
+
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
@@ -158,9 +163,11 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
 
 
 def get_spec(name: str) -> BenchmarkSpec:
-    """Return the spec registered as ``name``; raise ValueError listing valid names."""
+    """Return the spec registered as ``name``; raise ConfigError listing valid names."""
     try:
         return BENCHMARKS[name]
     except KeyError:
         known = ", ".join(sorted(BENCHMARKS))
-        raise ValueError(f"unknown benchmark {name!r}; known benchmarks: {known}") from None
+        raise ConfigError(
+            f"unknown benchmark {name!r} (data.benchmark, --benchmark); known benchmarks: {known}"
+        ) from None

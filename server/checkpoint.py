@@ -5,7 +5,9 @@ weights and version, the aggregator (FedBuff's buffer and the server optimiser),
 error-feedback residuals, the norm detector, the clock, the jobs in flight with the weights
 they were sent (so they can be re-sent identically), pending retries and faults, the counters
 behind the summary, and the byte offset of metrics.jsonl. All randomness is derived from
-(seed, silo, job id), so there is no generator state to save. Files are written atomically.
+(seed, silo, job id), so there is no generator state to save. Files are written atomically
+with a SHA-256 digest and verified when read (fedasync.checkpoint); `check_resumable` tells,
+before any engine starts, whether a run can continue from one.
 """
 
 from __future__ import annotations
@@ -14,12 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedasync import load_checkpoint, save_checkpoint
+import torch
+
+from fedasync.checkpoint import load_checkpoint, save_checkpoint
+from fedasync.errors import CheckpointError
 
 if TYPE_CHECKING:
     from server.loop import AsyncServer
 
 FORMAT = 1
+CHECKPOINT_FILE = "checkpoint.pt"
+"""The checkpoint's name in the run folder (``<run.out_dir>/<run.name>/checkpoint.pt``)."""
 
 
 @dataclass
@@ -93,8 +100,10 @@ class CheckpointState:
     def restore(self, srv: AsyncServer) -> list[dict[str, Any]]:
         """Load this state into ``srv``; return the jobs to re-send."""
         if self.mode != srv.cfg.server.mode:
-            raise ValueError(
-                f"checkpoint is of mode {self.mode!r}, the run is {srv.cfg.server.mode!r}"
+            raise CheckpointError(
+                f"checkpoint is of server.mode={self.mode}, the run is "
+                f"server.mode={srv.cfg.server.mode}; set server.mode={self.mode}, or "
+                "run.resume=false"
             )
         srv.version = self.version
         srv.params = self.params
@@ -134,8 +143,41 @@ def save_state(path: Path, state: CheckpointState) -> None:
 
 
 def load_state(path: Path) -> CheckpointState:
+    """The verified server state in ``path``; CheckpointError (naming the file) otherwise."""
     d = load_checkpoint(path)
     if d.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {d.get('format')!r}")
+        raise CheckpointError(
+            f"checkpoint {path} is of server format {d.get('format')!r}, this fedasync reads "
+            f"{FORMAT}; use the fedasync that wrote it, or set run.resume=false"
+        )
     d.pop("format")
-    return CheckpointState(**d)
+    try:
+        return CheckpointState(**d)
+    except TypeError as e:
+        raise CheckpointError(
+            f"checkpoint {path} does not hold a server state ({e}); set run.resume=false"
+        ) from e
+
+
+def check_resumable(path: Path, mode: str, model: dict[str, torch.Tensor]) -> None:
+    """Refuse, before anything starts, a checkpoint a run of ``mode`` whose global model has
+    the keys, shapes and dtypes of ``model`` cannot continue from: missing a digest, damaged,
+    non-finite, of another server mode, or of another model. A missing file is fine (the run
+    starts afresh). Raises CheckpointError naming the file and the key to change."""
+    if not path.exists():
+        return
+    state = load_state(path)
+    if state.mode != mode:
+        raise CheckpointError(
+            f"checkpoint {path} is of server.mode={state.mode}, the run is "
+            f"server.mode={mode}; set server.mode={state.mode}, or run.resume=false"
+        )
+    have = {k: (tuple(v.shape), v.dtype) for k, v in state.params.items()}
+    want = {k: (tuple(v.shape), v.dtype) for k, v in model.items()}
+    if have != want:
+        differ = sorted(set(have) ^ set(want)) or sorted(k for k in have if have[k] != want[k])
+        raise CheckpointError(
+            f"checkpoint {path} holds another model than this run's (first difference: "
+            f"{differ[0]}); set data.benchmark/data.network as in the run that wrote it, "
+            "or run.resume=false"
+        )

@@ -1,15 +1,20 @@
 """Typed configuration of a fedasync run, validated once where the app starts.
 
-Every key is documented by the docstring under its field; README.md lists them all.
+Every key is documented by the docstring under its field; README.md lists them all. Every
+numeric key has its allowed values in RANGES; `validate` checks them, the names and the keys
+that must agree, and raises ConfigError (a fedasync.errors.UserError) naming the key.
 Experiments are YAML files (simulations/configs/) plus ``key=value`` overrides.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from clients.config import ClientConfig, DataConfig
+from fedasync.errors import ConfigError
+from fedasync.staleness import WEIGHT_FUNCTIONS
 
 MODES = ("fedasync", "fedbuff", "sync")
 SPEED_PROFILES = ("uniform", "stragglers", "lognormal")
@@ -306,110 +311,276 @@ class FedAsyncConfig:
     backdoor: BackdoorConfig = field(default_factory=BackdoorConfig)
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key allows: finite, between ``lo`` and ``hi`` (None: no bound),
+    each bound closed or open."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, x: object) -> bool:
+        if not isinstance(x, int | float) or isinstance(x, bool) or not math.isfinite(x):
+            return False
+        if self.lo is not None and (x <= self.lo if self.lo_open else x < self.lo):
+            return False
+        return self.hi is None or (x < self.hi if self.hi_open else x <= self.hi)
+
+    def __str__(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return (
+                f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
+                f"{')' if self.hi_open else ']'}"
+            )
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return "a finite number"
+
+
+POSITIVE = Range(0, lo_open=True)
+NON_NEGATIVE = Range(0)
+AT_LEAST_ONE = Range(1)
+UNIT = Range(0, 1)
+"""[0, 1]: fractions and probabilities."""
+UNIT_OPEN_LOW = Range(0, 1, lo_open=True)
+"""(0, 1]: a share that must not be zero."""
+UNBOUNDED = Range()
+"""Any finite number (declared, so that no numeric key is left unchecked by accident)."""
+
+RANGES: dict[str, Range] = {
+    # run
+    "run.seed": NON_NEGATIVE,
+    "run.budget_s": POSITIVE,
+    "run.max_versions": AT_LEAST_ONE,
+    "run.target_accuracy": UNIT,
+    # server
+    "server.alpha": UNIT_OPEN_LOW,
+    "server.buffer_size": AT_LEAST_ONE,
+    "server.staleness.a": NON_NEGATIVE,
+    "server.staleness.b": NON_NEGATIVE,
+    "server.max_staleness": NON_NEGATIVE,
+    "server.soft_staleness": NON_NEGATIVE,
+    "server.soft_factor": UNIT_OPEN_LOW,
+    "server.optimizer.lr": POSITIVE,
+    "server.optimizer.momentum": Range(0, 1, hi_open=True),
+    "server.corrections.delay_compensation": NON_NEGATIVE,
+    "server.corrections.error_feedback_topk": UNIT_OPEN_LOW,
+    "server.norm_outlier_factor": AT_LEAST_ONE,
+    "server.clip_norm": POSITIVE,
+    "server.dp.noise_multiplier": POSITIVE,
+    "server.dp.delta": Range(0, 1, lo_open=True, hi_open=True),
+    "server.dp.epsilon_budget": POSITIVE,
+    "server.eval_every": AT_LEAST_ONE,
+    "server.checkpoint_every": NON_NEGATIVE,
+    "server.wait_for_nodes_s": POSITIVE,
+    "server.reply_timeout_s": POSITIVE,
+    "server.poll_interval_s": POSITIVE,
+    "server.offline_retry_s": NON_NEGATIVE,
+    # silos
+    "silos.count": AT_LEAST_ONE,
+    "silos.straggler_fraction": UNIT,
+    "silos.straggler_slowdown": AT_LEAST_ONE,
+    "silos.sigma": NON_NEGATIVE,
+    "silos.step_time_s": POSITIVE,
+    "silos.latency_s": NON_NEGATIVE,
+    "silos.jitter": Range(0, 1, hi_open=True),
+    "silos.exclude[]": NON_NEGATIVE,
+    # client
+    "client.local_steps": AT_LEAST_ONE,
+    "client.batch_size": AT_LEAST_ONE,
+    "client.lr": POSITIVE,
+    "client.momentum": Range(0, 1, hi_open=True),
+    "client.weight_decay": NON_NEGATIVE,
+    "client.proximal_mu": NON_NEGATIVE,
+    "client.num_threads": AT_LEAST_ONE,
+    "client.dp.noise_multiplier": POSITIVE,
+    "client.dp.target_epsilon": POSITIVE,
+    "client.dp.max_grad_norm": POSITIVE,
+    "client.dp.delta": Range(0, 1, lo_open=True, hi_open=True),
+    "client.dp.epsilon_budget": POSITIVE,
+    # data
+    "data.dirichlet_alpha": POSITIVE,
+    "data.site_shift": NON_NEGATIVE,
+    "data.test_fraction": Range(0, 1, hi_open=True),
+    "data.max_samples": AT_LEAST_ONE,
+    # engine
+    "engine.num_cpus": AT_LEAST_ONE,
+    "engine.client_cpus": AT_LEAST_ONE,
+    "engine.client_gpus": NON_NEGATIVE,
+    # faults, erasures
+    "faults[].silo": NON_NEGATIVE,
+    "faults[].at_version": NON_NEGATIVE,
+    "faults[].down_s": NON_NEGATIVE,
+    "erasures[].silo": NON_NEGATIVE,
+    "erasures[].at_s": NON_NEGATIVE,
+    "erasures[].fraction": UNIT_OPEN_LOW,
+    # unlearning
+    "unlearning.steps": NON_NEGATIVE,
+    "unlearning.lr": POSITIVE,
+    "unlearning.radius": NON_NEGATIVE,
+    "unlearning.calibration_strength": UNIT,
+    "unlearning.signature_rank": AT_LEAST_ONE,
+    "unlearning.signature_batches": AT_LEAST_ONE,
+    "unlearning.relearn_versions": NON_NEGATIVE,
+    "unlearning.max_attempts": AT_LEAST_ONE,
+    "unlearning.federaser_interval": AT_LEAST_ONE,
+    "unlearning.federaser_steps_ratio": UNIT_OPEN_LOW,
+    # backdoor
+    "backdoor.silo": NON_NEGATIVE,
+    "backdoor.fraction": UNIT_OPEN_LOW,
+    "backdoor.target_label": NON_NEGATIVE,
+    "backdoor.trigger_size": AT_LEAST_ONE,
+    "backdoor.relearn_silo": NON_NEGATIVE,
+    "backdoor.relearn_after_s": NON_NEGATIVE,
+}
+"""Every numeric key's allowed values (``name[]`` is every entry of a list); None, where a key
+allows it, means off. tests/test_config.py checks that no numeric key is missing here."""
+
+
+def numeric_values(cfg: Any, prefix: str = "") -> list[tuple[str, str, Any]]:
+    """``(range key, key as the user writes it, value)`` of every numeric value in ``cfg``
+    (a config dataclass), lists included; bools and None are not numeric."""
+    out: list[tuple[str, str, Any]] = []
+    for f in fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            rkey, shown = (key, key) if i is None else (f"{key}[]", f"{key}[{i}]")
+            if is_dataclass(item):
+                out += [
+                    (r.replace(shown, rkey, 1), s, v)
+                    for r, s, v in numeric_values(item, f"{shown}.")
+                ]
+            elif isinstance(item, int | float) and not isinstance(item, bool):
+                out.append((rkey, shown, item))
+    return out
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
 def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
-    """Check values that types alone cannot; raise ValueError naming the key."""
-    checks: list[tuple[bool, str]] = [
-        (cfg.server.mode in MODES, f"server.mode must be one of {MODES}, got {cfg.server.mode!r}"),
-        (
-            cfg.silos.speed_profile in SPEED_PROFILES,
-            f"silos.speed_profile must be one of {SPEED_PROFILES}",
-        ),
-        (cfg.silos.count >= 1, "silos.count must be >= 1"),
-        (cfg.server.buffer_size >= 1, "server.buffer_size must be >= 1"),
-        (0.0 < cfg.server.alpha <= 1.0, "server.alpha must be in (0, 1]"),
-        (cfg.server.eval_every >= 1, "server.eval_every must be >= 1"),
-        (cfg.server.checkpoint_every >= 0, "server.checkpoint_every must be >= 0"),
-        (cfg.run.budget_s > 0, "run.budget_s must be > 0"),
-        (cfg.server.reply_timeout_s > 0, "server.reply_timeout_s must be > 0"),
-        (cfg.server.poll_interval_s > 0, "server.poll_interval_s must be > 0"),
-        (cfg.server.offline_retry_s >= 0, "server.offline_retry_s must be >= 0"),
-        (cfg.silos.step_time_s > 0, "silos.step_time_s must be > 0"),
-        (0.0 <= cfg.silos.jitter < 1.0, "silos.jitter must be in [0, 1)"),
-        (cfg.silos.straggler_slowdown >= 1.0, "silos.straggler_slowdown must be >= 1"),
-        (cfg.client.local_steps >= 1, "client.local_steps must be >= 1"),
-        (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
-        (cfg.engine.client_cpus >= 1, "engine.client_cpus must be an integer >= 1"),
-        (
-            cfg.engine.ray_address is None or cfg.engine.num_cpus is None,
-            "engine.num_cpus cannot be set with engine.ray_address: a running cluster's CPUs "
-            "are fixed by `ray start --num-cpus` on its nodes",
-        ),
-        (
-            cfg.engine.ray_address is None or "://" not in cfg.engine.ray_address,
-            "engine.ray_address must be host:port or auto (Ray Client ray:// is not supported)",
-        ),
-        (
-            0.0 < cfg.server.corrections.error_feedback_topk <= 1.0,
-            "server.corrections.error_feedback_topk must be in (0, 1]",
-        ),
-        (
-            cfg.server.optimizer.kind in ("sgd", "momentum", "adam"),
-            "server.optimizer.kind must be sgd, momentum or adam",
-        ),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
-    if cfg.unlearning.method not in ("pga", "relabel"):
-        raise ValueError("unlearning.method must be pga or relabel")
-    if cfg.unlearning.pre_boundary not in ("project", "drop"):
-        raise ValueError("unlearning.pre_boundary must be project or drop")
-    u = cfg.unlearning
-    if u.max_attempts < 1:
-        raise ValueError("unlearning.max_attempts must be >= 1")
-    if u.steps < 0 or u.signature_batches < 1 or u.signature_rank < 1:
-        raise ValueError(
-            "unlearning.steps must be >= 0, unlearning.signature_batches and "
-            "unlearning.signature_rank >= 1"
-        )
-    if (u.tls_certfile is None) != (u.tls_keyfile is None):
-        raise ValueError("unlearning.tls_certfile and unlearning.tls_keyfile go together")
-    if u.signature_dtype not in ("float32", "float16"):
-        raise ValueError("unlearning.signature_dtype must be float32 or float16")
-    if u.federaser and not (u.halt and cfg.server.mode == "sync"):
-        raise ValueError("unlearning.federaser needs unlearning.halt=true and server.mode=sync")
-    if u.federaser_interval < 1 or not 0.0 < u.federaser_steps_ratio <= 1.0:
-        raise ValueError(
-            "unlearning.federaser_interval must be >= 1, federaser_steps_ratio in (0, 1]"
-        )
-    if not 0.0 <= u.calibration_strength <= 1.0 or u.radius < 0:
-        raise ValueError("unlearning.calibration_strength must be in [0, 1], radius >= 0")
+    """Check values that types alone cannot; raise ConfigError naming the key.
+
+    Every numeric key against its range (RANGES), every name against what exists (modes,
+    weight functions, benchmarks, partitions, networks), and the keys that must agree. What
+    needs files (the data, a checkpoint to resume) is checked by simulations.config.preflight.
+    """
+    from medical_data.registry import BENCHMARKS, PARTITIONS
+
+    for rkey, key, value in numeric_values(cfg):
+        rng = RANGES.get(rkey)
+        _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
+    s, u, d, n = cfg.server, cfg.unlearning, cfg.data, cfg.silos.count
+    _check(s.mode in MODES, f"server.mode must be one of {MODES}, got {s.mode!r}")
+    _check(
+        s.staleness.fn in WEIGHT_FUNCTIONS,
+        f"server.staleness.fn must be one of {tuple(WEIGHT_FUNCTIONS)}, got {s.staleness.fn!r}",
+    )
+    _check(
+        cfg.silos.speed_profile in SPEED_PROFILES,
+        f"silos.speed_profile must be one of {SPEED_PROFILES}, got {cfg.silos.speed_profile!r}",
+    )
+    _check(
+        s.optimizer.kind in ("sgd", "momentum", "adam"),
+        f"server.optimizer.kind must be sgd, momentum or adam, got {s.optimizer.kind!r}",
+    )
+    _check(
+        d.benchmark in BENCHMARKS,
+        f"data.benchmark must be one of {tuple(BENCHMARKS)}, got {d.benchmark!r}",
+    )
+    spec = BENCHMARKS[d.benchmark]
+    _check(
+        d.partition in PARTITIONS,
+        f"data.partition must be one of {PARTITIONS}, got {d.partition!r}",
+    )
+    _check(
+        not (d.partition == "natural" and spec.natural_split.startswith("none")),
+        f"data.partition=natural: {d.benchmark} has no natural split; use dirichlet or iid",
+    )
+    _check(
+        spec.offline or d.data_dir is not None,
+        f"data.data_dir must name the file or folder you downloaded for {d.benchmark}",
+    )
+    if d.network is not None:
+        from medical_data.networks import NETWORKS
+
+        _check(d.network in NETWORKS, f"data.network must be one of {NETWORKS}, got {d.network!r}")
+    _check(
+        d.max_samples is None or d.max_samples >= 2 * n,
+        f"data.max_samples={d.max_samples} is too small for silos.count={n} (at least {2 * n})",
+    )
+    _check(
+        s.max_staleness is None or s.soft_staleness is None or s.soft_staleness <= s.max_staleness,
+        f"server.soft_staleness={s.soft_staleness} must be <= server.max_staleness={s.max_staleness}",
+    )
+    _check(
+        cfg.engine.ray_address is None or cfg.engine.num_cpus is None,
+        "engine.num_cpus cannot be set with engine.ray_address: a running cluster's CPUs "
+        "are fixed by `ray start --num-cpus` on its nodes",
+    )
+    _check(
+        cfg.engine.num_cpus is None or cfg.engine.num_cpus >= cfg.engine.client_cpus,
+        f"engine.num_cpus={cfg.engine.num_cpus} must be >= engine.client_cpus="
+        f"{cfg.engine.client_cpus}, or no silo could ever run",
+    )
+    _check(
+        cfg.engine.ray_address is None or "://" not in cfg.engine.ray_address,
+        "engine.ray_address must be host:port or auto (Ray Client ray:// is not supported)",
+    )
+    _check(u.method in ("pga", "relabel"), "unlearning.method must be pga or relabel")
+    _check(u.pre_boundary in ("project", "drop"), "unlearning.pre_boundary must be project or drop")
+    _check(
+        (u.tls_certfile is None) == (u.tls_keyfile is None),
+        "unlearning.tls_certfile and unlearning.tls_keyfile go together",
+    )
+    _check(
+        u.signature_dtype in ("float32", "float16"),
+        "unlearning.signature_dtype must be float32 or float16",
+    )
+    _check(
+        not u.federaser or (u.halt and s.mode == "sync"),
+        "unlearning.federaser needs unlearning.halt=true and server.mode=sync",
+    )
+    for i, silo in enumerate(cfg.silos.exclude):
+        _check(silo < n, f"silos.exclude[{i}]={silo} is not a silo (0..{n - 1})")
     for i, e in enumerate(cfg.erasures):
-        if not 0 <= e.silo < cfg.silos.count:
-            raise ValueError(
-                f"erasures[{i}].silo={e.silo} is not a silo (0..{cfg.silos.count - 1})"
-            )
-        if not 0.0 < e.fraction <= 1.0:
-            raise ValueError(f"erasures[{i}].fraction must be in (0, 1]")
-    if cfg.server.clip_norm is not None and not cfg.server.clip_norm > 0:
-        raise ValueError("server.clip_norm must be > 0 (or null)")
-    dp = cfg.server.dp
-    if dp.noise_multiplier is not None:
-        if not dp.noise_multiplier > 0:
-            raise ValueError("server.dp.noise_multiplier must be > 0 (or null: no central DP)")
-        if cfg.server.clip_norm is None:
-            raise ValueError(
-                "server.dp.noise_multiplier needs server.clip_norm: the noise is in units of "
-                "the clipping norm, which bounds each silo's influence"
-            )
-        if cfg.server.mode != "fedasync" and cfg.server.sample_weighting:
-            raise ValueError(
-                "server.dp with fedbuff/sync needs server.sample_weighting=false: the sample "
-                "counts silos report are their data too, and weighting by them is not noised"
-            )
-        if not 0.0 < dp.delta < 1.0:
-            raise ValueError("server.dp.delta must be in (0, 1)")
-        if dp.epsilon_budget is not None and not dp.epsilon_budget > 0:
-            raise ValueError("server.dp.epsilon_budget must be > 0 (or null)")
-    if cfg.backdoor.trigger_size < 1:
-        raise ValueError("backdoor.trigger_size must be >= 1")
-    if cfg.backdoor.enabled and not 0 <= cfg.backdoor.silo < cfg.silos.count:
-        raise ValueError(f"backdoor.silo={cfg.backdoor.silo} is not a silo")
+        _check(e.silo < n, f"erasures[{i}].silo={e.silo} is not a silo (0..{n - 1})")
     for i, f in enumerate(cfg.faults):
-        if f.kind not in FAULT_KINDS:
-            raise ValueError(f"faults[{i}].kind must be one of {FAULT_KINDS}, got {f.kind!r}")
-        if not 0 <= f.silo < cfg.silos.count:
-            raise ValueError(f"faults[{i}].silo={f.silo} is not a silo (0..{cfg.silos.count - 1})")
+        _check(
+            f.kind in FAULT_KINDS, f"faults[{i}].kind must be one of {FAULT_KINDS}, got {f.kind!r}"
+        )
+        _check(f.silo < n, f"faults[{i}].silo={f.silo} is not a silo (0..{n - 1})")
+    dp = s.dp
+    if dp.noise_multiplier is not None:
+        _check(
+            s.clip_norm is not None,
+            "server.dp.noise_multiplier needs server.clip_norm: the noise is in units of "
+            "the clipping norm, which bounds each silo's influence",
+        )
+        _check(
+            s.mode == "fedasync" or not s.sample_weighting,
+            "server.dp with fedbuff/sync needs server.sample_weighting=false: the sample "
+            "counts silos report are their data too, and weighting by them is not noised",
+        )
+    b = cfg.backdoor
+    if b.enabled:
+        _check(b.silo < n, f"backdoor.silo={b.silo} is not a silo (0..{n - 1})")
+        _check(
+            not spec.offline or b.target_label < spec.num_classes,
+            f"backdoor.target_label={b.target_label} is not a class of {d.benchmark} "
+            f"(0..{spec.num_classes - 1})",
+        )
+    _check(
+        b.relearn_silo is None or b.relearn_silo < n,
+        f"backdoor.relearn_silo={b.relearn_silo} is not a silo (0..{n - 1})",
+    )
     return cfg
 
 

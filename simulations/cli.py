@@ -3,21 +3,58 @@
 fedasync simulate [--config FILE] [key=value ...]   run a simulation (see README for keys)
 fedasync data fetch [--dir DIR]                     fetch and checksum the offline data sets
 fedasync data table [--benchmark B] [--silos N]     print what each silo holds
-fedasync erase submit|status|list|watch|credentials  erasure requests (simulations/erase_cli.py)
+fedasync erase submit|status|list|watch|...         erasure requests (simulations/erase_cli.py)
 fedasync certs DIR --silos N [--host H]             CA, SuperLink certificate, SuperNode keys
 fedasync deploy local [--silos N] [--config FILE] [key=value ...]
                                                     SuperLink + SuperNodes here, over TLS
+
+Exit codes: 0 done; 1 the run failed or produced no version; 2 a user error (a config key,
+a data file, a checkpoint: one line on stderr naming it and what to do); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
+from fedasync.errors import UserError
 from simulations import certs, deploy
 
 
+def _erase_commands() -> list[str]:
+    """The subcommands of ``fedasync erase``, read from its own parser (simulations/erase_cli.py
+    parses ``fedasync erase ...``; the main parser only lists it)."""
+    from simulations.erase_cli import _parser
+
+    actions = _parser()._actions
+    return [n for a in actions if isinstance(a, argparse._SubParsersAction) for n in a.choices]
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; a UserError becomes one line on stderr and exit code 2."""
+    try:
+        return _main(argv)
+    except UserError as e:
+        print("fedasync: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+
+
+def _no_version(summary: dict[str, Any], run_dir: Path) -> str | None:
+    """Why a run produced no version (None when it did)."""
+    if summary.get("versions"):
+        return None
+    rejected = summary.get("updates_rejected") or {}
+    why = (
+        "every update was rejected: " + ", ".join(f"{k}={v}" for k, v in rejected.items())
+        if rejected
+        else "no update arrived within run.budget_s"
+    )
+    return f"the run produced no version ({why}); see {run_dir / 'run.log'}"
+
+
+def _main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else list(argv)
     if args_in[:1] == ["erase"]:
         from simulations.erase_cli import main as erase_main
@@ -46,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--silos", type=int, default=6)
     table.add_argument("--seed", type=int, default=0)
     table.add_argument("--partition", default="natural")
+    sub.add_parser(
+        "erase",
+        add_help=False,
+        help=f"erasure requests to a running server: {' | '.join(_erase_commands())} "
+        "(fedasync erase -h)",
+    )
     certs.add_parser(sub)
     deploy.add_parser(sub)
     args = parser.parse_args(args_in)
@@ -54,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         from simulations.config import load_config
         from simulations.launcher import simulate
 
-        try:
-            cfg = load_config(args.config, args.overrides)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"fedasync: {e}", file=sys.stderr)
-            return 2
-        simulate(cfg, verbose=args.verbose)
+        cfg = load_config(args.config, args.overrides)  # a UserError: one line, exit 2
+        summary = simulate(cfg, verbose=args.verbose)
+        failed = _no_version(summary, Path(cfg.run.out_dir) / cfg.run.name)
+        if failed is not None:
+            print(f"fedasync: {failed}", file=sys.stderr)
+            return 1
         return 0
     if args.cmd == "certs":
         return certs.run(args)

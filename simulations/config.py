@@ -1,7 +1,10 @@
 """Load a run configuration: defaults <- YAML file <- ``key=value`` overrides (omegaconf).
 
-The schema is ``server.config.FedAsyncConfig``: unknown keys and wrong types are errors that
-name the key, before anything starts.
+The schema is ``server.config.FedAsyncConfig``: unknown keys, wrong types and values out of
+range are errors that name the key, before anything starts. `load_config` then runs
+`preflight`, which checks what needs files (the data, a checkpoint to resume from), so that a
+run never reaches Flower's simulation engine (or a deployment) with inputs it cannot use.
+Every such error is a ``fedasync.errors.UserError``: the CLI prints it as one line, exit 2.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fedasync.errors import ConfigError, UserError
 from server.config import FedAsyncConfig, validate
 
 DEFAULT_CONFIG = "default.yaml"
@@ -25,11 +29,13 @@ def default_config_path() -> Path:
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> FedAsyncConfig:
-    """The validated config of a run; ``path`` None means the packaged default."""
+    """The validated config of a run, its inputs checked by `preflight`; ``path`` None means
+    the packaged default. Raises ConfigError, DataError or CheckpointError naming the key or
+    file."""
     schema = OmegaConf.structured(FedAsyncConfig)
     path = Path(path) if path is not None else default_config_path()
-    if not path.exists():
-        raise FileNotFoundError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (--config)")
     try:
         merged = OmegaConf.merge(
             schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or []))
@@ -38,9 +44,43 @@ def load_config(
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         first = str(e).splitlines()[0]
-        raise ValueError(f"bad configuration key {key}: {first} (defaults: {path})") from e
+        raise ConfigError(f"bad configuration key {key}: {first} (defaults: {path})") from e
+    except ValueError as e:  # a config dataclass's own check (clients.config.DPConfig)
+        if isinstance(e, UserError):
+            raise
+        raise ConfigError(str(e)) from e
     assert isinstance(cfg, FedAsyncConfig)
-    return validate(cfg)
+    return preflight(validate(cfg))
+
+
+def checkpoint_path(cfg: FedAsyncConfig) -> Path:
+    """Where the run's checkpoint lives (and a resumed run reads it)."""
+    from server.checkpoint import CHECKPOINT_FILE
+
+    return Path(cfg.run.out_dir) / cfg.run.name / CHECKPOINT_FILE
+
+
+def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
+    """Check the inputs a valid config points at, before any engine starts: the data (the
+    federation is built here; medical_data caches it, so the launcher's build is free) and,
+    with ``run.resume``, the checkpoint (verified, finite, same server mode, same model).
+
+    Raises DataError (a data file missing or not the pinned one), ConfigError (e.g. more
+    silos than the data allows) or CheckpointError, each naming the key or file.
+    """
+    from clients.config import build_silos
+
+    build_silos(cfg.data, cfg.silos.count, cfg.run.seed)
+    if cfg.run.resume:
+        import torch
+
+        from server.app import initial_model
+        from server.checkpoint import check_resumable
+
+        with torch.random.fork_rng(devices=[]):  # initial_model seeds torch's generator
+            model = initial_model(cfg).state_dict()
+        check_resumable(checkpoint_path(cfg), cfg.server.mode, model)
+    return cfg
 
 
 def to_yaml(cfg: FedAsyncConfig) -> str:

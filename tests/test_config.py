@@ -1,7 +1,13 @@
 """Configuration: defaults, overrides, and clear errors for bad keys and values."""
 
+import dataclasses
+import re
+import typing
+
 import pytest
 
+from fedasync.errors import ConfigError
+from server.config import RANGES, FedAsyncConfig, Range
 from simulations.cli import main
 from simulations.config import load_config
 
@@ -50,3 +56,105 @@ def test_bad_config_names_the_key(override, message):
 def test_cli_reports_bad_config(capsys):
     assert main(["simulate", "server.mode=gossip"]) == 2
     assert "server.mode" in capsys.readouterr().err
+
+
+def _numeric_keys(cls, prefix: str = "") -> dict[str, type]:
+    """Every numeric key of a config dataclass with its type (int or float, maybe | None),
+    lists of dataclasses as ``name[].key`` and lists of numbers as ``name[]``."""
+    keys: dict[str, type] = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        if typing.get_origin(tp) is list:
+            (item,) = typing.get_args(tp)
+            if dataclasses.is_dataclass(item):
+                keys |= _numeric_keys(item, f"{prefix}{name}[].")
+            elif item in (int, float):
+                keys[f"{prefix}{name}[]"] = item
+        elif dataclasses.is_dataclass(tp):
+            keys |= _numeric_keys(tp, f"{prefix}{name}.")
+        elif len(args) == 1 and args[0] in (int, float):
+            keys[f"{prefix}{name}"] = args[0]
+    return keys
+
+
+NUMERIC = _numeric_keys(FedAsyncConfig)
+
+
+def test_every_numeric_key_has_a_declared_range():
+    # Prepare
+    keys = set(NUMERIC)
+
+    # Assert: none missing (a new key must say its range, or UNBOUNDED), none stale
+    assert len(keys) > 60
+    assert sorted(keys - set(RANGES)) == []
+    assert sorted(set(RANGES) - keys) == []
+
+
+def _outside(rng: Range, tp: type) -> list[float]:
+    out = [float("nan"), float("inf")] if tp is float else []
+    if rng.lo is not None:
+        out.append(rng.lo if rng.lo_open else rng.lo - 1)
+    if rng.hi is not None:
+        out.append(rng.hi if rng.hi_open else rng.hi + 1)
+    return out
+
+
+def _override(key: str, value) -> str:
+    """The override that sets ``key`` (``a[].b`` in a one-entry list) to ``value``."""
+    if "[]" not in key:
+        return f"{key}={value}"
+    head, _, field = key.partition("[]")
+    if not field:
+        return f"{head}=[{value}]"
+    return f"{head}=[{{{field.lstrip('.')}: {value}}}]"
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_every_range_is_enforced_naming_the_key(key):
+    # Prepare: each value just outside the key's range (and NaN, inf)
+    shown = key.replace("[]", "[0]")
+
+    for value in _outside(RANGES[key], NUMERIC[key]):
+        # Execute / Assert
+        with pytest.raises(ConfigError, match=re.escape(shown)):
+            load_config(None, [_override(key, value)])
+
+
+def test_in_range_values_at_the_bounds_are_accepted():
+    cfg = load_config(
+        None,
+        [
+            "server.alpha=1.0",
+            "silos.jitter=0.0",
+            "silos.straggler_fraction=1.0",
+            "server.checkpoint_every=0",
+            "unlearning.steps=0",
+            "run.target_accuracy=1.0",
+        ],
+    )
+    assert (cfg.server.alpha, cfg.silos.straggler_fraction) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("client.lr=-1", "client.lr"),
+        ("server.staleness.fn=cubic", "server.staleness.fn"),
+        ("data.benchmark=mnist", "data.benchmark"),
+        ("data.partition=random", "data.partition"),
+        ("data.network=vgg", "data.network"),
+        ("silos.exclude=[7]", "silos.exclude[0]"),
+        ("engine.num_cpus=1", "engine.num_cpus"),
+    ],
+)
+def test_names_and_cross_checks_are_config_errors(override, key):
+    extra = ["engine.client_cpus=2"] if key == "engine.num_cpus" else []
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(None, [override, *extra])
+
+
+def test_range_text():
+    assert str(Range(0, lo_open=True)) == "> 0"
+    assert str(Range(0, 1, hi_open=True)) == "in [0, 1)"
+    assert 0.5 in Range(0, 1) and 1 not in Range(0, 1, hi_open=True)
+    assert float("nan") not in Range() and True not in Range()

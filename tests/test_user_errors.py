@@ -1,0 +1,184 @@
+"""Every user error ends in one line on stderr naming the key or file, and exit code 2;
+a run that produced no version exits 1; ``fedasync --help`` lists every command.
+
+All of these fail before Flower's simulation engine would start (the engine is replaced by
+a function that fails the test), so they take seconds.
+"""
+
+import re
+import zipfile
+
+import pytest
+import torch
+
+import simulations.launcher as launcher
+from simulations.cli import main
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    def engine(*args, **kwargs):
+        raise AssertionError("the simulation engine was started with a bad configuration")
+
+    monkeypatch.setattr(launcher, "run_engine", engine)
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _truncate(path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _overwrite_tensor_bytes(path) -> None:
+    """Overwrite the first tensor record of a torch zip with 0xff (NaN in float32), leaving
+    every zip header and the pickle intact."""
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename and i.file_size >= 16)
+    raw = bytearray(path.read_bytes())
+    name_len = int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little")
+    extra_len = int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little")
+    start = info.header_offset + 30 + name_len + extra_len
+    raw[start : start + 16] = b"\xff" * 16
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["simulate", "data.benchmark=mnist"], "data.benchmark"),
+        (["simulate", "server.staleness.fn=cubic"], "server.staleness.fn"),
+        (["simulate", "data.partition=random"], "data.partition"),
+        (["simulate", "data.benchmark=medmnist", "data.data_dir=x.npz"], "data.partition"),
+        (["simulate", "client.lr=-1"], "client.lr"),
+        (["simulate", "client.lr=nan"], "client.lr"),
+        (["simulate", "silos.count=0"], "silos.count"),
+        (["simulate", "server.soft_staleness=10", "server.max_staleness=5"], "soft_staleness"),
+        (["simulate", "silos.count=5000"], "silos.count"),
+        (["simulate", "data.benchmark=nuclei", "data.data_dir={tmp}"], "make data"),
+        (
+            ["simulate", "data.benchmark=mednist", "data.partition=iid", "data.data_dir={tmp}/no"],
+            "{tmp}/no",
+        ),
+        (["simulate", "--config", "{tmp}/none.yaml"], "none.yaml"),
+        (["data", "table", "--benchmark", "mnist"], "mnist"),
+        (["data", "table", "--benchmark", "medmnist"], "partition"),
+        (["deploy", "local", "data.benchmark=mnist"], "data.benchmark"),
+        (["deploy", "local", "server.staleness.fn=cubic"], "server.staleness.fn"),
+        (["deploy", "local", "data.benchmark=nuclei", "data.data_dir={tmp}"], "make data"),
+    ],
+)
+def test_user_error_is_one_line_and_exit_2(argv, names, tmp_path, capsys, no_engine):
+    # Prepare
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if argv[0] in ("simulate", "deploy"):
+        argv.append(f"run.out_dir={tmp_path}")
+
+    # Execute
+    code = main(argv)
+
+    # Assert
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2
+    assert names.replace("{tmp}", str(tmp_path)) in line
+
+
+def test_missing_data_file_in_data_table_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FEDASYNC_DATA", str(tmp_path))
+    assert main(["data", "table", "--benchmark", "nuclei", "--silos", "2"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "img2d.tif" in line and "make data" in line
+
+
+@pytest.mark.parametrize("damage", [_truncate, _overwrite_tensor_bytes])
+def test_resume_from_a_damaged_checkpoint_is_refused_before_the_engine(
+    damage, tmp_path, capsys, no_engine
+):
+    # Prepare: a real server checkpoint of the run, then damaged
+    from server.checkpoint import CheckpointState, save_state
+
+    path = tmp_path / "t" / "checkpoint.pt"
+    params = {"w": torch.ones(64, 64), "b": torch.zeros(64)}
+    state = CheckpointState(0, params, {}, {}, {}, {}, 0, [], {}, [], [], [], {}, 0, "fedasync")
+    save_state(path, state)
+    damage(path)
+
+    # Execute
+    code = main(["simulate", f"run.out_dir={tmp_path}", "run.name=t", "run.resume=true"])
+
+    # Assert
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2
+    assert str(path) in line
+
+
+def test_resume_from_a_checkpoint_of_another_mode_is_refused(small_cfg, tmp_path, capsys):
+    from server.app import initial_model
+    from server.checkpoint import CheckpointState, save_state
+
+    cfg = small_cfg()
+    params = initial_model(cfg).state_dict()
+    state = CheckpointState(0, params, {}, {}, {}, {}, 0, [], {}, [], [], [], {}, 0, "fedbuff")
+    save_state(tmp_path / "t" / "checkpoint.pt", state)
+
+    assert main(["simulate", f"run.out_dir={tmp_path}", "run.name=t", "run.resume=true"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "server.mode" in line and "fedbuff" in line
+
+
+def test_resume_from_a_checkpoint_of_another_model_is_refused(tmp_path, capsys, no_engine):
+    from server.checkpoint import CheckpointState, save_state
+
+    params = {"w": torch.ones(3, 3)}
+    state = CheckpointState(0, params, {}, {}, {}, {}, 0, [], {}, [], [], [], {}, 0, "fedasync")
+    save_state(tmp_path / "t" / "checkpoint.pt", state)
+
+    assert main(["simulate", f"run.out_dir={tmp_path}", "run.name=t", "run.resume=true"]) == 2
+    assert "model" in _one_line(capsys.readouterr().err)
+
+
+def test_a_run_without_any_version_exits_1(monkeypatch, tmp_path, capsys):
+    # Prepare: the engine ran but no update was ever applied
+    def simulate(cfg, verbose=False):
+        return {"versions": 0, "updates_rejected": {"non_finite": 12}}
+
+    monkeypatch.setattr(launcher, "simulate", simulate)
+
+    # Execute
+    code = main(["simulate", f"run.out_dir={tmp_path}"])
+
+    # Assert
+    line = _one_line(capsys.readouterr().err)
+    assert code == 1
+    assert "no version" in line and "non_finite" in line
+
+
+def test_a_run_with_versions_exits_0(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher, "simulate", lambda cfg, verbose=False: {"versions": 3})
+    assert main(["simulate", f"run.out_dir={tmp_path}"]) == 0
+
+
+def test_help_lists_erase_and_its_subcommands(capsys):
+    from simulations.erase_cli import _parser
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    row = re.search(r"^\s+erase\s+(.*(?:\n\s{8,}.*)*)", out, re.MULTILINE)
+    assert row is not None, out
+    listed = row.group(1)
+    sub = next(a for a in _parser()._actions if a.dest == "cmd")
+    for name in sub.choices:
+        assert name in listed, name
+
+
+def test_erase_still_runs_its_own_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["erase", "status", "--help"])
+    assert exc.value.code == 0
+    assert "fedasync erase status" in capsys.readouterr().out
