@@ -266,6 +266,8 @@ def build_federation(
             f"{benchmark!r} has no natural split; use partition dirichlet or iid "
             "(data.partition, --partition)"
         )
+    if seed < 0:
+        raise ConfigError(f"seed (run.seed, --seed) must be >= 0, got {seed}")
     if not isinstance(num_silos, int | np.integer) or num_silos < 1:
         raise ConfigError(f"num_silos (silos.count, --silos) must be >= 1, got {num_silos!r}")
     if not 0.0 <= test_fraction < 1.0:

@@ -67,6 +67,8 @@ def _overwrite_tensor_bytes(path) -> None:
         (["simulate", "--config", "{tmp}/none.yaml"], "none.yaml"),
         (["data", "table", "--benchmark", "mnist"], "mnist"),
         (["data", "table", "--benchmark", "medmnist"], "partition"),
+        (["data", "table", "--seed", "-1"], "--seed"),
+        (["data", "table", "--silos", "0"], "--silos"),
         (["deploy", "local", "data.benchmark=mnist"], "data.benchmark"),
         (["deploy", "local", "server.staleness.fn=cubic"], "server.staleness.fn"),
         (["deploy", "local", "data.benchmark=nuclei", "data.data_dir={tmp}"], "make data"),
