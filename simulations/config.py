@@ -62,24 +62,41 @@ def checkpoint_path(cfg: FedAsyncConfig) -> Path:
 
 def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
     """Check the inputs a valid config points at, before any engine starts: the data (the
-    federation is built here; medical_data caches it, so the launcher's build is free) and,
+    federation is built here; medical_data caches it, so the launcher's build is free), the
+    network (built, and one sample passed through it: its output must fit the task) and,
     with ``run.resume``, the checkpoint (verified, finite, same server mode, same model).
 
     Raises DataError (a data file missing or not the pinned one), ConfigError (e.g. more
-    silos than the data allows) or CheckpointError, each naming the key or file.
+    silos than the data allows, a network that does not fit) or CheckpointError, each naming
+    the key or file.
     """
+    import torch
+
     from clients.config import build_silos
+    from server.app import initial_model
 
-    build_silos(cfg.data, cfg.silos.count, cfg.run.seed)
+    spec = build_silos(cfg.data, cfg.silos.count, cfg.run.seed).spec
+    name = cfg.data.network or spec.network
+    with torch.random.fork_rng(devices=[]):  # initial_model seeds torch's generator
+        try:
+            model = initial_model(cfg)
+        except ValueError as e:  # medical_data.networks: the images do not fit the network
+            raise ConfigError(f"data.network={name}: {e}; try data.network={spec.network}") from e
+    model.eval()
+    with torch.no_grad():
+        out = tuple(model(torch.zeros(1, spec.in_channels, *spec.image_size)).shape)
+    want = (1, spec.num_classes)
+    if spec.task == "segmentation":
+        want = (*want, *spec.image_size)
+    if out != want:
+        raise ConfigError(
+            f"data.network={name} outputs shape {out}, {spec.task} on {spec.name} needs {want}; "
+            f"use data.network={spec.network} (the benchmark's default)"
+        )
     if cfg.run.resume:
-        import torch
-
-        from server.app import initial_model
         from server.checkpoint import check_resumable
 
-        with torch.random.fork_rng(devices=[]):  # initial_model seeds torch's generator
-            model = initial_model(cfg).state_dict()
-        check_resumable(checkpoint_path(cfg), cfg.server.mode, model)
+        check_resumable(checkpoint_path(cfg), cfg.server.mode, model.state_dict())
     return cfg
 
 
