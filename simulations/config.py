@@ -93,11 +93,39 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
             f"data.network={name} outputs shape {out}, {spec.task} on {spec.name} needs {want}; "
             f"use data.network={spec.network} (the benchmark's default)"
         )
+    _check_devices(cfg)
     if cfg.run.resume:
         from server.checkpoint import check_resumable
 
         check_resumable(checkpoint_path(cfg), cfg.server.mode, model.state_dict())
     return cfg
+
+
+def _check_devices(cfg: FedAsyncConfig) -> None:
+    """The devices the silos are to train on exist on this machine: client.device names one,
+    and engine.client_gpus > 0 on a private Ray needs a GPU (or no ClientApp would ever be
+    scheduled and the run would wait forever)."""
+    import torch
+
+    name = cfg.client.device
+    if name != "auto":
+        try:
+            device = torch.device(name)
+        except RuntimeError as e:
+            raise ConfigError(
+                f"client.device={name!r} is not a device: use auto, cpu, cuda or cuda:N"
+            ) from e
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(
+                f"client.device={name}: this machine has {torch.cuda.device_count()} CUDA "
+                "device(s); use client.device=auto (CUDA when present, else CPU) or cpu"
+            )
+    gpus = cfg.engine.client_gpus
+    if gpus > 0 and cfg.engine.ray_address is None and not torch.cuda.is_available():
+        raise ConfigError(
+            f"engine.client_gpus={gpus} but this machine has no CUDA device, so no silo could "
+            "ever be scheduled; set engine.client_gpus=0"
+        )
 
 
 def to_yaml(cfg: FedAsyncConfig) -> str:

@@ -66,6 +66,8 @@ def _overwrite_tensor_bytes(path) -> None:
         ),
         (["simulate", "--config", "{tmp}/none.yaml"], "none.yaml"),
         (["simulate", "data.network=unet-small"], "data.network=unet-small"),
+        (["simulate", "client.device=gpu"], "client.device"),
+        (["simulate", "client.device=cuda:99"], "client.device"),
         (["simulate", "data.network=densenet121"], "data.network=densenet121"),
         (["simulate", "data.benchmark=nuclei", "data.network=cnn-small"], "data.network"),
         (["data", "table", "--benchmark", "mnist"], "mnist"),
@@ -90,6 +92,13 @@ def test_user_error_is_one_line_and_exit_2(argv, names, tmp_path, capsys, no_eng
     line = _one_line(capsys.readouterr().err)
     assert code == 2
     assert names.replace("{tmp}", str(tmp_path)) in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpus_per_silo_without_a_gpu_is_refused(tmp_path, capsys, no_engine):
+    code = main(["simulate", f"run.out_dir={tmp_path}", "engine.client_gpus=0.5"])
+    assert code == 2
+    assert "engine.client_gpus" in _one_line(capsys.readouterr().err)
 
 
 def test_missing_data_file_in_data_table_is_one_line(tmp_path, capsys, monkeypatch):
