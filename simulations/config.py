@@ -63,8 +63,9 @@ def checkpoint_path(cfg: FedAsyncConfig) -> Path:
 def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
     """Check the inputs a valid config points at, before any engine starts: the data (the
     federation is built here; medical_data caches it, so the launcher's build is free), the
-    network (built, and one sample passed through it: its output must fit the task) and,
-    with ``run.resume``, the checkpoint (verified, finite, same server mode, same model).
+    network (built, and one sample passed through it: its output must fit the task), the
+    devices, the erasure service's credentials and TLS files, and, with ``run.resume``, the
+    checkpoint (verified, finite, same server mode, same model).
 
     Raises DataError (a data file missing or not the pinned one), ConfigError (e.g. more
     silos than the data allows, a network that does not fit) or CheckpointError, each naming
@@ -94,6 +95,13 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
             f"use data.network={spec.network} (the benchmark's default)"
         )
     _check_devices(cfg)
+    for key in ("credentials", "tls_certfile", "tls_keyfile"):
+        file = getattr(cfg.unlearning, key)
+        if file is not None and not Path(file).is_file():
+            raise ConfigError(
+                f"unlearning.{key}={file} is not a file; give an existing file "
+                "(credentials: fedasync erase credentials) or null"
+            )
     if cfg.run.resume:
         from server.checkpoint import check_resumable
 

@@ -67,6 +67,11 @@ def _overwrite_tensor_bytes(path) -> None:
         (["simulate", "--config", "{tmp}/none.yaml"], "none.yaml"),
         (["simulate", "data.network=unet-small"], "data.network=unet-small"),
         (["simulate", "client.device=gpu"], "client.device"),
+        (["simulate", "unlearning.credentials={tmp}/c.json"], "unlearning.credentials"),
+        (
+            ["simulate", "unlearning.tls_certfile={tmp}/a.pem", "unlearning.tls_keyfile={tmp}/k"],
+            "unlearning.tls_certfile",
+        ),
         (["simulate", "client.device=cuda:99"], "client.device"),
         (["simulate", "data.network=densenet121"], "data.network=densenet121"),
         (["simulate", "data.benchmark=nuclei", "data.network=cnn-small"], "data.network"),
