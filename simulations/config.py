@@ -106,6 +106,12 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
         from server.checkpoint import check_resumable
 
         check_resumable(checkpoint_path(cfg), cfg.server.mode, model.state_dict())
+        if cfg.run.compare_sync and cfg.server.mode != "sync":  # the baseline resumes too
+            from server.checkpoint import CHECKPOINT_FILE
+            from simulations.launcher import BASELINE_DIR
+
+            path = checkpoint_path(cfg).parent / BASELINE_DIR / CHECKPOINT_FILE
+            check_resumable(path, "sync", model.state_dict())
     return cfg
 
 

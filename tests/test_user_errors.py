@@ -135,6 +135,26 @@ def test_resume_from_a_damaged_checkpoint_is_refused_before_the_engine(
     assert str(path) in line
 
 
+def test_resume_from_a_damaged_baseline_checkpoint_is_refused(tmp_path, capsys, no_engine):
+    # Prepare: the sync baseline (run.compare_sync) resumes from its own folder's checkpoint
+    from server.checkpoint import CheckpointState, save_state
+
+    path = tmp_path / "t" / "baseline-sync" / "checkpoint.pt"
+    params = {"w": torch.ones(64, 64)}
+    save_state(
+        path, CheckpointState(0, params, {}, {}, {}, {}, 0, [], {}, [], [], [], {}, 0, "sync")
+    )
+    _truncate(path)
+
+    # Execute
+    argv = ["simulate", f"run.out_dir={tmp_path}", "run.name=t", "run.resume=true"]
+    code = main([*argv, "run.compare_sync=true"])
+
+    # Assert
+    assert code == 2
+    assert str(path) in _one_line(capsys.readouterr().err)
+
+
 def test_resume_from_a_checkpoint_of_another_mode_is_refused(small_cfg, tmp_path, capsys):
     from server.app import initial_model
     from server.checkpoint import CheckpointState, save_state
