@@ -116,6 +116,37 @@ def project_to_ball(params: Params, center: Params, radius: float) -> Params:
     }
 
 
+SHARE_RULES = ("linear", "sqrt", "none")
+"""How an erasure's size follows its forget set's share of the silo (:func:`forget_share_scale`)."""
+
+
+def forget_share_scale(
+    n_forget: int, n_held: int, rule: str = "linear", floor: float = 0.05
+) -> float:
+    """Factor in ``(0, 1]`` by which an erasure's size (PGA's ball radius, relabelling's steps)
+    shrinks when it erases ``n_forget`` of the ``n_held`` samples its silo holds.
+
+    ``linear``: ``max(n_forget / n_held, floor)``. To first order a sample's influence on the
+    model is its share of the data the silo trained on, so the distance gradient ascent may
+    move the model to undo ``n`` of ``N`` samples is ``n/N`` of the distance that undoes the
+    whole silo (the configured radius). The floor keeps a handful of samples erasable at all
+    (ascent on 1 of 500 samples inside a ball of 0.2% of the radius does nothing measurable).
+    ``sqrt``: ``max(sqrt(n/N), floor)``, the norm of a sum of ``n`` uncorrelated per-sample
+    contributions against ``N``; gentler on small sets (10% of the radius for 1%).
+    ``none``: 1 (every erasure gets the full radius, the behaviour before this rule: on
+    brain-tissue 5 samples then took the test accuracy down by 10 points). A whole silo
+    (``n_forget >= n_held``) is always 1.
+    """
+    if rule not in SHARE_RULES:
+        raise ValueError(f"rule must be one of {SHARE_RULES}, got {rule!r}")
+    if not 0.0 < floor <= 1.0:
+        raise ValueError(f"floor must be in (0, 1], got {floor}")
+    if n_held < 1 or n_forget >= n_held or rule == "none":
+        return 1.0
+    share = max(n_forget, 0) / n_held
+    return max(share if rule == "linear" else math.sqrt(share), floor)
+
+
 @dataclass
 class GradientSignature:
     """Orthonormal basis of the subspace spanned by a forget set's loss gradients.

@@ -15,6 +15,7 @@ from typing import Any
 from clients.config import ClientConfig, DataConfig
 from fedasync.errors import ConfigError
 from fedasync.staleness import WEIGHT_FUNCTIONS
+from fedasync.unlearning import SHARE_RULES
 
 MODES = ("fedasync", "fedbuff", "sync")
 SPEED_PROFILES = ("uniform", "stragglers", "lognormal")
@@ -251,7 +252,14 @@ class UnlearningConfig:
     lr: float = 0.01
     """Local erasure learning rate."""
     radius: float = 2.0
-    """PGA: L2 radius of the ball around the reference model."""
+    """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
+    sample-level one gets it scaled by radius_scaling)."""
+    radius_scaling: str = "linear"
+    """How a sample-level erasure's size (PGA radius, relabel steps) follows its share of the
+    silo's samples: linear (max(share, radius_floor)), sqrt (max(sqrt(share), radius_floor)) or
+    none (the full size for any erasure)."""
+    radius_floor: float = 0.05
+    """The smallest share of the full size a sample-level erasure gets."""
     server_removal: bool = False
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
     calibration: bool = True
@@ -422,6 +430,7 @@ RANGES: dict[str, Range] = {
     "unlearning.steps": NON_NEGATIVE,
     "unlearning.lr": POSITIVE,
     "unlearning.radius": NON_NEGATIVE,
+    "unlearning.radius_floor": UNIT_OPEN_LOW,
     "unlearning.calibration_strength": UNIT,
     "unlearning.signature_rank": AT_LEAST_ONE,
     "unlearning.signature_batches": AT_LEAST_ONE,
@@ -535,6 +544,10 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
         "engine.ray_address must be host:port or auto (Ray Client ray:// is not supported)",
     )
     _check(u.method in ("pga", "relabel"), "unlearning.method must be pga or relabel")
+    _check(
+        u.radius_scaling in SHARE_RULES,
+        f"unlearning.radius_scaling must be one of {SHARE_RULES}, got {u.radius_scaling!r}",
+    )
     _check(u.pre_boundary in ("project", "drop"), "unlearning.pre_boundary must be project or drop")
     _check(
         (u.tls_certfile is None) == (u.tls_keyfile is None),
