@@ -40,6 +40,9 @@ log = logging.getLogger("fedasync.client")
 app = ClientApp()
 
 LAST_ARRAYS, LAST_METRICS = "last-reply-arrays", "last-reply-metrics"
+NO_DATA = "no_training_data"
+"""Refusal reason of a silo whose training set is empty (every sample erased): a typed reply,
+once, after which the server sends it no more training (not an error it would retry)."""
 
 
 @lru_cache(maxsize=4)
@@ -118,7 +121,11 @@ def train(msg: Message, context: Context) -> Message:
 
     fed = _federation(setup)
     silo, data = _silo(context, setup)
+    held = len(data)
     data = select(data, [str(x) for x in cfg.get(P.EXCLUDE, [])])  # type: ignore[union-attr]
+    if len(data) == 0:
+        detail = f"silo {silo} has no training data left (all {held} samples erased)"
+        return _refuse(msg, silo, NO_DATA, detail)
     if bool(cfg.get(P.RELEARN, False)):  # a relearning attack in a verification run
         setup_d = P.loads(setup)
         poisoned = _silo_data(setup, int(setup_d["backdoor"]["silo"]))
@@ -146,7 +153,7 @@ def train(msg: Message, context: Context) -> Message:
                 **common,
             )
         except BudgetExhausted as e:
-            return _refuse(msg, silo, e)
+            return _refuse(msg, silo, Refusal.BUDGET_EXHAUSTED, str(e), e)
     else:
         stats = train_local(model, data, seed=int(cfg[P.SEED]), **common)
     trained_s = time.perf_counter() - t_train
@@ -188,20 +195,22 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def _refuse(msg: Message, silo: int, e: BudgetExhausted) -> Message:
-    """A typed refusal (no arrays): this silo's privacy budget does not allow the work."""
-    log.warning("silo %d refuses training: %s", silo, e)
+def _refuse(
+    msg: Message, silo: int, reason: str, detail: str, e: BudgetExhausted | None = None
+) -> Message:
+    """A typed refusal (no arrays): the silo cannot do the work (its privacy budget, ``e``, does
+    not allow it, or it has no data left); the server stops sending it training."""
+    log.warning("silo %d refuses training: %s", silo, detail)
     cfg = msg.content[P.CONFIG]
     metrics = MetricRecord(
         {
             P.SILO: silo,
             P.BASE_VERSION: int(cfg[P.BASE_VERSION]),  # type: ignore[arg-type]
             P.JOB_ID: int(cfg[P.JOB_ID]),  # type: ignore[arg-type]
-            DP_EPSILON: e.spent,
-            DP_DELTA: e.delta,
+            **({DP_EPSILON: e.spent, DP_DELTA: e.delta} if e is not None else {}),
         }
     )
-    why = ConfigRecord({REFUSAL: Refusal.BUDGET_EXHAUSTED, REFUSAL_DETAIL: str(e)})
+    why = ConfigRecord({REFUSAL: reason, REFUSAL_DETAIL: detail})
     return Message(RecordDict({P.METRICS: metrics, P.CONFIG: why}), reply_to=msg)
 
 

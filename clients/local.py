@@ -101,6 +101,8 @@ def train_local(
     keeps a slow silo's work close to the model it started from (less harmful when stale).
     Returns the mean training loss and score over the steps.
     """
+    if len(data) == 0:  # (torch.randint's "from < to" otherwise, with no word of why)
+        raise ValueError("no training data: every sample of this silo is excluded")
     device = device or torch.device("cpu")
     model.to(device).train()
     gen = torch.Generator().manual_seed(seed)

@@ -16,6 +16,11 @@ SuperNode never starts expired work. A silo the SuperLink reports offline is sen
 after ``server.offline_retry_s``. On the wall clock the loop polls for replies every
 ``server.poll_interval_s`` (each poll is a request to the SuperLink), and ``run.budget_s``
 counts from the first dispatch, not from the roster query.
+
+One silo, at most one job (train, unlearn or calibration) in flight, always: every message
+leaves through ``_send``, which refuses (logs, counts in ``dispatches_refused`` and writes a
+``dispatch_refused`` event) work for a silo that already holds a job or waits out a failure,
+instead of sending it. Erasure work is started only on an idle silo (server/unlearning.py).
 """
 
 from __future__ import annotations
@@ -157,6 +162,7 @@ class AsyncServer:
         self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
         self.accept_times: list[float] = []
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
+        self.dispatches_refused = 0  # second jobs for a busy or down silo (_send's guard)
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
@@ -199,7 +205,11 @@ class AsyncServer:
         if silo in self.stopped:
             return  # it refused further work (out of privacy budget)
         if self.erasure is not None and not self.erasure.may_train(silo):
-            return  # retired by a whole-silo erasure, erasing, or the federation is halted
+            return  # retired by a whole-silo erasure, erasing or about to, or halted
+        why = self.holding(silo)
+        if why is not None:  # (before a fault or a job id is spent on it; _send checks again)
+            self._refuse_dispatch(silo, "train", why, job_id)
+            return
         if job_id is None:
             job_id = self.next_job_id
             self.next_job_id += 1
@@ -226,7 +236,7 @@ class AsyncServer:
         local_steps: int | None = None,
         kind: str = "train",
         erasure: Any = None,
-    ) -> None:
+    ) -> bool:
         seed = int(np.random.default_rng([self.cfg.run.seed, silo, job_id]).integers(2**31 - 1))
         config = ConfigRecord(
             {
@@ -253,9 +263,8 @@ class AsyncServer:
             message_type=P.TRAIN,
             ttl=self.cfg.server.reply_timeout_s,
         )
-        (mid,) = list(self.grid.push_messages([msg]))
-        self.inflight[mid] = Job(
-            mid,
+        job = Job(
+            "",
             silo,
             self.roster[silo],
             job_id,
@@ -267,11 +276,50 @@ class AsyncServer:
             kind=kind,
             erasure=erasure,
         )
+        return self._send(msg, job)
 
-    def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> None:
+    def holding(self, silo: int) -> str | None:
+        """Why ``silo`` may not be sent work now (None: it is idle): a job in flight, or a
+        failure it waits out (``retries``; its entry is taken off before it is re-sent)."""
+        for j in self.inflight.values():
+            if j.silo == silo:
+                return f"its {j.kind} job {j.job_id} is in flight"
+        for t, s in self.retries:
+            if s == silo:
+                return f"it is down until t={t:.1f}"
+        return None
+
+    def _refuse_dispatch(self, silo: int, kind: str, why: str, job_id: int | None = None) -> None:
+        self.dispatches_refused += 1
+        log.error("refused to send silo %d a second (%s) job: %s", silo, kind, why)
+        self.events.write(
+            "dispatch_refused",
+            t=self.clock.now,
+            version=self.version,
+            silo=silo,
+            kind=kind,
+            job=job_id,
+            detail=why,
+        )
+
+    def _send(self, msg: Message, job: Job) -> bool:
+        """Push ``msg`` (``job``'s message) to its silo: the single point where work leaves the
+        server. It enforces the invariant one silo, at most one job in flight: a second job
+        for a silo that holds one, or that waits out a failure, is refused, logged and counted
+        (a bug in whoever asked), never sent. True when sent."""
+        why = self.holding(job.silo)
+        if why is not None:
+            self._refuse_dispatch(job.silo, job.kind, why, job.job_id)
+            return False
+        (mid,) = list(self.grid.push_messages([msg]))
+        job.msg_id = mid
+        self.inflight[mid] = job
+        return True
+
+    def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> bool:
         """FedEraser: a train message of ``steps`` local steps from the model being rebuilt."""
         job_id, timing = self._side_job(silo, steps)
-        self._push_train(
+        return self._push_train(
             silo,
             job_id,
             self.version,
@@ -293,14 +341,16 @@ class AsyncServer:
         jt = self.clock.schedule(silo, job_id)
         return job_id, (jt.dispatched_at, jt.finishes_at)
 
-    def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> None:
-        """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``."""
+    def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
+        """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``.
+        False when refused (the silo holds a job): the coordinator starts erasures only on an
+        idle silo, so this is a bug's trace; the request goes back to the queue."""
         u = self.cfg.unlearning  # the erasure steps, then one gradient per signature batch
-        job_id, timing = self._side_job(silo, u.steps + u.signature_batches)
+        steps = int(erasure.overrides.get("steps", u.steps))
+        job_id, timing = self._side_job(silo, steps + u.signature_batches)
         msg = unlearn_message(self, silo, job_id, start, erasure)
-        (mid,) = list(self.grid.push_messages([msg]))
-        self.inflight[mid] = Job(
-            mid,
+        job = Job(
+            "",
             silo,
             self.roster[silo],
             job_id,
@@ -310,7 +360,11 @@ class AsyncServer:
             kind="unlearn",
             erasure=erasure,
         )
-        self.erasure.event(erasure, "erasing")
+        if not self._send(msg, job):
+            self.erasure.requeue(erasure, SiloLost("its silo was busy", offline=True))
+            return False
+        self.erasure.event(erasure, "erasing", **erasure.start_report)
+        return True
 
     def is_down(self, silo: int) -> bool:
         """A silo whose work failed and that waits to be sent work again (offline)."""

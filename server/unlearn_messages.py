@@ -38,7 +38,8 @@ def unlearn_message(
             P.BASE_VERSION: srv.version,
             P.SEED: seed,
             P.FORGET: list(erasure.sample_ids),
-            P.UNLEARN_JSON: P.dumps(to_dict(srv.cfg.unlearning)),
+            # the erasure's own size (scaled to its forget set) over the configured one
+            P.UNLEARN_JSON: P.dumps({**to_dict(srv.cfg.unlearning), **erasure.overrides}),
         }
     )
     content = RecordDict({P.ARRAYS: wire.encode(start), P.CONFIG: config})

@@ -33,12 +33,32 @@ it was started. An offline silo (the SuperLink's word) is tried again after
 that arrives but is malformed fails it at once, as do requests a method cannot carry out.
 
 A whole-silo erasure retires the silo; a sample-level erasure lets it keep training without
-the erased samples (every later train message lists them to exclude).
+the erased samples (every later train message lists them to exclude). A request whose ids,
+with those erased before, cover every sample the silo holds is carried out as a whole-silo
+erasure (a silo left without data could only fail every training job); the ``erasing`` event
+and the audit row say so.
+
+Bounds, so that an erasure cannot wreck everyone's model (a silo could otherwise do it on
+purpose, and even an honest tiny erasure did: see README):
+
+- its size follows the forget set's share of the silo's data
+  (`fedasync.unlearning.forget_share_scale`, ``unlearning.radius_scaling``): PGA's ball
+  radius, relabelling's steps;
+- its delta is bounded like any update, and more: clipped (not rejected: the erasure still
+  happens) to the smallest of ``server.norm_outlier_factor`` x the median accepted update
+  norm, ``server.clip_norm``, and for PGA the radius it was sent (an honest delta lies in
+  that ball); the clip is reported (``delta_norm``, ``delta_bound``, ``clip_factor``);
+- the test score just before and just after the boundary, and their difference
+  (``score_before``, ``score_after``, ``boundary_dip``), are in every report.
+
+One silo, one job: an erasure starts only when its silo has no job in flight (the loop
+refuses a second one); while a request waits for its silo, the silo is sent no new training.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,12 +66,13 @@ import numpy as np
 import torch
 
 from fedasync import Params, Rejection, RejectReason
-from fedasync.tensors import clone
+from fedasync.tensors import clip_by_norm, clone, global_norm
 from fedasync.unlearning import (
     ContributionLedger,
     GradientSignature,
     UpdateHistory,
     federaser_step,
+    forget_share_scale,
 )
 from server.unlearn_messages import SiloLost
 
@@ -81,6 +102,10 @@ class Erasure:
     boundary: int | None = None
     applied_t: float | None = None
     metrics_at_boundary: dict[str, float] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """unlearning.* values this erasure is sent instead of the config's (its scaled size)."""
+    start_report: dict[str, Any] = field(default_factory=dict)
+    """What the ``erasing`` event says of the erasure's scope and size."""
 
 
 @dataclass
@@ -125,6 +150,7 @@ class ErasureCoordinator:
         self.halting = False
         self.max_attempts = int(self.cfg.max_attempts)
         self.not_before: dict[str, float] = {}  # requeued id -> clock time it may start again
+        self.waiting: set[int] = set()  # silos with a queued request: sent no new training
 
     # -------------------------------------------------------------- scheduling
     def next_time(self) -> float:
@@ -144,12 +170,12 @@ class ErasureCoordinator:
             self.halting or any(e.boundary is None for e in self.active.values())
         ):
             return False  # the synchronous baseline: everyone waits for the erasure
-        return silo not in self.retired and not self.erasing(silo)
+        return silo not in self.retired and silo not in self.waiting and not self.erasing(silo)
 
     def halted_silos(self) -> list[int]:
-        """Silos with no work in flight that may train again (after a halt)."""
-        busy = {j.silo for j in self.srv.inflight.values()}
-        return [s for s in sorted(self.srv.roster) if s not in busy and self.may_train(s)]
+        """Silos with no work in flight, not down, that may train again (after a halt)."""
+        srv = self.srv
+        return [s for s in sorted(srv.roster) if srv.holding(s) is None and self.may_train(s)]
 
     def poll(self) -> None:
         """Submit due scheduled erasures; start queued requests whose silo is online."""
@@ -162,6 +188,14 @@ class ErasureCoordinator:
         queued = [r for r in self.store.unfinished() if r.state.value == "queued"]
         for req in queued:
             self.seen.setdefault(req.id, now)
+        before, self.waiting = self.waiting, {r.silo for r in queued}
+        self._start_queued(queued, now)
+        if not self.srv.barrier:  # silos whose request left the queue otherwise (failed) train
+            for silo in sorted(before - self.waiting):
+                if self.srv.holding(silo) is None and self.may_train(silo):
+                    self.srv.dispatch(silo)
+
+    def _start_queued(self, queued: list[Any], now: float) -> None:
         # the synchronous baseline halts: no new work while a request waits, and the erasure
         # starts only once the work in flight has drained
         self.halting = self.cfg.halt and bool(queued)
@@ -174,9 +208,13 @@ class ErasureCoordinator:
                 continue
             if self.srv.is_down(req.silo) or self.erasing(req.silo):
                 continue  # offline: it waits, queued, until the silo returns
+            if self.srv.holding(req.silo) is not None:
+                continue  # one job per silo: it starts when the silo's job in flight is back
             if self.not_before.get(req.id, now) > now:
                 continue  # it went down while erasing: tried again after a pause
             self.not_before.pop(req.id, None)
+            if not any(r.silo == req.silo and r.id != req.id for r in queued):
+                self.waiting.discard(req.silo)  # (a silo erasing is sent no training anyway)
             self._start(req)
 
     def _fraction_ids(self, silo: int, fraction: float) -> list[str]:
@@ -194,19 +232,53 @@ class ErasureCoordinator:
         total = self.ledger.total(str(req.silo)) if self.cfg.server_removal else None
         e.removal = {k: -v for k, v in total.items()} if total is not None else None
         self.active[req.id] = e
+        note = self._size(e)
         if not resumed:
             self.store.transition(
                 req.id,
                 _state("erasing"),
                 actor="server",
                 model_version=srv.version,
-                detail=f"sent train.unlearn to silo {req.silo}",
+                detail=f"sent train.unlearn to silo {req.silo}{note}",
             )
         if self.cfg.federaser:
             self._start_rebuild(e)
             return
         start = srv.params if e.removal is None else _add(srv.params, e.removal)
         srv.dispatch_unlearn(req.silo, start, e)
+
+    def _size(self, e: Erasure) -> str:
+        """Scope and size of ``e`` before it is sent: a request whose ids (with those erased
+        before) cover every sample of the silo becomes a whole-silo erasure; a sample-level one
+        is scaled to its share of the silo's data. Returns a note for the audit row."""
+        srv, u = self.srv, self.cfg
+        held = set(srv.silo_sample_ids(e.silo))
+        n_held = len(held) if held else int(srv.num_samples.get(e.silo, 0))
+        gone = set(self.excluded.get(e.silo, []))
+        n_left = n_held - (len(gone & held) if held else len(gone))
+        note = ""
+        if e.sample_ids:
+            covered = set(e.sample_ids) | gone
+            if (held and held <= covered) or (not held and n_held and len(covered) >= n_held):
+                why = (
+                    f"its ids cover all {n_held} samples silo {e.silo} holds"
+                    + (f" ({len(gone)} erased before)" if gone else "")
+                    + ": erased as a whole silo (the silo is retired)"
+                )
+                log.warning("erasure %s of silo %d: %s", e.request_id, e.silo, why)
+                e.sample_ids = []
+                e.start_report["whole_silo"] = why
+                note = f"; {why}"
+        if e.sample_ids:
+            n = len(set(e.sample_ids) - gone)
+            scale = forget_share_scale(n, max(n_left, 1), u.radius_scaling, u.radius_floor)
+            e.overrides = {
+                "radius": u.radius * scale,
+                "steps": max(1, math.ceil(u.steps * scale)) if u.method == "relabel" else u.steps,
+            }
+            e.start_report.update(share=n / max(n_left, 1), size_scale=scale, **e.overrides)
+            note += f"; {n} of {n_left} samples: size x{scale:.3g}"
+        return note
 
     # -------------------------------------------------------------- FedEraser (baseline)
     def _start_rebuild(self, e: Erasure) -> None:
@@ -242,11 +314,10 @@ class ErasureCoordinator:
                 and s not in self.retired
                 and not srv.is_down(s)
             ]
-            if silos:
-                rb.pending = set(silos)
+            sent = [s for s in silos if srv.dispatch_calibration(s, rb.model, steps, rb.erasure)]
+            if sent:
+                rb.pending = set(sent)
                 rb.updates = {}
-                for silo in silos:
-                    srv.dispatch_calibration(silo, rb.model, steps, rb.erasure)
                 return
             rb.idx += 1  # nobody left from that round
         self.rebuild = None
@@ -310,10 +381,51 @@ class ErasureCoordinator:
             log.warning("ignored a reply to erasure %s: not in progress", erasure.request_id)
             return  # requeued or finished meanwhile: only the attempt in progress is applied
         delta, basis, names, metrics = decoded
+        delta, bounds = self.bound_delta(erasure, delta)
+        metrics = {**metrics, **bounds}
         new = _add(srv.params, delta)
         if erasure.removal is not None:
             new = _add(new, erasure.removal)
         self._apply(erasure, new, GradientSignature.from_basis(basis, names), metrics)
+
+    def bound_delta(self, erasure: Erasure, delta: Params) -> tuple[Params, dict[str, float]]:
+        """``delta`` clipped to the erasure bound, and what was done (``delta_norm``: its L2
+        norm as sent; ``delta_bound``; ``clip_factor`` < 1 when it was clipped).
+
+        The bound is the smallest of: ``server.norm_outlier_factor`` x the median norm of
+        recently accepted updates (once there are enough), ``server.clip_norm``, and, for PGA,
+        the ball radius the erasure was sent (1e-3 relative slack for float rounding). An
+        erasure delta is applied at full weight, not at a staleness-weighted mixing rate, so
+        it gets at least the bounds any update gets. Clipped rather than rejected: the request
+        is still carried out (bounded) and the clip is reported, where a rejection would have
+        to fail or retry an erasure the requester is owed.
+        """
+        srv = self.srv
+        bounds: list[float] = []
+        threshold = srv.norms.threshold()
+        if threshold is not None:
+            bounds.append(threshold)
+        if srv.cfg.server.clip_norm is not None:
+            bounds.append(float(srv.cfg.server.clip_norm))
+        if self.cfg.method == "pga":
+            bounds.append(float(erasure.overrides.get("radius", self.cfg.radius)) * (1 + 1e-3))
+        norm = global_norm(delta)
+        report = {"delta_norm": norm}
+        if not bounds:
+            return delta, report
+        bound = min(bounds)
+        clipped, factor = clip_by_norm(delta, bound, norm)
+        report["delta_bound"] = bound
+        if factor < 1.0:
+            report["clip_factor"] = factor
+            log.warning(
+                "erasure %s of silo %d: delta norm %.4g clipped to the bound %.4g",
+                erasure.request_id,
+                erasure.silo,
+                norm,
+                bound,
+            )
+        return clipped, report
 
     def _apply(
         self,
@@ -331,12 +443,17 @@ class ErasureCoordinator:
         else:
             self.retired.add(erasure.silo)
             self.ledger.forget(str(erasure.silo))
+        before = float(srv.evaluate_fn(srv.params)["score"])  # just before the boundary
         srv.apply_erasure(new)
         erasure.boundary = self.boundary = srv.version
         erasure.applied_t = srv.clock.now
+        after = float(srv.evaluate_fn(srv.params)["score"])  # just after it
         erasure.metrics_at_boundary = {
             **self.verify_fn(srv.params, erasure.silo, erasure.sample_ids),
             **{f"silo_{k}": v for k, v in metrics.items()},
+            "score_before": before,
+            "score_after": after,
+            "boundary_dip": before - after,
         }
         self.applied.add(erasure.request_id)
         srv.checkpoint()  # the model with the erasure is durable before the store says so
@@ -397,6 +514,7 @@ class ErasureCoordinator:
                 "will retry when it returns"
             )
         del self.active[rid]
+        self.waiting.add(erasure.silo)  # no training for it before the erasure starts again
         log.warning("erasure %s of silo %d back to queued: %s", rid, erasure.silo, detail)
         self.store.transition(
             rid, _state("queued"), actor="server", model_version=srv.version, detail=detail
@@ -432,6 +550,8 @@ class ErasureCoordinator:
             "updates_from_others_while_erasing": self.srv.updates_accepted_between(
                 e.started_t or 0.0, e.applied_t or 0.0
             ),
+            # the global test score just before vs just after the boundary (positive: a drop)
+            "boundary_dip": e.metrics_at_boundary.get("boundary_dip"),
             "at_boundary": e.metrics_at_boundary,
         }
 
