@@ -14,8 +14,9 @@ No paper. Departures from a plain ``torch.save``:
 - Finite: a state with a NaN or infinite value in any floating tensor is refused (naming the
   key): resuming it would make every later update non-finite.
 - Files without a digest (written before digests existed) are refused too, since damage in
-  them cannot be detected; ``python -m fedasync.checkpoint seal FILE`` adds the digest to such
-  a file after checking that its values are finite: the user's explicit "I trust this file".
+  them cannot be detected; :func:`seal` (``fedasync checkpoint seal FILE``) adds the digest
+  to such a file after checking that its values are finite: the user's explicit "I trust
+  this file".
 
 Loading uses ``weights_only=True``: states must be made of tensors, numbers, strings, bools,
 None, lists, tuples and dicts (all ``state_dict()`` methods of this package comply). Every
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -154,7 +154,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} has no digest (written before checkpoints carried one), so "
             "damage to it cannot be detected; if you trust it, run "
-            f"`python -m fedasync.checkpoint seal {path}`, or delete it to start afresh"
+            f"`fedasync checkpoint seal {path}`, or delete it to start afresh"
         )
     if obj[ENVELOPE] != ENVELOPE_FORMAT or not isinstance(obj.get("state"), dict):
         raise CheckpointError(
@@ -182,23 +182,3 @@ def seal(path: str | os.PathLike[str]) -> None:
         raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a dict")
     _refuse_non_finite(path, obj)
     save_checkpoint(path, obj)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fedasync.checkpoint seal FILE...``: trust and seal digest-less checkpoints."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if len(args) < 2 or args[0] != "seal":
-        print("usage: python -m fedasync.checkpoint seal FILE...", file=sys.stderr)
-        return 2
-    for path in args[1:]:
-        try:
-            seal(path)
-        except CheckpointError as e:
-            print(f"fedasync: {e}", file=sys.stderr)
-            return 2
-        print(f"sealed {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

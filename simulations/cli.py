@@ -5,6 +5,7 @@ fedasync data fetch [--dir DIR]                     fetch and checksum the offli
 fedasync data table [--benchmark B] [--silos N]     print what each silo holds
 fedasync erase submit|status|list|watch|...         erasure requests (simulations/erase_cli.py)
 fedasync certs DIR --silos N [--host H]             CA, SuperLink certificate, SuperNode keys
+fedasync checkpoint seal FILE...                    trust an old checkpoint (no digest): add one
 fedasync deploy local [--silos N] [--config FILE] [key=value ...]
                                                     SuperLink + SuperNodes here, over TLS
 
@@ -89,6 +90,12 @@ def _main(argv: list[str] | None = None) -> int:
         help=f"erasure requests to a running server: {' | '.join(_erase_commands())} "
         "(fedasync erase -h)",
     )
+    ckpt = sub.add_parser("checkpoint", help="checkpoint utilities")
+    csub = ckpt.add_subparsers(dest="ckpt_cmd", required=True)
+    seal = csub.add_parser(
+        "seal", help="trust checkpoints written without a digest: check them and add one"
+    )
+    seal.add_argument("files", nargs="+", type=Path)
     certs.add_parser(sub)
     deploy.add_parser(sub)
     args = parser.parse_args(args_in)
@@ -103,6 +110,13 @@ def _main(argv: list[str] | None = None) -> int:
         if failed is not None:
             print(f"fedasync: {failed}", file=sys.stderr)
             return 1
+        return 0
+    if args.cmd == "checkpoint":
+        from fedasync.checkpoint import seal as seal_checkpoint
+
+        for path in args.files:
+            seal_checkpoint(path)  # a CheckpointError: one line, exit 2
+            print(f"sealed {path}")
         return 0
     if args.cmd == "certs":
         return certs.run(args)

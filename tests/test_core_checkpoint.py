@@ -4,8 +4,7 @@ import zipfile
 import pytest
 import torch
 
-from fedasync.checkpoint import load_checkpoint, save_checkpoint, state_digest
-from fedasync.checkpoint import main as checkpoint_main
+from fedasync.checkpoint import load_checkpoint, save_checkpoint, seal, state_digest
 from fedasync.errors import CheckpointError
 
 
@@ -89,25 +88,25 @@ def test_non_finite_values_are_refused_naming_the_key(tmp_path):
         load_checkpoint(path)
 
 
-def test_checkpoint_without_digest_is_refused_until_sealed(tmp_path, capsys):
+def test_checkpoint_without_digest_is_refused_until_sealed(tmp_path):
     # Prepare: a checkpoint written before digests were stored (a plain torch.save)
     path = tmp_path / "old.pt"
     state = {"params": {"w": torch.randn(4)}, "version": 7}
     torch.save(state, path)
 
     # Execute / Assert: refused, then sealed by the command the message names, then loaded
-    with pytest.raises(CheckpointError, match="python -m fedasync.checkpoint seal"):
+    with pytest.raises(CheckpointError, match="fedasync checkpoint seal"):
         load_checkpoint(path)
-    assert checkpoint_main(["seal", str(path)]) == 0
+    seal(path)
     _assert_same(load_checkpoint(path), state)
 
 
-def test_seal_refuses_a_non_finite_checkpoint(tmp_path, capsys):
+def test_seal_refuses_a_non_finite_checkpoint(tmp_path):
     path = tmp_path / "old.pt"
     torch.save({"w": torch.tensor([float("inf")])}, path)
 
-    assert checkpoint_main(["seal", str(path)]) == 2
-    assert "non-finite" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="non-finite"):
+        seal(path)
     with pytest.raises(CheckpointError, match="no digest"):
         load_checkpoint(path)
 

@@ -201,6 +201,22 @@ def test_a_run_with_versions_exits_0(monkeypatch, tmp_path):
     assert main(["simulate", f"run.out_dir={tmp_path}"]) == 0
 
 
+def test_checkpoint_seal_command(tmp_path, capsys):
+    # Prepare: a checkpoint of an older fedasync (no digest)
+    from fedasync.checkpoint import load_checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    bad = tmp_path / "bad.pt"
+    torch.save({"w": torch.tensor([float("nan")])}, bad)
+
+    # Execute / Assert
+    assert main(["checkpoint", "seal", str(path)]) == 0
+    assert torch.equal(load_checkpoint(path)["w"], torch.ones(2))
+    assert main(["checkpoint", "seal", str(bad)]) == 2
+    assert "non-finite" in _one_line(capsys.readouterr().err)
+
+
 def test_help_lists_erase_and_its_subcommands(capsys):
     from simulations.erase_cli import _parser
 
