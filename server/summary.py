@@ -58,6 +58,8 @@ def build_summary(
         "updates_buffered_at_end": srv.updates_accepted - srv.updates_applied,
         "updates_rejected": dict(sorted(srv.rejected.items())),
         "updates_rejected_total": sum(srv.rejected.values()),
+        # second jobs the loop refused to send a silo that held one (0 unless a bug asked)
+        "dispatches_refused": srv.dispatches_refused,
         "staleness_mean": float(np.mean(st)) if st else 0.0,
         "staleness_max": int(max(st)) if st else 0,
         "per_silo": per_silo,

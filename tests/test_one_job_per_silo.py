@@ -100,6 +100,7 @@ def test_one_job_per_silo_under_crashes_erasures_and_retries(small_cfg, monkeypa
     # ...one job per silo, always, and the guard never had to refuse a second one
     assert grid.violations == []
     assert [e for e in events if e["event"] == "dispatch_refused"] == []
+    assert summary["dispatches_refused"] == 0
     # ...the crash's down time was kept: nothing sent to silo 1 while it was down
     assert not [
         (t, k) for t, n, k in grid.pushes if n == SILO_1 and crash["t"] < t < crash["t"] + DOWN_S
@@ -107,3 +108,37 @@ def test_one_job_per_silo_under_crashes_erasures_and_retries(small_cfg, monkeypa
     # ...and silo 1, which erased twice and was down, did not out-train its peers
     accepted = {s: summary["per_silo"][s]["accepted"] for s in ("0", "1", "2")}
     assert 0 < accepted["1"] <= min(accepted["0"], accepted["2"]), accepted
+
+
+def test_the_dispatch_guard_refuses_a_second_job_and_says_so(small_cfg, monkeypatch):
+    # Prepare: a buggy path asks for work for silo 1 (busy) whenever silo 0's reply is taken,
+    # and for silo 2 while it waits out a crash
+    grid = _Watched(client_app, 3)
+    orig_take = AsyncServer._take
+
+    def take(self, job, reply):
+        grid.server = self
+        grid.holding[job.node_id].discard(job.msg_id)
+        ok = orig_take(self, job, reply)
+        if job.silo == 0:
+            self.dispatch(1)
+            self.dispatch(2)
+        return ok
+
+    monkeypatch.setattr(AsyncServer, "_take", take)
+    cfg = small_cfg(
+        "run.max_versions=12", "faults=[{kind: crash, silo: 2, at_version: 2, down_s: 30}]"
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    # Execute
+    summary = run_server(grid, cfg, run_dir)
+    # Assert: refused every time, never sent, each refusal logged as an event with its reason
+    assert grid.violations == []
+    events = read_events(run_dir / "metrics.jsonl")
+    refused = [e for e in events if e["event"] == "dispatch_refused"]
+    assert refused and summary["dispatches_refused"] == len(refused)
+    assert {e["silo"] for e in refused} <= {1, 2}
+    assert any("in flight" in e["detail"] for e in refused if e["silo"] == 1)
+    assert any("down until" in e["detail"] for e in refused if e["silo"] == 2)
+    (crash,) = [e for e in events if e["event"] == "reject"]
+    assert not [t for t, n, _ in grid.pushes if n == 1002 and crash["t"] < t < crash["t"] + 30]
