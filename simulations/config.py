@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fedasync.errors import ConfigError, UserError
@@ -37,14 +37,23 @@ def load_config(
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (--config)")
     try:
-        merged = OmegaConf.merge(
-            schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or []))
+        loaded = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax (yaml.YAMLError), or an unreadable file
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(
+            f"config file {path} must map keys to values (run:, server:, ...), not hold a list"
         )
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. server.mode=fedbuff)")
+    try:
+        merged = OmegaConf.merge(schema, loaded, OmegaConf.from_dotlist(list(overrides or [])))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         first = str(e).splitlines()[0]
-        raise ConfigError(f"bad configuration key {key}: {first} (defaults: {path})") from e
+        raise ConfigError(f"bad configuration key {key}: {first} (config: {path})") from e
     except ValueError as e:  # a config dataclass's own check (clients.config.DPConfig)
         if isinstance(e, UserError):
             raise

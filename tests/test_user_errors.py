@@ -106,6 +106,24 @@ def test_gpus_per_silo_without_a_gpu_is_refused(tmp_path, capsys, no_engine):
     assert "engine.client_gpus" in _one_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [("run:\n  name: [x\n", "not valid YAML"), ("- a\n- b\n", "map keys to values")],
+)
+def test_a_broken_config_file_is_one_line(text, names, tmp_path, capsys, no_engine):
+    path = tmp_path / "my.yaml"
+    path.write_text(text)
+
+    assert main(["simulate", "--config", str(path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(path) in line and names in line
+
+
+def test_an_override_without_a_value_is_one_line(capsys, no_engine):
+    assert main(["simulate", "run.name"]) == 2
+    assert "run.name" in _one_line(capsys.readouterr().err)
+
+
 def test_missing_data_file_in_data_table_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FEDASYNC_DATA", str(tmp_path))
     assert main(["data", "table", "--benchmark", "nuclei", "--silos", "2"]) == 2
