@@ -258,7 +258,7 @@ class UnlearningConfig:
     """How a sample-level erasure's size (PGA radius, relabel steps) follows its share of the
     silo's samples: linear (max(share, radius_floor)), sqrt (max(sqrt(share), radius_floor)) or
     none (the full size for any erasure)."""
-    radius_floor: float = 0.05
+    radius_floor: float = 0.01
     """The smallest share of the full size a sample-level erasure gets."""
     server_removal: bool = False
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
