@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,10 @@ def run_server(
             summary["central_dp"] = central_dp_summary(srv)
         write_summary(run_dir / "summary.json", summary)
         return summary
+    except RunStopped:
+        if srv.started_at is not None:
+            srv.checkpoint()  # a resume goes on from where it stopped
+        raise
     finally:
         if service is not None:
             service.stop(grace=1.0).wait(5.0)
@@ -301,15 +306,76 @@ def erasure_summary(srv: AsyncServer) -> dict[str, Any]:
     }
 
 
+class RunStopped(BaseException):
+    """The launcher stopped the run (Ctrl-C, SIGTERM): raised in the ServerApp's thread at its
+    next poll of the grid. A BaseException, so that no ``except Exception`` takes it for a
+    silo's failure."""
+
+
+class StoppableGrid:
+    """``grid`` whose reading calls (``pull_messages``, ``get_node_ids``) raise RunStopped once
+    ``stop`` is set; everything else is passed through. Pushing never raises, so the loop is
+    stopped between two steps, never inside one."""
+
+    def __init__(self, grid: Grid, stop: threading.Event):
+        self._grid, self._stop = grid, stop
+
+    def pull_messages(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stop.is_set():
+            raise RunStopped
+        return self._grid.pull_messages(*args, **kwargs)
+
+    def get_node_ids(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stop.is_set():
+            raise RunStopped
+        return self._grid.get_node_ids(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+
+class StopHandle:
+    """How the simulation launcher stops a running ServerApp and waits for its thread, which
+    Flower does not make a daemon: a process cannot exit while it runs."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.started = False
+        self.done = threading.Event()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Ask the run to stop; whether its ServerApp ended (or never started) in ``timeout_s``."""
+        self.requested.set()
+        return not self.started or self.done.wait(timeout_s)
+
+
 def make_server_app(
-    cfg: FedAsyncConfig, run_dir: Path, result: dict[str, Any] | None = None
+    cfg: FedAsyncConfig,
+    run_dir: Path,
+    result: dict[str, Any] | None = None,
+    handle: StopHandle | None = None,
 ) -> ServerApp:
-    """A ServerApp bound to ``cfg`` for the simulation engine; its summary lands in ``result``."""
+    """A ServerApp bound to ``cfg`` for the simulation engine; its summary lands in ``result``.
+
+    With ``handle``: once it is asked to stop, the run stops at its next poll (checkpoint
+    written, erasure service stopped, event log closed) and the ServerApp returns without a
+    summary.
+    """
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        summary = run_server(grid, cfg, run_dir)
+        if handle is None:
+            summary = run_server(grid, cfg, run_dir)
+        else:
+            handle.started = True
+            try:
+                summary = run_server(StoppableGrid(grid, handle.requested), cfg, run_dir)  # type: ignore[arg-type]
+            except RunStopped:
+                log.info("the run was stopped")
+                return
+            finally:
+                handle.done.set()
         if result is not None:
             result.update(summary)
 

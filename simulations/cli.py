@@ -10,7 +10,8 @@ fedasync deploy local [--silos N] [--config FILE] [key=value ...]
                                                     SuperLink + SuperNodes here, over TLS
 
 Exit codes: 0 done; 1 the run failed or produced no version; 2 a user error (a config key,
-a data file, a checkpoint: one line on stderr naming it and what to do); 130 interrupted.
+a data file, a checkpoint: one line on stderr naming it and what to do); 130 Ctrl-C, 143
+SIGTERM (simulate: one line saying where it stopped and how to resume).
 """
 
 from __future__ import annotations
@@ -102,15 +103,12 @@ def _main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "simulate":
         from simulations.config import load_config
-        from simulations.launcher import simulate
+        from simulations.launcher import run
 
         cfg = load_config(args.config, args.overrides)  # a UserError: one line, exit 2
-        summary = simulate(cfg, verbose=args.verbose)
-        failed = _no_version(summary, Path(cfg.run.out_dir) / cfg.run.name)
-        if failed is not None:
-            print(f"fedasync: {failed}", file=sys.stderr)
-            return 1
-        return 0
+        run_dir = Path(cfg.run.out_dir) / cfg.run.name
+        # how the run ended, in one line and the exit code (Ctrl-C 130, SIGTERM 143)
+        return run(cfg, verbose=args.verbose, check=lambda s: _no_version(s, run_dir))
     if args.cmd == "checkpoint":
         from fedasync.checkpoint import seal as seal_checkpoint
 

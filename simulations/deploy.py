@@ -57,7 +57,7 @@ from server.events import json_safe
 from simulations.certs import CertPaths, private_dir, write_certs, write_file
 from simulations.config import to_container, to_yaml
 from simulations.deploy_progress import EventTail, measurements, print_result, show
-from simulations.processes import Proc, Processes
+from simulations.processes import Proc, Processes, owner_token, sweep_orphans
 
 FEDERATION = "fedasync-local"
 """The SuperLink connection's name in the flwr CLI's config.toml."""
@@ -382,9 +382,10 @@ def deploy_local(
     SIGTERM/SIGHUP and KeyboardInterrupt on Ctrl-C; in every case the processes it started
     are stopped first.
     """
+    sweep_orphans()  # what earlier deployments (or simulations) whose driver was killed left
     run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir)
     work = run_dir / "deploy"
-    procs = Processes(marker=f"{work}:{os.getpid()}:{time.time_ns()}")
+    procs = Processes(marker=f"{work}:{owner_token()}")  # whose: see processes.find_orphans
     events = EventTail(run_dir / "metrics.jsonl")
     nodes: dict[int, int] = {}
     summary_path = run_dir / "summary.json"

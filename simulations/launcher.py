@@ -7,6 +7,14 @@ FedAvg baseline on the same data, speeds and virtual clock; then it fills in tim
 started and stopped here (its temp folder is private to the run and removed afterwards);
 with ``engine.ray_address`` the run attaches to a running cluster as one Ray job and leaves
 the cluster as it found it (Ray ends the job's actors when this driver disconnects).
+
+How a run ends (``run``, behind ``fedasync simulate``): finished, the table and where the outputs
+are (exit 0); an exception, one line and the traceback in run.log (exit 1); Ctrl-C or SIGTERM
+(exit 130 / 143), the ServerApp stops at its next poll, writes a checkpoint and stops the
+erasure service, then Ray is stopped and one line says where it stopped and how to resume. In
+every case no process of the run's private Ray is left (``stop_session_processes``), and each
+run first stops what earlier runs whose driver was killed (kill -9) left behind
+(``processes.sweep_orphans``): Ray's DashboardAgent and RuntimeEnvAgent survive their driver.
 """
 
 from __future__ import annotations
@@ -16,16 +24,26 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedasync.errors import UserError
 from server.config import EngineConfig, FedAsyncConfig
 from server.summary import time_to_target, write_summary
 from simulations.config import to_yaml
 from simulations.plots import plot_score_vs_time, plot_silo_contribution, plot_staleness
-from simulations.processes import pids_with_env
+from simulations.processes import (
+    RAY_SESSION_ENV,
+    RAY_TMP_PREFIX,
+    pids_with_env,
+    sweep_orphans,
+    write_owner,
+)
 
 log = logging.getLogger("fedasync")
 
@@ -68,18 +86,76 @@ def setup_logging(run_dir: Path, verbose: bool = False) -> None:
     root.propagate = False
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM arrived: the run stops, cleans up and says where it stopped.
+
+    A KeyboardInterrupt, so that the code it passes through treats it as Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.run_dir: Path | None = None
+        """The run folder of the run it stopped (the sync baseline's is a subfolder)."""
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports a process the signal ended: 130, 143."""
+        return 128 + self.signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def _set_signals(handler: Any) -> dict[int, Any]:
+    """Handle SIGINT and SIGTERM with ``handler``; the handlers they had. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for s, h in previous.items():
+        signal.signal(s, h)
+
+
+def _init_ray(init_args: dict[str, Any]) -> None:
+    """``ray.init`` as Flower's Ray backend calls it (which then finds Ray running).
+
+    Done here so that this driver's SIGINT/SIGTERM handlers can be put back right after it:
+    ``ray.init`` replaces the SIGTERM handler with its own (it stops Ray's processes, then
+    ``sys.exit(1)``) and its core worker installs a native failure-signal handler that writes
+    a C++ stack dump for SIGTERM into the log.
+    """
+    import ray
+
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init_args)
+
+
 def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
-    """One run of the ServerApp against ``silos.count`` ClientApps on Flower's simulation engine."""
+    """One run of the ServerApp against ``silos.count`` ClientApps on Flower's simulation engine.
+
+    However it ends (finished, an exception, SIGINT or SIGTERM: Interrupted) the ServerApp's
+    thread has ended, with the erasure service, and no process of its private Ray is left. It
+    first stops what earlier runs whose driver was killed left behind (``sweep_orphans``).
+    """
     import ray
     from flwr.simulation import run_simulation
 
     from clients.app import app as client_app
-    from server.app import make_server_app
+    from server.app import StopHandle, make_server_app
 
     _quiet_environment()
+    sweep_orphans()
     result: dict[str, Any] = {}
-    server_app = make_server_app(cfg, run_dir, result)
-    ray_tmp = tempfile.mkdtemp(prefix="fa-ray-")
+    handle = StopHandle()
+    server_app = make_server_app(cfg, run_dir, result, handle)
+    ray_tmp = tempfile.mkdtemp(prefix=RAY_TMP_PREFIX)
+    write_owner(Path(ray_tmp))  # how a later run tells this run's leftovers from others'
     previous = os.environ.get(SESSION_ENV)
     os.environ[SESSION_ENV] = ray_tmp  # inherited by every Ray process: how we find them
     backend_config: dict[str, Any] = {
@@ -91,28 +167,42 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     }
     if cfg.engine.ray_address:
         log.info("attaching to the Ray cluster at %s", cfg.engine.ray_address)
+    handlers = _set_signals(_raise_interrupted)
     try:
+        _init_ray(backend_config["init_args"])
+        _set_signals(_raise_interrupted)  # ray.init replaced them
         run_simulation(
             server_app=server_app,
             client_app=client_app,
             num_supernodes=cfg.silos.count,
             backend_config=backend_config,
         )
+    except Interrupted as e:
+        e.run_dir = run_dir
+        raise
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        stop_session_processes(ray_tmp)
-        if previous is None:
-            os.environ.pop(SESSION_ENV, None)
-        else:
-            os.environ[SESSION_ENV] = previous
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        # a second Ctrl-C while stopping must not leave processes behind: stopping is bounded
+        ignored = _set_signals(signal.SIG_IGN)
+        try:
+            if not handle.stop(timeout_s=30.0):
+                log.error("the server app did not stop within 30 s")
+            if ray.is_initialized():
+                ray.shutdown()
+            stop_session_processes(ray_tmp, grace_s=10.0 if sys.exc_info()[0] is None else 3.0)
+            if previous is None:
+                os.environ.pop(SESSION_ENV, None)
+            else:
+                os.environ[SESSION_ENV] = previous
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+        finally:
+            _restore_signals(ignored)
+            _restore_signals(handlers)
     if not result:
         raise RuntimeError(f"the server app did not finish; see {run_dir / 'run.log'}")
     return result
 
 
-SESSION_ENV = "FEDASYNC_RAY_SESSION"
+SESSION_ENV = RAY_SESSION_ENV
 
 
 def ray_init_args(engine: EngineConfig, ray_tmp: str) -> dict[str, Any]:
@@ -248,3 +338,67 @@ def _print_result(runs: dict[str, dict[str, Any]], run_dir: Path, wall: float) -
             f"time-to-target speedup vs sync: {main['speedup_vs_sync']:.2f}x (target {main['target_accuracy']:.4f} {main['metric']})"
         )
     print(f"outputs: {run_dir}/ (summary.json, metrics.jsonl, *.png) in {wall:.0f}s wall")
+
+
+def run(
+    cfg: FedAsyncConfig,
+    *,
+    verbose: bool = False,
+    check: Callable[[dict[str, Any]], str | None] = lambda summary: None,
+) -> int:
+    """``fedasync simulate``: run ``cfg`` and say how it ended. Exit code 0: finished (the table
+    and where the outputs are); 1: ``check(summary)`` says what is wrong, or the run failed (one
+    line; the traceback in run.log, on the console too with ``verbose``); 130: Ctrl-C (SIGINT),
+    143: SIGTERM (one line: where it stopped, its checkpoint, how to resume). A UserError
+    passes through (the CLI turns it into one line)."""
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    handlers = _set_signals(_raise_interrupted)
+    try:
+        failed = check(simulate(cfg, verbose=verbose))
+        if failed is not None:
+            print(f"fedasync: {failed}", file=sys.stderr)
+            return 1
+        return 0
+    except KeyboardInterrupt as e:  # Interrupted, or Ctrl-C before its handler was set
+        stopped = e.run_dir if isinstance(e, Interrupted) and e.run_dir else run_dir
+        name = e.args[0] if isinstance(e, Interrupted) else "SIGINT"
+        print(f"fedasync: stopped by {name} {_where(stopped)}; {_resume(run_dir)}", file=sys.stderr)
+        return e.exit_code if isinstance(e, Interrupted) else 130
+    except UserError:
+        raise
+    except Exception as e:
+        log.info("the run failed", exc_info=True)  # INFO: run.log, the console only when verbose
+        print(
+            f"fedasync: the run failed {_where(run_dir)}: {type(e).__name__}: {e}; "
+            f"traceback in {run_dir / 'run.log'}",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        _restore_signals(handlers)
+
+
+def _where(run_dir: Path) -> str:
+    """'at version V (t=T s virtual)' from the run's event log, or 'before training'."""
+    from server.events import read_events
+
+    try:
+        events = read_events(run_dir / "metrics.jsonl")
+    except (OSError, ValueError):
+        events = []
+    clock = next((e.get("clock") for e in events if e["event"] == "start"), None)
+    last = next((e for e in reversed(events) if "version" in e and "t" in e), None)
+    if last is None or not any(e["event"] == "update" for e in events):
+        return "before training"
+    return f"at version {last['version']} (t={last['t']:.1f} s {clock or ''})".replace(" )", ")")
+
+
+def _resume(run_dir: Path) -> str:
+    """Where the checkpoint is and the command that resumes from it."""
+    ckpt = run_dir / "checkpoint.pt"
+    if not ckpt.exists():
+        return "no checkpoint yet: run it again to start afresh"
+    return (
+        f"checkpoint {ckpt}; resume with: fedasync simulate --config {run_dir / 'config.yaml'} "
+        "run.resume=true"
+    )

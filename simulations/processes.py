@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -187,3 +188,165 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+# ---------------------------------------------------------------- orphans of earlier runs
+RAY_SESSION_ENV = "FEDASYNC_RAY_SESSION"
+"""Environment variable whose value, a private Ray's temp folder, marks every process of it."""
+
+RAY_TMP_PREFIX = "fa-ray-"
+"""How the name of a private Ray's temp folder starts (made by the simulation launcher)."""
+
+OWNER_FILE = "fedasync-owner"
+"""In a private Ray's temp folder: ``<pid> <time_ns>`` of the driver that made it."""
+
+
+def owner_token() -> str:
+    """``<pid>:<time_ns>`` of this process, now: names the owner of what it starts."""
+    return f"{os.getpid()}:{time.time_ns()}"
+
+
+def write_owner(session: Path) -> None:
+    """Record this process as the owner of the Ray temp folder ``session``."""
+    (session / OWNER_FILE).write_text(owner_token().replace(":", " ") + "\n")
+
+
+def owner_alive(pid: int, since_ns: int) -> bool:
+    """Whether the process that wrote ``<pid>:<since_ns>`` still runs: ``pid`` is alive and
+    started before ``since_ns`` (a recycled pid belongs to a process started later)."""
+    if not alive(pid):
+        return False
+    started = _start_time_s(pid)
+    return started is None or started <= since_ns / 1e9 + 1.0
+
+
+def _start_time_s(pid: int) -> float | None:
+    """Wall-clock time (s since the epoch) at which ``pid`` started, from /proc."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return int(line.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def _name(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.split(b"\0", 1)[0].decode(errors="replace").strip() or "?"
+
+
+def _ray_session_of(pid: int, env: dict[str, str]) -> Path | None:
+    """The private Ray temp folder ``pid`` belongs to: its marker variable or, for a Ray
+    process that lost it, a file it holds open (its logs) or its working folder in one."""
+    marked = env.get(RAY_SESSION_ENV)
+    if marked:
+        return Path(marked)
+    name = _name(pid)
+    if not (name.startswith("ray::") or "/ray/" in name):
+        return None
+    proc = Path(f"/proc/{pid}")
+    try:
+        links = [os.readlink(proc / "cwd")]
+        links += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+    except OSError:
+        return None
+    for link in links:
+        parts = Path(link).parts
+        for i, part in enumerate(parts):
+            if part.startswith(RAY_TMP_PREFIX):
+                return Path(*parts[: i + 1])
+    return None
+
+
+def _ray_owner(session: Path) -> tuple[int, int] | None:
+    try:
+        pid, ns = (session / OWNER_FILE).read_text().split()
+        return int(pid), int(ns)
+    except (OSError, ValueError):
+        return None
+
+
+def _deploy_owner(marker: str) -> tuple[int, int] | None:
+    """``<work>:<pid>:<time_ns>`` (deploy local's marker) -> (pid, time_ns)."""
+    try:
+        _, pid, ns = marker.rsplit(":", 2)
+        return int(pid), int(ns)
+    except ValueError:
+        return None
+
+
+def find_orphans() -> dict[int, str]:
+    """Processes left by earlier fedasync runs whose driver is gone: pid -> what it is.
+
+    A process is provably ours when it belongs to a private Ray whose temp folder (named
+    ``fa-ray-*``) holds an owner file naming a driver that no longer runs, or carries a
+    ``deploy local`` marker naming such a driver. A Ray started by anyone else (``ray start``, a
+    cluster we attached to) has neither, and a run still going has a live owner: both are left
+    alone. Only this user's processes are looked at. Linux only (/proc).
+    """
+    found: dict[int, str] = {}
+    if not Path("/proc").is_dir():
+        return found
+    me, uid = os.getpid(), os.getuid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        try:
+            if entry.stat().st_uid != uid or not alive(pid):
+                continue
+        except OSError:
+            continue
+        env = _environ(pid)
+        session = _ray_session_of(pid, env)
+        if session is not None and session.name.startswith(RAY_TMP_PREFIX):
+            owner = _ray_owner(session)
+            if owner is not None and not owner_alive(*owner):
+                found[pid] = f"{_name(pid)} of Ray session {session}"
+            continue
+        marker = env.get(MARKER_ENV, "")
+        owner = _deploy_owner(marker)
+        if owner is not None and not owner_alive(*owner):
+            found[pid] = f"{_name(pid)} of deployment {marker.rsplit(':', 2)[0]}"
+    return found
+
+
+def sweep_orphans(grace_s: float = 2.0) -> dict[int, str]:
+    """Stop what ``find_orphans`` finds (SIGTERM, then SIGKILL after ``grace_s``: Ray's agents
+    ignore SIGTERM), remove their Ray temp folders, and log one line; return what was stopped."""
+    found = find_orphans()
+    if not found:
+        return found
+    for pid in found:
+        _kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p) for p in found):
+        time.sleep(0.1)
+    for pid in found:
+        if alive(pid):
+            _kill(pid, signal.SIGKILL)
+    sessions = {
+        w.split(" of Ray session ", 1)[1] for w in found.values() if " of Ray session " in w
+    }
+    for session in sessions:
+        shutil.rmtree(session, ignore_errors=True)
+    log.warning(
+        "stopped %d process(es) left by earlier runs whose driver is gone: %s",
+        len(found),
+        "; ".join(f"{pid} {what}" for pid, what in sorted(found.items())),
+    )
+    return found

@@ -5,8 +5,10 @@ ledgers), what it records, and what is measured from the events."""
 from __future__ import annotations
 
 import json
+import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from simulations.deploy import (
     write_cli_config,
 )
 from simulations.deploy_progress import EventTail, measurements, round_trips
-from simulations.processes import Proc, Processes, alive
+from simulations.processes import Proc, Processes, _kill, alive, find_orphans, sweep_orphans
 
 
 def _wait_for(pred, timeout_s: float = 10.0) -> None:
@@ -238,3 +240,39 @@ def test_deploy_local_gives_supernodes_ledgers_and_says_sync_is_not_run(
         assert recorded["compare_sync"] == SYNC_NOT_RUN
     else:
         assert warned == [] and recorded["compare_sync"] is False
+
+
+def test_what_a_killed_deploy_driver_started_is_swept_by_the_next_command(tmp_path):
+    # Prepare: a driver that starts a tree (one part detached, as Flower's SuperExec) and is
+    # then killed before it can stop it
+    driver = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from simulations.processes import Processes, owner_token\n"
+        f"procs = Processes(marker=f'{tmp_path}/deploy:{{owner_token()}}')\n"
+        "procs.start('tree', ['/bin/sh', '-c', 'setsid sleep 300 & sleep 300'], "
+        f"Path({str(tmp_path)!r}) / 'tree')\n"
+        "print('started', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    d = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    left: list[int] = []
+    try:
+        assert d.stdout is not None and d.stdout.readline().strip() == "started"
+        d.kill()
+        d.wait()
+        _wait_for(lambda: len(orphans_of(tmp_path)) == 3)  # sh, sleep, detached sleep
+        left = orphans_of(tmp_path)
+        # Execute
+        swept = sweep_orphans(grace_s=1.0)
+        # Assert
+        assert set(left) <= set(swept)
+        _wait_for(lambda: not [p for p in left if alive(p)])
+    finally:
+        d.kill()
+        for pid in left:
+            _kill(pid, signal.SIGKILL)
+
+
+def orphans_of(tmp_path: Path) -> list[int]:
+    return [p for p, what in find_orphans().items() if f"deployment {tmp_path}/deploy" in what]
