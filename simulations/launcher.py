@@ -87,7 +87,7 @@ def setup_logging(run_dir: Path, verbose: bool = False) -> None:
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT (Ctrl-C) or SIGTERM arrived: the run stops, cleans up and says where it stopped.
+    """SIGINT (Ctrl-C), SIGTERM or SIGHUP arrived: the run stops, cleans up and says where it stopped.
 
     A KeyboardInterrupt, so that the code it passes through treats it as Ctrl-C."""
 
@@ -99,7 +99,8 @@ class Interrupted(KeyboardInterrupt):
 
     @property
     def exit_code(self) -> int:
-        """128 + the signal's number, as a shell reports a process the signal ended: 130, 143."""
+        """128 + the signal's number, as a shell reports a process the signal ended: 130 SIGINT,
+        143 SIGTERM, 129 SIGHUP."""
         return 128 + self.signum
 
 
@@ -108,10 +109,11 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
 
 
 def _set_signals(handler: Any) -> dict[int, Any]:
-    """Handle SIGINT and SIGTERM with ``handler``; the handlers they had. Main thread only."""
+    """Handle SIGINT, SIGTERM and SIGHUP (the terminal closed) with ``handler``; the handlers
+    they had. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
 def _restore_signals(previous: dict[int, Any]) -> None:

@@ -68,7 +68,9 @@ sys.exit(main(sys.argv[1:]))
 class Run:
     """One `fedasync simulate` in a session of its own; its output in files under ``tmp``."""
 
-    def __init__(self, tmp: Path, *overrides: str, code: str | None = None):
+    def __init__(
+        self, tmp: Path, *overrides: str, code: str | None = None, argv: list[str] | None = None
+    ):
         self.tmp, self.marker = tmp, uuid.uuid4().hex
         self.run_dir = tmp / "r"
         tmp.mkdir(parents=True, exist_ok=True)
@@ -82,7 +84,7 @@ class Run:
             "PYTHONUNBUFFERED": "1",
             TEST_ENV: self.marker,
         }
-        args = ["simulate", f"run.out_dir={tmp}", *BASE, *overrides]
+        args = argv or ["simulate", f"run.out_dir={tmp}", *BASE, *overrides]
         cmd = [sys.executable, "-c", code, *args] if code else [_fedasync(), *args]
         self.out, self.err = tmp / "stdout", tmp / "stderr"
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
@@ -199,6 +201,8 @@ def test_a_signal_stops_the_run_with_a_checkpoint_and_one_line(tmp_path, sig, co
         assert str(ckpt) in line and "run.resume=true" in line
         assert not run.gone(), "no process of the run is left"
         assert run.seen, "the run's processes were seen while it ran"
+        if sig == signal.SIGINT:  # the command the line gives goes on from where it stopped
+            _check_resume(tmp_path, line)
         port = (run.run_dir / "erasure_address").read_text().strip()
         import socket
 
@@ -207,6 +211,24 @@ def test_a_signal_stops_the_run_with_a_checkpoint_and_one_line(tmp_path, sig, co
             pass
     finally:
         run.kill()
+
+
+def _check_resume(tmp: Path, line: str) -> None:
+    stopped_at = _last_version(tmp / "r")
+    events = [json.loads(x) for x in (tmp / "r" / "metrics.jsonl").read_text().splitlines()]
+    budget = max(e["t"] for e in events if "t" in e) + 15.0
+    argv = line.split("resume with: fedasync ", 1)[1].split()
+    resumed = Run(tmp / "resumed", argv=[*argv, f"run.budget_s={budget}"])
+    resumed.run_dir = tmp / "r"
+    try:
+        assert resumed.wait(timeout_s=300) == 0, resumed.stderr()
+        events = [json.loads(x) for x in (tmp / "r" / "metrics.jsonl").read_text().splitlines()]
+        (resume,) = [e for e in events if e["event"] == "resume"]
+        assert resume["version"] == stopped_at
+        assert _last_version(tmp / "r") > stopped_at
+        assert not resumed.gone()
+    finally:
+        resumed.kill()
 
 
 @pytest.mark.slow
