@@ -64,6 +64,24 @@ def _quiet_environment() -> None:
         flwr_log.addFilter(_DropDeprecation())
 
 
+def _route_flower_logs() -> None:
+    """Flower's log lines go to run.log with ours; on the console only with ``--verbose``.
+
+    Flower logs an error in its simulation runtime with a traceback on its own console
+    handler; the run's one line on stderr says what happened and where the log is."""
+    flwr_log = logging.getLogger("flwr")
+    ours = logging.getLogger("fedasync").handlers
+    verbose = any(type(h) is logging.StreamHandler and h.level <= logging.INFO for h in ours)
+    for h in list(flwr_log.handlers):
+        if isinstance(h, logging.FileHandler):
+            flwr_log.removeHandler(h)  # an earlier run's
+        else:
+            h.setLevel(logging.WARNING if verbose else logging.CRITICAL + 1)
+    for h in ours:
+        if isinstance(h, logging.FileHandler):
+            flwr_log.addHandler(h)
+
+
 class _DropDeprecation(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "run_simulation" not in record.getMessage()
@@ -152,6 +170,7 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     from server.app import StopHandle, make_server_app
 
     _quiet_environment()
+    _route_flower_logs()
     sweep_orphans()
     result: dict[str, Any] = {}
     handle = StopHandle()
@@ -370,6 +389,8 @@ def run(
         raise
     except Exception as e:
         log.info("the run failed", exc_info=True)  # INFO: run.log, the console only when verbose
+        while e.__cause__ is not None and isinstance(e.__cause__, Exception):
+            e = e.__cause__  # Flower wraps what went wrong in RuntimeErrors of its own
         print(
             f"fedasync: the run failed {_where(run_dir)}: {type(e).__name__}: {e}; "
             f"traceback in {run_dir / 'run.log'}",

@@ -64,6 +64,17 @@ from simulations.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
+# a failure in Flower's simulation runtime (it logs a traceback and wraps it in its own errors)
+FAIL_IN_RUNTIME = """
+import sys
+from flwr.server.superlink.fleet.vce.backend import raybackend
+def failing(self, app_fn):
+    raise RuntimeError("injected failure")
+raybackend.RayBackend.build = failing
+from simulations.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
 
 class Run:
     """One `fedasync simulate` in a session of its own; its output in files under ``tmp``."""
@@ -232,8 +243,9 @@ def _check_resume(tmp: Path, line: str) -> None:
 
 
 @pytest.mark.slow
-def test_an_exception_in_the_run_is_one_line_and_the_traceback_is_in_the_log(tmp_path):
-    run = Run(tmp_path, "run.budget_s=100000", code=FAIL_AT_V3)
+@pytest.mark.parametrize("code", [FAIL_AT_V3, FAIL_IN_RUNTIME], ids=["server", "runtime"])
+def test_an_exception_in_the_run_is_one_line_and_the_traceback_is_in_the_log(tmp_path, code):
+    run = Run(tmp_path, "run.budget_s=100000", code=code)
     try:
         rc = run.wait(timeout_s=300)
         err = run.stderr()
