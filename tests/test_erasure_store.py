@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -295,3 +296,90 @@ def test_concurrent_submits_are_all_kept(store):
     for t in threads:
         t.join()
     assert len(store.list()) == 40 and [e.seq for e in store.events_since(0)] == list(range(1, 41))
+
+
+def test_files_are_private_new_and_old(tmp_path):
+    # a new store: the database, its WAL and SHM are 0600 from the start
+    new = tmp_path / "new.sqlite"
+    with ErasureStore(new) as s:
+        s.submit(0, None, "admin", 1)
+        modes = {
+            x: stat.S_IMODE(new.with_name(new.name + x).stat().st_mode)
+            for x in ("", "-wal", "-shm")
+        }
+    assert modes == {"": 0o600, "-wal": 0o600, "-shm": 0o600}
+    # files an older version left world-readable are made private when opened
+    old = tmp_path / "old.sqlite"
+    for suffix in ("", "-wal", "-shm"):
+        old.with_name(old.name + suffix).touch(mode=0o644)
+        os.chmod(old.with_name(old.name + suffix), 0o644)
+    with ErasureStore(old) as s:
+        s.submit(0, None, "admin", 1)
+        assert all(
+            stat.S_IMODE(old.with_name(old.name + x).stat().st_mode) == 0o600
+            for x in ("", "-wal", "-shm")
+        )
+
+
+def test_refusals_keep_the_newest_rows_and_count_all(store, monkeypatch):
+    import server.erasure.store as store_module
+
+    monkeypatch.setattr(store_module, "REFUSALS_KEPT", 3)
+    for i in range(7):
+        store.record_refusal(
+            "silo-1", "ipv4:127.0.0.1:1", "/m/Get", "NOT_FOUND", f"r{i}" + "x" * 999
+        )
+    store.record_refusal("unauthenticated", "p" * 5000, "/m/Submit", "UNAUTHENTICATED", "")
+    rows = store.refusals(limit=100)
+    assert [r.reason[:2] for r in rows] == ["", "r6", "r5"]
+    assert all(len(r.reason) <= store_module.REFUSAL_TEXT for r in rows)
+    assert len(rows[0].peer) == store_module.REFUSAL_TEXT
+    assert [(c.who, c.code, c.count) for c in store.refusal_counts()] == [
+        ("silo-1", "NOT_FOUND", 7),
+        ("unauthenticated", "UNAUTHENTICATED", 1),
+    ]
+    # refusals are not erasure events: the change feed and the audit log stay empty
+    assert store.last_seq == 0 and store.audit() == []
+
+
+def test_a_version_1_store_gains_the_new_columns_and_keeps_its_rows(tmp_path):
+    db = tmp_path / "v1.sqlite"
+    with ErasureStore(db) as s:
+        a, _ = s.submit(1, ["a"], "silo-1", 3, idempotency_key="k")
+    con = sqlite3.connect(db)  # as version 1 wrote it: no body column
+    con.execute("ALTER TABLE requests DROP COLUMN body_sha256")
+    con.execute("DROP TABLE refusals")
+    con.close()
+    with ErasureStore(db) as s:
+        again, created = s.submit(1, ["a"], "silo-1", 4, idempotency_key="k")
+        assert (again.id, created) == (a.id, False)
+        with pytest.raises(ValueError, match="different request"):
+            s.submit(1, ["b"], "silo-1", 4, idempotency_key="k")
+        s.record_refusal("admin", "p", "/m", "NOT_FOUND", "x")
+        assert len(s.refusals()) == 1
+
+
+def test_whole_silo_for_ids_covering_the_silo_and_its_idempotent_retry(store):
+    r, created = store.submit(
+        2, ["a", "b"], "silo-2", 5, idempotency_key="k", whole_silo=True, detail="covers all"
+    )
+    assert created and r.whole_silo and r.sample_ids == ()
+    assert store.audit(r.id)[0].detail == "covers all"
+    again, created = store.submit(2, ["b", "a"], "silo-2", 6, idempotency_key="k")
+    assert again.id == r.id and not created
+
+
+def test_note_is_audited_without_a_state_change(store):
+    r, _ = store.submit(0, ["a"], "silo-0", 1)
+    store.transition(r.id, State.ERASING, actor="server", model_version=2)
+    store.note(r.id, actor="server", model_version=3, detail="resumed after restart")
+    row = store.audit(r.id)[-1]
+    assert (row.action, row.from_state, row.to_state, row.actor, row.detail) == (
+        "note",
+        State.ERASING,
+        State.ERASING,
+        "server",
+        "resumed after restart",
+    )
+    assert store.get(r.id).state is State.ERASING
+    assert store.events_since(0, r.id)[-1].detail == "resumed after restart"

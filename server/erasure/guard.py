@@ -150,6 +150,8 @@ class Guard(grpc.ServerInterceptor):
         """Inside ``except``: record an abort and let it go on, or turn anything else into
         INTERNAL (logged with its traceback)."""
         code = context.code()  # type: ignore[attr-defined]
+        if code is None and not context.is_active():
+            return  # the client left (a request stream then raises): nothing was refused
         if code is None or code is grpc.StatusCode.OK:
             log.exception("erasure service: %s failed", method)
             self._record(context, method, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
