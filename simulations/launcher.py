@@ -114,6 +114,8 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
         self.run_dir: Path | None = None
         """The run folder of the run it stopped (the sync baseline's is a subfolder)."""
+        self.server_left_running = False
+        """The ServerApp's thread did not stop in time (busy outside a poll of the grid)."""
 
     @property
     def exit_code(self) -> int:
@@ -205,8 +207,12 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
         # a second Ctrl-C while stopping must not leave processes behind: stopping is bounded
         ignored = _set_signals(signal.SIG_IGN)
         try:
-            if not handle.stop(timeout_s=30.0):
+            stopped = handle.stop(timeout_s=30.0)
+            if not stopped:
                 log.error("the server app did not stop within 30 s")
+                ending = sys.exc_info()[1]
+                if isinstance(ending, Interrupted):
+                    ending.server_left_running = True
             if ray.is_initialized():
                 ray.shutdown()
             stop_session_processes(ray_tmp, grace_s=10.0 if sys.exc_info()[0] is None else 3.0)
@@ -384,7 +390,14 @@ def run(
         stopped = e.run_dir if isinstance(e, Interrupted) and e.run_dir else run_dir
         name = e.args[0] if isinstance(e, Interrupted) else "SIGINT"
         print(f"fedasync: stopped by {name} {_where(stopped)}; {_resume(run_dir)}", file=sys.stderr)
-        return e.exit_code if isinstance(e, Interrupted) else 130
+        code = e.exit_code if isinstance(e, Interrupted) else 130
+        if isinstance(e, Interrupted) and e.server_left_running:
+            # Flower's ServerApp thread is no daemon: exiting normally would wait for it
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except UserError:
         raise
     except Exception as e:
