@@ -98,6 +98,9 @@ class Erasure:
     sample_ids: list[str]  # empty = whole silo
     submitted_t: float
     started_t: float | None = None
+    submitted_wall_ms: int | None = None
+    """Set when ``submitted_t`` is unknown (submitted before a restart, on the virtual
+    clock): the request's wall-clock submit time; ``row`` then reports wall-clock latency."""
     removal: Params | None = None  # what the server subtracted at dispatch (minus ledger)
     boundary: int | None = None
     applied_t: float | None = None
@@ -227,13 +230,21 @@ class ErasureCoordinator:
 
     def _start(self, req: Any, resumed: bool = False) -> None:
         srv = self.srv
-        e = Erasure(req.id, req.silo, list(req.sample_ids), self.seen.get(req.id, srv.clock.now))
+        submitted_t, wall_ms = self._submitted(req)
+        e = Erasure(req.id, req.silo, list(req.sample_ids), submitted_t, submitted_wall_ms=wall_ms)
         e.started_t = srv.clock.now
         total = self.ledger.total(str(req.silo)) if self.cfg.server_removal else None
         e.removal = {k: -v for k, v in total.items()} if total is not None else None
         self.active[req.id] = e
         note = self._size(e)
-        if not resumed:
+        if resumed:
+            self.store.note(
+                req.id,
+                actor="server",
+                model_version=srv.version,
+                detail=f"resumed after restart: sent train.unlearn to silo {req.silo} again{note}",
+            )
+        else:
             self.store.transition(
                 req.id,
                 _state("erasing"),
@@ -246,6 +257,20 @@ class ErasureCoordinator:
             return
         start = srv.params if e.removal is None else _add(srv.params, e.removal)
         srv.dispatch_unlearn(req.silo, start, e)
+
+    def _submitted(self, req: Any) -> tuple[float, int | None]:
+        """``(submitted_t, submitted_wall_ms)`` of ``req``. Submitted in this process: the
+        clock time ``poll`` first saw it (as for scheduled erasures). Before a restart: on the
+        wall clock, its ``created_at_ms`` converted to the clock; on the virtual clock that
+        time is unknown, so ``created_at_ms`` is kept for a wall-clock latency."""
+        from server.erasure.store import now_ms
+
+        now = self.srv.clock.now
+        if req.created_at_ms >= self.store.opened_ms:
+            return self.seen.get(req.id, now), None
+        if self.srv.clock.kind == "wall":
+            return now - max(0.0, (now_ms() - req.created_at_ms) / 1000), None
+        return self.seen.get(req.id, now), int(req.created_at_ms)
 
     def _size(self, e: Erasure) -> str:
         """Scope and size of ``e`` before it is sent: a request whose ids (with those erased
@@ -539,6 +564,15 @@ class ErasureCoordinator:
         # latency as the requester sees it: from submission to the erasure in the model;
         # others' work counts while the silo erased (a halted federation drains its work in
         # flight between submission and the start of erasing, and starts nothing new)
+        latency, clock = (e.applied_t or 0.0) - e.submitted_t, self.srv.clock.kind
+        if e.submitted_wall_ms is not None:  # submitted before a restart, on the virtual clock
+            applied = [
+                a.time_ms
+                for a in self.store.audit(e.request_id)
+                if a.action == "transition" and a.to_state.value == "calibrating"
+            ]
+            if applied:  # from submission to the erasure in the model, both on the wall clock
+                latency, clock = (applied[0] - e.submitted_wall_ms) / 1000, "wall"
         return {
             "request": e.request_id,
             "silo": e.silo,
@@ -546,7 +580,8 @@ class ErasureCoordinator:
             "submitted_t": e.submitted_t,
             "started_t": e.started_t,
             "boundary_version": e.boundary,
-            "erasure_latency_s": (e.applied_t or 0.0) - e.submitted_t,
+            "erasure_latency_s": latency,
+            "latency_clock": clock,  # "virtual" or "wall": the clock erasure_latency_s is on
             "updates_from_others_while_erasing": self.srv.updates_accepted_between(
                 e.started_t or 0.0, e.applied_t or 0.0
             ),
@@ -593,6 +628,7 @@ class ErasureCoordinator:
                     "sample_ids": e.sample_ids,
                     "boundary": e.boundary,
                     "submitted_t": e.submitted_t,
+                    "submitted_wall_ms": e.submitted_wall_ms,
                     "started_t": e.started_t,
                     "applied_t": e.applied_t,
                     "metrics": e.metrics_at_boundary,
@@ -622,6 +658,7 @@ class ErasureCoordinator:
                 c["sample_ids"],
                 c["submitted_t"],
                 started_t=c["started_t"],
+                submitted_wall_ms=c.get("submitted_wall_ms"),  # absent in older checkpoints
                 boundary=c["boundary"],
                 applied_t=c["applied_t"],
                 metrics_at_boundary=c["metrics"],
@@ -633,9 +670,17 @@ class ErasureCoordinator:
         The model with an erasure applied is checkpointed before the store moves the request
         to calibrating, so: erasing + applied -> the transition was lost, finish it; erasing
         and not applied -> the erasure never reached a checkpoint, run it again (the silo
-        is sent train.unlearn anew); queued -> picked up by ``poll`` as usual.
+        is sent train.unlearn anew); queued -> picked up by ``poll`` as usual. A request
+        resumed mid-erasure (erasing, calibrating) gets an audit row saying so (``note``).
         """
         for req in self.store.unfinished():
+            if req.state.value == "calibrating":  # applied; verified after its window
+                self.store.note(
+                    req.id,
+                    actor="server",
+                    model_version=self.srv.version,
+                    detail="resumed after restart (calibrating)",
+                )
             if req.state.value != "erasing":
                 continue
             if req.id in self.applied:
