@@ -184,3 +184,32 @@ def test_tls(tmp_path, capsys):
     finally:
         server.stop(0).wait()
         store.close()
+
+
+def test_submit_needs_an_explicit_scope_and_refusals_are_listed(running, capsys):
+    store, tokens, _ = running
+    admin = ["--token", tokens["admin"]]
+    # no scope: argparse refuses (exit 2) before any call; an empty --samples likewise
+    with pytest.raises(SystemExit) as info:
+        main(["submit", "--silo", "0", *admin])
+    assert info.value.code == 2
+    capsys.readouterr()
+    assert main(["submit", "--silo", "0", "--samples", " , ", *admin]) == 2
+    assert "--whole-silo" in capsys.readouterr().err
+    assert store.list() == []
+    # a refused call, then the admin's view of it (a silo may not look)
+    assert main(["submit", "--whole-silo", "--silo", "0", "--token", tokens["silo-1"]]) == 2
+    capsys.readouterr()
+    assert main(["refusals", "--token", tokens["silo-1"]]) == 2
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+    assert main(["refusals", "--json", *admin]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    counts = {
+        (x["method"].rsplit("/")[-1], x["code"]): int(x["count"]) for x in lines if "count" in x
+    }
+    assert counts == {("Submit", "PERMISSION_DENIED"): 1, ("ListRefusals", "PERMISSION_DENIED"): 1}
+    rows = [x for x in lines if "peer" in x]
+    assert [(x["who"], x["method"]) for x in rows] == [
+        ("silo-1", "/fedasync.erasure.v1.Erasure/ListRefusals"),
+        ("silo-1", "/fedasync.erasure.v1.Erasure/Submit"),
+    ]

@@ -1,4 +1,5 @@
-"""Erasure records as the store returns them: requests, audit rows and change-feed events.
+"""Erasure records as the store returns them: requests, audit rows, change-feed events and
+refused calls.
 
 Plain frozen dataclasses (not database rows), so the service, the training server and the
 tests share one vocabulary; times are milliseconds since the epoch.
@@ -34,7 +35,8 @@ class Request:
 
 @dataclass(frozen=True)
 class AuditRow:
-    """One line of the audit log: a submit or a state change."""
+    """One line of the audit log: a submit, a state change, or a note (``action``) that
+    changes no state (``from_state == to_state``), e.g. resumed after a restart."""
 
     seq: int
     time_ms: int
