@@ -340,6 +340,8 @@ def test_refusals_keep_the_newest_rows_and_count_all(store, monkeypatch):
     ]
     # refusals are not erasure events: the change feed and the audit log stay empty
     assert store.last_seq == 0 and store.audit() == []
+    # and requests are still written with a full sync
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
 
 
 def test_a_version_1_store_gains_the_new_columns_and_keeps_its_rows(tmp_path):

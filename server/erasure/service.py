@@ -365,10 +365,7 @@ def serve(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=lim.workers, thread_name_prefix="erasure"),
         interceptors=[guard],
-        options=[
-            ("grpc.max_receive_message_length", lim.max_message_bytes),
-            ("grpc.max_metadata_size", 16 * 1024),
-        ],
+        options=[("grpc.max_receive_message_length", lim.max_message_bytes)],
     )
     erasure_pb2_grpc.add_ErasureServicer_to_server(service, server)
     health_servicer = health.HealthServicer()

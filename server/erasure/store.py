@@ -348,9 +348,22 @@ class ErasureStore:
     def record_refusal(self, who: str, peer: str, method: str, code: str, reason: str) -> None:
         """Record one refused call; keep the newest ``REFUSALS_KEPT`` rows and count all.
 
-        Every text is cut to ``REFUSAL_TEXT`` characters. Not part of the change feed."""
+        Every text is cut to ``REFUSAL_TEXT`` characters. Not part of the change feed, and
+        not synced to disk on its own (a crash may lose the last refusals, never a request)."""
         who, peer, method, code = (_cut(x) for x in (who, peer, method, code))
         t = now_ms()
+        with self._lock:
+            # no fsync of its own (WAL + NORMAL): a flood of refusals must not slow the
+            # durable writes; the next request or transition syncs it along
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                self._write_refusal(t, who, peer, method, code, reason)
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
+
+    def _write_refusal(
+        self, t: int, who: str, peer: str, method: str, code: str, reason: str
+    ) -> None:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
