@@ -246,3 +246,14 @@ def test_health_and_reflection(env):
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
     assert db.FindFileContainingSymbol(SERVICE_NAME).name == "fedasync/erasure/v1/erasure.proto"
     assert SERVICE_NAME == "fedasync.erasure.v1.Erasure"
+
+
+def test_whole_silo_by_ids_on_an_offline_silo_says_both_and_keeps_the_reason(env):
+    r = env.submit(3, sorted(env.catalog.samples[3]), who="silo-3", reason="left the study")
+    assert r.whole_silo and list(r.sample_ids) == [] and r.reason == "left the study"
+    detail = env.store.audit(r.id)[0].detail
+    assert "erased as the whole silo" in detail and "offline" in detail
+    assert detail.endswith("reason: left the study")
+    # a plain request keeps its reason as the detail, as before
+    plain = env.submit(1, ["p1-0"], reason="why")
+    assert env.store.audit(plain.id)[0].detail == "why"
