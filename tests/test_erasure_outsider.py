@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-import server.erasure.store as store_module
+import server.erasure.refusals as refusals_module
 from server.erasure.auth import Authorizer, Principal
 from server.erasure.catalog import StaticCatalog
 from server.erasure.limits import Limits
@@ -268,14 +268,14 @@ def test_refusals_are_recorded_and_bounded(env, monkeypatch):
         ("unauthenticated", "Submit", "UNAUTHENTICATED"),
     ]
     assert all(r.peer.startswith("ipv4:127.0.0.1:") for r in rows)
-    assert all(len(r.reason) <= store_module.REFUSAL_TEXT for r in rows)
+    assert all(len(r.reason) <= refusals_module.REFUSAL_TEXT for r in rows)
     assert "w" * 50 not in rows[1].reason  # the caller's input is not kept
     # the admin sees them (newest first) and their counts
     reply = o.call("ListRefusals", o.msg("ListRefusalsRequest", limit=2))
     assert [r.who for r in reply.refusals] == ["silo-2", "silo-0"]
     assert sum(c.count for c in reply.counts) == 4
     # a flood keeps only the newest rows, and counts every refusal
-    monkeypatch.setattr(store_module, "REFUSALS_KEPT", 5)
+    monkeypatch.setattr(refusals_module, "REFUSALS_KEPT", 5)
     for _ in range(12):
         o.refused("Get", o.msg("GetRequest", id="nope"), who="silo-3")
     kept = env.store.refusals(limit=1000)

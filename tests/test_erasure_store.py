@@ -322,9 +322,9 @@ def test_files_are_private_new_and_old(tmp_path):
 
 
 def test_refusals_keep_the_newest_rows_and_count_all(store, monkeypatch):
-    import server.erasure.store as store_module
+    import server.erasure.refusals as refusals_module
 
-    monkeypatch.setattr(store_module, "REFUSALS_KEPT", 3)
+    monkeypatch.setattr(refusals_module, "REFUSALS_KEPT", 3)
     for i in range(7):
         store.record_refusal(
             "silo-1", "ipv4:127.0.0.1:1", "/m/Get", "NOT_FOUND", f"r{i}" + "x" * 999
@@ -332,8 +332,8 @@ def test_refusals_keep_the_newest_rows_and_count_all(store, monkeypatch):
     store.record_refusal("unauthenticated", "p" * 5000, "/m/Submit", "UNAUTHENTICATED", "")
     rows = store.refusals(limit=100)
     assert [r.reason[:2] for r in rows] == ["", "r6", "r5"]
-    assert all(len(r.reason) <= store_module.REFUSAL_TEXT for r in rows)
-    assert len(rows[0].peer) == store_module.REFUSAL_TEXT
+    assert all(len(r.reason) <= refusals_module.REFUSAL_TEXT for r in rows)
+    assert len(rows[0].peer) == refusals_module.REFUSAL_TEXT
     assert [(c.who, c.code, c.count) for c in store.refusal_counts()] == [
         ("silo-1", "NOT_FOUND", 7),
         ("unauthenticated", "UNAUTHENTICATED", 1),

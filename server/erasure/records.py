@@ -7,9 +7,15 @@ tests share one vocabulary; times are milliseconds since the epoch.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from server.erasure.states import State
+
+
+def now_ms() -> int:
+    """Milliseconds since the epoch (the wall clock every record's time is on)."""
+    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True)

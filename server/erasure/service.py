@@ -5,8 +5,8 @@ transaction) and only then answers, so an acknowledged request survives any cras
 rejected call writes nothing to the requests and audit tables; it is recorded in the
 store's refusals table instead (``guard.Guard``). Status codes:
 
-- missing or unknown token: UNAUTHENTICATED; a token not allowed for that silo:
-  PERMISSION_DENIED (checked before anything else of the request)
+- missing or unknown token: UNAUTHENTICATED (checked first); a token not allowed for that
+  silo: PERMISSION_DENIED (checked once the request's shape and sizes are valid)
 - a malformed message (bytes that are not the request type), a field over its limit
   (``limits.Limits``), an unknown or unspecified enum value, a Submit without ``silo`` or
   without an explicit scope (``whole_silo`` xor ``sample_ids``), an empty sample id, a

@@ -18,10 +18,7 @@ The database and its ``-wal``/``-shm`` files are private (mode 0600, like the to
 checkpoints): the file is created 0600 before SQLite opens it, SQLite gives the WAL and SHM
 the database's mode, and files left by an older version are chmod-ed on open.
 
-Refused calls (bad token, someone else's silo, invalid input, limits) go to ``refusals``:
-who, peer, method, status code and a reason cut to ``REFUSAL_TEXT`` characters, never the
-caller's raw input. The table keeps the newest ``REFUSALS_KEPT`` rows; ``refusal_counts``
-counts every refusal per (who, method, code), so a flood costs a bounded amount of disk.
+Refused calls go to a capped table in the same file (``refusals.RefusalLog``).
 """
 
 from __future__ import annotations
@@ -32,12 +29,12 @@ import json
 import os
 import sqlite3
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from server.erasure.limits import quoted
 from server.erasure.records import (
     AuditRow,
     Event,
@@ -45,7 +42,9 @@ from server.erasure.records import (
     RefusalCount,
     Request,
     RequestNotFound,
+    now_ms,
 )
+from server.erasure.refusals import RefusalLog
 from server.erasure.states import UNFINISHED, State, check_transition
 
 __all__ = [
@@ -60,10 +59,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 2
-REFUSALS_KEPT = 1000
-"""Newest refusal rows kept; older ones live on only in ``refusal_counts``."""
-REFUSAL_TEXT = 256
-"""Longest who/peer/method/reason text stored for a refusal (longer is cut)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -104,28 +99,7 @@ CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
     BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
 CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
     BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
-CREATE TABLE IF NOT EXISTS refusals (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    time_ms INTEGER NOT NULL,
-    who TEXT NOT NULL,                    -- principal name or 'unauthenticated'
-    peer TEXT NOT NULL,
-    method TEXT NOT NULL,
-    code TEXT NOT NULL,                   -- gRPC status code name
-    reason TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS refusal_counts (
-    who TEXT NOT NULL,
-    method TEXT NOT NULL,
-    code TEXT NOT NULL,
-    count INTEGER NOT NULL,
-    last_ms INTEGER NOT NULL,
-    PRIMARY KEY (who, method, code)
-);
 """
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def _private(path: str) -> None:
@@ -135,10 +109,6 @@ def _private(path: str) -> None:
     for name in (path, path + "-wal", path + "-shm"):
         if os.path.exists(name):
             os.chmod(name, 0o600)
-
-
-def _cut(text: str, limit: int = REFUSAL_TEXT) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _body_sha256(silo: int, ids: Iterable[str], reason: str) -> str:
@@ -172,6 +142,7 @@ class ErasureStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self.refusal_log = RefusalLog(self._db, self._lock)
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(requests)")}
         if "body_sha256" not in columns:  # a version-1 store
             self._db.execute("ALTER TABLE requests ADD COLUMN body_sha256 TEXT")
@@ -227,7 +198,7 @@ class ErasureStore:
                         )
                     if not same:
                         raise ValueError(
-                            f"idempotency key {_cut(key, 64)!r} was used for a different "
+                            f"idempotency key {quoted(key)} was used for a different "
                             f"request ({existing.id})"
                         )
                     return existing, False
@@ -346,66 +317,18 @@ class ErasureStore:
         return current
 
     def record_refusal(self, who: str, peer: str, method: str, code: str, reason: str) -> None:
-        """Record one refused call; keep the newest ``REFUSALS_KEPT`` rows and count all.
-
-        Every text is cut to ``REFUSAL_TEXT`` characters. Not part of the change feed, and
-        not synced to disk on its own (a crash may lose the last refusals, never a request)."""
-        who, peer, method, code = (_cut(x) for x in (who, peer, method, code))
-        t = now_ms()
-        with self._lock:
-            # no fsync of its own (WAL + NORMAL): a flood of refusals must not slow the
-            # durable writes; the next request or transition syncs it along
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            try:
-                self._write_refusal(t, who, peer, method, code, reason)
-            finally:
-                self._db.execute("PRAGMA synchronous=FULL")
-
-    def _write_refusal(
-        self, t: int, who: str, peer: str, method: str, code: str, reason: str
-    ) -> None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                cur = self._db.execute(
-                    "INSERT INTO refusals (time_ms, who, peer, method, code, reason)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
-                    (t, who, peer, method, code, _cut(reason)),
-                )
-                self._db.execute(
-                    "INSERT INTO refusal_counts (who, method, code, count, last_ms)"
-                    " VALUES (?, ?, ?, 1, ?) ON CONFLICT (who, method, code)"
-                    " DO UPDATE SET count = count + 1, last_ms = excluded.last_ms",
-                    (who, method, code, t),
-                )
-                self._db.execute(
-                    "DELETE FROM refusals WHERE id <= ?", ((cur.lastrowid or 0) - REFUSALS_KEPT,)
-                )
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        """``RefusalLog.record``: keep one refused call (bounded, not synced on its own)."""
+        self.refusal_log.record(who, peer, method, code, reason)
 
     # -- reads -------------------------------------------------------------------------
 
     def refusals(self, limit: int = 100) -> builtins.list[Refusal]:
-        """The newest refused calls, newest first (at most ``REFUSALS_KEPT`` are kept)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT time_ms, who, peer, method, code, reason FROM refusals"
-                " ORDER BY id DESC LIMIT ?",
-                (limit,),
-            ).fetchall()
-        return [Refusal(**dict(r)) for r in rows]
+        """``RefusalLog.rows``: the newest refused calls, newest first."""
+        return self.refusal_log.rows(limit)
 
     def refusal_counts(self) -> builtins.list[RefusalCount]:
-        """How many calls were refused per (who, method, code), most frequent first."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT who, method, code, count, last_ms FROM refusal_counts"
-                " ORDER BY count DESC, who, method, code"
-            ).fetchall()
-        return [RefusalCount(**dict(r)) for r in rows]
+        """``RefusalLog.counts``: refused calls per (who, method, code), most first."""
+        return self.refusal_log.counts()
 
     def get(self, id: str) -> Request | None:
         with self._lock:
