@@ -1,4 +1,5 @@
-"""Erasure requests: the durable store, the state machine, credentials and the gRPC service.
+"""Erasure requests: the durable store, the state machine, credentials and the gRPC service
+(with its limits, stream caps and record of refused calls: ``limits``, ``guard``, ``refusals``).
 
 A silo (or an admin) submits a request to forget a whole silo or some of its samples; the
 request is written to SQLite before it is acknowledged, and the training server moves it
