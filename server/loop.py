@@ -453,7 +453,9 @@ class AsyncServer:
             if isinstance(self.clock, VirtualClock):
                 self.clock.advance_to(finish)
             ready: list[int] = []
-            for mid in due:
+            # simultaneous replies in job order: message ids are random (uuid4), and folding
+            # in their order made a seed's run differ in the last bits from one run to the next
+            for mid in sorted(due, key=lambda m: self.inflight[m].job_id):
                 job = self.inflight.pop(mid)
                 if self._take(job, self.arrived.pop(mid)):
                     ready.append(job.silo)
