@@ -407,11 +407,10 @@ class ErasureCoordinator:
             return  # requeued or finished meanwhile: only the attempt in progress is applied
         delta, basis, names, metrics = decoded
         delta, bounds = self.bound_delta(erasure, delta)
-        metrics = {**metrics, **bounds}
         new = _add(srv.params, delta)
         if erasure.removal is not None:
             new = _add(new, erasure.removal)
-        self._apply(erasure, new, GradientSignature.from_basis(basis, names), metrics)
+        self._apply(erasure, new, GradientSignature.from_basis(basis, names), metrics, bounds)
 
     def bound_delta(self, erasure: Erasure, delta: Params) -> tuple[Params, dict[str, float]]:
         """``delta`` clipped to the erasure bound, and what was done (``delta_norm``: its L2
@@ -458,6 +457,7 @@ class ErasureCoordinator:
         new: Params,
         sig: GradientSignature | None,
         metrics: dict[str, float],
+        bounds: dict[str, float] | None = None,
     ) -> None:
         """Put the erased model in force: the erasure boundary, verification, durability."""
         srv = self.srv
@@ -475,7 +475,8 @@ class ErasureCoordinator:
         after = float(srv.evaluate_fn(srv.params)["score"])  # just after it
         erasure.metrics_at_boundary = {
             **self.verify_fn(srv.params, erasure.silo, erasure.sample_ids),
-            **{f"silo_{k}": v for k, v in metrics.items()},
+            **{f"silo_{k}": v for k, v in metrics.items()},  # what the silo reported
+            **(bounds or {}),  # the server's bound on the silo's delta (bound_delta)
             "score_before": before,
             "score_after": after,
             "boundary_dip": before - after,

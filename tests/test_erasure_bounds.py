@@ -83,12 +83,12 @@ def test_an_oversize_erasure_delta_is_clipped_and_reported(small_cfg, boundary_m
     assert move <= cfg.unlearning.radius * (1 + 1e-3)  # a whole silo: the full radius at most
     (row,) = summary["erasures"]["verified"]
     m = row["at_boundary"]
-    bound = m["silo_delta_bound"]
+    bound = m["delta_bound"]
     assert move <= bound * (1 + 1e-4)
-    assert m["silo_delta_norm"] > 10 * bound and m["silo_clip_factor"] < 0.1
+    assert m["delta_norm"] > 10 * bound and m["clip_factor"] < 0.1
     events = read_events(run_dir / "metrics.jsonl")
     (cal,) = [e for e in events if e["event"] == "erasure" and e["state"] == "calibrating"]
-    assert cal["silo_clip_factor"] == m["silo_clip_factor"]
+    assert cal["clip_factor"] == m["clip_factor"]
 
 
 def test_the_norm_outlier_bound_and_clip_norm_apply_to_erasure_deltas(small_cfg, boundary_moves):
@@ -100,7 +100,7 @@ def test_the_norm_outlier_bound_and_clip_norm_apply_to_erasure_deltas(small_cfg,
     summary = run_server(_Inflating(client_app, 3), cfg, run_dir)
     assert boundary_moves[0] <= 0.05 * (1 + 1e-4)
     (row,) = summary["erasures"]["verified"]
-    assert row["at_boundary"]["silo_delta_bound"] <= 0.05
+    assert row["at_boundary"]["delta_bound"] <= 0.05
 
 
 def test_erasure_size_follows_the_forget_share_and_the_dip_is_reported(small_cfg):
