@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger("fedasync")
 
@@ -289,8 +290,17 @@ def _deploy_owner(marker: str) -> tuple[int, int] | None:
         return None
 
 
-def find_orphans() -> dict[int, str]:
-    """Processes left by earlier fedasync runs whose driver is gone: pid -> what it is.
+class Orphan(NamedTuple):
+    """A process left by a fedasync run whose driver is gone."""
+
+    what: str
+    """Its name and whose it is, for the log."""
+    ray_session: Path | None
+    """The private Ray temp folder it belongs to (None: a deployment's process)."""
+
+
+def find_orphans() -> dict[int, Orphan]:
+    """Processes left by earlier fedasync runs whose driver is gone, by pid.
 
     A process is provably ours when it belongs to a private Ray whose temp folder (named
     ``fa-ray-*``) holds an owner file naming a driver that no longer runs, or carries a
@@ -298,7 +308,7 @@ def find_orphans() -> dict[int, str]:
     cluster we attached to) has neither, and a run still going has a live owner: both are left
     alone. Only this user's processes are looked at. Linux only (/proc).
     """
-    found: dict[int, str] = {}
+    found: dict[int, Orphan] = {}
     if not Path("/proc").is_dir():
         return found
     me, uid = os.getpid(), os.getuid()
@@ -316,16 +326,16 @@ def find_orphans() -> dict[int, str]:
         if session is not None and session.name.startswith(RAY_TMP_PREFIX):
             owner = _ray_owner(session)
             if owner is not None and not owner_alive(*owner):
-                found[pid] = f"{_name(pid)} of Ray session {session}"
+                found[pid] = Orphan(f"{_name(pid)} of Ray session {session}", session)
             continue
         marker = env.get(MARKER_ENV, "")
         owner = _deploy_owner(marker)
         if owner is not None and not owner_alive(*owner):
-            found[pid] = f"{_name(pid)} of deployment {marker.rsplit(':', 2)[0]}"
+            found[pid] = Orphan(f"{_name(pid)} of deployment {marker.rsplit(':', 2)[0]}", None)
     return found
 
 
-def sweep_orphans(grace_s: float = 2.0) -> dict[int, str]:
+def sweep_orphans(grace_s: float = 2.0) -> dict[int, Orphan]:
     """Stop what ``find_orphans`` finds (SIGTERM, then SIGKILL after ``grace_s``: Ray's agents
     ignore SIGTERM), remove their Ray temp folders, and log one line; return what was stopped."""
     found = find_orphans()
@@ -339,14 +349,11 @@ def sweep_orphans(grace_s: float = 2.0) -> dict[int, str]:
     for pid in found:
         if alive(pid):
             _kill(pid, signal.SIGKILL)
-    sessions = {
-        w.split(" of Ray session ", 1)[1] for w in found.values() if " of Ray session " in w
-    }
-    for session in sessions:
+    for session in {o.ray_session for o in found.values() if o.ray_session is not None}:
         shutil.rmtree(session, ignore_errors=True)
     log.warning(
         "stopped %d process(es) left by earlier runs whose driver is gone: %s",
         len(found),
-        "; ".join(f"{pid} {what}" for pid, what in sorted(found.items())),
+        "; ".join(f"{pid} {o.what}" for pid, o in sorted(found.items())),
     )
     return found

@@ -275,4 +275,4 @@ def test_what_a_killed_deploy_driver_started_is_swept_by_the_next_command(tmp_pa
 
 
 def orphans_of(tmp_path: Path) -> list[int]:
-    return [p for p, what in find_orphans().items() if f"deployment {tmp_path}/deploy" in what]
+    return [p for p, o in find_orphans().items() if f"deployment {tmp_path}/deploy" in o.what]

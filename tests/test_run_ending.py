@@ -377,7 +377,8 @@ def test_a_ray_process_that_lost_its_marker_is_found_by_the_files_it_holds(tmp_p
         while p.pid not in find_orphans():
             assert time.monotonic() < deadline, "not found"
             time.sleep(0.1)
-        assert "ray::DashboardAgent" in find_orphans()[p.pid]
+        orphan = find_orphans()[p.pid]
+        assert "ray::DashboardAgent" in orphan.what and orphan.ray_session == session
     finally:
         p.kill()
         p.wait()
