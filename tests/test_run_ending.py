@@ -11,6 +11,7 @@ processes the orphan sweep takes for ours.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -382,3 +383,60 @@ def test_a_ray_process_that_lost_its_marker_is_found_by_the_files_it_holds(tmp_p
     finally:
         p.kill()
         p.wait()
+
+
+# ---------------------------------------------------------------- the line, without an engine
+
+
+def _fake_simulate(exc: BaseException):
+    def simulate(cfg, *, verbose=False):
+        raise exc
+
+    return simulate
+
+
+def test_a_server_app_that_does_not_stop_in_time_does_not_hold_the_exit(
+    small_cfg, monkeypatch, capsys
+):
+    # Prepare: Ctrl-C arrived while the ServerApp was busy outside a poll for too long
+    from simulations import launcher
+
+    cfg = small_cfg()
+    stopped = launcher.Interrupted(signal.SIGTERM)
+    stopped.server_left_running = True
+    monkeypatch.setattr(launcher, "simulate", _fake_simulate(stopped))
+    exits: list[int] = []
+    monkeypatch.setattr(launcher.os, "_exit", exits.append)
+    # Execute
+    code = launcher.run(cfg)
+    # Assert: the line first, then an exit that does not join Flower's thread
+    assert exits == [143] and code == 143
+    err = capsys.readouterr().err
+    assert _one_line(err, "fedasync: stopped by SIGTERM before training")
+    assert "no checkpoint yet" in err
+
+
+def test_a_failure_is_one_line_naming_the_cause_under_flowers_wrapping(
+    small_cfg, monkeypatch, capsys
+):
+    from simulations import launcher
+
+    cfg = small_cfg()
+    try:
+        try:
+            raise ValueError("the cause")
+        except ValueError as cause:
+            raise RuntimeError("An error was encountered. Ending simulation.") from cause
+    except RuntimeError as wrapped:
+        monkeypatch.setattr(launcher, "simulate", _fake_simulate(wrapped))
+    launcher.setup_logging(Path(cfg.run.out_dir) / cfg.run.name)
+    try:
+        assert launcher.run(cfg) == 1
+    finally:
+        for h in list(logging.getLogger("fedasync").handlers):
+            logging.getLogger("fedasync").removeHandler(h)
+            h.close()
+    err = capsys.readouterr().err
+    assert "ValueError: the cause" in _one_line(err, "fedasync: the run failed before training")
+    _no_traceback(err)
+    assert "Traceback" in (Path(cfg.run.out_dir) / cfg.run.name / "run.log").read_text()
