@@ -376,7 +376,7 @@ def run(
     """``fedasync simulate``: run ``cfg`` and say how it ended. Exit code 0: finished (the table
     and where the outputs are); 1: ``check(summary)`` says what is wrong, or the run failed (one
     line; the traceback in run.log, on the console too with ``verbose``); 130: Ctrl-C (SIGINT),
-    143: SIGTERM (one line: where it stopped, its checkpoint, how to resume). A UserError
+    143: SIGTERM, 129: SIGHUP (one line: where it stopped, its checkpoint, how to resume). A UserError
     passes through (the CLI turns it into one line)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     handlers = _set_signals(_raise_interrupted)
