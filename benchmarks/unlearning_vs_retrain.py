@@ -208,6 +208,11 @@ def main() -> None:
             rows[name] = {}
             continue
         v = applied[0]
+        if v.get("latency_clock", "virtual") != "virtual":
+            # submitted before a restart: its latency is on the wall clock, not comparable
+            print(f"[{name}] the erasure's latency is on the wall clock (resumed run): skipped")
+            rows[name] = {}
+            continue
         start = v["submitted_t"]
         end = start + v["erasure_latency_s"]  # the erasure is in the model
         ref = _pre_erasure_accuracy(s["evals"], start)
