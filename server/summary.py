@@ -70,3 +70,17 @@ def build_summary(
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
+
+
+def no_version_reason(summary: dict[str, Any], run_dir: Path) -> str | None:
+    """Why a run produced no version, in one line (None when it made at least one): a run
+    that made none did not do what was asked, so the commands exit non-zero."""
+    if summary.get("versions"):
+        return None
+    rejected = summary.get("updates_rejected") or {}
+    why = (
+        "every update was rejected: " + ", ".join(f"{k}={v}" for k, v in rejected.items())
+        if rejected
+        else "no update arrived within run.budget_s"
+    )
+    return f"the run produced no version ({why}); see {run_dir / 'run.log'}"

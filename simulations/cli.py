@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from fedasync.errors import UserError
+from server.summary import no_version_reason
 from simulations import certs, deploy
 
 
@@ -41,19 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print("fedasync: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
-
-
-def _no_version(summary: dict[str, Any], run_dir: Path) -> str | None:
-    """Why a run produced no version (None when it did)."""
-    if summary.get("versions"):
-        return None
-    rejected = summary.get("updates_rejected") or {}
-    why = (
-        "every update was rejected: " + ", ".join(f"{k}={v}" for k, v in rejected.items())
-        if rejected
-        else "no update arrived within run.budget_s"
-    )
-    return f"the run produced no version ({why}); see {run_dir / 'run.log'}"
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -108,7 +95,7 @@ def _main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)  # a UserError: one line, exit 2
         run_dir = Path(cfg.run.out_dir) / cfg.run.name
         # how the run ended, in one line and the exit code (Ctrl-C 130, SIGTERM 143)
-        return run(cfg, verbose=args.verbose, check=lambda s: _no_version(s, run_dir))
+        return run(cfg, verbose=args.verbose, check=lambda s: no_version_reason(s, run_dir))
     if args.cmd == "checkpoint":
         from fedasync.checkpoint import seal as seal_checkpoint
 

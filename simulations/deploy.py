@@ -54,6 +54,7 @@ from clients.privacy import PRIVACY_DB
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
 from server.events import json_safe
+from server.summary import no_version_reason
 from simulations.certs import CertPaths, private_dir, write_certs, write_file
 from simulations.config import to_container, to_yaml
 from simulations.deploy_progress import EventTail, measurements, print_result, show
@@ -494,8 +495,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``fedasync deploy local``: exit 0 when the run finished, 1 when it failed, 130/143 when
-    interrupted (after stopping everything)."""
+    """``fedasync deploy local``: exit 0 when the run finished, 1 when it failed or made no
+    version, 130/143 when interrupted (after stopping everything)."""
     from simulations.config import load_config
 
     overrides = list(args.overrides)
@@ -517,5 +518,10 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted as e:
         print(f"fedasync deploy: {e}; every process it started was stopped", file=sys.stderr)
         return 143
-    print_result(summary, Path(cfg.run.out_dir) / cfg.run.name)
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    print_result(summary, run_dir)
+    why = no_version_reason(summary, run_dir)
+    if why is not None:
+        print(f"fedasync deploy: {why}", file=sys.stderr)
+        return 1
     return 0

@@ -219,6 +219,24 @@ def test_a_run_with_versions_exits_0(monkeypatch, tmp_path):
     assert main(["simulate", f"run.out_dir={tmp_path}"]) == 0
 
 
+@pytest.mark.parametrize("versions, code", [(0, 1), (4, 0)])
+def test_deploy_local_without_any_version_exits_1(versions, code, monkeypatch, tmp_path, capsys):
+    # Prepare: the deployment ran (its processes replaced) and made `versions` versions
+    from simulations import deploy
+
+    summary = {"versions": versions, "updates_rejected": {"client_error": 3}}
+    monkeypatch.setattr(deploy, "deploy_local", lambda cfg, **kw: summary)
+    monkeypatch.setattr(deploy, "print_result", lambda summary, run_dir: None)
+
+    # Execute
+    got = main(["deploy", "local", "--silos", "2", f"run.out_dir={tmp_path}"])
+
+    # Assert
+    err = capsys.readouterr().err
+    assert got == code
+    assert ("no version" in err and "client_error=3" in err) == (code == 1)
+
+
 def test_checkpoint_seal_command(tmp_path, capsys):
     # Prepare: a checkpoint of an older fedasync (no digest)
     from fedasync.checkpoint import load_checkpoint
