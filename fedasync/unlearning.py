@@ -133,8 +133,8 @@ def forget_share_scale(
     ``sqrt``: ``max(sqrt(n/N), floor)``, the norm of a sum of ``n`` *uncorrelated* per-sample
     contributions against ``N``. Gradient ascent's direction is the forget set's mean gradient,
     which is correlated with everyone's data, so this over-sizes small erasures: at 1% it
-    allows 10% of the radius, 0.2 of brain-tissue's 2.0, more than the 0.17 five PGA steps on
-    5 samples travel, i.e. no bound at all.
+    allows 10% of the radius, 0.2 of brain-tissue's 2.0, about the 0.17-0.24 that five
+    unbounded PGA steps on 5 samples travel (seeds 0-2), so hardly a bound.
     ``none``: 1, every erasure the full size (the behaviour before the rule existed: on
     brain-tissue, 5 of 456 samples then cost the global test score 5-23 points at the
     boundary over 3 seeds; ``linear`` 0.3-1.5, README "Erasure").
