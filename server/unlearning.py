@@ -695,6 +695,19 @@ class ErasureCoordinator:
             elif req.silo in self.srv.roster:
                 log.info("erasure %s restarts after a server restart", req.id)
                 self._start(req, resumed=True)
+            else:  # its silo is not here after the restart: it waits, queued, for it
+                detail = (
+                    f"{WENT_OFFLINE}: silo {req.silo} is not in the roster after a server "
+                    "restart; will start when it returns"
+                )
+                log.warning("erasure %s of silo %d back to queued: %s", req.id, req.silo, detail)
+                self.store.transition(
+                    req.id,
+                    _state("queued"),
+                    actor="server",
+                    model_version=self.srv.version,
+                    detail=detail,
+                )
 
 
 def _state(name: str) -> Any:

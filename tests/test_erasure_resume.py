@@ -73,3 +73,23 @@ def test_restart_mid_erasure_is_audited_and_latency_counts_from_submission(small
     assert row["latency_clock"] == "wall"
     assert row["erasure_latency_s"] == (applied.time_ms - created) / 1000
     assert applied.time_ms - created > applied.time_ms - notes[0].time_ms  # not from the resume
+
+
+def test_erasing_request_whose_silo_is_gone_after_a_restart_goes_back_to_queued(tmp_path):
+    # Prepare: silo 2 was erasing when the server stopped; the restarted server's roster
+    # has silos 0 and 1 only, and the erasure never reached a checkpoint
+    with ErasureStore(tmp_path / "erasures.sqlite") as store:
+        req, _ = store.submit(2, None, "admin", 3, whole_silo=True)
+        store.transition(req.id, "erasing", actor="server", model_version=4)
+        co = object.__new__(ErasureCoordinator)
+        co.store, co.applied = store, {}
+        co.srv = SimpleNamespace(roster={0: 10, 1: 11}, version=7)
+
+        # Execute
+        co.reconcile()
+
+        # Assert: queued again (poll starts it when silo 2 is back), the audit row says why
+        # and it does not count as a lost attempt
+        assert store.get(req.id).state.value == "queued"
+        (row,) = store.requeues(req.id)
+        assert row.model_version == 7 and "not in the roster" in row.detail
