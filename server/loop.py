@@ -55,7 +55,7 @@ from fedasync import (
     make_weight_fn,
 )
 from fedasync.privacy import GaussianMechanism
-from fedasync.tensors import clip_by_norm
+from fedasync.tensors import clip_by_norm, is_finite
 from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import VirtualClock, WallClock, client_setup, silo_speeds
 from server.config import FedAsyncConfig
@@ -163,6 +163,7 @@ class AsyncServer:
         self.accept_times: list[float] = []
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
         self.dispatches_refused = 0  # second jobs for a busy or down silo (_send's guard)
+        self.versions_refused = 0  # folds whose model was not finite (_publish's guard)
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
@@ -501,7 +502,7 @@ class AsyncServer:
             res = self.aggregator.flush(self.params)
             if res.params is not None:
                 record_release(self, res.released, res.noise_std)
-                self._new_version(res.params)
+                self._publish(res.params, "round")
         # silos that were down rejoin at the start of the next round
         self.retries = []
         for silo in sorted(self.roster):
@@ -671,12 +672,35 @@ class AsyncServer:
             **update.metrics,
         )
         if res.params is not None:
-            self._new_version(res.params)
+            self._publish(res.params, f"update of silo {job.silo} (job {job.job_id})")
 
     def _prune_sent(self) -> None:
         live = {j.base_version for j in self.inflight.values()}
         for v in [v for v in self.sent if v not in live]:
             del self.sent[v]
+
+    def _publish(self, params: Params, cause: str) -> None:
+        """A fold's model becomes the next version, unless it is non-finite. Every update is
+        checked finite and bounded before it is folded, so a NaN/Inf model is the server's
+        doing (an overflow, a server optimiser gone wrong): it is refused and the model stays
+        where it was. Published, it would make every silo's next update non-finite and every
+        silo would be blamed (``non_finite``) for the rest of the run."""
+        if not is_finite(params):
+            self.versions_refused += 1
+            log.error(
+                "the model after the %s is not finite: refused, the model stays at version %d",
+                cause,
+                self.version,
+            )
+            self.events.write(
+                "version_refused",
+                t=self.clock.now,
+                version=self.version,
+                reason="non_finite_model",
+                cause=cause,
+            )
+            return
+        self._new_version(params)
 
     def _new_version(self, params: Params) -> None:
         self.params = params

@@ -60,6 +60,8 @@ def build_summary(
         "updates_rejected_total": sum(srv.rejected.values()),
         # second jobs the loop refused to send a silo that held one (0 unless a bug asked)
         "dispatches_refused": srv.dispatches_refused,
+        # folds whose model was not finite, refused (the model stayed; 0 unless a bug)
+        "versions_refused": srv.versions_refused,
         "staleness_mean": float(np.mean(st)) if st else 0.0,
         "staleness_max": int(max(st)) if st else 0,
         "per_silo": per_silo,
