@@ -17,8 +17,10 @@ SIGTERM (simulate: one line saying where it stopped and how to resume).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from fedasync.errors import UserError
 from server.summary import no_version_reason
@@ -44,8 +46,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler on whatever ``sys.stderr`` is when a record is written (not when it was made:
+    a test's captured stream is closed by the time a later test logs)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _console_warnings() -> None:
+    """Warnings of the ``fedasync`` loggers on stderr as ``WARNING <logger>: <message>``, the
+    form a run prints them in (a run's ``setup_logging`` replaces this handler with its own)."""
+    root = logging.getLogger("fedasync")
+    if root.handlers:
+        return
+    console = _Stderr()
+    console.setLevel(logging.WARNING)
+    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root.addHandler(console)
+
+
 def _main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else list(argv)
+    _console_warnings()
     # any command first stops what runs whose driver was killed (kill -9) left behind;
     # simulate and deploy local sweep again where they start their own processes
     sweep_orphans()
