@@ -20,8 +20,12 @@ from fedasync.corrections import (
 )
 from fedasync.importance import (
     clipped_surrogate,
+    decoupled_ppo_loss,
+    effective_sample_size,
     importance_ratio,
+    masked_mean,
     staleness_aware_weight,
+    token_staleness,
     truncated_importance_weight,
 )
 from fedasync.optim import ServerOptimizer
@@ -80,9 +84,11 @@ __all__ = [
     "WeightFn",
     "check_tensors",
     "clipped_surrogate",
+    "decoupled_ppo_loss",
     "constant",
     "delay_compensate",
     "delay_compensate_delta",
+    "effective_sample_size",
     "exponential",
     "fedavg",
     "hinge",
@@ -90,10 +96,12 @@ __all__ = [
     "importance_ratio",
     "load_checkpoint",
     "make_weight_fn",
+    "masked_mean",
     "polynomial",
     "save_checkpoint",
     "staleness",
     "staleness_aware_weight",
+    "token_staleness",
     "topk",
     "truncated_importance_weight",
 ]
