@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.events import read_events  # noqa: E402
+from fedasync.events import read_events  # noqa: E402
 from server.summary import time_to_target  # noqa: E402
 from simulations.config import load_config  # noqa: E402
 from simulations.deploy import deploy_local  # noqa: E402

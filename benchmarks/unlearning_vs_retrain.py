@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.events import read_events  # noqa: E402
+from fedasync.events import read_events  # noqa: E402
 from server.summary import time_to_target  # noqa: E402
 from simulations.config import load_config  # noqa: E402
 from simulations.launcher import run_engine, setup_logging  # noqa: E402

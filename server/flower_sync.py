@@ -40,12 +40,12 @@ from clients import protocol as P
 from clients import wire
 from clients.local import evaluate
 from fedasync.aggregators import fedavg
+from fedasync.events import EventLog
 from fedasync.tensors import add
 from fedasync.types import Params, Update
 from server.app import _federation, _log_to, initial_model
 from server.clock import client_setup
 from server.config import FedAsyncConfig, from_container
-from server.events import EventLog
 from server.summary import write_summary
 
 log = logging.getLogger("fedasync.server")

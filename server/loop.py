@@ -6,7 +6,7 @@ version bumps, and that silo is sent the newest model at once. ``sync`` mode is 
 synchronous FedAvg baseline on the same silos and clock: a barrier waits for every silo's
 reply before the round is averaged, so one straggler stalls everyone.
 
-Which reply is taken next is the clock's decision (server/clock.py): virtual-finish order in
+Which reply is taken next is the clock's decision (fedasync/clock.py): virtual-finish order in
 simulation (deterministic for a seed), arrival order on the wall clock in deployment. A silo
 whose job failed (client error, crash) is sent work again after ``down_s`` of an injected
 crash or at once; a message unanswered for ``server.reply_timeout_s`` wall seconds is
@@ -54,12 +54,13 @@ from fedasync import (
     delay_compensate_delta,
     make_weight_fn,
 )
+from fedasync.clock import VirtualClock, WallClock
+from fedasync.events import EventLog
 from fedasync.privacy import GaussianMechanism
 from fedasync.tensors import clip_by_norm, is_finite
 from server.checkpoint import CheckpointState, load_state, save_state
-from server.clock import VirtualClock, WallClock, client_setup, silo_speeds
+from server.clock import client_setup, silo_speeds
 from server.config import FedAsyncConfig
-from server.events import EventLog
 from server.intake import Accepted, Job, take_reply
 from server.privacy import (
     CentralLedger,
@@ -122,7 +123,13 @@ class AsyncServer:
         self.clock: VirtualClock | WallClock = (
             WallClock()
             if wall_clock
-            else VirtualClock(cfg.silos, self.speeds, cfg.client.local_steps, cfg.run.seed)
+            else VirtualClock(
+                self.speeds,
+                cfg.silos.step_time_s,
+                jitter=cfg.silos.jitter,
+                latency_s=cfg.silos.latency_s,
+                seed=cfg.run.seed,
+            )
         )
         s = cfg.server
         self.aggregator = build_aggregator(cfg)
@@ -220,7 +227,7 @@ class AsyncServer:
         fault = self._fault_for(silo) if fault is None else fault
         keep = any(f["silo"] == silo and f["kind"] == "replay" for f in self.pending_faults)
         if timing is None:
-            jt = self.clock.schedule(silo, job_id)
+            jt = self.clock.schedule(silo, job_id, self.cfg.client.local_steps)
             timing = (jt.dispatched_at, jt.finishes_at)
         self._push_train(silo, job_id, base_version, params, timing, fault=fault, keep=keep)
 
@@ -339,7 +346,7 @@ class AsyncServer:
         if isinstance(self.clock, VirtualClock):
             work = steps * self.cfg.silos.step_time_s / self.speeds[silo]
             return job_id, (self.clock.now, self.clock.now + work + self.cfg.silos.latency_s)
-        jt = self.clock.schedule(silo, job_id)
+        jt = self.clock.schedule(silo, job_id, self.cfg.client.local_steps)
         return job_id, (jt.dispatched_at, jt.finishes_at)
 
     def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from server.events import json_safe
+from fedasync.events import json_safe
 
 if TYPE_CHECKING:
     from server.loop import AsyncServer

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from clients.privacy import PRIVACY_DB
+from fedasync.events import json_safe
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
-from server.events import json_safe
 from server.summary import no_version_reason
 from simulations.certs import CertPaths, private_dir, write_certs, write_file
 from simulations.config import to_container, to_yaml

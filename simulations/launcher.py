@@ -335,7 +335,7 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
         }
         write_summary(run_dir / BASELINE_DIR / "summary.json", baseline)
     write_summary(run_dir / "summary.json", summary)
-    from server.events import read_events
+    from fedasync.events import read_events
 
     stal = [
         e["staleness"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"
@@ -416,7 +416,7 @@ def run(
 
 def _where(run_dir: Path) -> str:
     """'at version V (t=T s virtual)' from the run's event log, or 'before training'."""
-    from server.events import read_events
+    from fedasync.events import read_events
 
     try:
         events = read_events(run_dir / "metrics.jsonl")

@@ -14,11 +14,11 @@ from inprocess import InProcessGrid
 from clients.app import app as client_app
 from fedasync import FedAsyncAggregator, FedBuffAggregator, GaussianMechanism, Update
 from fedasync import gaussian_epsilon as eps_of
+from fedasync.events import read_events
 from fedasync.staleness import make_weight_fn
 from fedasync.tensors import global_norm
 from server.app import run_server
 from server.config import from_container
-from server.events import read_events
 from server.privacy import CENTRAL_BUDGET
 
 N = 200_000  # coordinates: enough for the noise's std to be measured within 1%

@@ -40,8 +40,8 @@ from typing import Any
 import pytest
 
 from clients.config import build_silos
+from fedasync.events import read_events
 from server.checkpoint import load_state
-from server.events import read_events
 from simulations.config import load_config
 from simulations.deploy import (
     FEDERATION,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from server.events import read_events
+from fedasync.events import read_events
 from simulations.certs import write_certs
 from simulations.deploy import (
     deploy_local,

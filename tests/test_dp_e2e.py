@@ -13,8 +13,8 @@ from clients.app import app as client_app
 from clients.config import build_silos
 from clients.dp import sample_rate
 from clients.privacy import PrivacyLedger, epsilon_of
+from fedasync.events import read_events
 from server.app import run_server
-from server.events import read_events
 
 DP = ("client.dp.enabled=true", "client.dp.noise_multiplier=1.0")
 

@@ -21,11 +21,11 @@ from clients import protocol as P
 from clients import wire
 from clients.app import NO_DATA
 from clients.app import app as client_app
+from fedasync.events import read_events
 from fedasync.tensors import global_norm
 from fedasync.unlearning import forget_share_scale
 from server.app import run_server
 from server.erasure.store import ErasureStore
-from server.events import read_events
 from server.loop import AsyncServer
 from server.unlearning import ErasureCoordinator
 

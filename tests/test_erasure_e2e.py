@@ -11,8 +11,8 @@ from pathlib import Path
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.events import read_events
 from server.app import run_server
-from server.events import read_events
 
 ERASE = (
     "unlearning.relearn_versions=4",

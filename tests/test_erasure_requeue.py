@@ -15,10 +15,10 @@ from flwr.common.constant import ErrorCode
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.events import read_events
 from server.app import run_server
 from server.erasure.states import State
 from server.erasure.store import ErasureStore
-from server.events import read_events
 from server.unlearning import WENT_DOWN, WENT_OFFLINE
 
 ERASE = (

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.events import read_events
 from server.app import run_server
 from server.erasure.store import ErasureStore, now_ms
-from server.events import read_events
 from server.unlearning import ErasureCoordinator
 
 ERASE = (

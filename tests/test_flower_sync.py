@@ -14,8 +14,8 @@ from inprocess import InProcessGrid, set_task_identity
 from clients import protocol as P
 from clients import wire
 from clients.app import app as client_app
+from fedasync.events import EventLog, read_events
 from server.config import FedAsyncConfig
-from server.events import EventLog, read_events
 from server.flower_sync import BudgetSpent, ProtocolFedAvg, mean_delta_step, run_flower_fedavg
 
 

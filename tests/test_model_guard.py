@@ -14,8 +14,8 @@ from inprocess import InProcessGrid
 
 from clients.app import app as client_app
 from fedasync import FedAsyncAggregator
+from fedasync.events import read_events
 from server.app import run_server
-from server.events import read_events
 
 
 def test_a_non_finite_fold_is_refused_and_no_silo_is_blamed(small_cfg, monkeypatch):

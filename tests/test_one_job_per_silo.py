@@ -16,8 +16,8 @@ from flwr.common.constant import ErrorCode
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.events import read_events
 from server.app import run_server
-from server.events import read_events
 from server.loop import AsyncServer
 
 SILO_1 = 1001  # InProcessGrid's node of silo 1

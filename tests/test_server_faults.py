@@ -9,8 +9,8 @@ from inprocess import InProcessGrid
 
 from clients.app import app as client_app
 from fedasync import FedAsyncAggregator
+from fedasync.events import read_events
 from server.app import run_server
-from server.events import read_events
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import torch
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.events import read_events
 from server.app import run_server
-from server.events import read_events
 
 
 def _run(cfg):

@@ -14,8 +14,8 @@ from flwr.common.constant import ErrorCode
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.events import read_events
 from server.app import run_server
-from server.events import read_events
 
 
 class _SlowGrid(InProcessGrid):

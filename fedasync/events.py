@@ -1,6 +1,8 @@
 """The run's event log: one JSON object a line in ``metrics.jsonl``.
 
-Events: ``start``, ``roster``, ``dispatch`` (only at debug level), ``update`` (an applied or
+Paper: none. Shared by the federated server and the trainers; each writes its own events.
+
+The federated server's events: ``start``, ``roster``, ``dispatch`` (only at debug level), ``update`` (an applied or
 buffered update), ``version`` (the global model advanced), ``reject`` (with a reason), ``eval``,
 ``checkpoint``, ``fault``, ``silo_eval``, ``end``. Every event carries the clock time ``t`` (virtual
 seconds in simulation, wall seconds in deployment) and the global ``version``.
@@ -12,13 +14,10 @@ what was written after the checkpoint and never reports an event twice.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger("fedasync.server")
 
 
 def json_safe(v: Any) -> Any:
