@@ -8,6 +8,7 @@ fedasync certs DIR --silos N [--host H]             CA, SuperLink certificate, S
 fedasync checkpoint seal FILE...                    trust an old checkpoint (no digest): add one
 fedasync deploy local [--silos N] [--config FILE] [key=value ...]
                                                     SuperLink + SuperNodes here, over TLS
+fedasync rl [--config FILE] [key=value ...]         asynchronous RL trainer (trainers/rl)
 
 Exit codes: 0 done; 1 the run failed or produced no version; 2 a user error (a config key,
 a data file, a checkpoint: one line on stderr naming it and what to do); 130 Ctrl-C, 143
@@ -26,6 +27,7 @@ from fedasync.errors import UserError
 from server.summary import no_version_reason
 from simulations import certs, deploy
 from simulations.processes import sweep_orphans
+from trainers.rl import cli as rl_cli
 
 
 def _erase_commands() -> list[str]:
@@ -118,6 +120,7 @@ def _main(argv: list[str] | None = None) -> int:
     seal.add_argument("files", nargs="+", type=Path)
     certs.add_parser(sub)
     deploy.add_parser(sub)
+    rl_cli.add_parser(sub)
     args = parser.parse_args(args_in)
 
     if args.cmd == "simulate":
@@ -137,6 +140,8 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "certs":
         return certs.run(args)
+    if args.cmd == "rl":
+        return rl_cli.run(args)
     if args.cmd == "deploy":
         return deploy.run(args)
     if args.cmd == "data" and args.data_cmd == "fetch":

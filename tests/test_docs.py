@@ -20,3 +20,14 @@ def test_every_config_key_is_in_the_readme():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     missing = [k for k in _keys(FedAsyncConfig) if f"`{k}`" not in readme]
     assert not missing, f"README.md does not document: {missing}"
+
+
+def test_every_rl_config_key_is_in_the_readmes_rl_section():
+    from trainers.rl.config import RLConfig
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("\n## Asynchronous RL trainer")
+    end = readme.find("\n## ", start + 5)
+    section = readme[start : end if end > 0 else None]
+    missing = [k for k in _keys(RLConfig) if f"`{k}`" not in section]
+    assert not missing, f"README.md's RL section does not document: {missing}"

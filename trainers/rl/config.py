@@ -1,0 +1,296 @@
+"""Typed configuration of an RL run (``fedasync rl``), validated once where the run starts.
+
+defaults <- YAML file (``--config``) <- ``key=value`` overrides, on the same omegaconf
+conventions as ``fedasync simulate``: unknown keys, wrong types and values out of range are
+errors that name the key (``fedasync.errors.ConfigError``: one line, exit 2). Every key is
+documented by the docstring under its field; README.md lists them all (a test checks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedasync.errors import ConfigError, UserError
+from fedasync.ranges import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    Range,
+    numeric_values,
+)
+from fedasync.staleness import WEIGHT_FUNCTIONS
+
+MODES = ("sync", "one_step_off", "async", "streaming")
+CORRECTIONS = ("none", "tis", "decoupled", "drop", "weight")
+BACKENDS = ("local", "ray")
+CLOCKS = ("virtual", "wall")
+
+
+@dataclass
+class RunSection:
+    seed: int = 0
+    """Seeds the policy's initialisation, the warm start, the prompts and every sample."""
+    name: str = "rl"
+    """Run folder name under ``run.out_dir``."""
+    out_dir: str = "runs"
+    """Where run folders go (metrics.jsonl, summary.json, checkpoints, PNGs)."""
+    max_steps: int = 40
+    """Learner steps (policy versions) to train."""
+    target_accuracy: float | None = None
+    """Stop at the first evaluation whose held-out accuracy reaches this (None: never)."""
+    eval_every: int = 5
+    """Evaluate greedy exact-match accuracy on held-out prompts every this many steps."""
+    eval_prompts: int = 64
+    """Held-out prompts per evaluation (indices disjoint from training and warm start)."""
+    checkpoint_every: int = 0
+    """Write ``checkpoint.pt`` every this many learner steps (0: never)."""
+    resume: bool = False
+    """Resume from the run folder's checkpoint.pt (same config), keeping the staleness bound."""
+    progress: bool = True
+    """A progress bar on stderr while it runs."""
+    plots: bool = True
+    """Write PNGs at the end (reward vs time, staleness histogram, worker timeline)."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu or cuda."""
+
+
+@dataclass
+class TaskSection:
+    name: str = "sort"
+    """The task (trainers.rl.tasks.TASKS): sort, reverse or add."""
+    min_len: int = 2
+    """Shortest problem (list length)."""
+    max_len: int = 16
+    """Longest problem; lengths between are drawn from a truncated Pareto (long-tailed)."""
+    tail: float = 1.2
+    """Tail exponent of the length distribution: smaller is heavier-tailed."""
+
+
+@dataclass
+class PolicySection:
+    d_model: int = 64
+    """Width of the decoder-only transformer."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Attention heads (must divide d_model)."""
+    warm_start_steps: int = 150
+    """Supervised steps before RL, so that RL starts from a working but imperfect policy."""
+    warm_start_lr: float = 0.003
+    """Learning rate of the warm start (Adam)."""
+    warm_start_batch: int = 32
+    """Prompts per warm-start step."""
+
+
+@dataclass
+class RolloutSection:
+    mode: str = "streaming"
+    """sync | one_step_off | async | streaming (see README: how the modes schedule work)."""
+    workers: int = 8
+    """Rollout workers (Ray actors with backend=ray; virtual workers otherwise)."""
+    group_size: int = 8
+    """G: samples per prompt; GRPO's advantage is the reward against the group's mean and std."""
+    batch_groups: int = 8
+    """B: groups (prompts) per learner step."""
+    max_staleness: int = 2
+    """S: no trajectory more than S versions older than the learner is ever learnt from; async
+    and streaming admit new work only within it (0 makes both equal to sync, bit for bit)."""
+    temperature: float = 1.0
+    """Sampling temperature (behaviour log-probs are of the tempered distribution)."""
+    backend: str = "local"
+    """local (one process, same semantics) or ray (one actor per worker, weights by version
+    through the object store). Without Ray, ray falls back to local and says so."""
+    clock: str = "virtual"
+    """virtual (deterministic: generation and learning cost tokens x per-token cost) or wall."""
+
+
+@dataclass
+class LearnerSection:
+    lr: float = 0.001
+    """Adam learning rate of the policy."""
+    correction: str = "decoupled"
+    """How stale tokens are corrected: none | tis | decoupled | drop | weight (README)."""
+    clip_eps: float = 0.2
+    """PPO clip range of the ratio against the proximal policy (decoupled)."""
+    tis_cap: float = 2.0
+    """C: cap of the truncated importance weight (tis, weight) and of decoupled PPO's
+    behaviour weight."""
+    drop_beyond: int = 0
+    """correction=drop: trajectories staler than this are dropped, the rest learnt as fresh."""
+    weight_fn: str = "polynomial"
+    """correction=weight: the core's staleness weight s(τ) (constant, polynomial, hinge,
+    exponential), times the truncated importance weight."""
+    weight_a: float = 0.5
+    """Parameter a of the staleness weight."""
+    weight_b: float = 4.0
+    """Parameter b of the hinge staleness weight."""
+    minibatches: int = 1
+    """Optimiser steps per learner step (the batch split in this many parts); one version each
+    learner step."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (global L2 norm)."""
+
+
+@dataclass
+class ClockSection:
+    gen_token_s: float | None = None
+    """Virtual seconds a worker takes per generated token (None: measured once at start)."""
+    learn_token_s: float | None = None
+    """Virtual seconds the learner takes per token of a batch (None: measured once at start)."""
+    jitter: float = 0.0
+    """Seeded jitter of each job's duration, in [0, 1)."""
+
+
+@dataclass
+class FaultSection:
+    die_on_groups: list[int] = field(default_factory=list)
+    """Group ids whose first attempt dies mid-trajectory (the worker is lost; with Ray the
+    actor process really exits); the group is redone, or dropped when it would be too stale."""
+    nan_on_groups: list[int] = field(default_factory=list)
+    """Group ids whose first trajectory reports a NaN behaviour log-prob (rejected, counted)."""
+
+
+@dataclass
+class RLConfig:
+    run: RunSection = field(default_factory=RunSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    clock: ClockSection = field(default_factory=ClockSection)
+    faults: FaultSection = field(default_factory=FaultSection)
+
+
+RANGES: dict[str, Range] = {
+    "run.seed": NON_NEGATIVE,
+    "run.max_steps": Range(1, 100_000),
+    "run.target_accuracy": Range(0, 1),
+    "run.eval_every": AT_LEAST_ONE,
+    "run.eval_prompts": Range(1, 10_000),
+    "run.checkpoint_every": NON_NEGATIVE,
+    "task.min_len": Range(1, 64),
+    "task.max_len": Range(1, 64),
+    "task.tail": Range(0, 10, lo_open=True),
+    "policy.d_model": Range(8, 4096),
+    "policy.n_layers": Range(1, 64),
+    "policy.n_heads": Range(1, 64),
+    "policy.warm_start_steps": Range(0, 100_000),
+    "policy.warm_start_lr": Range(0, 1, lo_open=True),
+    "policy.warm_start_batch": Range(1, 4096),
+    "rollout.workers": Range(1, 4096),
+    "rollout.group_size": Range(2, 1024),
+    "rollout.batch_groups": Range(1, 4096),
+    "rollout.max_staleness": Range(0, 1000),
+    "rollout.temperature": Range(0.05, 10),
+    "learner.lr": Range(0, 1, lo_open=True),
+    "learner.clip_eps": Range(0, 1, lo_open=True),
+    "learner.tis_cap": Range(1, 1000),
+    "learner.drop_beyond": Range(0, 1000),
+    "learner.weight_a": Range(0, 100),
+    "learner.weight_b": Range(0, 1000),
+    "learner.minibatches": Range(1, 1024),
+    "learner.max_grad_norm": POSITIVE,
+    "clock.gen_token_s": POSITIVE,
+    "clock.learn_token_s": POSITIVE,
+    "clock.jitter": Range(0, 1, hi_open=True),
+    "faults.die_on_groups[]": NON_NEGATIVE,
+    "faults.nan_on_groups[]": NON_NEGATIVE,
+}
+"""Every numeric key's allowed values; None, where a key allows it, means off."""
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: RLConfig) -> RLConfig:
+    """Check what types alone cannot; raise ConfigError naming the key."""
+    from trainers.rl.tasks import TASKS
+
+    for rkey, key, value in numeric_values(cfg):
+        rng = RANGES.get(rkey)
+        _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
+    r, lr, t = cfg.rollout, cfg.learner, cfg.task
+    _check(r.mode in MODES, f"rollout.mode must be one of {MODES}, got {r.mode!r:.40}")
+    _check(
+        r.backend in BACKENDS, f"rollout.backend must be one of {BACKENDS}, got {r.backend!r:.40}"
+    )
+    _check(r.clock in CLOCKS, f"rollout.clock must be one of {CLOCKS}, got {r.clock!r:.40}")
+    _check(
+        not (r.clock == "wall" and r.backend == "local"),
+        "rollout.clock=wall needs rollout.backend=ray (one process has no concurrency to time)",
+    )
+    _check(
+        lr.correction in CORRECTIONS,
+        f"learner.correction must be one of {CORRECTIONS}, got {lr.correction!r:.40}",
+    )
+    _check(
+        lr.weight_fn in WEIGHT_FUNCTIONS,
+        f"learner.weight_fn must be one of {tuple(WEIGHT_FUNCTIONS)}, got {lr.weight_fn!r:.40}",
+    )
+    _check(t.name in TASKS, f"task.name must be one of {TASKS}, got {t.name!r:.40}")
+    _check(t.min_len <= t.max_len, f"task.min_len={t.min_len} > task.max_len={t.max_len}")
+    p = cfg.policy
+    _check(
+        p.d_model % p.n_heads == 0,
+        f"policy.n_heads={p.n_heads} must divide policy.d_model={p.d_model}",
+    )
+    _check(
+        cfg.run.device in ("auto", "cpu", "cuda"),
+        f"run.device must be auto, cpu or cuda, got {cfg.run.device!r:.40}",
+    )
+    _check(
+        lr.minibatches <= r.batch_groups * r.group_size,
+        f"learner.minibatches={lr.minibatches} exceeds the batch's "
+        f"{r.batch_groups * r.group_size} trajectories",
+    )
+    return cfg
+
+
+def load_rl_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
+    """The validated config: defaults <- YAML ``path`` <- ``key=value`` overrides."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(RLConfig)
+    layers: list[Any] = [schema]
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)[:200]} does not exist (--config)")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:
+            raise ConfigError(f"config file {str(path)[:200]} is not valid YAML: {e}") from e
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file {str(path)[:200]} must map keys to values")
+        layers.append(loaded)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(
+                f"override {item[:60]!r} is not key=value (e.g. rollout.mode=streaming)"
+            )
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"bad configuration key {key}: {str(e).splitlines()[0][:200]}") from e
+    except ValueError as e:
+        if isinstance(e, UserError):
+            raise
+        raise ConfigError(str(e)[:300]) from e
+    assert isinstance(cfg, RLConfig)
+    return validate(cfg)
+
+
+def to_container(cfg: RLConfig) -> dict[str, Any]:
+    """The config as plain dicts (for metrics.jsonl and the checkpoint)."""
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.to_container(OmegaConf.structured(cfg))
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]

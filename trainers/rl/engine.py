@@ -1,0 +1,644 @@
+"""The asynchronous RL engine: who generates which group under which version, when the
+learner steps, and what it may learn from.
+
+Papers: AReaL (Fu et al. 2025) admission rule for bounded staleness; one-step-off (Noukhovitch
+et al. 2024, asynchronous RLHF); multi-version streaming rollout after DORA (arXiv 2604.26256).
+
+Groups are numbered 0, 1, 2, ...; group g is prompt ``task.sample(g, seed)``, its samples
+drawn from a generator seeded by (seed, g), under the newest policy version a worker has when
+it starts (the group is generated from start to end by that version). Batch k is groups
+[kB, (k+1)B). The learner at version v makes version v+1 from one batch of B groups. Modes:
+
+- ``sync``: batch v is generated under version v; the learner waits for all of it, workers
+  wait for the learner.
+- ``one_step_off``: batch k+1 is generated under version k while the learner trains on batch
+  k (it starts when batch k is all generated); staleness 1.
+- ``async``: group g of batch k may start once the learner's version is >= k − S; the learner
+  takes batches in order, each once all of it has arrived. Staleness <= S by construction.
+- ``streaming``: a group may start while fewer than (v + S + 1)·B groups have been admitted
+  (dropped ones not counted); the learner takes the first B groups to finish, whatever their
+  batch, so it never waits for a long tail. A group whose staleness would exceed S is dropped
+  (aborted in flight at the version that makes it hopeless, freeing its worker).
+
+With S = 0 the three rules admit the same groups under the same versions and the learner takes
+the same batches, so ``async`` and ``streaming`` give the weights of ``sync`` bit for bit.
+
+Time is the core's clock: on the virtual clock a group takes (its generated tokens) x
+``clock.gen_token_s`` on a worker and a learner step (its batch's tokens) x
+``clock.learn_token_s``; the new version is available when the step ends. On the wall clock
+(Ray actors) both take what they take.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from fedasync.checkpoint import load_checkpoint, save_checkpoint
+from fedasync.clock import VirtualClock, WallClock
+from fedasync.errors import CheckpointError
+from fedasync.events import EventLog
+from fedasync.staleness import StalenessBound
+from fedasync.tensors import to_cpu
+from fedasync.versions import VersionedSnapshots, staleness
+from trainers.rl.config import RLConfig, to_container
+from trainers.rl.learner import Learner
+from trainers.rl.policy import PolicyConfig, TinyLM, greedy_accuracy, warm_start
+from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
+from trainers.rl.tasks import VOCAB_SIZE, Task, make_task
+
+log = logging.getLogger("fedasync.rl")
+
+MAX_ATTEMPTS = 2
+"""A group whose worker dies this many times is dropped."""
+
+
+@dataclass
+class Job:
+    """One group in flight on one worker."""
+
+    job_id: int
+    group_id: int
+    worker: int
+    version: int
+    attempt: int
+    dispatched_at: float
+    finishes_at: float = math.inf
+    group: Group | None = None
+    error: str | None = None
+    """Set when the worker died on it (the group is then redone or dropped)."""
+
+
+class Backend(Protocol):
+    """Where groups are generated: in this process, or on Ray actors."""
+
+    kind: str
+
+    def publish(self, version: int, params: dict[str, torch.Tensor]) -> None:
+        """Make ``version``'s weights available to workers."""
+
+    def retire(self, below: int) -> None:
+        """Versions below ``below`` will not be asked for again."""
+
+    def submit(self, job: Job, die: bool, nan: bool) -> None:
+        """Start ``job``; ``die``/``nan`` inject the configured faults."""
+
+    def collect(self, jobs: list[Job], wait_all: bool, timeout: float) -> list[Job]:
+        """Jobs of ``jobs`` whose result (``group`` or ``error``) has arrived; with
+        ``wait_all`` block until every one has, else return what arrives within ``timeout``."""
+
+    def close(self) -> None: ...
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def build_policy(cfg: RLConfig) -> TinyLM:
+    """The policy of the run's seed, before the warm start."""
+    p = cfg.policy
+    torch.manual_seed(cfg.run.seed)
+    return TinyLM(
+        PolicyConfig(
+            vocab_size=VOCAB_SIZE, d_model=p.d_model, n_layers=p.n_layers, n_heads=p.n_heads
+        )
+    )
+
+
+def build_task(cfg: RLConfig) -> Task:
+    t = cfg.task
+    return make_task(t.name, min_len=t.min_len, max_len=t.max_len, tail=t.tail)
+
+
+class LocalBackend:
+    """Every worker is virtual; a group is generated in this process when it is submitted."""
+
+    kind = "local"
+
+    def __init__(self, cfg: RLConfig, task: Task, device: torch.device):
+        self.cfg, self.task, self.device = cfg, task, device
+        self.model = build_policy(cfg).to(device)
+        self.model.eval()
+        self.loaded: int | None = None
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def publish(self, version: int, params: dict[str, torch.Tensor]) -> None:
+        self.weights[version] = params
+
+    def retire(self, below: int) -> None:
+        for v in [v for v in self.weights if v < below]:
+            del self.weights[v]
+
+    def submit(self, job: Job, die: bool, nan: bool) -> None:
+        if self.loaded != job.version:
+            self.model.load_state_dict(self.weights[job.version])
+            self.loaded = job.version
+        group = generate_group(
+            self.model,
+            self.task,
+            seed=self.cfg.run.seed,
+            group_id=job.group_id,
+            version=job.version,
+            group_size=self.cfg.rollout.group_size,
+            temperature=self.cfg.rollout.temperature,
+            device=self.device,
+            nan_first=nan,
+        )
+        group.worker = job.worker
+        job.group = group
+        if die:  # it dies half-way: the time is spent, the tokens are lost
+            job.error = f"worker {job.worker} died generating group {job.group_id}"
+
+    def collect(self, jobs: list[Job], wait_all: bool, timeout: float) -> list[Job]:
+        return [j for j in jobs if j.group is not None or j.error is not None]
+
+    def close(self) -> None:
+        return None
+
+
+class RLRun:
+    """One RL training run: ``RLRun(cfg, run_dir).run()`` returns the summary."""
+
+    def __init__(self, cfg: RLConfig, run_dir: Path, backend: Backend | None = None):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.device = pick_device(cfg.run.device)
+        self.task = build_task(cfg)
+        r = cfg.rollout
+        self.S = r.max_staleness
+        self.B = r.batch_groups
+        self.bound = StalenessBound(max_staleness=self.S)
+        self.policy = build_policy(cfg).to(self.device)
+        self.learner = Learner(self.policy, cfg.learner, r.temperature, self.device)
+        self.snapshots = VersionedSnapshots(max(self.S, 1) + 2)
+        self.backend: Backend = (
+            backend if backend is not None else LocalBackend(cfg, self.task, self.device)
+        )
+        self.virtual = r.clock == "virtual"
+        self.clock: VirtualClock | WallClock = (
+            VirtualClock([1.0] * r.workers, 1.0, jitter=cfg.clock.jitter, seed=cfg.run.seed)
+            if self.virtual
+            else WallClock()
+        )
+        self.gen_token_s = cfg.clock.gen_token_s
+        self.learn_token_s = cfg.clock.learn_token_s
+        # scheduling state (all of it goes into the checkpoint)
+        self.version = 0
+        self.next_group = 0
+        self.next_job = 0
+        self.admitted_dropped = 0  # dropped groups (streaming's admission does not count them)
+        self.inflight: dict[int, Job] = {}  # by worker
+        self.redo: list[tuple[int, int]] = []  # (group id, attempt) to generate again
+        self.ready: list[tuple[float, Group]] = []  # (finish time, group) not yet learnt
+        self.finished_per_batch: Counter[int] = Counter()
+        self.learner_done_at: float | None = None
+        self.pending_metrics: dict[str, Any] | None = None
+        self.dropped: Counter[str] = Counter()
+        self.rejected = 0
+        self.redone = 0
+        self.busy_s = [0.0] * r.workers
+        self.evals: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+        self.reached_target_at: float | None = None
+        self.die = set(cfg.faults.die_on_groups)
+        self.nan = set(cfg.faults.nan_on_groups)
+        self.events: EventLog | None = None
+        self.warm: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- set-up
+    def _measure_costs(self) -> None:
+        """Per-token costs of generation and learning, measured once on this machine."""
+        if self.gen_token_s is not None and self.learn_token_s is not None:
+            return
+        probe = copy.deepcopy(self.policy)
+        probe.eval()
+        groups, t0 = [], time.perf_counter()
+        for i in range(4):
+            groups.append(
+                generate_group(
+                    probe,
+                    self.task,
+                    seed=self.cfg.run.seed + 1,
+                    group_id=i,
+                    version=0,
+                    group_size=self.cfg.rollout.group_size,
+                    temperature=self.cfg.rollout.temperature,
+                    device=self.device,
+                )
+            )
+        gen = (time.perf_counter() - t0) / max(sum(g.tokens for g in groups), 1)
+        learner = Learner(probe, self.cfg.learner, self.cfg.rollout.temperature, self.device)
+        t0 = time.perf_counter()
+        m = learner.step(groups, 0)
+        learn = (time.perf_counter() - t0) / max(m["tokens"], 1)
+        if self.gen_token_s is None:
+            self.gen_token_s = gen
+        if self.learn_token_s is None:
+            self.learn_token_s = learn
+        log.info("measured: %.3g s per generated token, %.3g s per learnt token", gen, learn)
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt = self.run_dir / "checkpoint.pt"
+        if cfg.run.resume:
+            if not ckpt.is_file():
+                raise CheckpointError(f"run.resume=true but {ckpt} does not exist")
+            self._load(ckpt)
+            return
+        for name in ("metrics.jsonl", "summary.json", "checkpoint.pt"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        self.events = EventLog(self.run_dir / "metrics.jsonl")
+        if cfg.policy.warm_start_steps > 0:
+            self.warm = warm_start(
+                self.policy,
+                self.task,
+                steps=cfg.policy.warm_start_steps,
+                batch_size=cfg.policy.warm_start_batch,
+                lr=cfg.policy.warm_start_lr,
+                seed=cfg.run.seed,
+                device=self.device,
+            )
+        self.policy.eval()
+        self._measure_costs()
+        self.events.write(
+            "start",
+            t=0.0,
+            version=0,
+            config=to_container(cfg),
+            gen_token_s=self.gen_token_s,
+            learn_token_s=self.learn_token_s,
+            warm_start=self.warm,
+            backend=self.backend.kind,
+            clock=self.clock.kind,
+        )
+        self._publish(0)
+        self._evaluate()
+
+    # ----------------------------------------------------------------- scheduling
+    def _batch(self, g: int) -> int:
+        return g // self.B
+
+    def _may_start(self, g: int) -> bool:
+        mode, v, k = self.cfg.rollout.mode, self.version, self._batch(g)
+        if mode == "sync":
+            return k <= v
+        if mode == "one_step_off":
+            return k == 0 or (self.finished_per_batch[k - 1] >= self.B and v >= k - 1)
+        if mode == "async":
+            return k <= v + self.S
+        return g - self.admitted_dropped < (v + self.S + 1) * self.B  # streaming
+
+    def _dispatch(self) -> None:
+        for w in range(self.cfg.rollout.workers):
+            if w in self.inflight:
+                continue
+            if self.redo and self._may_start(self.redo[0][0]):
+                g, attempt = self.redo.pop(0)
+            elif not self.redo and self._may_start(self.next_group):
+                g, attempt = self.next_group, 0
+                self.next_group += 1
+            else:
+                return
+            job = Job(self.next_job, g, w, self.version, attempt, self.clock.now)
+            self.next_job += 1
+            self.inflight[w] = job
+            first = attempt == 0
+            self.backend.submit(job, die=first and g in self.die, nan=first and g in self.nan)
+
+    def _timed(self, job: Job) -> None:
+        """Set a virtual job's finish time from its tokens once its result is known."""
+        if self.virtual and job.finishes_at == math.inf:
+            assert self.gen_token_s is not None
+            units = job.group.tokens if job.group is not None else 0
+            if job.error is not None:
+                units = units / 2.0
+            job.finishes_at = job.dispatched_at + self.clock.duration(
+                job.worker, job.job_id, units * self.gen_token_s
+            )
+
+    def _arrive(self, job: Job) -> None:
+        del self.inflight[job.worker]
+        self.busy_s[job.worker] += self.clock.now - job.dispatched_at
+        outcome = "done"
+        if job.error is not None or job.group is None:
+            outcome = "died"
+            reason = (job.error or "no result")[:200]
+            log.warning("%s", reason)
+            if job.attempt + 1 >= MAX_ATTEMPTS:
+                self._drop(job.group_id, "worker died twice", 1)
+            else:
+                self.redone += 1
+                self.redo.append((job.group_id, job.attempt + 1))
+        else:
+            group = check_group(job.group)
+            for why in group.rejected:
+                self.rejected += 1
+                self._write("reject", version=self.version, group=job.group_id, reason=why)
+            if len(group.trajectories) < 2:
+                self._drop(job.group_id, "fewer than 2 valid trajectories", 1)
+            else:
+                self.ready.append((self.clock.now, group))
+                self.finished_per_batch[self._batch(job.group_id)] += 1
+        self._write(
+            "rollout",
+            version=self.version,
+            group=job.group_id,
+            worker=job.worker,
+            behaviour=job.version,
+            start=job.dispatched_at,
+            tokens=job.group.tokens if job.group is not None else 0,
+            outcome=outcome,
+        )
+
+    def _drop(self, group_id: int, reason: str, n: int) -> None:
+        self.dropped[reason] += n
+        self.admitted_dropped += 1
+        self.finished_per_batch[self._batch(group_id)] += 1  # settled: its batch goes on
+        self._write("drop", version=self.version, group=group_id, reason=reason)
+
+    def _take_batch(self) -> list[Group] | None:
+        mode = self.cfg.rollout.mode
+        if mode == "streaming":
+            self.ready.sort(key=lambda x: (x[0], x[1].group_id))
+            kept: list[tuple[float, Group]] = []
+            for item in self.ready:
+                d = self.bound.check(staleness(self.version, item[1].version))
+                if d.action == "reject":
+                    self._drop(item[1].group_id, f"stale: {d.reason}", 1)
+                else:
+                    kept.append(item)
+            self.ready = kept
+            if len(kept) < self.B:
+                return None
+            batch, self.ready = kept[: self.B], kept[self.B :]
+        else:  # batches in order: batch v, once all of it has arrived
+            mine = [x for x in self.ready if self._batch(x[1].group_id) == self.version]
+            if self.finished_per_batch[self.version] < self.B:  # arrived or dropped
+                return None
+            batch = mine
+            self.ready = [x for x in self.ready if self._batch(x[1].group_id) != self.version]
+        return sorted((g for _, g in batch), key=lambda g: g.group_id)
+
+    def _maybe_learn(self) -> None:
+        if self.learner_done_at is not None or self.version >= self.cfg.run.max_steps:
+            return
+        batch = self._take_batch()
+        if batch is None:
+            return
+        for g in batch:
+            tau = staleness(self.version, g.version)
+            assert tau <= self.S or self.cfg.rollout.mode == "one_step_off", (tau, self.S)
+        t0 = time.perf_counter()
+        metrics = self.learner.step(batch, self.version)
+        metrics["learn_s"] = time.perf_counter() - t0
+        metrics["groups"] = [g.group_id for g in batch]
+        if self.virtual:
+            assert self.learn_token_s is not None
+            self.learner_done_at = self.clock.now + metrics["tokens"] * self.learn_token_s
+        else:
+            self.learner_done_at = self.clock.now
+        self.pending_metrics = metrics
+
+    def _publish(self, version: int) -> None:
+        params = to_cpu(dict(self.policy.state_dict()))
+        self.snapshots.put(version, params)
+        self.backend.publish(version, params)
+        oldest = self.snapshots.oldest
+        if oldest is not None:
+            self.backend.retire(oldest)
+
+    def _finish_step(self) -> None:
+        assert self.pending_metrics is not None
+        m = self.pending_metrics
+        self.pending_metrics, self.learner_done_at = None, None
+        self.version += 1
+        self._publish(self.version)
+        prev_t = self.steps[-1]["t"] if self.steps else 0.0
+        dt = self.clock.now - prev_t
+        m["tokens_per_s"] = m["tokens"] / dt if dt > 0 else None
+        m["dropped_total"] = dict(self.dropped)
+        m["t"] = self.clock.now
+        m["version"] = self.version
+        self.steps.append({k: m[k] for k in ("t", "version", "reward", "accuracy")})
+        self._write(
+            "step",
+            version=self.version,
+            **{k: v for k, v in m.items() if k not in ("t", "version")},
+        )
+        if self.cfg.rollout.mode == "streaming":  # abort what can no longer be learnt from
+            for job in list(self.inflight.values()):
+                if self.version - job.version > self.S:
+                    self.busy_s[job.worker] += self.clock.now - job.dispatched_at
+                    del self.inflight[job.worker]
+                    self._drop(job.group_id, "stale in flight: aborted", 1)
+                    self._write(
+                        "rollout",
+                        version=self.version,
+                        group=job.group_id,
+                        worker=job.worker,
+                        behaviour=job.version,
+                        start=job.dispatched_at,
+                        tokens=0,
+                        outcome="aborted",
+                    )
+        if self.version % self.cfg.run.eval_every == 0 or self.version >= self.cfg.run.max_steps:
+            self._evaluate()
+        every = self.cfg.run.checkpoint_every
+        if every and self.version % every == 0 and self.version < self.cfg.run.max_steps:
+            self._save(self.run_dir / "checkpoint.pt")
+
+    def _evaluate(self) -> None:
+        idx = [EVAL_OFFSET + i for i in range(self.cfg.run.eval_prompts)]
+        acc = greedy_accuracy(self.policy, self.task, idx, self.cfg.run.seed, self.device)
+        self.evals.append({"t": self.clock.now, "version": self.version, "accuracy": acc})
+        self._write("eval", version=self.version, accuracy=acc)
+        target = self.cfg.run.target_accuracy
+        if target is not None and acc >= target and self.reached_target_at is None:
+            self.reached_target_at = self.clock.now
+
+    def _write(self, event: str, **fields: Any) -> None:
+        if self.events is not None:
+            fields.setdefault("t", self.clock.now)
+            self.events.write(event, **fields)
+
+    def _done(self) -> bool:
+        if self.version >= self.cfg.run.max_steps:
+            return True
+        return self.reached_target_at is not None
+
+    # ----------------------------------------------------------------- the loop
+    def step_loop(self, progress: Any = None) -> None:
+        while not self._done():
+            self._maybe_learn()
+            self._dispatch()
+            jobs = list(self.inflight.values())
+            if self.virtual:
+                self.backend.collect(jobs, wait_all=True, timeout=math.inf)
+                for j in jobs:
+                    self._timed(j)
+                t_job = min((j.finishes_at for j in jobs), default=math.inf)
+                t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
+                if t_learn == math.inf and t_job == math.inf:
+                    raise RuntimeError(
+                        f"deadlock at version {self.version}: nothing in flight, nothing to "
+                        f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
+                    )
+                if t_learn <= t_job:
+                    self.clock.advance_to(t_learn)
+                    self._finish_step()
+                    if progress is not None:
+                        progress.update(1)
+                else:
+                    self.clock.advance_to(t_job)
+                    due = sorted(
+                        (j for j in jobs if j.finishes_at <= t_job + 1e-12),
+                        key=lambda j: (j.finishes_at, j.job_id),
+                    )
+                    for j in due:
+                        self._arrive(j)
+            else:
+                if self.learner_done_at is not None:
+                    self._finish_step()
+                    if progress is not None:
+                        progress.update(1)
+                    continue
+                for j in self.backend.collect(jobs, wait_all=False, timeout=0.05):
+                    self._arrive(j)
+
+    def run(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        self._start()
+        bar = tqdm(
+            total=self.cfg.run.max_steps,
+            initial=self.version,
+            desc=f"rl {self.cfg.rollout.mode}",
+            unit="step",
+            disable=not self.cfg.run.progress,
+        )
+        try:
+            self.step_loop(bar)
+        finally:
+            bar.close()
+            self.backend.close()
+        summary = self.summary()
+        torch.save(to_cpu(dict(self.policy.state_dict())), self.run_dir / "policy.pt")
+        self._write("end", version=self.version, **{k: summary[k] for k in ("final_accuracy",)})
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+        import json
+
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def summary(self) -> dict[str, Any]:
+        now = self.clock.now
+        workers = self.cfg.rollout.workers
+        util = sum(self.busy_s) / (workers * now) if now > 0 else None
+        return {
+            "mode": self.cfg.rollout.mode,
+            "correction": self.cfg.learner.correction,
+            "max_staleness": self.S,
+            "workers": workers,
+            "clock": self.clock.kind,
+            "backend": self.backend.kind,
+            "versions": self.version,
+            "time_s": now,
+            "final_accuracy": self.evals[-1]["accuracy"] if self.evals else None,
+            "initial_accuracy": self.evals[0]["accuracy"] if self.evals else None,
+            "target_accuracy": self.cfg.run.target_accuracy,
+            "time_to_target_s": self.reached_target_at,
+            "evals": self.evals,
+            "dropped": dict(self.dropped),
+            "rejected_trajectories": self.rejected,
+            "redone_groups": self.redone,
+            "worker_utilisation": util,
+            "gen_token_s": self.gen_token_s,
+            "learn_token_s": self.learn_token_s,
+            "warm_start": self.warm,
+        }
+
+    # ----------------------------------------------------------------- checkpoints
+    def _save(self, path: Path) -> None:
+        assert self.events is not None and self.learner_done_at is None
+        state = {
+            "config": to_container(self.cfg),
+            "version": self.version,
+            "learner": self.learner.state_dict(),
+            "snapshots": self.snapshots.state_dict(),
+            "clock": self.clock.state_dict(),
+            "next_group": self.next_group,
+            "next_job": self.next_job,
+            "admitted_dropped": self.admitted_dropped,
+            "inflight": [
+                {k: v for k, v in asdict(j).items() if k not in ("group", "error", "finishes_at")}
+                for j in self.inflight.values()
+            ],
+            "redo": [list(x) for x in self.redo],
+            "ready": [[t, g.to_dict()] for t, g in self.ready],
+            "finished_per_batch": {str(k): v for k, v in self.finished_per_batch.items()},
+            "dropped": dict(self.dropped),
+            "rejected": self.rejected,
+            "redone": self.redone,
+            "busy_s": list(self.busy_s),
+            "evals": self.evals,
+            "steps": self.steps,
+            "reached_target_at": self.reached_target_at,
+            "gen_token_s": self.gen_token_s,
+            "learn_token_s": self.learn_token_s,
+            "warm": self.warm,
+            "events_offset": self.events.offset(),
+        }
+        save_checkpoint(path, state)
+        self._write("checkpoint", version=self.version, path=str(path))
+
+    def _load(self, path: Path) -> None:
+        s = load_checkpoint(path)
+        if s["config"] != {**to_container(self.cfg), "run": s["config"]["run"]}:
+            raise CheckpointError(
+                f"{path} was written by a run with another configuration (only run.* may differ)"
+            )
+        self.version = int(s["version"])
+        self.learner.load_state_dict(s["learner"])
+        self.snapshots.load_state_dict(s["snapshots"])
+        for v in self.snapshots.versions():
+            snap = self.snapshots.get(v)
+            assert snap is not None
+            self.backend.publish(v, snap)
+        self.clock.load_state_dict(s["clock"])
+        self.next_group, self.next_job = int(s["next_group"]), int(s["next_job"])
+        self.admitted_dropped = int(s["admitted_dropped"])
+        self.redo = [(int(a), int(b)) for a, b in s["redo"]]
+        self.ready = [(float(t), Group.from_dict(g)) for t, g in s["ready"]]
+        self.finished_per_batch = Counter(
+            {int(k): int(v) for k, v in s["finished_per_batch"].items()}
+        )
+        self.dropped = Counter(s["dropped"])
+        self.rejected, self.redone = int(s["rejected"]), int(s["redone"])
+        self.busy_s = [float(x) for x in s["busy_s"]]
+        self.evals, self.steps = list(s["evals"]), list(s["steps"])
+        self.reached_target_at = s["reached_target_at"]
+        self.gen_token_s, self.learn_token_s = s["gen_token_s"], s["learn_token_s"]
+        self.warm = dict(s["warm"])
+        self.events = EventLog(self.run_dir / "metrics.jsonl")
+        self.events.truncate(int(s["events_offset"]))
+        self._write("resume", version=self.version, path=str(path))
+        for j in s["inflight"]:  # the same groups again, under the same versions and times
+            job = Job(**j)
+            self.inflight[job.worker] = job
+            first = job.attempt == 0
+            self.backend.submit(
+                job, die=first and job.group_id in self.die, nan=first and job.group_id in self.nan
+            )
