@@ -59,7 +59,7 @@ class RunSection:
 @dataclass
 class TaskSection:
     name: str = "sort"
-    """The task (trainers.rl.tasks.TASKS): sort, reverse or add."""
+    """The task (trainers.rl.tasks.TASKS): sort, reverse, copy or add."""
     min_len: int = 2
     """Shortest problem (list length)."""
     max_len: int = 16
