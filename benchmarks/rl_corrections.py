@@ -51,6 +51,7 @@ def run_one(out: Path, correction: str, seed: int, args: argparse.Namespace) -> 
             f"rollout.batch_groups={args.batch_groups}",
             f"learner.correction={correction}",
             f"learner.lr={args.lr}",
+            f"learner.minibatches={args.minibatches}",
             f"policy.warm_start_steps={args.warm_start}",
             f"clock.gen_token_s={args.gen_token_s}",
             f"clock.learn_token_s={args.learn_token_s}",
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=8)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--minibatches", type=int, default=4)
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--batch-groups", type=int, default=16)
     ap.add_argument("--warm-start", type=int, default=150)
@@ -108,7 +110,8 @@ def main() -> None:
                 flush=True,
             )
     print(
-        f"\nasync, S={args.staleness}, lr={args.lr}, {args.steps} steps, "
+        f"\nasync, S={args.staleness}, lr={args.lr}, {args.minibatches} minibatches, "
+        f"warm start {args.warm_start} steps, {args.steps} steps, "
         f"{args.workers} workers, B={args.batch_groups}, seeds {args.seeds}"
     )
     print(
