@@ -1,6 +1,7 @@
 """Which staleness correction wins at large S: none, tis, decoupled, drop (and weight).
 
-Every correction trains the same policy on the same task under the same asynchronous
+Every correction trains the same policy (and ``sync``, the same learner on fresh data, is the
+reference) on the same task under the same asynchronous
 schedule (``rollout.mode=async``: workers run up to S batches ahead of the learner, so most
 trajectories are S versions old), for the same number of learner steps, on each seed. Prints
 per correction the held-out accuracy at the end (mean, min-max over seeds), its change from
@@ -29,7 +30,8 @@ from fedasync.events import read_events  # noqa: E402
 from trainers.rl.config import load_rl_config  # noqa: E402
 from trainers.rl.engine import RLRun  # noqa: E402
 
-CORRECTIONS = ("none", "tis", "decoupled", "drop", "weight")
+CORRECTIONS = ("sync", "none", "tis", "decoupled", "drop", "weight")
+"""``sync`` is the reference: the same learner (decoupled) on fresh data (S = 0)."""
 
 
 def run_one(out: Path, correction: str, seed: int, args: argparse.Namespace) -> dict:
@@ -45,11 +47,11 @@ def run_one(out: Path, correction: str, seed: int, args: argparse.Namespace) -> 
             "run.eval_prompts=128",
             "run.progress=false",
             "run.plots=false",
-            "rollout.mode=async",
-            f"rollout.max_staleness={args.staleness}",
+            f"rollout.mode={'sync' if correction == 'sync' else 'async'}",
+            f"rollout.max_staleness={0 if correction == 'sync' else args.staleness}",
             f"rollout.workers={args.workers}",
             f"rollout.batch_groups={args.batch_groups}",
-            f"learner.correction={correction}",
+            f"learner.correction={'decoupled' if correction == 'sync' else correction}",
             f"learner.lr={args.lr}",
             f"learner.minibatches={args.minibatches}",
             f"policy.warm_start_steps={args.warm_start}",
