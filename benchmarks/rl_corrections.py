@@ -12,7 +12,7 @@ costs are fixed (``--gen-token-s``, ``--learn-token-s``: measured on this machin
 that the realised staleness is the same for every correction and seed.
 
     .venv/bin/python benchmarks/rl_corrections.py                       # S=8, seeds 0 1 2
-    .venv/bin/python benchmarks/rl_corrections.py --staleness 4 --lr 1e-3
+    .venv/bin/python benchmarks/rl_corrections.py --lr 1e-3             # where every run degrades
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=4)
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--batch-groups", type=int, default=16)
-    ap.add_argument("--warm-start", type=int, default=150)
+    ap.add_argument("--warm-start", type=int, default=60)
     ap.add_argument("--gen-token-s", type=float, default=4e-4)
     ap.add_argument("--learn-token-s", type=float, default=8.5e-5)
     ap.add_argument("--corrections", default=",".join(CORRECTIONS))
