@@ -357,3 +357,41 @@ def sweep_orphans(grace_s: float = 2.0) -> dict[int, Orphan]:
         "; ".join(f"{pid} {o.what}" for pid, o in sorted(found.items())),
     )
     return found
+
+
+def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
+    """Stop, by pid, every process of this run's Ray session.
+
+    Every process of a private Ray (GCS, raylet, and the workers, which Ray re-parents to
+    init) inherits ``FEDASYNC_RAY_SESSION=<session>`` from this process. An attached cluster's
+    processes were started by ``ray start``, not by us, and never carry it: they are left alone.
+    ``ray.shutdown()`` asks a private Ray's processes to exit but does not wait for the
+    workers; a leftover one could outlive the command and hang CI. Wait ``grace_s``, then
+    SIGTERM, then SIGKILL what is left. Linux only (/proc).
+    """
+    if not Path("/proc").is_dir():
+        return
+    deadline = time.monotonic() + grace_s
+    signals = [signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]
+    quiet = 0
+    while quiet < 2:  # two scans in a row with nothing left: a worker spawned late is caught
+        left = pids_with_env(RAY_SESSION_ENV, session)
+        if not left:
+            quiet += 1
+            time.sleep(0.3)
+            continue
+        quiet = 0
+        if time.monotonic() < deadline:
+            time.sleep(0.2)
+            continue
+        if not signals:
+            log.error("Ray processes %s survived SIGKILL", left)
+            return
+        sig = signals.pop(0)
+        log.warning("stopping %d leftover Ray process(es) with %s: %s", len(left), sig.name, left)
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)

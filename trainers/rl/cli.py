@@ -45,7 +45,12 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     backend = make_backend(cfg)
-    summary = RLRun(cfg, run_dir, backend).run()
+    try:
+        summary = RLRun(cfg, run_dir, backend).run()
+    except BaseException:
+        if backend is not None:
+            backend.close()  # idempotent: the run may have closed it already
+        raise
     if cfg.run.plots:
         from trainers.rl.plots import plot_run
 

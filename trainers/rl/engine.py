@@ -508,6 +508,11 @@ class RLRun:
                     for j in due:
                         self._arrive(j)
             else:
+                if not jobs and self.learner_done_at is None:
+                    raise RuntimeError(
+                        f"deadlock at version {self.version}: nothing in flight, nothing to "
+                        f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
+                    )
                 if self.learner_done_at is not None:
                     self._finish_step()
                     if progress is not None:
@@ -519,18 +524,20 @@ class RLRun:
     def run(self) -> dict[str, Any]:
         from tqdm import tqdm
 
-        self._start()
-        bar = tqdm(
-            total=self.cfg.run.max_steps,
-            initial=self.version,
-            desc=f"rl {self.cfg.rollout.mode}",
-            unit="step",
-            disable=not self.cfg.run.progress,
-        )
+        bar = None
         try:
+            self._start()
+            bar = tqdm(
+                total=self.cfg.run.max_steps,
+                initial=self.version,
+                desc=f"rl {self.cfg.rollout.mode}",
+                unit="step",
+                disable=not self.cfg.run.progress,
+            )
             self.step_loop(bar)
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
             self.backend.close()
         summary = self.summary()
         torch.save(to_cpu(dict(self.policy.state_dict())), self.run_dir / "policy.pt")

@@ -321,35 +321,11 @@ class RayBackend:
         then SIGKILL, what outlives ``grace_s``) and remove its temp folder."""
         import ray
 
-        from simulations.processes import RAY_SESSION_ENV, alive, pids_with_env
+        from simulations.processes import stop_session_processes
 
         if ray.is_initialized():
             ray.shutdown()
         if self.session is None:
             return
-        if Path("/proc").is_dir():
-            deadline = time.monotonic() + grace_s
-            signals = [signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]
-            quiet = 0
-            while quiet < 2:  # two scans in a row with nothing: a late worker is caught
-                left = [p for p in pids_with_env(RAY_SESSION_ENV, self.session) if alive(p)]
-                if not left:
-                    quiet += 1
-                    time.sleep(0.2)
-                    continue
-                quiet = 0
-                if time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    continue
-                if not signals:
-                    log.error("Ray processes %s survived SIGKILL", left)
-                    break
-                sig = signals.pop(0)
-                log.warning("stopping %d leftover Ray process(es) with %s", len(left), sig.name)
-                for pid in left:
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.5)
+        stop_session_processes(self.session, grace_s)
         shutil.rmtree(self.session, ignore_errors=True)
