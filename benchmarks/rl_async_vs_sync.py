@@ -26,7 +26,10 @@ steps. What differs is only who generates what under which version (README, "Mod
 4. ``modes_seed<first seed>.png``: held-out accuracy vs virtual time, one line per mode.
 5. The wall-clock ratio with real Ray actors (``rollout.backend=ray rollout.clock=wall``,
    2 workers): seconds per version of sync and streaming (skipped under ``--quick``).
-6. Last line ``rl_speedup_vs_sync=<x>``: streaming vs sync time-to-target, mean over seeds.
+6. Last line ``rl_speedup_vs_sync=<x>``: streaming vs sync in virtual seconds per version (the
+   same number of versions, final accuracy compared beside it), mean over seeds. Not the
+   time-to-target ratio: held-out accuracy curves are flat and noisy here, so where they first
+   cross a target is evaluation noise (one run: 3.29x with a spread of 3.08, above the cap).
 
 Where the gain comes from, and what caps it. A sync step is (the batch's generation, which
 ends with its longest group: every other worker idles at the barrier) + (the learner's step,
@@ -557,17 +560,18 @@ def main() -> None:
         print(f"wall clock with Ray actors: not measured: {ray_result['reason']}")
 
     streaming = next(r for r in table if r["mode"] == "streaming")
-    speedup = streaming["speedup_ttt_mean"]
+    speedup_ttt = streaming["speedup_ttt_mean"]
+    speedup = streaming["speedup_per_version_mean"]
     at64 = next((r for r in sweep if r["workers"] == args.workers), None)
     if at64 is not None:
         print(
             f"at {args.workers} workers the cap (sync step / learner step) is "
-            f"{at64['cap']:.2f}x; streaming's time-to-target speedup is "
+            f"{at64['cap']:.2f}x; streaming's seconds-per-version speedup is "
             f"{fmt(speedup)}x (goal >= 3x: "
             + ("reached" if speedup is not None and speedup >= 3 else "not reached")
-            + f"); its seconds-per-version speedup is {streaming['speedup_per_version_mean']:.2f}x"
+            + f"); its time-to-target speedup is {fmt(speedup_ttt)}x"
         )
-        if speedup is not None and speedup > at64["cap"] * 1.05:
+        if speedup_ttt is not None and speedup_ttt > at64["cap"] * 1.05:
             print(
                 "  the time-to-target speedup exceeds the throughput cap: it comes from where "
                 "the noisy held-out accuracy curves first cross the target (evaluation noise, "
@@ -584,6 +588,7 @@ def main() -> None:
                 "sweep": sweep,
                 "ray": ray_result,
                 "rl_speedup_vs_sync": speedup,
+                "rl_speedup_vs_sync_time_to_target": speedup_ttt,
             },
             indent=2,
         )
