@@ -68,7 +68,7 @@ from fedasync.events import read_events  # noqa: E402
 from fedasync.importance import decoupled_ppo_loss, importance_ratio, masked_mean  # noqa: E402
 from trainers.rl.config import load_rl_config  # noqa: E402
 from trainers.rl.engine import RLRun, build_policy, build_task  # noqa: E402
-from trainers.rl.learner import Learner, _pad, grpo_advantages  # noqa: E402
+from trainers.rl.learner import Learner, grpo_advantages, pad_rows  # noqa: E402
 from trainers.rl.policy import sequence_logprobs, warm_start  # noqa: E402
 from trainers.rl.rollout import Group, generate_group  # noqa: E402
 
@@ -332,7 +332,7 @@ def surrogate_grads(
         ]
         prompts = [t.prompt for t, _ in items]
         comps = [t.tokens for t, _ in items]
-        behav = _pad([t.logprobs for t, _ in items], 0.0, torch.float32)
+        behav = pad_rows([t.logprobs for t, _ in items], 0.0, torch.float32)
         adv = torch.tensor([a for _, a in items], dtype=torch.float32)[:, None]
         new, mask, _ = sequence_logprobs(policy, prompts, comps, 1.0, "cpu")
         behav = behav[:, : new.shape[1]]
@@ -365,7 +365,7 @@ def kl_behaviour(policy: Any, groups: list[Group]) -> float:
         new, mask, _ = sequence_logprobs(
             policy, [t.prompt for t in items], [t.tokens for t in items], 1.0, "cpu"
         )
-    behav = _pad([t.logprobs for t in items], 0.0, torch.float32)[:, : new.shape[1]]
+    behav = pad_rows([t.logprobs for t in items], 0.0, torch.float32)[:, : new.shape[1]]
     r = importance_ratio(new, behav).masked_fill(~mask, 1.0)
     return float(masked_mean((r - 1.0) - torch.log(r), mask))
 

@@ -48,7 +48,8 @@ def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     return [(r - mean) / (std + eps) for r in rewards]
 
 
-def _pad(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Tensor:
+def pad_rows(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` right-padded with ``value`` to the longest, as one tensor of ``dtype``."""
     width = max(len(r) for r in rows)
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
@@ -99,8 +100,10 @@ class Learner:
 
         prompts = [t.prompt for t, _ in items]
         comps = [t.tokens for t, _ in items]
-        behav = _pad([t.logprobs for t, _ in items], 0.0, torch.float32).to(self.device)
-        tau = token_staleness(version, _pad([t.versions for t, _ in items], version, torch.long))
+        behav = pad_rows([t.logprobs for t, _ in items], 0.0, torch.float32).to(self.device)
+        tau = token_staleness(
+            version, pad_rows([t.versions for t, _ in items], version, torch.long)
+        )
         adv = torch.tensor([a for _, a in items], dtype=torch.float32, device=self.device)[:, None]
 
         self.policy.eval()
