@@ -80,12 +80,11 @@ def test_the_truncated_weight_scales_the_gradient_by_the_cap(correction):
     """A uniform importance weight w scales the gradient by w: capped at C it is C x the
     gradient of the same fresh batch (PPO's clip does not act on the first pass)."""
     grads = {}
-    for name, shift in (("fresh", 0.0), ("stale", -3.0)):
+    for name, version, shift in (("fresh", 5, 0.0), ("stale", 4, -3.0)):
         policy = _policy()
         learner = _learner(policy, correction=correction, tis_cap=2.0, max_grad_norm=1e9)
-        version = 5 if name == "fresh" else 4
         learner.opt = torch.optim.SGD(policy.parameters(), lr=0.0)
-        learner.step([_group(policy, version if name == "stale" else 5, shift)], 5)
+        learner.step([_group(policy, version, shift)], 5)
         grads[name] = torch.cat([p.grad.reshape(-1) for p in policy.parameters()])
 
     scale = 2.0

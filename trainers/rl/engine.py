@@ -32,6 +32,7 @@ Time is the core's clock: on the virtual clock a group takes (its generated toke
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import time
@@ -336,7 +337,7 @@ class RLRun:
             reason = (job.error or "no result")[:200]
             log.warning("%s", reason)
             if job.attempt + 1 >= MAX_ATTEMPTS:
-                self._drop(job.group_id, "worker died twice", 1)
+                self._drop(job.group_id, "worker died twice")
             else:
                 self.redone += 1
                 self.redo.append((job.group_id, job.attempt + 1))
@@ -346,10 +347,14 @@ class RLRun:
                 self.rejected += 1
                 self._write("reject", version=self.version, group=job.group_id, reason=why)
             if len(group.trajectories) < 2:
-                self._drop(job.group_id, "fewer than 2 valid trajectories", 1)
+                self._drop(job.group_id, "fewer than 2 valid trajectories")
             else:
                 self.ready.append((self.clock.now, group))
                 self.finished_per_batch[self._batch(job.group_id)] += 1
+        self._rollout_event(job, job.group.tokens if job.group is not None else 0, outcome)
+
+    def _rollout_event(self, job: Job, tokens: int, outcome: str) -> None:
+        """One ``rollout`` event: the job's worker, version, start, finish (``t``) and outcome."""
         self._write(
             "rollout",
             version=self.version,
@@ -357,12 +362,12 @@ class RLRun:
             worker=job.worker,
             behaviour=job.version,
             start=job.dispatched_at,
-            tokens=job.group.tokens if job.group is not None else 0,
+            tokens=tokens,
             outcome=outcome,
         )
 
-    def _drop(self, group_id: int, reason: str, n: int) -> None:
-        self.dropped[reason] += n
+    def _drop(self, group_id: int, reason: str) -> None:
+        self.dropped[reason] += 1
         self.admitted_dropped += 1
         self.finished_per_batch[self._batch(group_id)] += 1  # settled: its batch goes on
         self._write("drop", version=self.version, group=group_id, reason=reason)
@@ -375,7 +380,7 @@ class RLRun:
             for item in self.ready:
                 d = self.bound.check(staleness(self.version, item[1].version))
                 if d.action == "reject":
-                    self._drop(item[1].group_id, f"stale: {d.reason}", 1)
+                    self._drop(item[1].group_id, f"stale: {d.reason}")
                 else:
                     kept.append(item)
             self.ready = kept
@@ -441,17 +446,8 @@ class RLRun:
                 if self.version - job.version > self.S:
                     self.busy_s[job.worker] += self.clock.now - job.dispatched_at
                     del self.inflight[job.worker]
-                    self._drop(job.group_id, "stale in flight: aborted", 1)
-                    self._write(
-                        "rollout",
-                        version=self.version,
-                        group=job.group_id,
-                        worker=job.worker,
-                        behaviour=job.version,
-                        start=job.dispatched_at,
-                        tokens=0,
-                        outcome="aborted",
-                    )
+                    self._drop(job.group_id, "stale in flight: aborted")
+                    self._rollout_event(job, 0, "aborted")
         if self.version % self.cfg.run.eval_every == 0 or self.version >= self.cfg.run.max_steps:
             self._evaluate()
         every = self.cfg.run.checkpoint_every
@@ -545,8 +541,6 @@ class RLRun:
         if self.events is not None:
             self.events.close()
             self.events = None
-        import json
-
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
