@@ -26,6 +26,7 @@ MODES = ("sync", "one_step_off", "async", "streaming")
 CORRECTIONS = ("none", "tis", "decoupled", "drop", "weight")
 BACKENDS = ("local", "ray")
 CLOCKS = ("virtual", "wall")
+DISTILL_LOSSES = ("off", "forward_kl", "reverse_kl", "pg_kl", "pg_kl_online")
 
 
 @dataclass
@@ -134,6 +135,42 @@ class LearnerSection:
 
 
 @dataclass
+class DistillSection:
+    loss: str = "off"
+    """off (GRPO on rewards) or on-policy distillation from a teacher: forward_kl | reverse_kl
+    (on the teacher's top-k plus tail bucket) | pg_kl (advantage log p_T − log μ, stale) |
+    pg_kl_online (advantage recomputed under the current student at learner time)."""
+    top_k: int = 8
+    """k: teacher log-probs cached per token (0: the whole vocabulary); the rest of the
+    teacher's mass is one tail bucket, so the cache is a proper distribution."""
+    mc_samples: int = 1
+    """N: tokens scored per position for pg_kl losses, the generated one plus N − 1 drawn from
+    the behaviour student (multi-sample Monte Carlo)."""
+    teachers: int = 1
+    """Teacher scorers: Ray actors with rollout.backend=ray, virtual servers otherwise."""
+    teacher_path: str | None = None
+    """A teacher's weights (policy.pt of a run with the teacher_* shape); None: train one once
+    and cache it (see cache_dir)."""
+    cache_dir: str | None = None
+    """Where trained teachers are cached; None: $FEDASYNC_DATA/teachers if set, else
+    <run.out_dir>/teachers."""
+    teacher_d_model: int = 128
+    """Width of the teacher (a larger TinyLM than the student)."""
+    teacher_n_layers: int = 3
+    """Teacher blocks."""
+    teacher_n_heads: int = 4
+    """Teacher attention heads."""
+    teacher_steps: int = 1500
+    """Supervised training steps of the teacher on the task."""
+    teacher_lr: float = 0.002
+    """Adam learning rate of the teacher's training."""
+    teacher_batch: int = 64
+    """Prompts per teacher training step."""
+    teacher_min_accuracy: float = 0.9
+    """Held-out accuracy below which a freshly trained teacher is reported as weak (warning)."""
+
+
+@dataclass
 class ClockSection:
     gen_token_s: float | None = None
     """Virtual seconds a worker takes per generated token (None: measured once at start)."""
@@ -141,6 +178,8 @@ class ClockSection:
     """Virtual seconds the learner takes per token of a batch (None: measured once at start)."""
     jitter: float = 0.0
     """Seeded jitter of each job's duration, in [0, 1)."""
+    teacher_token_s: float | None = None
+    """Virtual seconds a teacher scorer takes per token it scores (None: measured at start)."""
 
 
 @dataclass
@@ -150,6 +189,9 @@ class FaultSection:
     actor process really exits); the group is redone, or dropped when it would be too stale."""
     nan_on_groups: list[int] = field(default_factory=list)
     """Group ids whose first trajectory reports a NaN behaviour log-prob (rejected, counted)."""
+    teacher_die_on_groups: list[int] = field(default_factory=list)
+    """Group ids whose first teacher scoring kills the teacher (with Ray its actor process
+    exits); the teacher is restarted and its pending requests re-sent, counted."""
 
 
 @dataclass
@@ -159,6 +201,7 @@ class RLConfig:
     policy: PolicySection = field(default_factory=PolicySection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     learner: LearnerSection = field(default_factory=LearnerSection)
+    distill: DistillSection = field(default_factory=DistillSection)
     clock: ClockSection = field(default_factory=ClockSection)
     faults: FaultSection = field(default_factory=FaultSection)
 
@@ -192,6 +235,18 @@ RANGES: dict[str, Range] = {
     "learner.weight_b": Range(0, 1000),
     "learner.minibatches": Range(1, 1024),
     "learner.max_grad_norm": POSITIVE,
+    "distill.top_k": Range(0, 4096),
+    "distill.mc_samples": Range(1, 64),
+    "distill.teachers": Range(1, 256),
+    "distill.teacher_d_model": Range(8, 4096),
+    "distill.teacher_n_layers": Range(1, 64),
+    "distill.teacher_n_heads": Range(1, 64),
+    "distill.teacher_steps": Range(0, 1_000_000),
+    "distill.teacher_lr": Range(0, 1, lo_open=True),
+    "distill.teacher_batch": Range(1, 4096),
+    "distill.teacher_min_accuracy": Range(0, 1),
+    "clock.teacher_token_s": POSITIVE,
+    "faults.teacher_die_on_groups[]": NON_NEGATIVE,
     "clock.gen_token_s": POSITIVE,
     "clock.learn_token_s": POSITIVE,
     "clock.jitter": Range(0, 1, hi_open=True),
@@ -230,6 +285,21 @@ def validate(cfg: RLConfig) -> RLConfig:
     _check(
         lr.weight_fn in WEIGHT_FUNCTIONS,
         f"learner.weight_fn must be one of {tuple(WEIGHT_FUNCTIONS)}, got {lr.weight_fn!r:.40}",
+    )
+    d = cfg.distill
+    _check(
+        d.loss in DISTILL_LOSSES,
+        f"distill.loss must be one of {DISTILL_LOSSES}, got {d.loss!r:.40}",
+    )
+    _check(
+        d.teacher_d_model % d.teacher_n_heads == 0,
+        f"distill.teacher_n_heads={d.teacher_n_heads} must divide "
+        f"distill.teacher_d_model={d.teacher_d_model}",
+    )
+    _check(
+        d.mc_samples == 1 or d.loss in ("pg_kl", "pg_kl_online"),
+        f"distill.mc_samples={d.mc_samples} needs a sampled loss (pg_kl or pg_kl_online); "
+        f"{d.loss} sums over the teacher's top-k instead",
     )
     _check(t.name in TASKS, f"task.name must be one of {TASKS}, got {t.name!r:.40}")
     _check(t.min_len <= t.max_len, f"task.min_len={t.min_len} > task.max_len={t.max_len}")

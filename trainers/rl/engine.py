@@ -51,6 +51,7 @@ from fedasync.staleness import StalenessBound
 from fedasync.tensors import to_cpu
 from fedasync.versions import VersionedSnapshots, staleness
 from trainers.rl.config import RLConfig, to_container
+from trainers.rl.distill import DistillLearner, check_cache, score_group
 from trainers.rl.learner import Learner
 from trainers.rl.policy import PolicyConfig, TinyLM, greedy_accuracy, warm_start
 from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
@@ -76,6 +77,69 @@ class Job:
     group: Group | None = None
     error: str | None = None
     """Set when the worker died on it (the group is then redone or dropped)."""
+
+
+@dataclass
+class ScoreJob:
+    """One group's teacher scoring."""
+
+    job_id: int
+    group: Group
+    submitted_at: float
+    finishes_at: float = math.inf
+    attempts: int = 1
+    """Times it was sent (a teacher that dies is restarted and its pending requests re-sent)."""
+    scorer: int = -1
+    """The virtual teacher server that scored it (virtual clock)."""
+    done: bool = False
+
+
+class TeacherBackend(Protocol):
+    """Where the teacher scores groups: in this process, or on Ray actors."""
+
+    kind: str
+    restarts: int
+    """Teachers restarted after dying."""
+    resent: int
+    """Requests re-sent to a restarted teacher."""
+
+    def submit(self, job: ScoreJob, die: bool) -> None:
+        """Score ``job.group`` (fill its caches); ``die`` kills the teacher holding it first."""
+
+    def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
+        """Jobs of ``jobs`` now ``done``; with ``wait_all`` block until every one is."""
+
+    def close(self) -> None: ...
+
+
+class LocalTeacher:
+    """The teacher in this process: a group is scored when it is submitted."""
+
+    kind = "local"
+
+    def __init__(self, teacher: torch.nn.Module, top_k: int, device: torch.device):
+        self.teacher, self.top_k, self.device = teacher, top_k, device
+        self.state = copy.deepcopy(teacher.state_dict())
+        self.restarts = 0
+        self.resent = 0
+
+    def submit(self, job: ScoreJob, die: bool) -> None:
+        if die:  # the scorer dies holding the request: rebuilt, the request sent again
+            log.warning(
+                "teacher died scoring group %d: restarted, request re-sent", job.group.group_id
+            )
+            self.teacher.load_state_dict(self.state)
+            self.restarts += 1
+            self.resent += 1
+            job.attempts += 1
+        score_group(self.teacher, job.group, self.top_k, self.device)
+        job.done = True
+
+    def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
+        return [j for j in jobs if j.done]
+
+    def close(self) -> None:
+        return None
 
 
 class Backend(Protocol):
@@ -154,6 +218,7 @@ class LocalBackend:
             temperature=self.cfg.rollout.temperature,
             device=self.device,
             nan_first=nan,
+            mc_samples=self.cfg.distill.mc_samples,
         )
         group.worker = job.worker
         job.group = group
@@ -170,7 +235,13 @@ class LocalBackend:
 class RLRun:
     """One RL training run: ``RLRun(cfg, run_dir).run()`` returns the summary."""
 
-    def __init__(self, cfg: RLConfig, run_dir: Path, backend: Backend | None = None):
+    def __init__(
+        self,
+        cfg: RLConfig,
+        run_dir: Path,
+        backend: Backend | None = None,
+        teacher_backend: TeacherBackend | None = None,
+    ):
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = pick_device(cfg.run.device)
@@ -180,7 +251,29 @@ class RLRun:
         self.B = r.batch_groups
         self.bound = StalenessBound(max_staleness=self.S)
         self.policy = build_policy(cfg).to(self.device)
-        self.learner = Learner(self.policy, cfg.learner, r.temperature, self.device)
+        self.distill = cfg.distill.loss != "off"
+        self.learner = (
+            DistillLearner(
+                self.policy,
+                cfg.learner,
+                r.temperature,
+                self.device,
+                cfg.distill.loss,
+                cfg.distill.mc_samples,
+            )
+            if self.distill
+            else Learner(self.policy, cfg.learner, r.temperature, self.device)
+        )
+        self.teacher: torch.nn.Module | None = None
+        self.teacher_info: dict[str, Any] = {}
+        self.teacher_backend: TeacherBackend | None = teacher_backend
+        self.teacher_token_s = cfg.clock.teacher_token_s
+        self.scoring: dict[int, ScoreJob] = {}  # by job id
+        self.next_score = 0
+        self.score_free_at = [0.0] * cfg.distill.teachers
+        self.teacher_die = set(cfg.faults.teacher_die_on_groups)
+        self.teacher_died_on: set[int] = set()
+        self.learner_tokens = 0
         self.snapshots = VersionedSnapshots(max(self.S, 1) + 2)
         self.backend: Backend = (
             backend if backend is not None else LocalBackend(cfg, self.task, self.device)
@@ -218,8 +311,9 @@ class RLRun:
 
     # ----------------------------------------------------------------- set-up
     def _measure_costs(self) -> None:
-        """Per-token costs of generation and learning, measured once on this machine."""
-        if self.gen_token_s is not None and self.learn_token_s is not None:
+        """Per-token costs of generation, teacher scoring and learning, measured once."""
+        need_teacher = self.distill and self.teacher_token_s is None
+        if self.gen_token_s is not None and self.learn_token_s is not None and not need_teacher:
             return
         probe = copy.deepcopy(self.policy)
         probe.eval()
@@ -235,10 +329,28 @@ class RLRun:
                     group_size=self.cfg.rollout.group_size,
                     temperature=self.cfg.rollout.temperature,
                     device=self.device,
+                    mc_samples=self.cfg.distill.mc_samples,
                 )
             )
         gen = (time.perf_counter() - t0) / max(sum(g.tokens for g in groups), 1)
-        learner = Learner(probe, self.cfg.learner, self.cfg.rollout.temperature, self.device)
+        if self.distill:
+            assert self.teacher is not None
+            t0 = time.perf_counter()
+            for g in groups:
+                score_group(self.teacher, g, self.cfg.distill.top_k, self.device)
+            scored = time.perf_counter() - t0
+            if self.teacher_token_s is None:
+                self.teacher_token_s = scored / max(sum(_seq_tokens(g) for g in groups), 1)
+            learner: Learner = DistillLearner(
+                probe,
+                self.cfg.learner,
+                self.cfg.rollout.temperature,
+                self.device,
+                self.cfg.distill.loss,
+                self.cfg.distill.mc_samples,
+            )
+        else:
+            learner = Learner(probe, self.cfg.learner, self.cfg.rollout.temperature, self.device)
         t0 = time.perf_counter()
         m = learner.step(groups, 0)
         learn = (time.perf_counter() - t0) / max(m["tokens"], 1)
@@ -246,7 +358,12 @@ class RLRun:
             self.gen_token_s = gen
         if self.learn_token_s is None:
             self.learn_token_s = learn
-        log.info("measured: %.3g s per generated token, %.3g s per learnt token", gen, learn)
+        log.info(
+            "measured: %.3g s per generated token, %.3g s per learnt token, %s s per scored token",
+            gen,
+            learn,
+            f"{self.teacher_token_s:.3g}" if self.distill else "-",
+        )
 
     def _start(self) -> None:
         cfg = self.cfg
@@ -271,6 +388,7 @@ class RLRun:
                 device=self.device,
             )
         self.policy.eval()
+        self._start_teacher()
         self._measure_costs()
         self.events.write(
             "start",
@@ -279,12 +397,35 @@ class RLRun:
             config=to_container(cfg),
             gen_token_s=self.gen_token_s,
             learn_token_s=self.learn_token_s,
+            teacher_token_s=self.teacher_token_s,
+            teacher=self.teacher_info,
             warm_start=self.warm,
             backend=self.backend.kind,
             clock=self.clock.kind,
         )
         self._publish(0)
         self._evaluate()
+
+    def _start_teacher(self) -> None:
+        """Load (or train once and cache) the teacher and start its scorers."""
+        if not self.distill or self.teacher is not None:
+            return
+        from trainers.rl.teacher import load_or_train_teacher
+
+        self.teacher, self.teacher_info = load_or_train_teacher(
+            self.cfg, self.task, self.device, progress=self.cfg.run.progress
+        )
+        if self.teacher_backend is None:
+            if self.backend.kind == "ray":
+                from trainers.rl.ray_backend import RayTeacherPool
+
+                self.teacher_backend = RayTeacherPool(
+                    self.cfg, to_cpu(dict(self.teacher.state_dict())), self.device
+                )
+            else:
+                self.teacher_backend = LocalTeacher(
+                    copy.deepcopy(self.teacher), self.cfg.distill.top_k, self.device
+                )
 
     # ----------------------------------------------------------------- scheduling
     def _batch(self, g: int) -> int:
@@ -348,10 +489,72 @@ class RLRun:
                 self._write("reject", version=self.version, group=job.group_id, reason=why)
             if len(group.trajectories) < 2:
                 self._drop(job.group_id, "fewer than 2 valid trajectories")
+            elif self.distill:
+                self._send_to_teacher(group, self.clock.now)
             else:
-                self.ready.append((self.clock.now, group))
-                self.finished_per_batch[self._batch(job.group_id)] += 1
+                self._make_ready(group)
         self._rollout_event(job, job.group.tokens if job.group is not None else 0, outcome)
+
+    def _make_ready(self, group: Group) -> None:
+        self.ready.append((self.clock.now, group))
+        self.finished_per_batch[self._batch(group.group_id)] += 1
+
+    def _send_to_teacher(self, group: Group, at: float, attempts: int = 1) -> ScoreJob:
+        assert self.teacher_backend is not None
+        job = ScoreJob(self.next_score, group, at, attempts=attempts)
+        self.next_score += 1
+        self.scoring[job.job_id] = job
+        die = group.group_id in self.teacher_die and group.group_id not in self.teacher_died_on
+        if die:
+            self.teacher_died_on.add(group.group_id)
+        self.teacher_backend.submit(job, die)
+        return job
+
+    def _time_scores(self) -> None:
+        """Virtual clock: put scored jobs on the earliest-free teacher server, in order."""
+        assert self.teacher_token_s is not None
+        for job in sorted(self.scoring.values(), key=lambda j: j.job_id):
+            if not job.done:
+                return  # later jobs wait for this one's place in the queue
+            if job.finishes_at != math.inf:
+                continue
+            s = min(range(len(self.score_free_at)), key=lambda i: (self.score_free_at[i], i))
+            start = max(job.submitted_at, self.score_free_at[s])
+            units = job.attempts * _seq_tokens(job.group) * self.teacher_token_s
+            job.scorer = s
+            job.finishes_at = start + units
+            self.score_free_at[s] = job.finishes_at
+
+    def _scored(self, job: ScoreJob) -> None:
+        """A group came back from the teacher: check its caches, then it may be learnt."""
+        del self.scoring[job.job_id]
+        group, d = job.group, self.cfg.distill
+        keep = []
+        for i, t in enumerate(group.trajectories):
+            why = check_cache(t, d.top_k, d.mc_samples)
+            if why is None:
+                keep.append(t)
+            else:
+                self.rejected += 1
+                self._write(
+                    "reject",
+                    version=self.version,
+                    group=group.group_id,
+                    reason=f"group {group.group_id} sample {i}: {why}",
+                )
+        group.trajectories = keep
+        self._write(
+            "score",
+            version=self.version,
+            group=group.group_id,
+            start=job.submitted_at,
+            attempts=job.attempts,
+            scorer=job.scorer,
+        )
+        if len(keep) < 2:
+            self._drop(group.group_id, "fewer than 2 trajectories scored")
+        else:
+            self._make_ready(group)
 
     def _rollout_event(self, job: Job, tokens: int, outcome: str) -> None:
         """One ``rollout`` event: the job's worker, version, start, finish (``t``) and outcome."""
@@ -408,6 +611,8 @@ class RLRun:
         metrics = self.learner.step(batch, self.version)
         metrics["learn_s"] = time.perf_counter() - t0
         metrics["groups"] = [g.group_id for g in batch]
+        self.learner_tokens += metrics["tokens"]
+        metrics["learner_tokens"] = self.learner_tokens
         if self.virtual:
             assert self.learn_token_s is not None
             self.learner_done_at = self.clock.now + metrics["tokens"] * self.learn_token_s
@@ -457,8 +662,21 @@ class RLRun:
     def _evaluate(self) -> None:
         idx = [EVAL_OFFSET + i for i in range(self.cfg.run.eval_prompts)]
         acc = greedy_accuracy(self.policy, self.task, idx, self.cfg.run.seed, self.device)
-        self.evals.append({"t": self.clock.now, "version": self.version, "accuracy": acc})
-        self._write("eval", version=self.version, accuracy=acc)
+        row: dict[str, Any] = {"t": self.clock.now, "version": self.version, "accuracy": acc}
+        if self.distill:
+            assert self.teacher is not None
+            row |= teacher_divergence(
+                self.policy,
+                self.teacher,
+                self.task,
+                idx,
+                self.cfg.run.seed,
+                self.cfg.rollout.temperature,
+                self.device,
+            )
+        row["learner_tokens"] = self.learner_tokens
+        self.evals.append(row)
+        self._write("eval", **{k: v for k, v in row.items() if k != "t"})
         target = self.cfg.run.target_accuracy
         if target is not None and acc >= target and self.reached_target_at is None:
             self.reached_target_at = self.clock.now
@@ -483,18 +701,34 @@ class RLRun:
                 self.backend.collect(jobs, wait_all=True, timeout=math.inf)
                 for j in jobs:
                     self._timed(j)
+                t_score = math.inf
+                if self.scoring:
+                    assert self.teacher_backend is not None
+                    self.teacher_backend.collect(
+                        list(self.scoring.values()), wait_all=True, timeout=math.inf
+                    )
+                    self._time_scores()
+                    t_score = min(j.finishes_at for j in self.scoring.values())
                 t_job = min((j.finishes_at for j in jobs), default=math.inf)
                 t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
-                if t_learn == math.inf and t_job == math.inf:
+                if t_learn == math.inf and t_job == math.inf and t_score == math.inf:
                     raise RuntimeError(
                         f"deadlock at version {self.version}: nothing in flight, nothing to "
                         f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
                     )
-                if t_learn <= t_job:
+                if t_learn <= min(t_job, t_score):
                     self.clock.advance_to(t_learn)
                     self._finish_step()
                     if progress is not None:
                         progress.update(1)
+                elif t_score <= t_job:
+                    self.clock.advance_to(t_score)
+                    due = sorted(
+                        (j for j in self.scoring.values() if j.finishes_at <= t_score + 1e-12),
+                        key=lambda j: (j.finishes_at, j.job_id),
+                    )
+                    for sj in due:
+                        self._scored(sj)
                 else:
                     self.clock.advance_to(t_job)
                     due = sorted(
@@ -504,7 +738,7 @@ class RLRun:
                     for j in due:
                         self._arrive(j)
             else:
-                if not jobs and self.learner_done_at is None:
+                if not jobs and self.learner_done_at is None and not self.scoring:
                     raise RuntimeError(
                         f"deadlock at version {self.version}: nothing in flight, nothing to "
                         f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
@@ -514,8 +748,21 @@ class RLRun:
                     if progress is not None:
                         progress.update(1)
                     continue
-                for j in self.backend.collect(jobs, wait_all=False, timeout=0.05):
+                if self.scoring:
+                    assert self.teacher_backend is not None
+                    for sj in sorted(
+                        self.teacher_backend.collect(
+                            list(self.scoring.values()), wait_all=False, timeout=0.0
+                        ),
+                        key=lambda j: j.job_id,
+                    ):
+                        sj.finishes_at = self.clock.now
+                        self._scored(sj)
+                wait = 0.05 if jobs else 0.0
+                for j in self.backend.collect(jobs, wait_all=False, timeout=wait):
                     self._arrive(j)
+                if not jobs and self.scoring:
+                    time.sleep(0.02)  # only the teacher is busy: do not spin
 
     def run(self) -> dict[str, Any]:
         from tqdm import tqdm
@@ -534,6 +781,8 @@ class RLRun:
         finally:
             if bar is not None:
                 bar.close()
+            if self.teacher_backend is not None:
+                self.teacher_backend.close()
             self.backend.close()
         summary = self.summary()
         torch.save(to_cpu(dict(self.policy.state_dict())), self.run_dir / "policy.pt")
@@ -569,6 +818,28 @@ class RLRun:
             "gen_token_s": self.gen_token_s,
             "learn_token_s": self.learn_token_s,
             "warm_start": self.warm,
+            "learner_tokens": self.learner_tokens,
+            "distill": self._distill_summary(),
+        }
+
+    def _distill_summary(self) -> dict[str, Any] | None:
+        if not self.distill:
+            return None
+        from trainers.rl.distill import cache_bytes_per_token
+
+        d, last = self.cfg.distill, (self.evals[-1] if self.evals else {})
+        tb = self.teacher_backend
+        return {
+            "loss": d.loss,
+            "top_k": d.top_k,
+            "mc_samples": d.mc_samples,
+            "teacher": self.teacher_info,
+            "teacher_token_s": self.teacher_token_s,
+            "cache_bytes_per_token": cache_bytes_per_token(d.top_k, VOCAB_SIZE, d.mc_samples),
+            "final_teacher_rkl": last.get("teacher_rkl"),
+            "final_teacher_fkl": last.get("teacher_fkl"),
+            "teacher_restarts": tb.restarts if tb is not None else 0,
+            "teacher_resent": tb.resent if tb is not None else 0,
         }
 
     # ----------------------------------------------------------------- checkpoints
@@ -589,6 +860,15 @@ class RLRun:
             ],
             "redo": [list(x) for x in self.redo],
             "ready": [[t, g.to_dict()] for t, g in self.ready],
+            "scoring": [
+                [j.job_id, j.submitted_at, j.finishes_at, j.attempts, j.group.to_dict()]
+                for j in sorted(self.scoring.values(), key=lambda j: j.job_id)
+            ],
+            "next_score": self.next_score,
+            "score_free_at": list(self.score_free_at),
+            "teacher_died_on": sorted(self.teacher_died_on),
+            "teacher_token_s": self.teacher_token_s,
+            "learner_tokens": self.learner_tokens,
             "finished_per_batch": {str(k): v for k, v in self.finished_per_batch.items()},
             "dropped": dict(self.dropped),
             "rejected": self.rejected,
@@ -633,9 +913,22 @@ class RLRun:
         self.reached_target_at = s["reached_target_at"]
         self.gen_token_s, self.learn_token_s = s["gen_token_s"], s["learn_token_s"]
         self.warm = dict(s["warm"])
+        self.next_score = int(s["next_score"])
+        self.score_free_at = [float(x) for x in s["score_free_at"]]
+        self.teacher_died_on = {int(x) for x in s["teacher_died_on"]}
+        self.teacher_token_s = s["teacher_token_s"]
+        self.learner_tokens = int(s["learner_tokens"])
         self.events = EventLog(self.run_dir / "metrics.jsonl")
         self.events.truncate(int(s["events_offset"]))
         self._write("resume", version=self.version, path=str(path))
+        if self.distill:
+            self._start_teacher()
+        next_score = self.next_score
+        for job_id, at, finishes, attempts, g in s["scoring"]:  # scored again, same times
+            self.next_score = int(job_id)
+            sj = self._send_to_teacher(Group.from_dict(g), float(at), int(attempts))
+            sj.finishes_at = float(finishes)
+        self.next_score = next_score
         for j in s["inflight"]:  # the same groups again, under the same versions and times
             job = Job(**j)
             self.inflight[job.worker] = job
@@ -643,3 +936,50 @@ class RLRun:
             self.backend.submit(
                 job, die=first and job.group_id in self.die, nan=first and job.group_id in self.nan
             )
+
+
+def _seq_tokens(group: Group) -> int:
+    """Tokens the teacher reads to score ``group`` (prompt + completion of every sample)."""
+    return sum(len(t.prompt) + len(t.tokens) for t in group.trajectories)
+
+
+@torch.no_grad()
+def teacher_divergence(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    task: Task,
+    indices: list[int],
+    seed: int,
+    temperature: float,
+    device: torch.device,
+) -> dict[str, float]:
+    """Per-token KL between student and teacher (whole vocabulary) on one student sample of
+    each prompt ``task.sample(i, seed)``: ``teacher_rkl`` = KL(π‖p_T), ``teacher_fkl`` =
+    KL(p_T‖π), means over the sampled tokens."""
+    from trainers.rl.policy import generate, sequence_distributions
+    from trainers.rl.rollout import sample_generator
+
+    prompts, comps = [], []
+    for i in indices:
+        p = task.sample(i, seed)
+        s = generate(
+            student,
+            p.tokens,
+            1,
+            task.max_new_tokens,
+            sample_generator(seed, i),
+            temperature=temperature,
+            device=device,
+        )[0]
+        prompts.append(p.tokens)
+        comps.append(s.tokens)
+    s_all, mask, _ = sequence_distributions(student, prompts, comps, temperature, device)
+    t_all, _, _ = sequence_distributions(teacher, prompts, comps, 1.0, device)
+    ps, pt = s_all.exp(), t_all.exp()
+    rkl = (ps * (s_all - t_all)).sum(-1)
+    fkl = (pt * (t_all - s_all)).sum(-1)
+    n = mask.sum().clamp(min=1)
+    return {
+        "teacher_rkl": float((rkl * mask).sum() / n),
+        "teacher_fkl": float((fkl * mask).sum() / n),
+    }

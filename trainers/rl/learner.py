@@ -54,6 +54,19 @@ def pad_rows(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Ten
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
+def behaviour_metrics(
+    prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, cap: float
+) -> dict[str, float]:
+    """How far the behaviour policies are from the proximal one, over ``mask``: KL(μ‖π_prox)
+    (k3 estimator), the ESS of π_prox/μ and the fraction of ratios above ``cap``."""
+    raw_w = importance_ratio(prox, behav).masked_fill(~mask, 1.0)
+    return {
+        "kl_behav": float(masked_mean((raw_w - 1.0) - torch.log(raw_w), mask)),
+        "ess": effective_sample_size(raw_w, mask),
+        "trunc_frac": float(masked_mean((raw_w > cap).float(), mask)),
+    }
+
+
 class Learner:
     """Holds the policy and its optimiser; one ``step`` per batch makes one new version."""
 
@@ -73,27 +86,7 @@ class Learner:
         Returns the step's metrics; ``dropped`` counts trajectories left out and why.
         """
         c = self.cfg
-        dropped: Counter[str] = Counter()
-        items: list[tuple[Trajectory, float]] = []
-        for g in groups:
-            for t, a in zip(
-                g.trajectories, grpo_advantages([t.reward for t in g.trajectories]), strict=True
-            ):
-                if c.correction == "drop" and version - min(t.versions) > c.drop_beyond:
-                    dropped["staler than learner.drop_beyond"] += 1
-                    continue
-                items.append((t, a))
-        metrics: dict[str, Any] = {"dropped": dict(dropped), "trajectories": len(items)}
-        stale_hist = Counter(version - min(t.versions) for g in groups for t in g.trajectories)
-        metrics["staleness_hist"] = {str(k): v for k, v in sorted(stale_hist.items())}
-        rewards = [t.reward for g in groups for t in g.trajectories]
-        metrics["reward"] = sum(rewards) / max(len(rewards), 1)
-        metrics["accuracy"] = sum(r >= 1.0 for r in rewards) / max(len(rewards), 1)
-        lengths = [len(t.tokens) for g in groups for t in g.trajectories]
-        metrics["response_length"] = sum(lengths) / max(len(lengths), 1)
-        metrics["tokens"] = sum(
-            len(t.prompt) + len(t.tokens) for g in groups for t in g.trajectories
-        )
+        items, metrics = self.select(groups, version)
         if not items:
             metrics["skipped"] = "no trajectory to learn from"
             return metrics
@@ -111,11 +104,8 @@ class Learner:
             prox, mask, entropy = sequence_logprobs(
                 self.policy, prompts, comps, self.temperature, self.device
             )
-        raw_w = importance_ratio(prox, behav).masked_fill(~mask, 1.0)
         metrics["entropy"] = float(masked_mean(entropy, mask))
-        metrics["kl_behav"] = float(masked_mean((raw_w - 1.0) - torch.log(raw_w), mask))
-        metrics["ess"] = effective_sample_size(raw_w, mask)
-        metrics["trunc_frac"] = float(masked_mean((raw_w > c.tis_cap).float(), mask))
+        metrics |= behaviour_metrics(prox, behav, mask, c.tis_cap)
 
         n = len(items)
         parts = [list(range(n))[i :: c.minibatches] for i in range(c.minibatches)]
@@ -150,6 +140,39 @@ class Learner:
         metrics["grad_norm"] = max(gnorms)
         metrics["clip_frac"] = clipped / max(float(mask.sum()), 1.0)
         return metrics
+
+    def select(
+        self, groups: list[Group], version: int
+    ) -> tuple[list[tuple[Trajectory, float]], dict[str, Any]]:
+        """The trajectories to learn from with their GRPO advantages (``drop`` leaves out the
+        staler ones), and the batch's metrics."""
+        dropped: Counter[str] = Counter()
+        items: list[tuple[Trajectory, float]] = []
+        for g in groups:
+            for t, a in zip(
+                g.trajectories, grpo_advantages([t.reward for t in g.trajectories]), strict=True
+            ):
+                if (
+                    self.cfg.correction == "drop"
+                    and version - min(t.versions) > self.cfg.drop_beyond
+                ):
+                    dropped["staler than learner.drop_beyond"] += 1
+                    continue
+                items.append((t, a))
+        trajs = [t for g in groups for t in g.trajectories]
+        stale_hist = Counter(version - min(t.versions) for t in trajs)
+        rewards = [t.reward for t in trajs]
+        lengths = [len(t.tokens) for t in trajs]
+        metrics: dict[str, Any] = {
+            "dropped": dict(dropped),
+            "trajectories": len(items),
+            "staleness_hist": {str(k): v for k, v in sorted(stale_hist.items())},
+            "reward": sum(rewards) / max(len(rewards), 1),
+            "accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+            "response_length": sum(lengths) / max(len(lengths), 1),
+            "tokens": sum(len(t.prompt) + len(t.tokens) for t in trajs),
+        }
+        return items, metrics
 
     def _loss(
         self,

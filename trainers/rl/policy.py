@@ -16,7 +16,7 @@ the device of the policy's parameters; :func:`pick_device` chooses CUDA when pre
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -157,6 +157,11 @@ class Sample:
     logprobs: list[float]
     """log_softmax(logits / temperature) of each token, under the policy that sampled it."""
     text: str
+    extra_ids: list[list[int]] = field(default_factory=list)
+    """With ``extra > 0`` in :func:`generate`: at each position, ``extra`` more ids drawn
+    from the same distribution (Monte Carlo samples that do not continue the sequence)."""
+    extra_logprobs: list[list[float]] = field(default_factory=list)
+    """Behaviour log-probs of ``extra_ids``."""
 
     @property
     def done(self) -> bool:
@@ -170,25 +175,34 @@ def _decode(
     budgets: list[int],
     pick: Callable[[Tensor], tuple[Tensor, Tensor]],
     device: torch.device,
-) -> list[tuple[list[int], list[float]]]:
+    extra: Callable[[Tensor], Tensor] | None = None,
+) -> list[tuple[list[int], list[float], list[list[int]], list[list[float]]]]:
     """Extend each row by up to its budget of tokens, stopping a row at EOS.
 
     ``pick`` maps CPU float32 logits of the active rows, shape ``(a, vocab)``, to chosen ids,
-    shape ``(a,)``, and their log-probs, shape ``(a, vocab)``. Returns, per row, the new ids and the log-probs ``pick`` saw for them.
+    shape ``(a,)``, and their log-probs, shape ``(a, vocab)``; ``extra`` (optional) maps those
+    log-probs to more ids per row, shape ``(a, e)``. Returns, per row, the new ids, the
+    log-probs ``pick`` saw for them, and the extra ids and their log-probs at each position.
     """
-    out: list[tuple[list[int], list[float]]] = [([], []) for _ in rows]
+    out: list[tuple[list[int], list[float], list[list[int]], list[list[float]]]] = [
+        ([], [], [], []) for _ in rows
+    ]
     active = [i for i, b in enumerate(budgets) if b > 0]
     while active:
         ids, lens = _right_pad([rows[i] for i in active], device)
         logits = policy(ids)
         last = logits[torch.arange(len(active), device=device), lens - 1].float().cpu()
         chosen, logp = pick(last)
+        more = extra(logp) if extra is not None else None
         still = []
         for j, i in enumerate(active):
             tok = int(chosen[j])
             rows[i].append(tok)
             out[i][0].append(tok)
             out[i][1].append(float(logp[j, tok]))
+            if more is not None:
+                out[i][2].append([int(x) for x in more[j]])
+                out[i][3].append([float(logp[j, int(x)]) for x in more[j]])
             if tok != EOS and len(out[i][0]) < budgets[i]:
                 still.append(i)
         active = still
@@ -205,6 +219,8 @@ def generate(
     temperature: float = 1.0,
     device: str | torch.device | None = None,
     prefix: Sequence[Sequence[int]] | None = None,
+    extra: int = 0,
+    extra_generator: torch.Generator | None = None,
 ) -> list[Sample]:
     """``n`` samples for one prompt, decoded together; a row stops at EOS.
 
@@ -215,7 +231,13 @@ def generate(
     with EOS or fills the cap). Tokens are drawn by ``torch.multinomial`` with ``generator``
     (a CPU generator) from CPU probabilities, so the same weights and generator state give
     the same samples and log-probs.
+
+    With ``extra`` > 0, each position also draws ``extra`` ids (with replacement) from the
+    same distribution with ``extra_generator``, a separate CPU generator, so the sampled
+    sequences are the same with or without them (multi-sample Monte Carlo, AsyncOPD).
     """
+    if extra > 0 and extra_generator is None:
+        raise ValueError("extra samples need their own extra_generator")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if prefix is not None and len(prefix) != n:
@@ -227,12 +249,16 @@ def generate(
         logp = torch.log_softmax(logits / temperature, dim=-1)
         return torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1), logp
 
+    def more(logp: Tensor) -> Tensor:
+        return torch.multinomial(logp.exp(), extra, replacement=True, generator=extra_generator)
+
     was_training = policy.training if isinstance(policy, nn.Module) else False
     policy.eval()
     rows = [list(prompt) + p for p in pre]
-    out = _decode(policy, rows, budgets, sample, _device_of(policy, device))
+    dev = _device_of(policy, device)
+    out = _decode(policy, rows, budgets, sample, dev, more if extra > 0 else None)
     policy.train(was_training)
-    return [Sample(toks, lps, decode(toks)) for toks, lps in out]
+    return [Sample(toks, lps, decode(toks), ex, exl) for toks, lps, ex, exl in out]
 
 
 def sequence_logprobs(
@@ -250,6 +276,30 @@ def sequence_logprobs(
     (bool) marks real tokens, ``entropy`` (float32, detached, nats) is the entropy of the
     tempered next-token distribution at each position. Padded positions hold 0.
     """
+    logp_all, mask, targets = sequence_distributions(
+        policy, prompts, completions, temperature, device
+    )
+    logp = logp_all.gather(2, targets[:, :, None]).squeeze(2).masked_fill(~mask, 0.0)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1).masked_fill(~mask, 0.0)
+    return logp, mask, entropy
+
+
+def sequence_distributions(
+    policy: Policy,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+    device: str | torch.device | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The whole next-token distribution at each completion position, in one forward.
+
+    Returns ``(logp_all, mask, targets)``: ``logp_all`` (float32, differentiable), shape
+    ``(n, t_max, vocab)``, is log_softmax(logits / temperature) before completion token j of
+    row i; ``mask`` (bool, ``(n, t_max)``) marks real tokens; ``targets`` (long) holds the
+    completion's ids (0 where padded). Padded positions hold the distribution after the
+    prompt's last token (ignore them through ``mask``).
+    """
     dev = _device_of(policy, device)
     n = len(prompts)
     t_max = max((len(c) for c in completions), default=0)
@@ -264,10 +314,7 @@ def sequence_logprobs(
     logits = logits.gather(1, pos[:, :, None].expand(n, t_max, logits.shape[-1]))
     logp_all = torch.log_softmax(logits, dim=-1)
     targets = ids.gather(1, torch.where(mask, pos + 1, torch.zeros_like(pos)))
-    logp = logp_all.gather(2, targets[:, :, None]).squeeze(2).masked_fill(~mask, 0.0)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1).masked_fill(~mask, 0.0)
-    return logp, mask, entropy
+    return logp_all, mask, targets.masked_fill(~mask, 0)
 
 
 @torch.no_grad()
@@ -287,7 +334,7 @@ def greedy_completions(
     rows = [list(p) for p in prompts]
     out = _decode(policy, rows, [max_new_tokens] * len(rows), argmax, _device_of(policy, device))
     policy.train(was_training)
-    return [decode(toks) for toks, _ in out]
+    return [decode(o[0]) for o in out]
 
 
 def greedy_accuracy(

@@ -96,6 +96,7 @@ class _RolloutWorker:
             temperature=self.cfg.rollout.temperature,
             device=self.device,
             nan_first=nan,
+            mc_samples=self.cfg.distill.mc_samples,
         )
         group.worker = self.index
         if die:  # the process is lost with the group's tokens

@@ -34,6 +34,16 @@ class Trajectory:
     """The policy version that produced each token."""
     reward: float
     text: str
+    mc_ids: list[list[int]] = field(default_factory=list)
+    """On-policy distillation with ``distill.mc_samples`` N > 1: at each position, N − 1 more
+    ids drawn from the behaviour policy (they do not continue the sequence)."""
+    mc_logprobs: list[list[float]] = field(default_factory=list)
+    """Behaviour log-probs of ``mc_ids``."""
+    teacher: dict[str, torch.Tensor] | None = None
+    """The teacher's finite cache for these tokens (:func:`trainers.rl.distill.score_group`):
+    ``topk_ids`` (t, k) int16, ``topk_logp`` (t, k) and ``tail_logp`` (t,) float32 — the top-k
+    plus the tail bucket, a proper distribution — and ``token_logp`` (t, N) float32, the
+    teacher's log-prob of the generated token (column 0) and of each ``mc_ids`` entry."""
 
 
 @dataclass
@@ -90,11 +100,13 @@ def generate_group(
     temperature: float,
     device: torch.device | None = None,
     nan_first: bool = False,
+    mc_samples: int = 1,
 ) -> Group:
     """Generate group ``group_id`` (prompt ``task.sample(group_id, seed)``) under ``version``.
 
     ``nan_first`` (fault injection) makes the first trajectory report a NaN log-prob, as a
-    broken worker would.
+    broken worker would. ``mc_samples`` N > 1 also draws N − 1 Monte Carlo ids per position
+    from a generator of their own (the trajectories are the same as with N = 1).
     """
     prompt = task.sample(group_id, seed)
     samples = generate(
@@ -105,6 +117,8 @@ def generate_group(
         sample_generator(seed, group_id),
         temperature=temperature,
         device=device,
+        extra=mc_samples - 1,
+        extra_generator=sample_generator(seed + 7_777_777, group_id) if mc_samples > 1 else None,
     )
     trajs = [
         Trajectory(
@@ -114,6 +128,8 @@ def generate_group(
             versions=[version] * len(s.tokens),
             reward=float(task.score(prompt, s.text)),
             text=s.text,
+            mc_ids=s.extra_ids,
+            mc_logprobs=s.extra_logprobs,
         )
         for s in samples
     ]
