@@ -1,6 +1,6 @@
 """The RL engine on Ray actors: the same groups as the one-process backend on the virtual
-clock, a worker that really dies mid-trajectory, the wall clock, Ray unavailable, and no Ray
-process left behind by any test."""
+clock, a worker that really dies mid-trajectory, the wall clock, distillation on teacher actors
+(one of which really dies), Ray unavailable, and no Ray process left behind by any test."""
 
 from __future__ import annotations
 
@@ -170,6 +170,64 @@ def test_streaming_on_the_wall_clock_with_ray_runs_to_the_end(tmp_path, ray_back
             assert e["version"] - e["behaviour"] <= S  # staler ones are aborted in flight
     assert summary["final_accuracy"] is not None
     assert (tmp_path / "wall" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_distillation_on_ray_teachers_restarts_a_dead_teacher_and_learns_the_local_policy(
+    tmp_path, ray_backend
+):
+    # Prepare: two teacher actors; the one scoring group 3 dies before returning it
+    distill = [
+        "distill.loss=forward_kl",
+        "distill.teachers=2",
+        "distill.teacher_steps=20",
+        "distill.teacher_d_model=32",
+        "distill.teacher_n_layers=1",
+        f"distill.cache_dir={tmp_path / 'teachers'}",
+        "clock.teacher_token_s=0.0002",
+        "faults.teacher_die_on_groups=[3]",
+        "run.max_steps=4",
+    ]
+    cfg = _cfg(tmp_path, "ray", "rollout.backend=ray", *distill)
+    backend = ray_backend(cfg)
+    run = RLRun(cfg, tmp_path / "ray", backend)
+
+    # Execute: the run on Ray, then the same run in one process; this process runs torch on
+    # one thread as the actors do (with 2 threads the policies differ by ~7e-6, rounding)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        s_ray = run.run()
+        s_local = RLRun(_cfg(tmp_path, "local", *distill), tmp_path / "local").run()
+    finally:
+        torch.set_num_threads(threads)
+
+    # Assert: the death counted, group 3 re-sent, the same policy as the one-process teacher
+    from trainers.rl.ray_backend import RayTeacherPool
+
+    pool = run.teacher_backend
+    assert isinstance(pool, RayTeacherPool) and len(pool.pids_seen) >= 2
+    assert (s_ray["backend"], s_local["backend"]) == ("ray", "local")
+    assert s_ray["versions"] == s_local["versions"] == 4
+    assert s_ray["distill"]["teacher_restarts"] == 1
+    assert s_ray["distill"]["teacher_resent"] >= 1
+    assert (s_local["distill"]["teacher_restarts"], s_local["distill"]["teacher_resent"]) == (1, 1)
+    scores = _events(tmp_path / "ray", "score")
+    assert any(e["group"] == 3 and e["attempts"] >= 2 for e in scores), scores
+    steps = {name: _events(tmp_path / name, "step") for name in ("local", "ray")}
+    assert [e["groups"] for e in steps["ray"]] == [e["groups"] for e in steps["local"]]
+    wa = torch.load(tmp_path / "local" / "policy.pt")
+    wb = torch.load(tmp_path / "ray" / "policy.pt")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+    # the run stopped its Ray: no teacher actor, no process of the session left
+    from simulations.processes import RAY_SESSION_ENV, pids_with_env
+
+    deadline = time.monotonic() + 5.0
+    while (left := sorted(p for p in pool.pids_seen if alive(p))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], f"teacher actors left alive: {left}"
+    assert backend.session is not None
+    assert [p for p in pids_with_env(RAY_SESSION_ENV, backend.session) if alive(p)] == []
 
 
 def test_without_ray_the_cli_runs_the_one_process_mode_and_says_why(monkeypatch, caplog):
