@@ -123,9 +123,17 @@ def check_cache(t: Trajectory, top_k: int, mc_samples: int) -> str | None:
             return f"teacher cache {key} has the wrong shape for {n} tokens"
     if c["token_logp"].shape[1] != mc_samples or c["topk_ids"].shape != c["topk_logp"].shape:
         return "teacher cache has the wrong number of scored ids"
-    if not (torch.isfinite(c["topk_logp"]).all() and torch.isfinite(c["token_logp"]).all()):
+    k, tail = c["topk_logp"].shape[1], c["tail_logp"]
+    whole = bool(torch.isneginf(tail).all())  # no tail bucket: k is the whole vocabulary
+    if k != top_k and not (whole and (top_k <= 0 or top_k > k)):
+        return f"teacher cache has {k} top-k ids per token, not distill.top_k={top_k}"
+    if not (
+        torch.isfinite(c["topk_logp"]).all()
+        and torch.isfinite(c["token_logp"]).all()
+        and (whole or torch.isfinite(tail).all())
+    ):
         return "teacher cache holds a non-finite log-prob"
-    if (c["topk_logp"] > 0).any() or (c["token_logp"] > 0).any():
+    if (c["topk_logp"] > 0).any() or (c["token_logp"] > 0).any() or (tail > 0).any():
         return "teacher cache holds a positive log-prob"
     return None
 

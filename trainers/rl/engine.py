@@ -251,7 +251,7 @@ class RLRun:
         self.B = r.batch_groups
         self.bound = StalenessBound(max_staleness=self.S)
         self.policy = build_policy(cfg).to(self.device)
-        self.distill = cfg.distill.loss != "off"
+        self.distill = cfg.distill.loss != "none"
         self.learner = (
             DistillLearner(
                 self.policy,
@@ -861,7 +861,7 @@ class RLRun:
             "redo": [list(x) for x in self.redo],
             "ready": [[t, g.to_dict()] for t, g in self.ready],
             "scoring": [
-                [j.job_id, j.submitted_at, j.finishes_at, j.attempts, j.group.to_dict()]
+                [j.job_id, j.submitted_at, j.finishes_at, j.attempts, j.group.to_dict(), j.scorer]
                 for j in sorted(self.scoring.values(), key=lambda j: j.job_id)
             ],
             "next_score": self.next_score,
@@ -924,10 +924,11 @@ class RLRun:
         if self.distill:
             self._start_teacher()
         next_score = self.next_score
-        for job_id, at, finishes, attempts, g in s["scoring"]:  # scored again, same times
+        for job_id, at, finishes, attempts, g, *scorer in s["scoring"]:  # again, same times
             self.next_score = int(job_id)
             sj = self._send_to_teacher(Group.from_dict(g), float(at), int(attempts))
             sj.finishes_at = float(finishes)
+            sj.scorer = int(scorer[0]) if scorer else -1
         self.next_score = next_score
         for j in s["inflight"]:  # the same groups again, under the same versions and times
             job = Job(**j)

@@ -68,17 +68,30 @@ class Group:
         return max((len(t.tokens) for t in self.trajectories), default=0)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain values for a checkpoint, which refuses non-finite tensors: a teacher cache
+        without a tail bucket (k = the vocabulary, ``tail_logp`` all −inf) is written without
+        its ``tail_logp``, and :meth:`from_dict` puts the −inf back."""
+        trajs = []
+        for t in self.trajectories:
+            d = vars(t) | {"prompt": list(t.prompt)}
+            c = t.teacher
+            if c is not None and "tail_logp" in c and bool(torch.isneginf(c["tail_logp"]).all()):
+                d["teacher"] = {k: v for k, v in c.items() if k != "tail_logp"}
+            trajs.append(d)
         return {
             "group_id": self.group_id,
             "version": self.version,
             "worker": self.worker,
             "rejected": list(self.rejected),
-            "trajectories": [vars(t) | {"prompt": list(t.prompt)} for t in self.trajectories],
+            "trajectories": trajs,
         }
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Group:
         trajs = [Trajectory(**(t | {"prompt": tuple(t["prompt"])})) for t in d["trajectories"]]
+        for t in trajs:
+            if t.teacher is not None and "tail_logp" not in t.teacher:
+                t.teacher = t.teacher | {"tail_logp": torch.full((len(t.tokens),), -math.inf)}
         return Group(d["group_id"], d["version"], trajs, d["worker"], list(d["rejected"]))
 
 
