@@ -26,7 +26,7 @@ MODES = ("sync", "one_step_off", "async", "streaming")
 CORRECTIONS = ("none", "tis", "decoupled", "drop", "weight")
 BACKENDS = ("local", "ray")
 CLOCKS = ("virtual", "wall")
-DISTILL_LOSSES = ("off", "forward_kl", "reverse_kl", "pg_kl", "pg_kl_online")
+DISTILL_LOSSES = ("none", "forward_kl", "reverse_kl", "pg_kl", "pg_kl_online")
 
 
 @dataclass
@@ -136,8 +136,9 @@ class LearnerSection:
 
 @dataclass
 class DistillSection:
-    loss: str = "off"
-    """off (GRPO on rewards) or on-policy distillation from a teacher: forward_kl | reverse_kl
+    loss: str = "none"
+    """none (GRPO on rewards; not ``off``, which YAML reads as false) or on-policy
+    distillation from a teacher: forward_kl | reverse_kl
     (on the teacher's top-k plus tail bucket) | pg_kl (advantage log p_T − log μ, stale) |
     pg_kl_online (advantage recomputed under the current student at learner time)."""
     top_k: int = 8
@@ -166,8 +167,11 @@ class DistillSection:
     """Adam learning rate of the teacher's training."""
     teacher_batch: int = 64
     """Prompts per teacher training step."""
-    teacher_min_accuracy: float = 0.9
+    teacher_min_accuracy: float = 0.8
     """Held-out accuracy below which a freshly trained teacher is reported as weak (warning)."""
+    teacher_seed: int = 0
+    """Seeds the teacher's initialisation and training (not run.seed: one teacher serves
+    every seed of a study)."""
 
 
 @dataclass
@@ -245,6 +249,7 @@ RANGES: dict[str, Range] = {
     "distill.teacher_lr": Range(0, 1, lo_open=True),
     "distill.teacher_batch": Range(1, 4096),
     "distill.teacher_min_accuracy": Range(0, 1),
+    "distill.teacher_seed": NON_NEGATIVE,
     "clock.teacher_token_s": POSITIVE,
     "faults.teacher_die_on_groups[]": NON_NEGATIVE,
     "clock.gen_token_s": POSITIVE,

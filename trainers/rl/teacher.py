@@ -29,13 +29,13 @@ from trainers.rl.tasks import VOCAB_SIZE, Task
 log = logging.getLogger("fedasync.rl")
 
 TEACHER_SEED_OFFSET = 4_242
-"""The teacher's initialisation and training prompts use run.seed + this (not the student's)."""
+"""The teacher's initialisation and training prompts use distill.teacher_seed + this."""
 
 
 def build_teacher(cfg: RLConfig) -> TinyLM:
     """An untrained teacher of the configured shape (seeded)."""
     d = cfg.distill
-    torch.manual_seed(cfg.run.seed + TEACHER_SEED_OFFSET)
+    torch.manual_seed(d.teacher_seed + TEACHER_SEED_OFFSET)
     return TinyLM(
         PolicyConfig(
             vocab_size=VOCAB_SIZE,
@@ -53,7 +53,7 @@ def teacher_key(cfg: RLConfig) -> str:
         "task": [t.name, t.min_len, t.max_len, t.tail],
         "shape": [d.teacher_d_model, d.teacher_n_layers, d.teacher_n_heads],
         "train": [d.teacher_steps, d.teacher_lr, d.teacher_batch],
-        "seed": cfg.run.seed,
+        "seed": d.teacher_seed,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -107,7 +107,7 @@ def load_or_train_teacher(
         steps=d.teacher_steps,
         batch_size=d.teacher_batch,
         lr=d.teacher_lr,
-        seed=cfg.run.seed + TEACHER_SEED_OFFSET,
+        seed=d.teacher_seed + TEACHER_SEED_OFFSET,
         device=device,
         progress=progress,
     )
