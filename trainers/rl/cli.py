@@ -76,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
         f"{s['backend']}, {s['clock']} clock): {s['versions']} versions in {s['time_s']:.1f} s, "
         f"accuracy {s['initial_accuracy']:.3f} -> {s['final_accuracy']:.3f}"
         + (f", target reached at {ttt:.1f} s" if ttt is not None else "")
+        + (
+            f", KL(student‖teacher) {d['final_teacher_rkl']:.3f} ({d['loss']}, top-{d['top_k']}"
+            f", teacher accuracy {d['teacher'].get('accuracy') or float('nan'):.3f})"
+            if (d := s.get("distill"))
+            else ""
+        )
         + f", dropped {sum(s['dropped'].values())}; run folder "
         f"{Path(cfg.run.out_dir) / cfg.run.name}"
     )

@@ -23,6 +23,14 @@ it starts (the group is generated from start to end by that version). Batch k is
 With S = 0 the three rules admit the same groups under the same versions and the learner takes
 the same batches, so ``async`` and ``streaming`` give the weights of ``sync`` bit for bit.
 
+On-policy distillation (``distill.loss`` != none, :mod:`trainers.rl.distill`) adds one stage
+between a group's arrival and the learner: the group goes to a teacher scorer (``distill
+.teachers`` of them: virtual servers, or Ray actors) and becomes learnable when its finite
+teacher cache comes back; on the virtual clock scoring takes (the group's prompt + completion
+tokens) x ``clock.teacher_token_s`` on the earliest-free server, in arrival order. The
+schedules above are unchanged (a batch is complete when all of it is scored), so S = 0 still
+gives sync's weights bit for bit.
+
 Time is the core's clock: on the virtual clock a group takes (its generated tokens) x
 ``clock.gen_token_s`` on a worker and a learner step (its batch's tokens) x
 ``clock.learn_token_s``; the new version is available when the step ends. On the wall clock
@@ -924,11 +932,10 @@ class RLRun:
         if self.distill:
             self._start_teacher()
         next_score = self.next_score
-        for job_id, at, finishes, attempts, g, *scorer in s["scoring"]:  # again, same times
+        for job_id, at, finishes, attempts, g, scorer in s["scoring"]:  # again, same times
             self.next_score = int(job_id)
             sj = self._send_to_teacher(Group.from_dict(g), float(at), int(attempts))
-            sj.finishes_at = float(finishes)
-            sj.scorer = int(scorer[0]) if scorer else -1
+            sj.finishes_at, sj.scorer = float(finishes), int(scorer)
         self.next_score = next_score
         for j in s["inflight"]:  # the same groups again, under the same versions and times
             job = Job(**j)
