@@ -97,6 +97,28 @@ def test_plot_run_writes_three_pngs(tmp_path: Path) -> None:
     assert all(_is_png(p) for p in paths)
 
 
+def test_a_distillation_run_also_gets_its_distance_to_the_teacher(tmp_path: Path) -> None:
+    _synthetic_run(tmp_path)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        for v, kl in ((2, 1.5), (4, 1.1)):
+            f.write(
+                json.dumps(
+                    {
+                        "event": "eval",
+                        "t": float(v),
+                        "version": v,
+                        "accuracy": 0.3,
+                        "teacher_rkl": kl,
+                        "teacher_fkl": kl / 2,
+                    }
+                )
+                + "\n"
+            )
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths][-1] == "teacher_kl.png"
+    assert _is_png(paths[-1])
+
+
 def test_plot_run_many_workers(tmp_path: Path) -> None:
     _synthetic_run(tmp_path, workers=128, steps=3, end=False)
     assert all(_is_png(p) for p in plot_run(tmp_path))

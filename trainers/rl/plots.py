@@ -280,17 +280,45 @@ def plot_timeline(events: list[dict[str, Any]], path: Path, summary: dict[str, A
     return _save(fig, path, tight_bbox=True)
 
 
+def plot_teacher_kl(events: list[dict[str, Any]], path: Path, summary: dict[str, Any]) -> Path:
+    """A distillation run's held-out KL(student ‖ teacher) and KL(teacher ‖ student) vs time."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn = False
+    for key, label in (
+        ("teacher_rkl", "KL(student ‖ teacher)"),
+        ("teacher_fkl", "KL(teacher ‖ student)"),
+    ):
+        pts = [(_num(e.get("t")), _num(e.get(key))) for e in _of(events, "eval")]
+        pts = [(t, k) for t, k in pts if t is not None and k is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker=".", label=label)
+            drawn = True
+    if drawn:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no evals yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel(f"{_clock(events, summary)} time since start (s)")
+    ax.set_ylabel("nats per token (held-out student samples)")
+    ax.set_title(f"Distance to the teacher ({_mode_title(events, summary)})")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def plot_run(run_dir: Path) -> list[Path]:
-    """``reward.png``, ``staleness.png`` and ``timeline.png`` in ``run_dir``; their paths."""
+    """``reward.png``, ``staleness.png`` and ``timeline.png`` in ``run_dir`` (and
+    ``teacher_kl.png`` for a distillation run); their paths."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     events = _events(run_dir)
     summary = _summary(run_dir)
-    return [
+    paths = [
         plot_reward(events, run_dir / "reward.png", summary),
         plot_staleness_hist(events, run_dir / "staleness.png", summary),
         plot_timeline(events, run_dir / "timeline.png", summary),
     ]
+    if summary.get("distill") or any("teacher_rkl" in e for e in _of(events, "eval")):
+        paths.append(plot_teacher_kl(events, run_dir / "teacher_kl.png", summary))
+    return paths
 
 
 # ----------------------------------------------------------------- benchmarks
