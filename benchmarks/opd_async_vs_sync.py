@@ -35,6 +35,8 @@ seed starts from the same student.
 
     .venv/bin/python benchmarks/opd_async_vs_sync.py              # 3 seeds (~35 min, 2 cores)
     .venv/bin/python benchmarks/opd_async_vs_sync.py --quick      # 1 seed, short (~4 min)
+    .venv/bin/python benchmarks/opd_async_vs_sync.py --sweep-only --arms pg_kl pg_kl_online \
+        --correction decoupled --out runs/bench_opd_decoupled   # RL's stabiliser on PG-KL
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def plot_staleness(args: argparse.Namespace, res: dict[str, Any], path: Path) ->
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for loss in ARMS:
+    for loss in args.arms:
         for ax, key in zip(axes, ("final_accuracy", "final_rkl")):
             ms, lo, hi = [], [], []
             for S in args.staleness:
@@ -203,7 +205,13 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 0])
     ap.add_argument("--throughput-staleness", type=int, default=2)
     ap.add_argument("--target-fraction", type=float, default=0.75)
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    ap.add_argument(
+        "--sweep-only", action="store_true", help="only the staleness sweep (parts 1-2)"
+    )
     args = ap.parse_args()
+    if not args.sweep_only and "forward_kl" not in args.arms:
+        ap.error("parts 3-5 use the forward_kl arm: keep it in --arms or pass --sweep-only")
     if args.quick:
         args.seeds, args.steps, args.staleness, args.ks = [0], 20, [0, 4], [1, 0]
     args.costs = None
@@ -231,7 +239,8 @@ def main() -> None:
 
     jobs: list[tuple[str, list[str]]] = []
     for seed in args.seeds:
-        for loss, arm in ARMS.items():
+        for loss in args.arms:
+            arm = ARMS[loss]
             for S in args.staleness:
                 jobs.append(
                     (
@@ -244,6 +253,8 @@ def main() -> None:
                         ),
                     )
                 )
+        if args.sweep_only:
+            continue
         for loss in ("forward_kl", "reverse_kl"):
             for k in args.ks:
                 jobs.append(
@@ -306,6 +317,28 @@ def main() -> None:
     for s in res.values():
         s["final_rkl"] = s["evals"][-1].get("teacher_rkl")
         s["final_fkl"] = s["evals"][-1].get("teacher_fkl")
+    (Path(args.out) / "results.json").write_text(
+        json.dumps(
+            {
+                k: {
+                    kk: v[kk]
+                    for kk in (
+                        "final_accuracy",
+                        "initial_accuracy",
+                        "final_rkl",
+                        "final_fkl",
+                        "time_s",
+                        "versions",
+                        "learner_tokens",
+                        "evals",
+                        "wall_s",
+                    )
+                }
+                for k, v in res.items()
+            },
+            indent=1,
+        )
+    )
 
     print(
         f"\n## Staleness sweep (async, {args.steps} steps, correction={args.correction}, "
@@ -319,7 +352,7 @@ def main() -> None:
         + " |"
     )
     print("|---|" + "---|" * (2 * len(args.staleness)))
-    for loss in ARMS:
+    for loss in args.arms:
         acc = [
             stats([res[f"sweep-{loss}-S{S}-s{x}"]["final_accuracy"] for x in args.seeds])
             for S in args.staleness
@@ -331,8 +364,11 @@ def main() -> None:
         print(f"| {loss} | " + " | ".join(acc) + " | " + " | ".join(kl) + " |")
     plot_staleness(args, res, Path(args.out) / "opd_staleness.png")
     print(f"plot: {Path(args.out) / 'opd_staleness.png'}")
-    init = [res[f"sweep-forward_kl-S0-s{x}"]["initial_accuracy"] for x in args.seeds]
+    init = [res[f"sweep-{args.arms[0]}-S0-s{x}"]["initial_accuracy"] for x in args.seeds]
     print(f"student at the start: {stats(init)}")
+    if args.sweep_only:
+        print(f"\nwall time {time.perf_counter() - t_start:.0f} s")
+        return
 
     print(f"\n## Finite teacher caches (async S={args.k_staleness})")
     print("| loss | k | cache bytes/token | final accuracy | final KL(student‖teacher) |")
@@ -384,28 +420,6 @@ def main() -> None:
         per = [g / t * 1e6 for g, t in zip(gains, toks)]
         print(f"| {label} | {stats(gains)} | {statistics.fmean(toks):.0f} | {stats(per)} |")
 
-    (Path(args.out) / "results.json").write_text(
-        json.dumps(
-            {
-                k: {
-                    kk: v[kk]
-                    for kk in (
-                        "final_accuracy",
-                        "initial_accuracy",
-                        "final_rkl",
-                        "final_fkl",
-                        "time_s",
-                        "versions",
-                        "learner_tokens",
-                        "evals",
-                        "wall_s",
-                    )
-                }
-                for k, v in res.items()
-            },
-            indent=1,
-        )
-    )
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s; results in {args.out}/results.json")
     sp = statistics.fmean(speedups) if speedups else float("nan")
     print(f"opd_speedup_vs_sync={sp:.3f}")
