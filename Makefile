@@ -19,6 +19,7 @@ install: $(STAMP)
 
 data: $(STAMP)
 	$(BIN)/python -m medical_data.fetch
+	$(BIN)/python -m trainers.pipeline.corpus
 
 demo: data
 	$(BIN)/fedasync simulate
