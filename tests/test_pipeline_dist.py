@@ -39,6 +39,18 @@ def test_two_processes_compute_what_the_emulator_computes(schedule, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ours, theirs", [("gpipe", "torch-gpipe"), ("1f1b", "torch-1f1b")])
+def test_the_synchronous_schedules_match_torch_pipelining(ours, theirs, tmp_path):
+    base = dict(cfg=CFG, stages=2, micro=4, steps=3, batch=8, lr=3e-3)
+    mine = run_pipeline(PipeJob(schedule=ours, **base), tmp_path / "ours")
+    ref = run_pipeline(PipeJob(schedule=theirs, **base), tmp_path / "torch")
+    assert mine["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+    for a, b in zip(mine["weights"], ref["weights"]):
+        for k in b:
+            assert torch.allclose(a[k], b[k], atol=1e-5), (ours, k)
+
+
+@pytest.mark.slow
 def test_a_failing_stage_is_named(tmp_path):
     bad = PipeJob(CFG, stages=2, schedule="zero-bubble", micro=4, steps=1, batch=8, lr=1e-3)
     with pytest.raises(StageFailed, match="pipeline stage [01]"):

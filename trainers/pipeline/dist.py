@@ -62,6 +62,55 @@ def synthetic_batches(job: PipeJob) -> list[tuple[Tensor, Tensor]]:
     return out
 
 
+TORCH_SCHEDULES = ("torch-gpipe", "torch-1f1b")
+"""``torch.distributed.pipelining``'s own ScheduleGPipe / Schedule1F1B, the reference the
+synchronous schedules are checked against."""
+
+
+def _torch_schedule(rank: int, job: PipeJob, out_dir: str) -> None:
+    """The same job on ``torch.distributed.pipelining``'s schedule (rank's stage, its own
+    AdamW, gradients scaled by 1/m as ours are)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = build_stages(job.cfg, job.stages, job.seed)[rank]
+    opt = torch.optim.AdamW(stage.parameters(), lr=job.lr)
+    mb = job.batch // job.micro
+    example = (
+        torch.zeros(mb, job.cfg.context, dtype=torch.long)
+        if rank == 0
+        else torch.zeros(mb, job.cfg.context, job.cfg.d_model)
+    )
+    pipe_stage = PipelineStage(stage, rank, job.stages, torch.device("cpu"), input_args=example)
+
+    def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    kind = ScheduleGPipe if job.schedule == "torch-gpipe" else Schedule1F1B
+    sched = kind(pipe_stage, job.micro, loss_fn=loss_fn)
+    losses = []
+    for x, y in synthetic_batches(job):
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x)
+        elif rank == job.stages - 1:
+            got: list[Tensor] = []
+            sched.step(target=y, losses=got)
+            losses.append(sum(float(v) for v in got) / job.micro)
+        else:
+            sched.step()
+        opt.step()
+    _save(rank, job, stage, losses, out_dir)
+
+
+def _save(rank: int, job: PipeJob, stage: torch.nn.Module, losses: list[float], out: str) -> None:
+    torch.save(
+        {k: v.detach().clone() for k, v in stage.state_dict().items()},
+        Path(out) / f"stage{rank}.pt",
+    )
+    if rank == job.stages - 1:
+        (Path(out) / "losses.json").write_text(json.dumps(losses))
+
+
 def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -70,6 +119,9 @@ def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str) -> None:
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=job.stages
     )
     try:
+        if job.schedule in TORCH_SCHEDULES:
+            _torch_schedule(rank, job, out_dir)
+            return
         stage = build_stages(job.cfg, job.stages, job.seed)[rank]
         opt = torch.optim.AdamW(stage.parameters(), lr=job.lr)
         stale = copy.deepcopy(stage) if job.schedule == "2bw" and job.delay else None
@@ -121,12 +173,7 @@ def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str) -> None:
                     p.grad = None if q.grad is None else q.grad.clone()
             opt.step()
             losses.append(total / job.micro)
-        torch.save(
-            {k: v.detach().clone() for k, v in stage.state_dict().items()},
-            Path(out_dir) / f"stage{rank}.pt",
-        )
-        if last:
-            (Path(out_dir) / "losses.json").write_text(json.dumps(losses))
+        _save(rank, job, stage, losses, out_dir)
     finally:
         dist.destroy_process_group()
 
