@@ -17,7 +17,11 @@ def _emulated(job: PipeJob):
     try:
         stages = build_stages(job.cfg, job.stages, job.seed)
         emu = Emulator(
-            stages, lambda p: torch.optim.AdamW(p, lr=job.lr), job.schedule, job.micro, job.delay
+            stages,
+            lambda s: torch.optim.AdamW(s.parameters(), lr=job.lr),
+            job.schedule,
+            job.micro,
+            job.delay,
         )
         losses = [emu.step(x, y) for x, y in synthetic_batches(job)]
         return losses, [s.state_dict() for s in stages]

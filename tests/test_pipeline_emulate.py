@@ -32,7 +32,9 @@ def _data(n: int = 6, batch: int = 8, seed: int = 0):
 
 def _train(schedule: str, stages: int, delay: int = 1, steps: int = 6, micro: int = 4):
     model = build_stages(CFG, stages, seed=0)
-    emu = Emulator(model, lambda p: torch.optim.AdamW(p, lr=3e-3), schedule, micro, delay)
+    emu = Emulator(
+        model, lambda s: torch.optim.AdamW(s.parameters(), lr=3e-3), schedule, micro, delay
+    )
     losses = [emu.step(x, y) for x, y in _data(steps)]
     return model, losses
 
@@ -86,7 +88,7 @@ def test_2bw_applies_the_gradient_of_the_previous_version():
     # W(2) = W(1) − ν ∇f(W(0)) with plain SGD: check it against the arithmetic
     data = _data(2)
     model = build_stages(CFG, 2, seed=0)
-    emu = Emulator(model, lambda p: torch.optim.SGD(p, lr=0.1), "2bw", 2, delay=1)
+    emu = Emulator(model, lambda s: torch.optim.SGD(s.parameters(), lr=0.1), "2bw", 2, delay=1)
     ref = build_stages(CFG, 2, seed=0)
     w0 = _flat(ref).clone()
 
@@ -114,11 +116,39 @@ def test_2bw_applies_the_gradient_of_the_previous_version():
 def test_bad_settings_are_refused():
     model = build_stages(CFG, 2, seed=0)
     with pytest.raises(ValueError, match="schedule"):
-        Emulator(model, lambda p: torch.optim.SGD(p, lr=0.1), "zero-bubble", 2)
+        Emulator(model, lambda s: torch.optim.SGD(s.parameters(), lr=0.1), "zero-bubble", 2)
     with pytest.raises(ValueError, match="delay 0 or 1"):
-        Emulator(model, lambda p: torch.optim.SGD(p, lr=0.1), "2bw", 2, delay=2)
-    emu = Emulator(model, lambda p: torch.optim.SGD(p, lr=0.1), "1f1b", 3)
+        Emulator(model, lambda s: torch.optim.SGD(s.parameters(), lr=0.1), "2bw", 2, delay=2)
+    emu = Emulator(model, lambda s: torch.optim.SGD(s.parameters(), lr=0.1), "1f1b", 3)
     x, y = _data(1)[0]
     with pytest.raises(ValueError, match="micro-batches"):
         emu.step(x, y)
     assert evaluate(model, [(x, y)]) > 0
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    from trainers.pipeline.optim import StageOptimizer
+
+    first, last = build_stages(CFG, 2, seed=0)
+    opt = StageOptimizer(first, "muon", lr=1e-3)
+    matrices = sum(
+        p.numel() for n, p in first.named_parameters() if n.startswith("blocks.") and p.dim() == 2
+    )
+    assert opt.muon_params == matrices > 0
+    assert opt.adamw_params == sum(p.numel() for p in first.parameters()) - matrices
+    assert StageOptimizer(last, "adamw", lr=1e-3).muon_params == 0
+    with pytest.raises(ValueError, match="optimizer"):
+        StageOptimizer(last, "lion", lr=1e-3)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_both_optimisers_lower_the_loss_through_the_emulator(name):
+    from trainers.pipeline.optim import StageOptimizer
+
+    model = build_stages(CFG, 2, seed=0)
+    emu = Emulator(model, lambda s: StageOptimizer(s, name, lr=3e-3), "2bw", micro=2)
+    x, y = _data(1)[0]
+    before = evaluate(model, [(x, y)])
+    for _ in range(15):
+        emu.step(x, y)
+    assert evaluate(model, [(x, y)]) < before - 0.1

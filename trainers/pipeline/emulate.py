@@ -70,7 +70,8 @@ def peak_in_flight(ops: list[tuple[str, int]]) -> int:
 class Emulator:
     """Trains ``stages`` with ``schedule`` on batches split into ``micro`` micro-batches.
 
-    ``make_optimizer(params)`` builds one optimiser per stage. ``delay`` (2BW only) is how
+    ``make_optimizer(stage)`` builds one optimiser per stage (anything with ``step``, e.g.
+    :class:`trainers.pipeline.optim.StageOptimizer`). ``delay`` (2BW only) is how
     many versions older the weights a batch is computed under are: 1 for PipeDream-2BW, 0 to
     check it against 1F1B.
     """
@@ -78,7 +79,7 @@ class Emulator:
     def __init__(
         self,
         stages: list[Stage],
-        make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+        make_optimizer: Callable[[Stage], Any],
         schedule: str,
         micro: int,
         delay: int = 1,
@@ -92,7 +93,7 @@ class Emulator:
         if delay not in (0, 1):
             raise ValueError(f"2BW keeps two weight versions: delay 0 or 1, got {delay}")
         self.stages, self.schedule, self.micro, self.delay = stages, schedule, micro, delay
-        self.opts = [make_optimizer(list(s.parameters())) for s in stages]
+        self.opts = [make_optimizer(s) for s in stages]
         self.version = 0
         self.snapshots = VersionedSnapshots(delay + 1)
         self._shadow: list[Stage] | None = None
