@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -87,17 +86,11 @@ def overrides(args: argparse.Namespace, seed: int, **extra: Any) -> list[str]:
         "learner.correction": args.correction,
         "distill.teacher_steps": args.teacher_steps,
         "distill.top_k": args.top_k,
-        "distill.cache_dir": str(teacher_dir(args)),
     }
     if args.costs:
         base |= {f"clock.{k}": v for k, v in args.costs.items()}
     base |= extra
     return [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in base.items()]
-
-
-def teacher_dir(args: argparse.Namespace) -> Path:
-    data = os.environ.get("FEDASYNC_DATA")
-    return Path(data) / "teachers" if data else Path(args.out) / "teachers"
 
 
 def run_one(job: tuple[str, list[str]]) -> dict[str, Any]:

@@ -157,7 +157,7 @@ def bucket_logprobs(
     return student, teacher
 
 
-def _kl(p_log: Tensor, q_log: Tensor) -> Tensor:
+def kl_divergence(p_log: Tensor, q_log: Tensor) -> Tensor:
     """Σ exp(p)(p − q) over the last axis; a bucket p gives no mass to adds 0."""
     p = p_log.exp()
     return (p * torch.where(p > 0, p_log - q_log, torch.zeros_like(p_log))).sum(-1)
@@ -168,7 +168,7 @@ def forward_kl_topk(
 ) -> Tensor:
     """KL(p_T ‖ π_θ) over the teacher's top-k + tail buckets, per position: shape ``(...)``."""
     s, t = bucket_logprobs(logp_all, topk_ids, topk_logp, tail_logp)
-    return _kl(t, s)
+    return kl_divergence(t, s)
 
 
 def reverse_kl_topk(
@@ -176,7 +176,7 @@ def reverse_kl_topk(
 ) -> Tensor:
     """KL(π_θ ‖ p_T) over the teacher's top-k + tail buckets, per position: shape ``(...)``."""
     s, t = bucket_logprobs(logp_all, topk_ids, topk_logp, tail_logp)
-    return _kl(s, t)
+    return kl_divergence(s, t)
 
 
 def pg_kl_advantage(teacher_logp: Tensor, reference_logp: Tensor) -> Tensor:
@@ -284,12 +284,8 @@ class DistillLearner(Learner):
             loss = self._distill_loss(new_all, new, m, cut)
             ratio = importance_ratio(new[..., 0].detach(), cut["prox"][..., 0])
             clipped += float((((ratio - 1.0).abs() > c.clip_eps) & m).sum())
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
-            self.opt.step()
             losses.append(float(loss.detach()))
-            gnorms.append(float(gn))
+            gnorms.append(self.apply(loss))
         self.policy.eval()
         metrics["loss"] = sum(losses) / len(losses)
         metrics["grad_norm"] = max(gnorms)

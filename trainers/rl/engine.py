@@ -59,7 +59,7 @@ from fedasync.staleness import StalenessBound
 from fedasync.tensors import to_cpu
 from fedasync.versions import VersionedSnapshots, staleness
 from trainers.rl.config import RLConfig, to_container
-from trainers.rl.distill import DistillLearner, check_cache, score_group
+from trainers.rl.distill import DistillLearner, check_cache, kl_divergence, score_group
 from trainers.rl.learner import Learner
 from trainers.rl.policy import PolicyConfig, TinyLM, greedy_accuracy, warm_start
 from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
@@ -432,7 +432,7 @@ class RLRun:
                 )
             else:
                 self.teacher_backend = LocalTeacher(
-                    copy.deepcopy(self.teacher), self.cfg.distill.top_k, self.device
+                    self.teacher, self.cfg.distill.top_k, self.device
                 )
 
     # ----------------------------------------------------------------- scheduling
@@ -983,9 +983,7 @@ def teacher_divergence(
         comps.append(s.tokens)
     s_all, mask, _ = sequence_distributions(student, prompts, comps, temperature, device)
     t_all, _, _ = sequence_distributions(teacher, prompts, comps, 1.0, device)
-    ps, pt = s_all.exp(), t_all.exp()
-    rkl = (ps * (s_all - t_all)).sum(-1)
-    fkl = (pt * (t_all - s_all)).sum(-1)
+    rkl, fkl = kl_divergence(s_all, t_all), kl_divergence(t_all, s_all)
     n = mask.sum().clamp(min=1)
     return {
         "teacher_rkl": float((rkl * mask).sum() / n),

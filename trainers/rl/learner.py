@@ -129,17 +129,21 @@ class Learner:
             loss = self._loss(new, p, b, a, m, t_idx)
             ratio = importance_ratio(new.detach(), p)
             clipped += float((((ratio - 1.0).abs() > c.clip_eps) & m).sum())
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
-            self.opt.step()
             losses.append(float(loss.detach()))
-            gnorms.append(float(gn))
+            gnorms.append(self.apply(loss))
         self.policy.eval()
         metrics["loss"] = sum(losses) / len(losses)
         metrics["grad_norm"] = max(gnorms)
         metrics["clip_frac"] = clipped / max(float(mask.sum()), 1.0)
         return metrics
+
+    def apply(self, loss: torch.Tensor) -> float:
+        """One optimiser step on ``loss`` (gradient clipped); returns the gradient norm."""
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        return float(gn)
 
     def select(
         self, groups: list[Group], version: int
