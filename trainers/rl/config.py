@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedasync.errors import ConfigError, UserError
+from fedasync.errors import ConfigError
 from fedasync.ranges import (
     AT_LEAST_ONE,
     NON_NEGATIVE,
@@ -21,6 +21,8 @@ from fedasync.ranges import (
     numeric_values,
 )
 from fedasync.staleness import WEIGHT_FUNCTIONS
+from trainers import configload
+from trainers.configload import load_structured
 
 MODES = ("sync", "one_step_off", "async", "streaming")
 CORRECTIONS = ("none", "tis", "decoupled", "drop", "weight")
@@ -327,45 +329,9 @@ def validate(cfg: RLConfig) -> RLConfig:
 
 def load_rl_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
     """The validated config: defaults <- YAML ``path`` <- ``key=value`` overrides."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    schema = OmegaConf.structured(RLConfig)
-    layers: list[Any] = [schema]
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)[:200]} does not exist (--config)")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as e:
-            raise ConfigError(f"config file {str(path)[:200]} is not valid YAML: {e}") from e
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"config file {str(path)[:200]} must map keys to values")
-        layers.append(loaded)
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(
-                f"override {item[:60]!r} is not key=value (e.g. rollout.mode=streaming)"
-            )
-    try:
-        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
-        cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"bad configuration key {key}: {str(e).splitlines()[0][:200]}") from e
-    except ValueError as e:
-        if isinstance(e, UserError):
-            raise
-        raise ConfigError(str(e)[:300]) from e
-    assert isinstance(cfg, RLConfig)
-    return validate(cfg)
+    return validate(load_structured(RLConfig, path, overrides, "rollout.mode=streaming"))
 
 
 def to_container(cfg: RLConfig) -> dict[str, Any]:
     """The config as plain dicts (for metrics.jsonl and the checkpoint)."""
-    from omegaconf import OmegaConf
-
-    out = OmegaConf.to_container(OmegaConf.structured(cfg))
-    assert isinstance(out, dict)
-    return out  # type: ignore[return-value]
+    return configload.to_container(cfg)

@@ -1,0 +1,259 @@
+"""Typed configuration of a pipeline-parallel run (``fedasync pipeline``), validated once where
+the run starts.
+
+defaults <- YAML file (``--config``) <- ``key=value`` overrides, loaded by
+:func:`trainers.configload.load_structured` on the same omegaconf conventions as ``fedasync
+simulate`` and ``fedasync rl``: unknown keys, wrong types and values out of range are errors
+that name the key as ``section.key`` (``fedasync.errors.ConfigError``: one line, exit 2). Every
+key is documented by the docstring under its field (a test checks). String choices avoid
+``on``/``off``/``yes``/``no``, which YAML reads as booleans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedasync.errors import ConfigError
+from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, numeric_values
+from trainers import configload
+from trainers.configload import load_structured
+from trainers.pipeline.schedule import SCHEDULES, SYNCHRONOUS, max_drift, micro_for_drift
+
+BACKENDS = ("emulate", "processes")
+COMMS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass
+class RunSection:
+    seed: int = 0
+    """Seeds the model's initialisation (the same weights however the model is cut into
+    stages)."""
+    name: str = "pipeline"
+    """Run folder name under ``run.out_dir``."""
+    out_dir: str = "runs"
+    """Where run folders go (metrics.jsonl, summary.json, checkpoints, PNGs)."""
+    steps: int = 200
+    """Optimiser steps to train; one batch (``data.batch`` sequences) per step."""
+    eval_every: int = 25
+    """Evaluate the held-out loss every this many steps."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation (drawn from the validation stream)."""
+    checkpoint_every: int = 50
+    """Write a checkpoint every this many steps (0: never)."""
+    resume: bool = False
+    """Resume from the run folder's checkpoint (same config)."""
+    progress: bool = True
+    """A progress bar on stderr while it runs."""
+    plots: bool = True
+    """Write PNGs at the end (loss curves)."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu or cuda."""
+    threads: int = 1
+    """Torch threads per process (per stage process with ``pipeline.backend=processes``)."""
+
+
+@dataclass
+class ModelSection:
+    d_model: int = 128
+    """Width of the decoder-only transformer."""
+    n_layers: int = 4
+    """Transformer blocks, shared out among the stages as evenly as they go."""
+    n_heads: int = 4
+    """Attention heads (must divide ``model.d_model``)."""
+    context: int = 128
+    """Ids per training window (the model's longest input)."""
+
+
+@dataclass
+class DataSection:
+    batch: int = 16
+    """Sequences per batch (one optimiser step), split into ``pipeline.micro`` micro-batches;
+    must be divisible by ``pipeline.micro``."""
+    val_fraction: float = 0.1
+    """Share of every play held out for evaluation, in (0, 0.5]."""
+    seed: int = 0
+    """Seeds the sampling of training and held-out windows (apart from ``run.seed``)."""
+
+
+@dataclass
+class PipelineSection:
+    schedule: str = "paci"
+    """gpipe | 1f1b (flushed every batch: synchronous) | 2bw (PipeDream-2BW: computes under
+    weights ``pipeline.delay`` steps old) | paci (no flush, the forward/backward drift bounded
+    by ``pipeline.max_drift``)."""
+    stages: int = 2
+    """Pipeline stages P (1 <= P <= ``model.n_layers``)."""
+    micro: int = 4
+    """Micro-batches per batch m (PACI's local accumulation: more slows the version clock)."""
+    delay: int = 1
+    """2bw only: the version delay of the weights a batch is computed under (0 or 1)."""
+    max_drift: int = 1
+    """paci: the staleness bound, the most optimiser steps a stage may take between a
+    micro-batch's forward and its backward (>= 1); needs ceil((P - 1) / m) <= it."""
+    backend: str = "processes"
+    """emulate (one process runs the schedule, stage by stage) or processes (one
+    torch.distributed process per stage)."""
+    comm: str = "auto"
+    """torch.distributed backend of ``processes``: auto (nccl on CUDA, gloo otherwise), gloo
+    or nccl."""
+
+
+@dataclass
+class OptimSection:
+    name: str = "adamw"
+    """adamw, or muon (Muon on the blocks' matrices, AdamW for embeddings, head and vectors,
+    with an RMS-matched learning rate)."""
+    lr: float = 0.003
+    """Learning rate (> 0)."""
+    momentum: float = 0.95
+    """Muon's momentum, in [0, 1) (unused by adamw)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (>= 0)."""
+    warmup: int = 0
+    """Steps of linear learning-rate warm-up from 0 (0: none)."""
+
+
+@dataclass
+class CorrectionSection:
+    error_feedback: bool = False
+    """Correct the delayed gradient with error feedback (2bw and paci only: a synchronous
+    schedule has no delay to correct)."""
+    beta: float = 1.0
+    """Coefficient of the error-feedback correction, in [0, 2]."""
+
+
+@dataclass
+class FaultSection:
+    kill_stage: int = -1
+    """A stage process to kill mid-run (-1: none; needs ``pipeline.backend=processes`` and a
+    stage < ``pipeline.stages``)."""
+    kill_at_step: int = 0
+    """The step before which ``faults.kill_stage`` dies (< ``run.steps``)."""
+
+
+@dataclass
+class PipelineConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    correction: CorrectionSection = field(default_factory=CorrectionSection)
+    faults: FaultSection = field(default_factory=FaultSection)
+
+
+RANGES: dict[str, Range] = {
+    "run.seed": NON_NEGATIVE,
+    "run.steps": AT_LEAST_ONE,
+    "run.eval_every": AT_LEAST_ONE,
+    "run.eval_batches": Range(1, 10_000),
+    "run.checkpoint_every": NON_NEGATIVE,
+    "run.threads": Range(1, 1024),
+    "model.d_model": Range(8, 65_536),
+    "model.n_layers": Range(1, 1024),
+    "model.n_heads": Range(1, 1024),
+    "model.context": AT_LEAST_ONE,
+    "data.batch": AT_LEAST_ONE,
+    "data.val_fraction": Range(0, 0.5, lo_open=True),
+    "data.seed": NON_NEGATIVE,
+    "pipeline.stages": Range(1, 1024),
+    "pipeline.micro": AT_LEAST_ONE,
+    "pipeline.delay": Range(0, 1),
+    "pipeline.max_drift": AT_LEAST_ONE,
+    "optim.lr": POSITIVE,
+    "optim.momentum": Range(0, 1, hi_open=True),
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.warmup": NON_NEGATIVE,
+    "correction.beta": Range(0, 2),
+    "faults.kill_stage": Range(-1),
+    "faults.kill_at_step": NON_NEGATIVE,
+}
+"""Every numeric key's allowed values (a test checks that none is left out)."""
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: PipelineConfig) -> PipelineConfig:
+    """Check what types alone cannot; raise ConfigError naming the key."""
+    for rkey, key, value in numeric_values(cfg):
+        rng = RANGES.get(rkey)
+        _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
+    run, m, d, p = cfg.run, cfg.model, cfg.data, cfg.pipeline
+    _check(run.device in DEVICES, f"run.device must be auto, cpu or cuda, got {run.device!r:.40}")
+    _check(
+        m.d_model % m.n_heads == 0,
+        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}",
+    )
+    _check(
+        p.schedule in SCHEDULES,
+        f"pipeline.schedule must be one of {SCHEDULES}, got {p.schedule!r:.40}",
+    )
+    _check(
+        p.backend in BACKENDS,
+        f"pipeline.backend must be one of {BACKENDS}, got {p.backend!r:.40}",
+    )
+    _check(p.comm in COMMS, f"pipeline.comm must be one of {COMMS}, got {p.comm!r:.40}")
+    _check(
+        not (p.comm == "nccl" and run.device == "cpu"),
+        "pipeline.comm=nccl needs CUDA, but run.device=cpu (use pipeline.comm=gloo or auto)",
+    )
+    _check(
+        p.stages <= m.n_layers,
+        f"pipeline.stages={p.stages} exceeds model.n_layers={m.n_layers} (a stage needs a block)",
+    )
+    if p.schedule == "paci":
+        drift = max_drift(p.schedule, p.stages, p.micro)
+        _check(
+            drift <= p.max_drift,
+            f"pipeline.micro={p.micro} lets {p.stages} stages drift up to {drift} optimiser "
+            f"steps between a micro-batch's forward and backward, over "
+            f"pipeline.max_drift={p.max_drift}: the smallest pipeline.micro that keeps it is "
+            f"{micro_for_drift(p.stages, p.max_drift)} (or raise pipeline.max_drift)",
+        )
+    _check(
+        d.batch % p.micro == 0,
+        f"data.batch={d.batch} must be divisible by pipeline.micro={p.micro} (equal micro-batches)",
+    )
+    o = cfg.optim
+    _check(o.name in OPTIMIZERS, f"optim.name must be one of {OPTIMIZERS}, got {o.name!r:.40}")
+    _check(
+        not (cfg.correction.error_feedback and p.schedule in SYNCHRONOUS),
+        f"correction.error_feedback=true needs a delayed schedule (2bw or paci): "
+        f"pipeline.schedule={p.schedule} flushes every batch, so there is no delay to correct",
+    )
+    f = cfg.faults
+    if f.kill_stage >= 0:
+        _check(
+            f.kill_stage < p.stages,
+            f"faults.kill_stage={f.kill_stage} must be < pipeline.stages={p.stages} (or -1)",
+        )
+        _check(
+            p.backend == "processes",
+            f"faults.kill_stage={f.kill_stage} needs pipeline.backend=processes "
+            "(the emulator has no stage process to kill)",
+        )
+        _check(
+            f.kill_at_step < run.steps,
+            f"faults.kill_at_step={f.kill_at_step} must be < run.steps={run.steps} "
+            "(else the stage never dies)",
+        )
+    return cfg
+
+
+def load_pipeline_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
+    """The validated config: defaults <- YAML ``path`` <- ``key=value`` overrides."""
+    return validate(load_structured(PipelineConfig, path, overrides, "pipeline.schedule=paci"))
+
+
+def to_container(cfg: PipelineConfig) -> dict[str, Any]:
+    """The config as plain dicts (for metrics.jsonl and the checkpoint)."""
+    return configload.to_container(cfg)
