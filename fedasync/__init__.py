@@ -12,6 +12,7 @@ FedEraser (Liu et al. 2021) and AFU-IC (Cai & Zhang 2026) in ``unlearning``.
 from fedasync.aggregators import FedAsyncAggregator, FedBuffAggregator, FoldResult, fedavg
 from fedasync.checkpoint import load_checkpoint, save_checkpoint
 from fedasync.corrections import (
+    DelayErrorFeedback,
     ErrorFeedback,
     delay_compensate,
     delay_compensate_delta,
@@ -66,6 +67,7 @@ __all__ = [
     "unflatten",
     "WEIGHT_FUNCTIONS",
     "BoundDecision",
+    "DelayErrorFeedback",
     "ErrorFeedback",
     "FedAsyncAggregator",
     "FedBuffAggregator",

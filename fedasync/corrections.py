@@ -7,6 +7,13 @@ Papers:
   Hessian is approximated by λ·g⊙g:  g̃ = g + λ·g⊙g⊙(w_now − w_base).
 - Error feedback (Seide et al. 2014, 1-bit SGD; Karimireddy et al. 2019, EF-SGD): compress
   C(x + e), keep the residual e ← x + e − C(x + e) and add it to the next message.
+- Delay error feedback (for a constant one-step delay, as in PipeDream-2BW; the rule of
+  arXiv 2606.30634 is not printed, so this is ours): step t applies g_t = ∇f(W(t−1)) where
+  ∇f(W(t)) was due. One step later the due gradient is known: it is g_{t+1}. So the error of
+  step t is e_t = g_{t+1} − g_t, and it is fed back at step t+1, which applies
+  g_{t+1} + β·(g_{t+1} − g_t). That is a linear extrapolation of the gradient one step ahead;
+  with minibatch gradients the difference carries the noise of two batches, so β trades
+  bias for variance (β = 0 is no correction).
 
 Departures: :func:`delay_compensate_delta` applies DC-ASGD to a federated *delta* by
 treating the whole local run as one SGD step, Δ = −lr·g (so g = −Δ/lr); that is only exact
@@ -167,4 +174,65 @@ class ErrorFeedback:
         self._residuals = {
             str(key): {k: v.detach().clone() for k, v in r.items()}
             for key, r in d["residuals"].items()
+        }
+
+
+class DelayErrorFeedback:
+    """Feed back the error a one-step delay made: ``apply(key, g)`` returns g + β·(g − g_prev)
+    for the key's previous input g_prev (g itself at a key's first call) and keeps g.
+
+    Optimiser-agnostic: it corrects the gradient an optimiser is about to apply. One state per
+    key (a pipeline stage, a worker). Integer tensors pass through unchanged.
+    """
+
+    def __init__(self, beta: float = 1.0) -> None:
+        if not (math.isfinite(beta) and beta >= 0.0):
+            raise ValueError(f"beta must be finite and >= 0, got {beta}")
+        self.beta = beta
+        self._previous: dict[str, Params] = {}
+
+    def apply(self, key: str, grad: Params) -> Params:
+        """The corrected gradient; ``grad`` is not mutated."""
+        prev = self._previous.get(key)
+        if prev is not None:
+            _check_names(grad, prev)
+        out: Params = {}
+        for k, g in grad.items():
+            g = g.detach()
+            if prev is None or not is_arithmetic(g):
+                out[k] = g.clone()
+            else:
+                out[k] = g + self.beta * (g - prev[k])
+        self._previous[key] = {k: g.detach().clone() for k, g in grad.items()}
+        return out
+
+    def residual(self, key: str, grad: Params) -> Params | None:
+        """The error the key's previous step made, given the gradient now due: g − g_prev
+        (``None`` before the key's first call). Does not change the state."""
+        prev = self._previous.get(key)
+        if prev is None:
+            return None
+        _check_names(grad, prev)
+        return {k: g.detach() - prev[k] for k, g in grad.items() if is_arithmetic(g)}
+
+    def reset(self, key: str) -> None:
+        """Forget the key's previous gradient (no-op when absent)."""
+        self._previous.pop(key, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "beta": self.beta,
+            "previous": {
+                key: {k: v.clone() for k, v in p.items()} for key, p in self._previous.items()
+            },
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        beta = float(d["beta"])
+        if not (math.isfinite(beta) and beta >= 0.0):
+            raise ValueError(f"beta must be finite and >= 0, got {beta}")
+        self.beta = beta
+        self._previous = {
+            str(key): {k: v.detach().clone() for k, v in p.items()}
+            for key, p in d["previous"].items()
         }

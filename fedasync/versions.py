@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from fedasync.tensors import to_cpu
 from fedasync.types import Params
 
@@ -39,23 +41,30 @@ def staleness(version: int, base_version: int) -> int:
 
 
 class VersionedSnapshots:
-    """Bounded store of detached CPU copies of ``Params``, keyed by version.
+    """Bounded store of detached copies of ``Params``, keyed by version.
 
     Holds at most ``max_versions`` snapshots; ``put`` evicts the oldest (smallest version)
-    beyond that.
+    beyond that. Copies live on the CPU unless ``device`` names another (a pipeline stage
+    stashes its weight versions where it computes).
     """
 
-    def __init__(self, max_versions: int) -> None:
+    def __init__(self, max_versions: int, device: str | torch.device | None = None) -> None:
         if max_versions < 1:
             raise ValueError(f"max_versions must be >= 1, got {max_versions}")
         self.max_versions = max_versions
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._store: dict[int, Params] = {}
 
+    def _copy(self, params: Params) -> Params:
+        if self.device.type == "cpu":
+            return to_cpu(params)
+        return {k: v.detach().to(self.device, copy=True) for k, v in params.items()}
+
     def put(self, version: int, params: Params) -> None:
-        """Store a detached CPU clone of ``params`` under ``version`` (replacing any)."""
+        """Store a detached clone of ``params`` under ``version`` (replacing any)."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        self._store[version] = to_cpu(params)
+        self._store[version] = self._copy(params)
         while len(self._store) > self.max_versions:
             del self._store[min(self._store)]
 
@@ -91,4 +100,4 @@ class VersionedSnapshots:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.max_versions = int(d["max_versions"])
-        self._store = {int(v): to_cpu(p) for v, p in d["snapshots"].items()}
+        self._store = {int(v): self._copy(p) for v, p in d["snapshots"].items()}

@@ -122,3 +122,42 @@ def test_error_feedback_round_trip(tmp_path):
     assert torch.equal(ef.apply("a", nxt)["w"], ef2.apply("a", nxt)["w"])
     r, r2 = ef.residual("a"), ef2.residual("a")
     assert r is not None and r2 is not None and torch.equal(r["w"], r2["w"])
+
+
+def test_delay_error_feedback_by_hand():
+    from fedasync.corrections import DelayErrorFeedback
+
+    ef = DelayErrorFeedback(beta=0.5)
+    g1 = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor([3])}
+    g2 = {"w": torch.tensor([3.0, 0.0]), "n": torch.tensor([4])}
+    first = ef.apply("stage0", g1)
+    assert torch.equal(first["w"], g1["w"])  # nothing to feed back at the first step
+    assert ef.residual("stage0", g2)["w"].tolist() == [2.0, -2.0]
+    out = ef.apply("stage0", g2)
+    # g2 + 0.5·(g2 − g1) = [3 + 1, 0 − 1]
+    assert out["w"].tolist() == [4.0, -1.0]
+    assert out["n"].tolist() == [4]  # integer tensors pass through
+    assert g2["w"].tolist() == [3.0, 0.0]  # inputs not mutated
+    # keys are independent; beta 0 is no correction
+    assert torch.equal(ef.apply("stage1", g2)["w"], g2["w"])
+    zero = DelayErrorFeedback(beta=0.0)
+    zero.apply("k", g1)
+    assert torch.equal(zero.apply("k", g2)["w"], g2["w"])
+
+
+def test_delay_error_feedback_state_round_trip_and_bad_input():
+    from fedasync.corrections import DelayErrorFeedback
+
+    ef = DelayErrorFeedback(beta=1.0)
+    ef.apply("a", {"w": torch.tensor([1.0])})
+    other = DelayErrorFeedback()
+    other.load_state_dict(ef.state_dict())
+    g = {"w": torch.tensor([2.0])}
+    assert torch.equal(other.apply("a", g)["w"], ef.apply("a", g)["w"])
+    with pytest.raises(KeyError):
+        ef.apply("a", {"v": torch.tensor([1.0])})
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError):
+            DelayErrorFeedback(beta=bad)
+    ef.reset("a")
+    assert ef.residual("a", g) is None

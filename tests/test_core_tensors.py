@@ -145,3 +145,12 @@ def test_clip_by_norm_by_hand():
     assert c == 0.25
     with pytest.raises(ValueError):
         clip_by_norm(p, 0.0)
+
+
+def test_snapshots_default_to_cpu_copies_and_take_a_device():
+    w = {"a": torch.ones(2)}
+    snaps = VersionedSnapshots(2, device="cpu")
+    snaps.put(0, w)
+    w["a"].add_(1.0)
+    assert snaps.get(0)["a"].tolist() == [1.0, 1.0]  # a copy, not a view of the live weights
+    assert snaps.device.type == "cpu" and VersionedSnapshots(1).device.type == "cpu"
