@@ -1,27 +1,31 @@
 """A real P-stage pipeline: one process per stage, activations and gradients sent stage to
-stage with ``torch.distributed`` (gloo on CPU).
+stage with ``torch.distributed`` (gloo on CPU, NCCL when every stage has its own GPU).
 
-Papers: as :mod:`trainers.pipeline.emulate` (GPipe, 1F1B-flush, PipeDream-2BW). Each rank
-builds the whole model from the seed and keeps its own stage, so every rank starts from the
-emulator's weights; it runs its stage's operations in :func:`stage_order`'s order: a forward
-receives its input from the previous rank (rank 0 reads the ids), keeps input and output for
-its backward and sends the output on (sends are ``isend``: 1F1B's interleaving would
-deadlock on blocking sends); a backward receives the gradient of its output from the next
-rank (the last rank starts from the loss) and sends its input's gradient back. After the
-batch each rank steps its own optimiser. 2BW computes under the stage's previous weights
-(a stashed copy) and applies the gradient to the newest, stage by stage, as the emulator
-does. Every rank computes on one thread. Rendezvous is a file in a temporary folder, so no
-port is taken; processes are started by ``torch.multiprocessing`` and joined, and a rank
-that fails ends the run with an error naming its stage.
+Each rank builds the whole model from the seed, keeps its own stage and runs it in a
+:class:`trainers.pipeline.worker.StageWorker` in its schedule's operation order
+(:func:`trainers.pipeline.schedule.run_order`): a forward receives its input from the
+previous rank (rank 0 reads the ids) and sends its output on; a backward receives the
+gradient of its output from the next rank (the last rank starts from the targets) and sends
+its input's gradient back. Sends are ``isend`` (1F1B's interleaving would deadlock on
+blocking sends), completed ones are let go as the run goes, the rest are waited for at the
+end. Every rank computes on ``threads`` threads. Rendezvous is a file in a temporary folder,
+so no port is taken. Processes are started by ``torch.multiprocessing`` and joined; a rank
+that fails or dies ends the run with :class:`StageFailed` naming the stage, and the others
+are stopped.
+
+After each step a rank may write its weights for evaluation (``evals/``) and a checkpoint
+(``checkpoints/``, atomic, through :mod:`fedasync.checkpoint`). At the end it writes
+``rank{r}.json``: its timeline, measured memory, drift histogram and (last rank) losses.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
+import signal
 import tempfile
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainers.pipeline.emulate import stage_order
+from fedasync.checkpoint import load_checkpoint, save_checkpoint
+from fedasync.corrections import DelayErrorFeedback
 from trainers.pipeline.model import GPTConfig, build_stages
+from trainers.pipeline.optim import StageOptimizer
+from trainers.pipeline.schedule import run_order
+from trainers.pipeline.worker import StageWorker
 
 
 @dataclass(frozen=True)
@@ -47,24 +55,170 @@ class PipeJob:
     seed: int = 0
     data_seed: int = 0
     delay: int = 1
+    optimizer: str = "adamw"
+    momentum: float = 0.95
+    weight_decay: float = 0.0
+    warmup: int = 0
+    correction: float | None = None
+    """The delay error-feedback coefficient β (2BW, PACI), or None for none."""
+    max_drift: int | None = None
+    """PACI's bound on the steps a micro-batch may cross (None: the schedule's own)."""
+    data: str = "synthetic"
+    """synthetic (a seeded random id stream) or corpus (the Shakespeare plays)."""
+    val_fraction: float = 0.1
+    start: int = 0
+    """First batch (a resumed run starts at its checkpoint's step)."""
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    kill_stage: int = -1
+    kill_at_step: int = 0
+    threads: int = 1
+    device: str = "cpu"
+    comm: str = "gloo"
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Stored with every checkpoint (the run's config, to refuse resuming another run)."""
+
+
+def synthetic_batch(job: PipeJob, t: int) -> tuple[Tensor, Tensor]:
+    """Batch ``t`` of a seeded random id stream (the same on every rank, any order)."""
+    g = torch.Generator().manual_seed(job.data_seed * 1_000_003 + t)
+    ctx = job.cfg.context
+    n = max(4 * ctx * job.batch, 4096)
+    stream = torch.randint(
+        0, job.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(job.data_seed)
+    )
+    s = torch.randint(0, n - ctx - 1, (job.batch,), generator=g)
+    idx = s[:, None] + torch.arange(ctx)
+    return stream[idx], stream[idx + 1]
 
 
 def synthetic_batches(job: PipeJob) -> list[tuple[Tensor, Tensor]]:
-    """The job's batches (the same on every rank): windows of a seeded random id stream."""
-    g = torch.Generator().manual_seed(job.data_seed)
-    ctx = job.cfg.context
-    stream = torch.randint(0, job.cfg.vocab_size, (max(4 * ctx * job.batch, 4096),), generator=g)
-    out = []
-    for _ in range(job.steps):
-        s = torch.randint(0, stream.numel() - ctx - 1, (job.batch,), generator=g)
-        idx = s[:, None] + torch.arange(ctx)
-        out.append((stream[idx], stream[idx + 1]))
-    return out
+    """The job's batches, in order."""
+    return [synthetic_batch(job, t) for t in range(job.steps)]
+
+
+class BatchSource:
+    """Batch ``t`` of a job, from its data: each batch has its own seeded generator, so any
+    process and a resumed run draw the same batch ``t``."""
+
+    def __init__(self, job: PipeJob) -> None:
+        self.job = job
+        self.corpus: Any = None
+        if job.data == "corpus":
+            from trainers.pipeline.corpus import load_corpus
+
+            self.corpus = load_corpus(val_fraction=job.val_fraction)
+        elif job.data != "synthetic":
+            raise ValueError(f"data must be synthetic or corpus, got {job.data!r:.40}")
+
+    def __call__(self, t: int) -> tuple[Tensor, Tensor]:
+        if self.corpus is None:
+            return synthetic_batch(self.job, t)
+        from trainers.pipeline.corpus import batch
+
+        g = torch.Generator().manual_seed(self.job.data_seed * 1_000_003 + t)
+        return batch(self.corpus.train, self.job.cfg.context, self.job.batch, g)
 
 
 TORCH_SCHEDULES = ("torch-gpipe", "torch-1f1b")
 """``torch.distributed.pipelining``'s own ScheduleGPipe / Schedule1F1B, the reference the
 synchronous schedules are checked against."""
+
+
+def eval_path(out: Path, step: int, rank: int) -> Path:
+    return out / "evals" / f"step{step:06d}_stage{rank}.pt"
+
+
+def checkpoint_path(out: Path, step: int, rank: int) -> Path:
+    return out / "checkpoints" / f"step{step:06d}_stage{rank}.pt"
+
+
+def latest_checkpoint(out: Path, stages: int) -> int | None:
+    """The last step every stage has a checkpoint of (a stage that died mid-write leaves the
+    step incomplete, and the one before is used)."""
+    folder = out / "checkpoints"
+    if not folder.is_dir():
+        return None
+    steps: dict[int, set[int]] = {}
+    for f in folder.glob("step*_stage*.pt"):
+        try:
+            step, rank = f.stem[4:].split("_stage")
+            steps.setdefault(int(step), set()).add(int(rank))
+        except ValueError:
+            continue
+    done = [s for s, ranks in steps.items() if ranks >= set(range(stages))]
+    return max(done) if done else None
+
+
+def make_worker(job: PipeJob, rank: int, device: torch.device, on_step: Any = None) -> StageWorker:
+    """Rank ``rank``'s stage of the job's model, its optimiser and correction."""
+    stage = build_stages(job.cfg, job.stages, job.seed)[rank].to(device)
+    opt = StageOptimizer(
+        stage,
+        job.optimizer,
+        lr=job.lr,
+        momentum=job.momentum,
+        weight_decay=job.weight_decay,
+        warmup=job.warmup,
+    )
+    fix = DelayErrorFeedback(job.correction) if job.correction is not None else None
+    return StageWorker(
+        stage,
+        opt,
+        job.schedule,
+        job.micro,
+        delay=job.delay,
+        correction=fix,
+        max_drift_bound=job.max_drift,
+        on_step=on_step,
+    )
+
+
+class StepHook:
+    """After a stage's step: evaluation weights, checkpoint, the injected fault, progress."""
+
+    def __init__(self, job: PipeJob, out: Path, rank: int, queue: Any = None) -> None:
+        self.job, self.out, self.rank, self.queue = job, out, rank, queue
+        self.evals: dict[int, dict[str, Tensor]] = {}
+        self.keep_in_memory = False
+
+    def __call__(self, w: StageWorker, t: int) -> None:
+        job, step = self.job, t + 1
+        if job.kill_stage == self.rank and step == job.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # the injected fault: this stage dies
+        if (job.eval_every and step % job.eval_every == 0) or step == job.steps:
+            weights = {k: v.detach().cpu().clone() for k, v in w.stage.state_dict().items()}
+            if self.keep_in_memory:
+                self.evals[step] = weights
+            else:
+                path = eval_path(self.out, step, self.rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(weights, path)
+        if job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
+            state = {"worker": w.state_dict(), "step": step, "rank": self.rank, "config": job.extra}
+            save_checkpoint(checkpoint_path(self.out, step, self.rank), state)
+            for old in sorted((self.out / "checkpoints").glob(f"step*_stage{self.rank}.pt"))[:-2]:
+                old.unlink(missing_ok=True)
+        if self.queue is not None and w.last:
+            ls = [w.losses[j] for j in range(t * job.micro, step * job.micro) if j in w.losses]
+            self.queue.put((step, sum(ls) / max(len(ls), 1), time.perf_counter()))
+
+
+def resume_worker(w: StageWorker, job: PipeJob, out: Path, rank: int) -> None:
+    """Load the rank's checkpoint of step ``job.start``."""
+    state = load_checkpoint(checkpoint_path(out, job.start, rank))
+    w.load_state_dict(state["worker"])
+
+
+def rank_result(w: StageWorker) -> dict[str, Any]:
+    return {
+        "stage": w.index,
+        "events": w.events,
+        "memory": w.memory(),
+        "drift": {str(k): v for k, v in sorted(w.drift_seen.items())},
+        "losses": {str(k): v for k, v in w.losses.items()},
+        "version": w.version,
+    }
 
 
 def _torch_schedule(rank: int, job: PipeJob, out_dir: str) -> None:
@@ -73,7 +227,7 @@ def _torch_schedule(rank: int, job: PipeJob, out_dir: str) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stage = build_stages(job.cfg, job.stages, job.seed)[rank]
-    opt = torch.optim.AdamW(stage.parameters(), lr=job.lr)
+    opt = torch.optim.AdamW(stage.parameters(), lr=job.lr, weight_decay=job.weight_decay)
     mb = job.batch // job.micro
     example = (
         torch.zeros(mb, job.cfg.context, dtype=torch.long)
@@ -87,119 +241,145 @@ def _torch_schedule(rank: int, job: PipeJob, out_dir: str) -> None:
 
     kind = ScheduleGPipe if job.schedule == "torch-gpipe" else Schedule1F1B
     sched = kind(pipe_stage, job.micro, loss_fn=loss_fn)
-    losses = []
-    for x, y in synthetic_batches(job):
+    losses: dict[str, float] = {}
+    for t, (x, y) in enumerate(synthetic_batches(job)):
         opt.zero_grad(set_to_none=True)
         if rank == 0:
             sched.step(x)
         elif rank == job.stages - 1:
             got: list[Tensor] = []
             sched.step(target=y, losses=got)
-            losses.append(sum(float(v) for v in got) / job.micro)
+            for i, v in enumerate(got):
+                losses[str(t * job.micro + i)] = float(v.detach())
         else:
             sched.step()
         opt.step()
-    _save(rank, job, stage, losses, out_dir)
+    torch.save(stage.state_dict(), Path(out_dir) / f"stage{rank}.pt")
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "events": []}))
 
 
-def _save(rank: int, job: PipeJob, stage: torch.nn.Module, losses: list[float], out: str) -> None:
-    torch.save(
-        {k: v.detach().clone() for k, v in stage.state_dict().items()},
-        Path(out) / f"stage{rank}.pt",
-    )
-    if rank == job.stages - 1:
-        (Path(out) / "losses.json").write_text(json.dumps(losses))
-
-
-def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str) -> None:
+def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str, queue: Any) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(job.threads)
+    device = torch.device(f"cuda:{rank}" if job.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=job.stages
+        job.comm, init_method=f"file://{rendezvous}", rank=rank, world_size=job.stages
     )
     try:
         if job.schedule in TORCH_SCHEDULES:
             _torch_schedule(rank, job, out_dir)
             return
-        stage = build_stages(job.cfg, job.stages, job.seed)[rank]
-        opt = torch.optim.AdamW(stage.parameters(), lr=job.lr)
-        stale = copy.deepcopy(stage) if job.schedule == "2bw" and job.delay else None
-        previous = copy.deepcopy(stage.state_dict()) if stale is not None else None
-        ops = stage_order(job.schedule, job.stages, job.micro)[rank]
-        last, first = rank == job.stages - 1, rank == 0
-        losses = []
-        for x, y in synthetic_batches(job):
-            work = stage
-            if stale is not None:
-                assert previous is not None
-                stale.load_state_dict(previous)  # W(t−1) (W(0) at the first step)
-                previous = copy.deepcopy(stage.state_dict())
-                work = stale
-            work.zero_grad(set_to_none=True)
-            xs, ys = x.chunk(job.micro), y.chunk(job.micro)
-            held: dict[int, tuple[Tensor, Tensor]] = {}
-            sends: list[Any] = []
-            total = 0.0
-            for kind, i in ops:
-                if kind == "F":
-                    if first:
-                        inp = xs[i]
-                    else:
-                        inp = torch.empty(xs[i].shape[0], job.cfg.context, job.cfg.d_model)
-                        dist.recv(inp, src=rank - 1)
-                        inp.requires_grad_(True)
-                    out = work(inp)
-                    held[i] = (inp, out)
-                    if not last:
-                        sends.append(dist.isend(out.detach().contiguous(), dst=rank + 1))
+        out = Path(out_dir)
+        hook = StepHook(job, out, rank, queue)
+        w = make_worker(job, rank, device, hook)
+        if job.start:
+            resume_worker(w, job, out, rank)
+        data = BatchSource(job) if (w.first or w.last) else None
+        m, P = job.micro, job.stages
+        ops = run_order(job.schedule, P, m, job.steps - job.start, job.start, job.delay)[rank]
+        mb = job.batch // m
+        hidden = (mb, job.cfg.context, job.cfg.d_model)
+        cache: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+
+        def micro_batch(j: int) -> tuple[Tensor, Tensor]:
+            t = j // m
+            if t not in cache:
+                assert data is not None
+                x, y = data(t)
+                cache.clear()
+                cache[t] = (x.to(device).chunk(m), y.to(device).chunk(m))
+            xs, ys = cache[t]
+            return xs[j % m], ys[j % m]
+
+        sends: list[Any] = []
+        for kind, j in ops:
+            if kind == "F":
+                if w.first:
+                    inp = micro_batch(j)[0]
                 else:
-                    inp, out = held.pop(i)
-                    if last:
-                        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), ys[i].reshape(-1))
-                        total += float(loss.detach())
-                        (loss / job.micro).backward()
-                    else:
-                        grad = torch.empty_like(out)
-                        dist.recv(grad, src=rank + 1)
-                        out.backward(grad)
-                    if not first:
-                        assert inp.grad is not None
-                        sends.append(dist.isend(inp.grad.contiguous(), dst=rank - 1))
-            for req in sends:
-                req.wait()
-            if work is not stage:
-                for p, q in zip(stage.parameters(), work.parameters()):
-                    p.grad = None if q.grad is None else q.grad.clone()
-            opt.step()
-            losses.append(total / job.micro)
-        _save(rank, job, stage, losses, out_dir)
+                    inp = torch.empty(hidden, device=device)
+                    dist.recv(inp, src=rank - 1)
+                y = w.forward(j, inp)
+                if not w.last:
+                    sends.append(dist.isend(y.contiguous(), dst=rank + 1))
+            else:
+                if w.last:
+                    incoming = micro_batch(j)[1]
+                else:
+                    incoming = torch.empty(hidden, device=device)
+                    dist.recv(incoming, src=rank + 1)
+                g = w.backward(j, incoming)
+                if g is not None:
+                    sends.append(dist.isend(g.contiguous(), dst=rank - 1))
+            if len(sends) > 8:
+                sends = [r for r in sends if not r.is_completed()]
+        for r in sends:
+            r.wait()
+        (out / f"rank{rank}.json").write_text(json.dumps(rank_result(w)))
+        torch.save(
+            {k: v.detach().cpu() for k, v in w.stage.state_dict().items()},
+            out / f"stage{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
 
 class StageFailed(RuntimeError):
-    """A stage's process failed; the message names the stage."""
+    """A stage's process failed or died; the message names the stage."""
 
 
-def run_pipeline(job: PipeJob, out_dir: Path) -> dict[str, Any]:
-    """Run ``job`` on ``job.stages`` processes; the last stage's per-batch losses and every
-    stage's final weights (``stage{r}.pt`` in ``out_dir``)."""
+def run_pipeline(job: PipeJob, out_dir: Path, progress: Any = None) -> dict[str, Any]:
+    """Run ``job`` on ``job.stages`` processes; per-micro-batch losses (last stage), every
+    stage's final weights, and each rank's result (timeline, memory, drift).
+
+    ``progress(step, loss)`` is called as the last stage finishes each step."""
     import torch.multiprocessing as mp
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    ctx_mp = mp.get_context("spawn")
+    queue = ctx_mp.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="fa-pipe-") as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
+        ctx = mp.start_processes(
+            _rank_main,
+            args=(job, rendezvous, str(out_dir), queue),
+            nprocs=job.stages,
+            join=False,
+            start_method="spawn",
+        )
         try:
-            mp.spawn(_rank_main, args=(job, rendezvous, str(out_dir)), nprocs=job.stages, join=True)
+            while True:
+                done = ctx.join(timeout=0.2)
+                while not queue.empty():
+                    step, loss, _ = queue.get()
+                    if progress is not None:
+                        progress(step, loss)
+                if done:
+                    break
         except mp.ProcessRaisedException as e:
             raise StageFailed(
                 f"pipeline stage {e.error_index} failed: {str(e).strip().splitlines()[-1][:300]}"
             ) from e
         except mp.ProcessExitedException as e:
-            raise StageFailed(
-                f"pipeline stage {e.error_index} died (exit code {e.exit_code})"
-            ) from e
-    losses = json.loads((out_dir / "losses.json").read_text())
+            how = (
+                f"was killed by signal {signal.Signals(-e.exit_code).name}"
+                if e.exit_code is not None and e.exit_code < 0
+                else f"exited with code {e.exit_code}"
+            )
+            raise StageFailed(f"pipeline stage {e.error_index} died: its process {how}") from e
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(job.stages)]
+    losses = ranks[-1]["losses"]
     weights = [torch.load(out_dir / f"stage{r}.pt", weights_only=True) for r in range(job.stages)]
-    return {"losses": losses, "weights": weights, "job": asdict(job)}
+    ordered = [losses[k] for k in sorted(losses, key=int)]
+    per_batch = [
+        sum(ordered[i : i + job.micro]) / job.micro for i in range(0, len(ordered), job.micro)
+    ]
+    return {"losses": per_batch, "weights": weights, "ranks": ranks, "job": asdict(job)}

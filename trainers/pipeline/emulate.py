@@ -1,26 +1,18 @@
 """A single-process emulator of pipeline schedules: the numbers a P-stage pipeline computes,
 without the processes.
 
-Papers: GPipe (Huang et al. 2019): all forwards of the m micro-batches, then all backwards,
-one optimiser step per batch (flush). 1F1B-flush (PipeDream-Flush, Narayanan et al. 2021):
-stage s runs min(P − s − 1, m) warm-up forwards, then alternates one forward and one
-backward, then drains; at most P − s micro-batches hold activations at a time, against m for
-GPipe. PipeDream-2BW (Narayanan et al. 2021): two weight versions per stage; a batch is
-computed under the weights of one version earlier and applied to the newest,
-W(t+1) = W(t) − ν ∇f(W(t−1)).
-
-What the emulator keeps exact: per stage, the backward passes of a batch run in micro-batch
-order 0..m−1 in both synchronous schedules, so gradients accumulate in the same order and
-GPipe and 1F1B give the same weights bit for bit, as a real pipeline does. 2BW's older
-version comes from the core's :class:`fedasync.versions.VersionedSnapshots`; with its delay
-set to 0 it takes the same path as 1F1B and gives the same weights bit for bit (a test). At
-the first step there is no older version: both versions are the initial weights, as in
-PipeDream-2BW.
+Papers and schedules: :mod:`trainers.pipeline.schedule`; what each stage computes:
+:mod:`trainers.pipeline.worker`. The emulator runs every stage's :class:`StageWorker` in one
+loop, each stage in its own operation order, an operation as soon as its input is there
+(the output of the previous stage's forward, the gradient of the next stage's backward).
+Only the order within a stage decides the numbers, so this gives what the real pipeline
+gives (a test). Per stage, the backward passes of a batch run in micro-batch order in every
+schedule, so GPipe and 1F1B give the same weights bit for bit, and 2BW with its delay set to
+0 equals 1F1B bit for bit (a test).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -28,52 +20,88 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedasync.versions import VersionedSnapshots
+from fedasync.corrections import DelayErrorFeedback
 from trainers.pipeline.model import Stage, run_stages
+from trainers.pipeline.schedule import SCHEDULES, batch_order, peak_in_flight, run_order
+from trainers.pipeline.worker import StageWorker
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
+__all__ = ["SCHEDULES", "Emulator", "emulate", "evaluate", "peak_in_flight", "stage_order"]
 
 
 def stage_order(schedule: str, stages: int, micro: int) -> list[list[tuple[str, int]]]:
-    """Per stage, its operations in order: ("F", i) forward or ("B", i) backward of
-    micro-batch i. 2BW runs 1F1B's order without the flush (the order within a batch is the
-    same)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r:.40}")
-    out = []
-    for s in range(stages):
-        if schedule == "gpipe":
-            ops = [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
-        else:
-            warm = min(stages - s - 1, micro)
-            ops = [("F", i) for i in range(warm)]
-            f, b = warm, 0
-            while b < micro:
-                if f < micro:
-                    ops.append(("F", f))
-                    f += 1
-                ops.append(("B", b))
-                b += 1
-        out.append(ops)
-    return out
+    """Per stage, one batch's operations (:func:`trainers.pipeline.schedule.batch_order`)."""
+    return batch_order(schedule, stages, micro)
 
 
-def peak_in_flight(ops: list[tuple[str, int]]) -> int:
-    """Most micro-batches whose activations a stage holds at once (forward done, backward not)."""
-    live = peak = 0
-    for kind, _ in ops:
-        live += 1 if kind == "F" else -1
-        peak = max(peak, live)
-    return peak
+def emulate(
+    workers: list[StageWorker],
+    get_batch: Callable[[int], tuple[Tensor, Tensor]],
+    batches: int,
+    start: int = 0,
+) -> None:
+    """Run batches ``start .. start + batches − 1`` through ``workers`` (one per stage, in
+    order) in their schedule's order; ``get_batch(t)`` gives batch t's ids and targets."""
+    w0 = workers[0]
+    P, m = len(workers), w0.micro
+    orders = run_order(w0.schedule, P, m, batches, start=start, delay=w0.delay)
+    pos = [0] * P
+    acts: dict[tuple[int, int], Tensor] = {}
+    grads: dict[tuple[int, int], Tensor] = {}
+    cache: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+
+    def micro_batch(j: int) -> tuple[Tensor, Tensor]:
+        t = j // m
+        if t not in cache:
+            x, y = get_batch(t)
+            if x.shape[0] % m:
+                raise ValueError(f"batch of {x.shape[0]} does not split into {m} micro-batches")
+            cache.clear()
+            cache[t] = (x.chunk(m), y.chunk(m))
+        xs, ys = cache[t]
+        return xs[j % m], ys[j % m]
+
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(P):
+            while pos[s] < len(orders[s]):
+                kind, j = orders[s][pos[s]]
+                if kind == "F":
+                    if s == 0:
+                        inp = micro_batch(j)[0]
+                    elif (s, j) in acts:
+                        inp = acts.pop((s, j))
+                    else:
+                        break
+                    out = workers[s].forward(j, inp)
+                    if s < P - 1:
+                        acts[(s + 1, j)] = out
+                else:
+                    if s == P - 1:
+                        incoming = micro_batch(j)[1]
+                    elif (s, j) in grads:
+                        incoming = grads.pop((s, j))
+                    else:
+                        break
+                    g = workers[s].backward(j, incoming)
+                    if s > 0:
+                        assert g is not None
+                        grads[(s - 1, j)] = g
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule deadlocked at positions {pos}")  # a schedule bug
 
 
 class Emulator:
-    """Trains ``stages`` with ``schedule`` on batches split into ``micro`` micro-batches.
+    """Trains ``stages`` with ``schedule`` on batches split into ``micro`` micro-batches, one
+    batch per :meth:`step` (flushed schedules and 2BW; PACI's order spans batches: use
+    :func:`emulate`).
 
-    ``make_optimizer(stage)`` builds one optimiser per stage (anything with ``step``, e.g.
-    :class:`trainers.pipeline.optim.StageOptimizer`). ``delay`` (2BW only) is how
-    many versions older the weights a batch is computed under are: 1 for PipeDream-2BW, 0 to
-    check it against 1F1B.
+    ``make_optimizer(stage)`` builds one optimiser per stage (anything with ``step``,
+    ``zero_grad``, ``state_dict``). ``delay`` (2BW only): 1 for PipeDream-2BW, 0 to check it
+    against 1F1B. ``correction`` (2BW): the delay error-feedback coefficient β, or None.
     """
 
     def __init__(
@@ -83,26 +111,26 @@ class Emulator:
         schedule: str,
         micro: int,
         delay: int = 1,
+        correction: float | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r:.40}")
+        if schedule == "paci":
+            raise ValueError("PACI's operations span batches: run it with emulate()")
         if micro < 1:
             raise ValueError(f"micro must be >= 1, got {micro}")
-        if schedule != "2bw" and delay != 0:
+        if schedule != "2bw":
             delay = 0  # synchronous schedules compute under the newest weights
         if delay not in (0, 1):
             raise ValueError(f"2BW keeps two weight versions: delay 0 or 1, got {delay}")
         self.stages, self.schedule, self.micro, self.delay = stages, schedule, micro, delay
         self.opts = [make_optimizer(s) for s in stages]
+        fix = DelayErrorFeedback(correction) if correction is not None else None
+        self.workers = [
+            StageWorker(s, o, schedule, micro, delay=delay, correction=fix, record=False)
+            for s, o in zip(stages, self.opts)
+        ]
         self.version = 0
-        self.snapshots = VersionedSnapshots(delay + 1)
-        self._shadow: list[Stage] | None = None
-        if delay:
-            self._shadow = copy.deepcopy(stages)
-            self.snapshots.put(0, self._weights())
-
-    def _weights(self) -> dict[str, Tensor]:
-        return {f"{i}.{k}": v for i, s in enumerate(self.stages) for k, v in s.state_dict().items()}
 
     def step(self, x: Tensor, y: Tensor) -> float:
         """One batch: gradients under the schedule's weights, one optimiser step per stage.
@@ -111,33 +139,12 @@ class Emulator:
             raise ValueError(
                 f"batch of {x.shape[0]} does not split into {self.micro} micro-batches"
             )
-        work = self.stages
-        if self._shadow is not None:  # 2BW: compute under version t − 1 (t at the first step)
-            old = self.snapshots.get(max(self.version - self.delay, 0))
-            assert old is not None, "the older weight version is gone"
-            for i, s in enumerate(self._shadow):
-                s.load_state_dict(
-                    {k[len(f"{i}.") :]: v for k, v in old.items() if k.startswith(f"{i}.")}
-                )
-            work = self._shadow
-        for s in work:
-            s.zero_grad(set_to_none=True)
-        total = 0.0
-        for xm, ym in zip(x.chunk(self.micro), y.chunk(self.micro)):
-            logits = run_stages(work, xm)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ym.reshape(-1))
-            (loss / self.micro).backward()
-            total += float(loss.detach())
-        if work is not self.stages:  # the stale gradients land on the newest weights
-            for live, stale in zip(self.stages, work):
-                for p, q in zip(live.parameters(), stale.parameters()):
-                    p.grad = None if q.grad is None else q.grad.clone()
-        for opt in self.opts:
-            opt.step()
+        t = self.version
+        emulate(self.workers, lambda _: (x, y), 1, start=t)
         self.version += 1
-        if self._shadow is not None:
-            self.snapshots.put(self.version, self._weights())
-        return total / self.micro
+        last = self.workers[-1].losses
+        losses = [last.pop(t * self.micro + i) for i in range(self.micro)]
+        return sum(losses) / self.micro
 
 
 @torch.no_grad()

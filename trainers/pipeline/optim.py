@@ -27,11 +27,15 @@ class StageOptimizer:
         lr: float,
         momentum: float = 0.95,
         weight_decay: float = 0.0,
+        warmup: int = 0,
     ) -> None:
         if name not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r:.40}")
-        self.name = name
-        matrices, rest = [], []
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        self.name, self.warmup, self.steps = name, warmup, 0
+        matrices: list[nn.Parameter] = []
+        rest: list[nn.Parameter] = []
         for pname, p in stage.named_parameters():
             hidden = pname.startswith("blocks.") and p.dim() == 2
             (matrices if name == "muon" and hidden else rest).append(p)
@@ -51,17 +55,25 @@ class StageOptimizer:
         self.muon_params = sum(p.numel() for p in matrices)
         self.adamw_params = sum(p.numel() for p in rest)
 
+        self._base = [[g["lr"] for g in o.param_groups] for o in self.opts]
+
     def step(self) -> None:
-        for opt in self.opts:
+        """One step of every part; during ``warmup`` steps the lr rises linearly to ``lr``."""
+        scale = min(1.0, (self.steps + 1) / self.warmup) if self.warmup else 1.0
+        for opt, base in zip(self.opts, self._base):
+            for g, lr in zip(opt.param_groups, base):
+                g["lr"] = lr * scale
             opt.step()
+        self.steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.opts:
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"opts": [o.state_dict() for o in self.opts]}
+        return {"opts": [o.state_dict() for o in self.opts], "steps": self.steps}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         for o, s in zip(self.opts, d["opts"], strict=True):
             o.load_state_dict(s)
+        self.steps = int(d.get("steps", 0))

@@ -68,9 +68,7 @@ def run_order(
         schedule = "1f1b"
     if start:
         o = start * micro
-        return [
-            [(k, j + o) for k, j in ops] for ops in run_order(schedule, stages, micro, batches)
-        ]
+        return [[(k, j + o) for k, j in ops] for ops in run_order(schedule, stages, micro, batches)]
     out: list[list[Op]] = []
     for s in range(stages):
         if schedule == "gpipe":
