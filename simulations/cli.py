@@ -9,6 +9,7 @@ fedasync checkpoint seal FILE...                    trust an old checkpoint (no 
 fedasync deploy local [--silos N] [--config FILE] [key=value ...]
                                                     SuperLink + SuperNodes here, over TLS
 fedasync rl [--config FILE] [key=value ...]         asynchronous RL trainer (trainers/rl)
+fedasync pipeline [--config FILE] [key=value ...]   pipeline-parallel trainer (trainers/pipeline)
 
 Exit codes: 0 done; 1 the run failed or produced no version; 2 a user error (a config key,
 a data file, a checkpoint: one line on stderr naming it and what to do); 130 Ctrl-C, 143
@@ -27,6 +28,7 @@ from fedasync.errors import UserError
 from server.summary import no_version_reason
 from simulations import certs, deploy
 from simulations.processes import sweep_orphans
+from trainers.pipeline import cli as pipeline_cli
 from trainers.rl import cli as rl_cli
 
 
@@ -121,6 +123,7 @@ def _main(argv: list[str] | None = None) -> int:
     certs.add_parser(sub)
     deploy.add_parser(sub)
     rl_cli.add_parser(sub)
+    pipeline_cli.add_parser(sub)
     args = parser.parse_args(args_in)
 
     if args.cmd == "simulate":
@@ -140,6 +143,8 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "certs":
         return certs.run(args)
+    if args.cmd == "pipeline":
+        return pipeline_cli.run(args)
     if args.cmd == "rl":
         return rl_cli.run(args)
     if args.cmd == "deploy":

@@ -255,7 +255,7 @@ class StageWorker:
         if self.snapshots is not None:
             self.snapshots.put(self.version, live)
             self._refresh_param_ptrs()
-        self._event("S", t, t0)
+        self._event("S", t * self.micro + self.micro - 1, t0)  # batch t's last micro-batch
         if self.on_step is not None:
             self.on_step(self, t)
 

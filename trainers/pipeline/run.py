@@ -1,0 +1,413 @@
+"""One pipeline-parallel training run from a :class:`PipelineConfig`: the pipeline (one
+process per stage, or the one-process emulator), evaluation, measurements, the run folder.
+
+The run folder (``<run.out_dir>/<run.name>``) holds ``metrics.jsonl`` (a ``step`` event per
+optimiser step with the batch's training loss and the seconds since the run started, an
+``eval`` event with the held-out loss every ``run.eval_every`` steps, ``resume``),
+``summary.json`` (final held-out loss, tokens per second, measured bubble and memory per
+stage, the drift seen, the simulator's prediction from the measured stage costs),
+``events.json`` (every operation's start and end, per stage), ``checkpoints/``, ``evals/``
+(each stage's weights at each evaluation: the ranks write them as they go, the parent
+evaluates the whole model from them after the run) and, with ``run.plots``,
+``timeline.png`` and ``loss.png``.
+
+Resuming (``run.resume=true``) continues from the last step every stage has a checkpoint
+of, with the same config (``run.steps``, ``run.resume``, ``run.progress``, ``run.plots``,
+``run.checkpoint_every`` and ``faults.*`` may differ). GPipe, 1F1B and 2BW resume to the
+same weights as an uninterrupted run (a test); PACI's drift pattern depends on the pipeline
+being full, and a resumed run refills it, so its first batch after the resume crosses no
+version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedasync.checkpoint import load_checkpoint
+from fedasync.errors import CheckpointError, ConfigError
+from trainers.pipeline.config import PipelineConfig, to_container
+from trainers.pipeline.dist import (
+    BatchSource,
+    PipeJob,
+    StepHook,
+    checkpoint_path,
+    eval_path,
+    latest_checkpoint,
+    make_worker,
+    rank_result,
+    resume_worker,
+    run_pipeline,
+)
+from trainers.pipeline.model import GPTConfig, build_stages
+
+log = logging.getLogger("fedasync.pipeline")
+
+MAY_DIFFER_ON_RESUME = (
+    "run.steps",
+    "run.resume",
+    "run.progress",
+    "run.plots",
+    "run.checkpoint_every",
+    "faults.kill_stage",
+    "faults.kill_at_step",
+)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resolve_device(cfg: PipelineConfig) -> tuple[str, str]:
+    """(device, comm) for the run: CUDA with NCCL when every stage process can have a GPU
+    (the emulator needs one), the CPU with gloo otherwise."""
+    want, P = cfg.run.device, cfg.pipeline.stages
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = 1 if cfg.pipeline.backend == "emulate" else P
+    if want == "cuda" and gpus < need:
+        raise ConfigError(
+            f"run.device=cuda needs {need} GPU(s) for pipeline.backend="
+            f"{cfg.pipeline.backend} with {P} stages; this machine has {gpus}"
+        )
+    device = "cuda" if want == "cuda" or (want == "auto" and gpus >= need) else "cpu"
+    if want == "auto" and 0 < gpus < need:
+        log.warning("%d GPU(s) for %d stage processes: the pipeline runs on the CPU", gpus, P)
+    comm = cfg.pipeline.comm
+    if comm == "auto":
+        comm = "nccl" if device == "cuda" else "gloo"
+    return device, comm
+
+
+def job_of(cfg: PipelineConfig, vocab_size: int, start: int = 0) -> PipeJob:
+    """The :class:`PipeJob` every stage runs for ``cfg``."""
+    device, comm = resolve_device(cfg)
+    p, o = cfg.pipeline, cfg.optim
+    return PipeJob(
+        cfg=GPTConfig(
+            vocab_size,
+            d_model=cfg.model.d_model,
+            n_layers=cfg.model.n_layers,
+            n_heads=cfg.model.n_heads,
+            context=cfg.model.context,
+        ),
+        stages=p.stages,
+        schedule=p.schedule,
+        micro=p.micro,
+        steps=cfg.run.steps,
+        batch=cfg.data.batch,
+        lr=o.lr,
+        seed=cfg.run.seed,
+        data_seed=cfg.data.seed,
+        delay=p.delay,
+        optimizer=o.name,
+        momentum=o.momentum,
+        weight_decay=o.weight_decay,
+        warmup=o.warmup,
+        correction=cfg.correction.beta if cfg.correction.error_feedback else None,
+        max_drift=p.max_drift if p.schedule == "paci" else None,
+        data="corpus",
+        val_fraction=cfg.data.val_fraction,
+        start=start,
+        eval_every=cfg.run.eval_every,
+        checkpoint_every=cfg.run.checkpoint_every,
+        kill_stage=cfg.faults.kill_stage,
+        kill_at_step=cfg.faults.kill_at_step,
+        threads=cfg.run.threads,
+        device=device,
+        comm=comm,
+        extra=to_container(cfg),
+    )
+
+
+def _resume_step(cfg: PipelineConfig, run_dir: Path) -> int:
+    step = latest_checkpoint(run_dir, cfg.pipeline.stages)
+    if step is None:
+        raise CheckpointError(
+            f"run.resume=true but {str(run_dir)[:200]}/checkpoints holds no step that every one "
+            f"of the {cfg.pipeline.stages} stages saved (run.checkpoint_every="
+            f"{cfg.run.checkpoint_every}); start without run.resume"
+        )
+    saved = _flat(load_checkpoint(checkpoint_path(run_dir, step, 0)).get("config") or {})
+    now = _flat(to_container(cfg))
+    differ = sorted(
+        k
+        for k in set(saved) | set(now)
+        if k not in MAY_DIFFER_ON_RESUME and saved.get(k) != now.get(k)
+    )
+    if differ:
+        shown = ", ".join(f"{k}: {saved.get(k)!r:.40} -> {now.get(k)!r:.40}" for k in differ[:5])
+        raise CheckpointError(
+            f"the checkpoint in {str(run_dir)[:200]} is of another configuration ({shown}"
+            f"{', ...' if len(differ) > 5 else ''}); resume with the same config"
+        )
+    if step >= cfg.run.steps:
+        raise CheckpointError(
+            f"the checkpoint is at step {step}, not before run.steps={cfg.run.steps}"
+        )
+    return step
+
+
+def _fresh(run_dir: Path) -> None:
+    for name in ("evals", "checkpoints"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    for f in [*run_dir.glob("rank*.json"), *run_dir.glob("stage*.pt")]:
+        f.unlink()
+    for name in ("metrics.jsonl", "summary.json", "events.json"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+class _Progress:
+    def __init__(self, cfg: PipelineConfig, start: int) -> None:
+        self.bar: Any = None
+        if cfg.run.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=cfg.run.steps,
+                initial=start,
+                desc=f"pipeline {cfg.pipeline.schedule}",
+                unit="step",
+                leave=False,
+            )
+
+    def __call__(self, step: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _QueueToProgress:
+    def __init__(self, progress: _Progress) -> None:
+        self.progress = progress
+
+    def put(self, item: tuple[int, float, float]) -> None:
+        self.progress(item[0], item[1])
+
+
+def _emulate(job: PipeJob, run_dir: Path, progress: _Progress) -> list[dict[str, Any]]:
+    from trainers.pipeline.emulate import emulate
+
+    torch.set_num_threads(job.threads)
+    device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+    workers = []
+    for r in range(job.stages):
+        hook = StepHook(job, run_dir, r, _QueueToProgress(progress))
+        w = make_worker(job, r, device, hook)
+        if job.start:
+            resume_worker(w, job, run_dir, r)
+        workers.append(w)
+    source = BatchSource(job)
+
+    def get_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = source(t)
+        return x.to(device), y.to(device)
+
+    emulate(workers, get_batch, job.steps - job.start, start=job.start)
+    return [rank_result(w) for w in workers]
+
+
+def evaluate_saved(job: PipeJob, run_dir: Path, steps: list[int]) -> dict[int, float]:
+    """Held-out loss of the whole model at each of ``steps`` from the stages' saved weights."""
+    from trainers.pipeline.corpus import batch, load_corpus
+    from trainers.pipeline.emulate import evaluate
+
+    corpus = load_corpus(val_fraction=job.val_fraction)
+    g = torch.Generator().manual_seed(2**31 - 1)
+    n = job.extra.get("run", {}).get("eval_batches", 8)
+    val = [batch(corpus.val, job.cfg.context, job.batch, g) for _ in range(n)]
+    stages = build_stages(job.cfg, job.stages, job.seed)
+    out = {}
+    for step in steps:
+        for r, s in enumerate(stages):
+            s.load_state_dict(torch.load(eval_path(run_dir, step, r), weights_only=True))
+        out[step] = evaluate(stages, val)
+    return out
+
+
+def measure(job: PipeJob, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's measured bubble and step time, and what the simulator predicts for it (and
+    at P = 4 and 8) from the measured per-stage costs."""
+    from trainers.pipeline.simulate import Timeline, from_measurements, simulate
+
+    events = [e for r in ranks for e in r["events"]]
+    batches = job.steps - job.start
+    sched = "1f1b" if job.schedule == "2bw" and job.delay == 0 else job.schedule
+    if not events or batches < 1:
+        return {}
+    measured = Timeline.from_events(sched, job.stages, job.micro, batches, events)
+    costs = from_measurements(events, comm=None, stages=job.stages)
+    predicted = simulate(sched, job.stages, job.micro, batches, costs)
+    return {
+        "bubble_fraction": measured.bubble_fraction,
+        "idle_fractions": measured.idle_fractions,
+        "step_time_s": measured.step_time,
+        "steady_step_time_s": measured.steady_step_time,
+        "stage_costs_s": {
+            "forward": costs.forward,
+            "backward": costs.backward,
+            "step": costs.step,
+            "comm": costs.comm,
+        },
+        "simulated": {
+            "bubble_fraction": predicted.bubble_fraction,
+            "step_time_s": predicted.step_time,
+            "steady_step_time_s": predicted.steady_step_time,
+        },
+    }
+
+
+def run_config(cfg: PipelineConfig) -> dict[str, Any]:
+    """Run ``cfg``; its summary (also ``summary.json`` in the run folder)."""
+    from trainers.pipeline.corpus import load_corpus
+
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = _resume_step(cfg, run_dir) if cfg.run.resume else 0
+    if not cfg.run.resume:
+        _fresh(run_dir)
+    vocab = load_corpus(val_fraction=cfg.data.val_fraction).vocab.size
+    job = job_of(cfg, vocab, start)
+    metrics = run_dir / "metrics.jsonl"
+    with metrics.open("a") as f:
+        if start:
+            f.write(json.dumps({"event": "resume", "step": start}) + "\n")
+            log.info("resuming %s at step %d", run_dir, start)
+    progress = _Progress(cfg, start)
+    t0 = time.perf_counter()
+    try:
+        if cfg.pipeline.backend == "emulate":
+            ranks = _emulate(job, run_dir, progress)
+        else:
+            ranks = run_pipeline(job, run_dir, progress=progress)["ranks"]
+    finally:
+        progress.close()
+    wall = time.perf_counter() - t0
+    events = [e for r in ranks for e in r["events"]]
+    origin = min((e["start"] for e in events), default=0.0)
+    for e in events:
+        e["start"] -= origin
+        e["end"] -= origin
+    (run_dir / "events.json").write_text(json.dumps(events))
+    losses = {int(k): v for k, v in ranks[-1]["losses"].items()}
+    m = job.micro
+    step_end = {
+        e["micro"] // m + 1: e["end"] for e in events if e["kind"] == "S" and e["stage"] == 0
+    }
+    eval_steps = sorted(
+        int(p.stem[4:10])
+        for p in (run_dir / "evals").glob("step*_stage0.pt")
+        if all(eval_path(run_dir, int(p.stem[4:10]), r).exists() for r in range(job.stages))
+    )
+    vals = evaluate_saved(job, run_dir, eval_steps)
+    with metrics.open("a") as f:
+        for step in range(start + 1, cfg.run.steps + 1):
+            ls = [losses[j] for j in range((step - 1) * m, step * m) if j in losses]
+            f.write(
+                json.dumps(
+                    {
+                        "event": "step",
+                        "step": step,
+                        "loss": sum(ls) / max(len(ls), 1),
+                        "time_s": step_end.get(step),
+                    }
+                )
+                + "\n"
+            )
+            if step in vals:
+                f.write(json.dumps({"event": "eval", "step": step, "val_loss": vals[step]}) + "\n")
+    tokens = (cfg.run.steps - start) * cfg.data.batch * cfg.model.context
+    measured = measure(job, ranks)
+    drift: dict[str, int] = {}
+    for r in ranks:
+        for k, v in r["drift"].items():
+            drift[k] = drift.get(k, 0) + v
+    summary: dict[str, Any] = {
+        "schedule": cfg.pipeline.schedule,
+        "backend": cfg.pipeline.backend,
+        "optimizer": cfg.optim.name,
+        "stages": job.stages,
+        "micro": job.micro,
+        "device": job.device,
+        "steps": cfg.run.steps,
+        "start": start,
+        "final_val_loss": vals[max(vals)] if vals else None,
+        "val_loss": {str(k): v for k, v in vals.items()},
+        "final_train_loss": statistics.fmean(
+            losses[j] for j in range((cfg.run.steps - 1) * m, cfg.run.steps * m) if j in losses
+        )
+        if losses
+        else None,
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(events[-1]["end"] if events else wall, 1e-9),
+        "memory": [r["memory"] for r in ranks],
+        "drift": dict(sorted(drift.items(), key=lambda kv: int(kv[0]))),
+        "max_drift_seen": max((int(k) for k in drift), default=0),
+        "measured": measured,
+        "correction": job.correction,
+        "run_dir": str(run_dir),
+    }
+    if events:
+        summary["tokens_per_s"] = tokens / max(max(e["end"] for e in events), 1e-9)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cfg.run.plots:
+        summary["plots"] = [str(p) for p in plot_run(run_dir, job, events, losses, vals, start)]
+    return summary
+
+
+def plot_run(
+    run_dir: Path,
+    job: PipeJob,
+    events: list[dict[str, Any]],
+    losses: dict[int, float],
+    vals: dict[int, float],
+    start: int,
+) -> list[Path]:
+    """timeline.png (a window of four batches after the first, from the run's own clock)
+    and loss.png."""
+    from trainers.pipeline.plots import plot_loss, plot_timeline
+
+    m = job.micro
+    lo = start + 1 if job.steps - start > 5 else start
+    window = [e for e in events if lo <= e["micro"] // m < lo + 4]
+    out = [
+        plot_timeline(
+            window,
+            run_dir / "timeline.png",
+            f"{job.schedule}, P={job.stages}, m={m}: batches {lo}-{lo + 3} ({job.device})",
+        )
+    ]
+    steps = sorted({j // m for j in losses})
+    train = [
+        (t + 1, statistics.fmean(losses[j] for j in range(t * m, (t + 1) * m) if j in losses))
+        for t in steps
+    ]
+    curves = {"train (batch)": train, "held-out": sorted(vals.items())}
+    out.append(plot_loss(curves, run_dir / "loss.png", "step", f"{job.schedule} loss"))
+    return out
+
+
+def with_overrides(cfg: PipelineConfig, **sections: dict[str, Any]) -> PipelineConfig:
+    """A copy of ``cfg`` with fields of named sections replaced (for scripts)."""
+    out = cfg
+    for name, values in sections.items():
+        out = replace(out, **{name: replace(getattr(out, name), **values)})
+    return out
