@@ -161,6 +161,18 @@ def _resume_step(cfg: PipelineConfig, run_dir: Path) -> int:
     return step
 
 
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by a crash
+            continue
+    return out
+
+
 def _fresh(run_dir: Path) -> None:
     for name in ("evals", "checkpoints"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -171,7 +183,12 @@ def _fresh(run_dir: Path) -> None:
 
 
 class _Progress:
-    def __init__(self, cfg: PipelineConfig, start: int) -> None:
+    """The progress bar, and the ``step`` lines of metrics.jsonl written as the last stage
+    reports each step (so a run that dies keeps the steps it made)."""
+
+    def __init__(self, cfg: PipelineConfig, start: int, metrics: Path) -> None:
+        self.metrics = metrics.open("a")
+        self.t0 = time.perf_counter()
         self.bar: Any = None
         if cfg.run.progress:
             from tqdm import tqdm
@@ -185,11 +202,20 @@ class _Progress:
             )
 
     def __call__(self, step: int, loss: float) -> None:
+        line = {
+            "event": "step",
+            "step": step,
+            "loss": loss,
+            "time_s": round(time.perf_counter() - self.t0, 4),
+        }
+        self.metrics.write(json.dumps(line) + "\n")
+        self.metrics.flush()
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix(loss=f"{loss:.3f}", refresh=True)
 
     def close(self) -> None:
+        self.metrics.close()
         if self.bar is not None:
             self.bar.close()
 
@@ -290,7 +316,7 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
         if start:
             f.write(json.dumps({"event": "resume", "step": start}) + "\n")
             log.info("resuming %s at step %d", run_dir, start)
-    progress = _Progress(cfg, start)
+    progress = _Progress(cfg, start, metrics)
     t0 = time.perf_counter()
     try:
         if cfg.pipeline.backend == "emulate":
@@ -308,31 +334,18 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
     (run_dir / "events.json").write_text(json.dumps(events))
     losses = {int(k): v for k, v in ranks[-1]["losses"].items()}
     m = job.micro
-    step_end = {
-        e["micro"] // m + 1: e["end"] for e in events if e["kind"] == "S" and e["stage"] == 0
-    }
+    done = {e["step"] for e in _read_metrics(metrics) if e.get("event") == "eval"}
     eval_steps = sorted(
-        int(p.stem[4:10])
+        step
         for p in (run_dir / "evals").glob("step*_stage0.pt")
-        if all(eval_path(run_dir, int(p.stem[4:10]), r).exists() for r in range(job.stages))
+        if (step := int(p.stem[4:10])) not in done
+        and all(eval_path(run_dir, step, r).exists() for r in range(job.stages))
     )
     vals = evaluate_saved(job, run_dir, eval_steps)
     with metrics.open("a") as f:
-        for step in range(start + 1, cfg.run.steps + 1):
-            ls = [losses[j] for j in range((step - 1) * m, step * m) if j in losses]
-            f.write(
-                json.dumps(
-                    {
-                        "event": "step",
-                        "step": step,
-                        "loss": sum(ls) / max(len(ls), 1),
-                        "time_s": step_end.get(step),
-                    }
-                )
-                + "\n"
-            )
-            if step in vals:
-                f.write(json.dumps({"event": "eval", "step": step, "val_loss": vals[step]}) + "\n")
+        for step in eval_steps:
+            f.write(json.dumps({"event": "eval", "step": step, "val_loss": vals[step]}) + "\n")
+    vals = {e["step"]: e["val_loss"] for e in _read_metrics(metrics) if e.get("event") == "eval"}
     tokens = (cfg.run.steps - start) * cfg.data.batch * cfg.model.context
     measured = measure(job, ranks)
     drift: dict[str, int] = {}
