@@ -31,3 +31,14 @@ def test_every_rl_config_key_is_in_the_readmes_rl_section():
     section = readme[start : end if end > 0 else None]
     missing = [k for k in _keys(RLConfig) if f"`{k}`" not in section]
     assert not missing, f"README.md's RL section does not document: {missing}"
+
+
+def test_every_pipeline_config_key_is_in_the_readmes_pipeline_section():
+    from trainers.pipeline.config import PipelineConfig
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("\n## Pipeline-parallel trainer")
+    end = readme.find("\n## ", start + 5)
+    section = readme[start : end if end > 0 else None]
+    missing = [k for k in _keys(PipelineConfig) if f"`{k}`" not in section]
+    assert not missing, f"README.md's pipeline section does not document: {missing}"

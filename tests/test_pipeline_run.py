@@ -85,3 +85,29 @@ def test_a_killed_stage_ends_the_run_named_and_resume_finishes_it(tmp_path, caps
     events = _lines(run / "metrics.jsonl")
     assert {"event": "resume", "step": 4} in events
     assert [e["step"] for e in events if e["event"] == "eval"] == [3, 6]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_dry_runs_on_the_cpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "pipeline_gpu_check.py"),
+            "--cpu",
+            "--steps",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "pipeline_gpu_check=ok"
+    for arm in ("gpipe", "1f1b", "2bw", "2bw+ef", "paci"):
+        assert f"| {arm} |" in out.stdout
