@@ -116,10 +116,20 @@ def main() -> None:
         help="steps of the short real run of every schedule (memory, bubble, timeline)",
     )
     ap.add_argument("--png-dir", default=None, help="copy each schedule's timeline.png here")
+    ap.add_argument(
+        "--gap-micro",
+        type=int,
+        nargs="*",
+        default=[],
+        help="only the loss gap PACI − 1F1B against m (emulator, --seeds), e.g. 4 8 16",
+    )
     a = ap.parse_args()
     if a.quick:
         a.seeds, a.steps, a.eval_every, a.d_model, a.context = [0], 40, 10, 64, 64
     t0 = time.perf_counter()
+    if a.gap_micro:
+        gap_vs_micro(a)
+        return
     from tqdm import tqdm
 
     from trainers.pipeline.simulate import StageCosts, simulate
@@ -220,6 +230,66 @@ def main() -> None:
     every_schedule(a)
     print(f"\nwall time {time.perf_counter() - t0:.0f} s")
     print(f"pipeline_speedup_vs_1f1b={speedup:.3f}")
+
+
+def gap_vs_micro(a: argparse.Namespace) -> None:
+    """PACI's final held-out loss against 1F1B's as local accumulation m grows (P = 2: the
+    drift is one step at any m, but only 1 micro-batch in m crosses it). The emulator
+    computes what the real pipeline computes; 1F1B's numbers do not depend on m."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [("1f1b", a.micro, seed) for seed in a.seeds] + [
+        ("paci", m, seed) for m in a.gap_micro for seed in a.seeds
+    ]
+    with ProcessPoolExecutor(2) as pool:
+        finals = dict(zip(jobs, pool.map(_gap_job, [(j, a) for j in jobs])))
+    print(
+        f"\n## PACI − 1F1B final held-out loss against m (P = 2, batch {a.batch} x {a.context}, "
+        f"{a.steps} steps, AdamW lr {a.lr:g}, warm-up {a.warmup}; emulator; "
+        f"{len(a.seeds)} seeds, mean ± half-range)"
+    )
+    print("| m | drifting micro-batches | 1F1B | PACI | gap |")
+    print("|---|---|---|---|---|")
+    sync = [finals[("1f1b", a.micro, seed)] for seed in a.seeds]
+    for m in a.gap_micro:
+        pac = [finals[("paci", m, seed)] for seed in a.seeds]
+        gap = [p - q for p, q in zip(pac, sync)]
+        print(f"| {m} | 1 in {m} (stage 0) | {ms(sync)} | {ms(pac)} | {ms(gap)} |")
+
+
+def _gap_job(job: tuple[tuple[str, int, int], argparse.Namespace]) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    (schedule, m, seed), a = job
+    a = argparse.Namespace(**vars(a))
+    a.micro = m
+    with tempfile.TemporaryDirectory(prefix="fa-pipe-gap-") as tmp:
+        from trainers.pipeline.config import load_pipeline_config
+        from trainers.pipeline.run import run_config
+
+        cfg = load_pipeline_config(
+            None,
+            [
+                f"run.out_dir={tmp}",
+                f"run.seed={seed}",
+                f"data.seed={1000 + seed}",
+                f"run.steps={a.steps}",
+                f"run.eval_every={a.steps}",
+                "run.checkpoint_every=0",
+                "run.progress=false",
+                "run.plots=false",
+                "pipeline.backend=emulate",
+                f"pipeline.schedule={schedule}",
+                f"pipeline.micro={m}",
+                f"data.batch={a.batch}",
+                f"model.d_model={a.d_model}",
+                f"model.context={a.context}",
+                f"optim.lr={a.lr}",
+                f"optim.warmup={a.warmup}",
+            ],
+        )
+        return float(run_config(cfg)["final_val_loss"])
 
 
 def every_schedule(a: argparse.Namespace) -> None:
