@@ -3,6 +3,8 @@
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
+import pytest
+
 from server.config import FedAsyncConfig
 
 
@@ -22,23 +24,20 @@ def test_every_config_key_is_in_the_readme():
     assert not missing, f"README.md does not document: {missing}"
 
 
-def test_every_rl_config_key_is_in_the_readmes_rl_section():
-    from trainers.rl.config import RLConfig
+@pytest.mark.parametrize(
+    "module, cls, heading",
+    [
+        ("trainers.rl.config", "RLConfig", "Asynchronous RL trainer"),
+        ("trainers.pipeline.config", "PipelineConfig", "Pipeline-parallel trainer"),
+    ],
+)
+def test_every_trainer_config_key_is_in_its_readme_section(module, cls, heading):
+    import importlib
 
+    schema = getattr(importlib.import_module(module), cls)
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    start = readme.index("\n## Asynchronous RL trainer")
+    start = readme.index(f"\n## {heading}")
     end = readme.find("\n## ", start + 5)
     section = readme[start : end if end > 0 else None]
-    missing = [k for k in _keys(RLConfig) if f"`{k}`" not in section]
-    assert not missing, f"README.md's RL section does not document: {missing}"
-
-
-def test_every_pipeline_config_key_is_in_the_readmes_pipeline_section():
-    from trainers.pipeline.config import PipelineConfig
-
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    start = readme.index("\n## Pipeline-parallel trainer")
-    end = readme.find("\n## ", start + 5)
-    section = readme[start : end if end > 0 else None]
-    missing = [k for k in _keys(PipelineConfig) if f"`{k}`" not in section]
-    assert not missing, f"README.md's pipeline section does not document: {missing}"
+    missing = [k for k in _keys(schema) if f"`{k}`" not in section]
+    assert not missing, f"README.md's {heading} section does not document: {missing}"
