@@ -75,6 +75,7 @@ def run(schedule: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
             f"model.context={a.context}",
             f"optim.lr={a.lr}",
             f"optim.warmup={a.warmup}",
+            f"optim.name={a.optimizer}",
         ],
     )
     s = run_config(cfg)
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     ap.add_argument("--sim-micro", type=int, default=8)
     ap.add_argument("--out", default=None, help="keep the run folders here")
     ap.add_argument("--quick", action="store_true")
@@ -144,7 +146,7 @@ def main() -> None:
     print(
         f"\n## PACI against 1F1B-flush, real pipeline P = 2 (gloo, one thread per stage), m = "
         f"{a.micro}, {a.steps} steps of {a.batch} x {a.context} characters, d = {a.d_model}, "
-        f"AdamW lr {a.lr:g} after {a.warmup} warm-up steps; {len(a.seeds)} seeds, "
+        f"{a.optimizer} lr {a.lr:g} after {a.warmup} warm-up steps; {len(a.seeds)} seeds, "
         "mean ± half-range"
     )
     print(
@@ -245,7 +247,7 @@ def gap_vs_micro(a: argparse.Namespace) -> None:
         finals = dict(zip(jobs, pool.map(_gap_job, [(j, a) for j in jobs])))
     print(
         f"\n## PACI − 1F1B final held-out loss against m (P = 2, batch {a.batch} x {a.context}, "
-        f"{a.steps} steps, AdamW lr {a.lr:g}, warm-up {a.warmup}; emulator; "
+        f"{a.steps} steps, {a.optimizer} lr {a.lr:g}, warm-up {a.warmup}; emulator; "
         f"{len(a.seeds)} seeds, mean ± half-range)"
     )
     print("| m | drifting micro-batches | 1F1B | PACI | gap |")
@@ -287,6 +289,7 @@ def _gap_job(job: tuple[tuple[str, int, int], argparse.Namespace]) -> float:
                 f"model.context={a.context}",
                 f"optim.lr={a.lr}",
                 f"optim.warmup={a.warmup}",
+                f"optim.name={a.optimizer}",
             ],
         )
         return float(run_config(cfg)["final_val_loss"])
