@@ -26,6 +26,7 @@ Only floating tensors are transformed; integer buffers pass through unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,19 +114,26 @@ def topk(t: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 class ErrorFeedback:
-    """Top-k compression with error feedback, one residual per key.
+    """Compression with error feedback, one residual per key (top-k unless ``compress`` is
+    given: any ``compress(t, ratio)`` returning a tensor of ``t``'s shape).
 
     ``apply(key, x)`` returns C(x + e_key) and sets e_key ← x + e_key − C(x + e_key).
     ``ratio = 1.0`` means no compression (the residual stays exactly zero).
     """
 
-    def __init__(self, ratio: float) -> None:
+    def __init__(
+        self,
+        ratio: float,
+        compress: Callable[[torch.Tensor, float], torch.Tensor] | None = None,
+    ) -> None:
         topk_count(1, ratio)  # validates ratio
         self.ratio = ratio
+        self.compress = compress if compress is not None else topk
+        """``compress(t, ratio)``: the compressor (top-k by default); not in the state dict."""
         self._residuals: dict[str, Params] = {}
 
     def _compress(self, t: torch.Tensor) -> torch.Tensor:
-        return identity(t) if self.ratio >= 1.0 else topk(t, self.ratio)
+        return identity(t) if self.ratio >= 1.0 else self.compress(t, self.ratio)
 
     def apply(self, key: str, tensors: Params) -> Params:
         """Compressed ``tensors + residual[key]``; updates the residual. Inputs not mutated."""

@@ -22,9 +22,19 @@ from fedasync.staleness import WeightFn
 from fedasync.versions import FutureVersionError
 
 
-def importance_ratio(logp_new: torch.Tensor, logp_old: torch.Tensor) -> torch.Tensor:
-    """r = exp(logp_new − logp_old), same (broadcast) shape; log-probs in nats."""
-    return torch.exp(logp_new - logp_old)
+def importance_ratio(
+    logp_new: torch.Tensor, logp_old: torch.Tensor, max_log_ratio: float | None = None
+) -> torch.Tensor:
+    """r = exp(logp_new − logp_old), same (broadcast) shape; log-probs in nats.
+
+    ``max_log_ratio`` (c > 0) clamps the log-ratio to [−c, c] before the exponential, so a
+    very stale token cannot overflow to inf (None: no clamp, the exact ratio)."""
+    d = logp_new - logp_old
+    if max_log_ratio is not None:
+        if not max_log_ratio > 0:
+            raise ValueError(f"max_log_ratio must be > 0, got {max_log_ratio}")
+        d = torch.clamp(d, -max_log_ratio, max_log_ratio)
+    return torch.exp(d)
 
 
 def truncated_importance_weight(ratio: torch.Tensor, max_weight: float) -> torch.Tensor:

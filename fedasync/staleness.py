@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from fedasync.errors import ConfigError
 
 WeightFn = Callable[[int], float]
@@ -61,6 +63,27 @@ WEIGHT_FUNCTIONS: dict[str, Callable[..., float]] = {
     "exponential": exponential,
 }
 """Weight functions by name; each takes ``tau`` then its own parameters."""
+
+
+def weights_of(name: str, taus: torch.Tensor, a: float = 0.5, b: float = 4) -> torch.Tensor:
+    """The weight function ``name`` over a tensor of staleness values at once (float, same
+    shape): the same numbers as :func:`make_weight_fn` element by element, without a Python
+    loop. Raises ValueError on a negative τ, ConfigError on an unknown name."""
+    if taus.numel() and bool((taus < 0).any()):
+        raise ValueError(f"staleness must be >= 0, got {int(taus.min())}")
+    t = taus.to(torch.float64)
+    if name == "constant":
+        out = torch.ones_like(t)
+    elif name == "polynomial":
+        out = (t + 1.0) ** (-a)
+    elif name == "hinge":
+        out = torch.where(t <= b, torch.ones_like(t), 1.0 / (a * (t - b) + 1.0))
+    elif name == "exponential":
+        out = torch.exp(-a * t)
+    else:
+        make_weight_fn(name)  # raises the named ConfigError
+        raise AssertionError(name)  # pragma: no cover
+    return out.to(torch.get_default_dtype())
 
 
 def make_weight_fn(name: str, a: float = 0.5, b: float = 4) -> WeightFn:
@@ -144,3 +167,16 @@ class StalenessBound:
                 f"staleness {tau} > soft_staleness {self.soft_staleness}",
             )
         return BoundDecision("accept", 1.0, f"staleness {tau} within bounds")
+
+    def factors(self, taus: torch.Tensor) -> torch.Tensor:
+        """:meth:`check`'s factor for a tensor of staleness values at once (float, same shape):
+        0 where rejected, ``soft_factor`` where down-weighted, 1 elsewhere; a batch's mask is
+        ``factors(taus) > 0``."""
+        if taus.numel() and bool((taus < 0).any()):
+            raise ValueError(f"staleness must be >= 0, got {int(taus.min())}")
+        out = torch.ones(taus.shape, dtype=torch.get_default_dtype())
+        if self.soft_staleness is not None:
+            out = torch.where(taus > self.soft_staleness, torch.tensor(self.soft_factor), out)
+        if self.max_staleness is not None:
+            out = torch.where(taus > self.max_staleness, torch.tensor(0.0), out)
+        return out

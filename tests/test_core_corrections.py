@@ -161,3 +161,17 @@ def test_delay_error_feedback_state_round_trip_and_bad_input():
             DelayErrorFeedback(beta=bad)
     ef.reset("a")
     assert ef.residual("a", g) is None
+
+
+def test_error_feedback_takes_a_compression_function():
+    from fedasync.corrections import ErrorFeedback
+
+    def sign_of(t, ratio):  # keep only the sign, scaled to the mean magnitude (1-bit SGD)
+        return t.sign() * t.abs().mean()
+
+    ef = ErrorFeedback(0.5, compress=sign_of)
+    x = {"w": torch.tensor([3.0, -1.0])}
+    sent = ef.apply("silo", x)
+    assert sent["w"].tolist() == [2.0, -2.0]
+    assert ef.residual("silo")["w"].tolist() == [1.0, 1.0]  # x − C(x), fed back next time
+    assert ErrorFeedback(0.5).compress is not sign_of  # top-k by default

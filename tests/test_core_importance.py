@@ -148,3 +148,13 @@ def test_token_staleness_per_token_versions():
         token_staleness(6, versions.float())
     with pytest.raises(ValueError):
         token_staleness(6, torch.tensor([-1]))
+
+
+def test_importance_ratio_clamps_the_log_ratio_when_asked():
+    new, old = torch.tensor([0.0, -1.0, 200.0]), torch.tensor([0.0, 0.0, 0.0])
+    exact = importance_ratio(new, old)
+    assert torch.isinf(exact[2])  # exp(200) overflows float32
+    r = importance_ratio(new, old, max_log_ratio=5.0)
+    assert r.tolist() == pytest.approx([1.0, math.exp(-1.0), math.exp(5.0)], rel=1e-6)
+    with pytest.raises(ValueError):
+        importance_ratio(new, old, max_log_ratio=0.0)

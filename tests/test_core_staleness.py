@@ -88,3 +88,43 @@ def test_bound_rejects_bad_config(kw):
 def test_bound_rejects_negative_tau():
     with pytest.raises(ValueError):
         StalenessBound(max_staleness=3).check(-1)
+
+
+@pytest.mark.parametrize("name", ["constant", "polynomial", "hinge", "exponential"])
+def test_weights_over_a_tensor_equal_the_scalar_functions(name):
+    import torch
+
+    from fedasync.staleness import make_weight_fn, weights_of
+
+    taus = torch.tensor([0, 1, 3, 4, 5, 9, 40])
+    scalar = make_weight_fn(name, a=0.5, b=4)
+    got = weights_of(name, taus, a=0.5, b=4)
+    assert got.shape == taus.shape
+    assert got.tolist() == pytest.approx([scalar(int(t)) for t in taus], rel=1e-6)
+
+
+def test_weights_over_a_tensor_by_hand_and_bad_input():
+    import torch
+
+    from fedasync.errors import ConfigError
+    from fedasync.staleness import weights_of
+
+    # polynomial a = 1: 1/(τ+1); hinge a = 1, b = 2: 1, 1, 1, 1/2, 1/3
+    assert weights_of("polynomial", torch.tensor([0, 1, 3]), a=1.0).tolist() == [1.0, 0.5, 0.25]
+    hinge = weights_of("hinge", torch.arange(5), a=1.0, b=2)
+    assert hinge.tolist() == pytest.approx([1.0, 1.0, 1.0, 0.5, 1 / 3])
+    with pytest.raises(ValueError, match="staleness must be >= 0"):
+        weights_of("constant", torch.tensor([0, -1]))
+    with pytest.raises(ConfigError, match="unknown staleness weight function"):
+        weights_of("linear", torch.tensor([1]))
+
+
+def test_the_bound_over_a_tensor_matches_check():
+    import torch
+
+    bound = StalenessBound(max_staleness=4, soft_staleness=2, soft_factor=0.25)
+    taus = torch.tensor([0, 2, 3, 4, 5, 7])
+    f = bound.factors(taus)
+    assert f.tolist() == [bound.check(int(t)).factor for t in taus] == [1, 1, 0.25, 0.25, 0, 0]
+    assert (f > 0).tolist() == [True, True, True, True, False, False]
+    assert StalenessBound().factors(torch.tensor([100])).tolist() == [1.0]
