@@ -97,7 +97,7 @@ def main() -> int:
             vals = [v for _, v in sorted((int(k), v) for k, v in s["val_loss"].items())]
             if not all(math.isfinite(v) for v in vals):
                 failures.append(f"{name}: held-out loss not finite ({vals})")
-            # a one-step delay may legitimately spike AdamW early (README): 2BW is reported
+            # a one-step delay may legitimately spike AdamW early (docs/measured.md): 2BW is reported
             if not name.startswith("2bw") or name == "2bw-delay0":
                 if not vals[-1] < vals[0]:
                     failures.append(f"{name}: held-out loss did not fall ({vals})")

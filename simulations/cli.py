@@ -1,6 +1,6 @@
 """The ``fedasync`` command.
 
-fedasync simulate [--config FILE] [key=value ...]   run a simulation (see README for keys)
+fedasync simulate [--config FILE] [key=value ...]   run a simulation (keys: docs/configuration.md)
 fedasync data fetch [--dir DIR]                     fetch and checksum the offline data sets
 fedasync data table [--benchmark B] [--silos N]     print what each silo holds
 fedasync erase submit|status|list|watch|...         erasure requests (simulations/erase_cli.py)

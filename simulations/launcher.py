@@ -58,7 +58,7 @@ def _quiet_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # Flower 1.42 warns on every run that run_simulation is deprecated (README says so once)
+    # Flower 1.42 warns on every run that run_simulation is deprecated (docs/how-it-works.md says so once)
     flwr_log = logging.getLogger("flwr")
     if not any(isinstance(f, _DropDeprecation) for f in flwr_log.filters):
         flwr_log.addFilter(_DropDeprecation())

@@ -3,7 +3,7 @@
 defaults <- YAML file (``--config``) <- ``key=value`` overrides, on the same omegaconf
 conventions as ``fedasync simulate``: unknown keys, wrong types and values out of range are
 errors that name the key (``fedasync.errors.ConfigError``: one line, exit 2). Every key is
-documented by the docstring under its field; README.md lists them all (a test checks).
+documented by the docstring under its field; docs/rl.md lists them all (a test checks).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class PolicySection:
 @dataclass
 class RolloutSection:
     mode: str = "streaming"
-    """sync | one_step_off | async | streaming (see README: how the modes schedule work)."""
+    """sync | one_step_off | async | streaming (docs/rl.md: how the modes schedule work)."""
     workers: int = 8
     """Rollout workers (Ray actors with backend=ray; virtual workers otherwise)."""
     group_size: int = 8
@@ -114,7 +114,7 @@ class LearnerSection:
     lr: float = 0.0003
     """Adam learning rate of the policy (1e-3 and above degraded held-out accuracy on sort)."""
     correction: str = "decoupled"
-    """How stale tokens are corrected: none | tis | decoupled | drop | weight (README)."""
+    """How stale tokens are corrected: none | tis | decoupled | drop | weight (docs/rl.md)."""
     clip_eps: float = 0.2
     """PPO clip range of the ratio against the proximal policy (decoupled)."""
     tis_cap: float = 2.0
