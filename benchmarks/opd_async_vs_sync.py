@@ -116,10 +116,16 @@ def run_one(job: tuple[str, list[str]]) -> dict[str, Any]:
 def run_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> dict[str, Any]:
     from tqdm import tqdm
 
+    from fedasync.progress import progress
+
     out: dict[str, Any] = {}
-    with ProcessPoolExecutor(max_workers=args.procs) as pool:
-        for s in tqdm(pool.map(run_one, jobs), total=len(jobs), desc="opd runs", unit="run"):
+    with (
+        ProcessPoolExecutor(max_workers=args.procs) as pool,
+        progress(len(jobs), "opd runs", tty_bar=tqdm, unit="run") as bar,
+    ):
+        for s in pool.map(run_one, jobs):
             out[s["name"]] = s
+            bar.update(1)
     return out
 
 

@@ -216,13 +216,14 @@ def main() -> None:
     keys = list(dict.fromkeys(keys))  # the sweep's runs at MOMENTUM are the main table's
     from tqdm import tqdm
 
+    from fedasync.progress import progress
+
     res: dict[Key, float] = {}
     drift: dict[Key, int] = {}
-    with ProcessPoolExecutor(a.procs) as pool:
-        for key, final, _, d in tqdm(
-            pool.map(run_one, [(k, a) for k in keys]), total=len(keys), desc="runs"
-        ):
+    with ProcessPoolExecutor(a.procs) as pool, progress(len(keys), "runs", tty_bar=tqdm) as bar:
+        for key, final, _, d in pool.map(run_one, [(k, a) for k in keys]):
             res[key], drift[key] = final, d
+            bar.update(1)
 
     def losses(arm: str, o: str, lr: float, mom: float = MOMENTUM) -> list[float]:
         return [res[(arm, o, lr, s, mom)] for s in a.seeds if (arm, o, lr, s, mom) in res]

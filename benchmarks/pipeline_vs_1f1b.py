@@ -134,14 +134,17 @@ def main() -> None:
         return
     from tqdm import tqdm
 
+    from fedasync.progress import progress
     from trainers.pipeline.simulate import StageCosts, simulate
 
     with tempfile.TemporaryDirectory(prefix="fa-pipe-bench-") as tmp:
         out = Path(a.out) if a.out else Path(tmp)
         res: dict[tuple[str, int], dict] = {}
         jobs = [(s, seed) for seed in a.seeds for s in SCHEDULES]
-        for s, seed in tqdm(jobs, desc="runs"):
-            res[(s, seed)] = run(s, seed, a, out)
+        with progress(len(jobs), "runs", tty_bar=tqdm) as bar:
+            for s, seed in jobs:
+                res[(s, seed)] = run(s, seed, a, out)
+                bar.update(1)
 
     print(
         f"\n## PACI against 1F1B-flush, real pipeline P = 2 (gloo, one thread per stage), m = "

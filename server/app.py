@@ -110,9 +110,12 @@ def run_server(
         if cfg.run.progress:
             from tqdm import tqdm
 
-            progress = tqdm(
-                total=cfg.run.budget_s,
-                desc=f"{cfg.server.mode:8s}",
+            from fedasync.progress import progress as make_progress
+
+            progress = make_progress(
+                cfg.run.budget_s,
+                f"{cfg.server.mode:8s}",
+                tty_bar=tqdm,
                 unit="s",
                 initial=srv.clock.now,
                 mininterval=0.5,

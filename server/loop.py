@@ -164,7 +164,7 @@ class AsyncServer:
         self.updates_applied = 0  # reached the global model
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.ckpt_path = run_dir / "checkpoint.pt"
-        self.progress: Any = None  # a tqdm bar, set by the caller
+        self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
         self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
         self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
         self.accept_times: list[float] = []

@@ -193,10 +193,13 @@ class _Progress:
         if cfg.run.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=cfg.run.steps,
+            from fedasync.progress import progress
+
+            self.bar = progress(
+                cfg.run.steps,
+                f"pipeline {cfg.pipeline.schedule}",
+                tty_bar=tqdm,
                 initial=start,
-                desc=f"pipeline {cfg.pipeline.schedule}",
                 unit="step",
                 leave=False,
             )
@@ -211,8 +214,9 @@ class _Progress:
         self.metrics.write(json.dumps(line) + "\n")
         self.metrics.flush()
         if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=True)
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            self.bar.n = step  # after the postfix, so a line shows this step's loss
+            self.bar.refresh()
 
     def close(self) -> None:
         self.metrics.close()

@@ -775,13 +775,16 @@ class RLRun:
     def run(self) -> dict[str, Any]:
         from tqdm import tqdm
 
+        from fedasync.progress import progress
+
         bar = None
         try:
             self._start()
-            bar = tqdm(
-                total=self.cfg.run.max_steps,
+            bar = progress(
+                self.cfg.run.max_steps,
+                f"rl {self.cfg.rollout.mode}",
+                tty_bar=tqdm,
                 initial=self.version,
-                desc=f"rl {self.cfg.rollout.mode}",
                 unit="step",
                 disable=not self.cfg.run.progress,
             )

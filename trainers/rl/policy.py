@@ -370,21 +370,28 @@ def warm_start(
     """
     from tqdm import tqdm
 
+    from fedasync.progress import progress as make_progress
+
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     policy.train()
     loss = torch.tensor(float("nan"))
-    bar = tqdm(range(steps), desc=f"warm start {task.name}", disable=not progress, leave=False)
-    for s in bar:
-        batch = [
-            task.sample(WARM_START_INDEX + s * batch_size + j, seed) for j in range(batch_size)
-        ]
-        answers = [encode(p.answer) + [EOS] for p in batch]
-        logp, mask, _ = sequence_logprobs(policy, [p.tokens for p in batch], answers, device=device)
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+    with make_progress(
+        steps, f"warm start {task.name}", tty_bar=tqdm, disable=not progress, leave=False
+    ) as bar:
+        for s in range(steps):
+            batch = [
+                task.sample(WARM_START_INDEX + s * batch_size + j, seed) for j in range(batch_size)
+            ]
+            answers = [encode(p.answer) + [EOS] for p in batch]
+            logp, mask, _ = sequence_logprobs(
+                policy, [p.tokens for p in batch], answers, device=device
+            )
+            loss = -(logp * mask).sum() / mask.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            bar.update(1)
     policy.eval()
     held_out = range(HELD_OUT_INDEX, HELD_OUT_INDEX + 64)
     return {"loss": loss.item(), "accuracy": greedy_accuracy(policy, task, held_out, seed, device)}
