@@ -134,9 +134,9 @@ def train(msg: Message, context: Context) -> Message:
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)
     model = _network(setup)
-    base = wire.decode(msg.content[P.ARRAYS])
+    base = wire.decode(P.array_record(msg.content, P.ARRAYS))
     model.load_state_dict(base)
-    steps = int(cfg.get(P.LOCAL_STEPS, ccfg.local_steps))  # type: ignore[arg-type]
+    steps = P.as_int(cfg.get(P.LOCAL_STEPS, ccfg.local_steps))
     common = training_kwargs(ccfg, task=fed.spec.task, steps=steps, device=device)
     t_train = time.perf_counter()
     if ccfg.dp.enabled:
@@ -149,13 +149,13 @@ def train(msg: Message, context: Context) -> Message:
                 ccfg.dp,
                 ledger=ledger_path(context.node_config, cfg, silo),
                 silo=silo,
-                job_id=int(cfg[P.JOB_ID]),  # (no seed: DP draws from the OS's entropy)
+                job_id=P.as_int(cfg[P.JOB_ID]),  # (no seed: DP draws from the OS's entropy)
                 **common,
             )
         except BudgetExhausted as e:
             return _refuse(msg, silo, Refusal.BUDGET_EXHAUSTED, str(e), e)
     else:
-        stats = train_local(model, data, seed=int(cfg[P.SEED]), **common)
+        stats = train_local(model, data, seed=P.as_int(cfg[P.SEED]), **common)
     trained_s = time.perf_counter() - t_train
     stats = {**stats, P.TRAIN_SECONDS: trained_s}
     speeds = P.loads(setup).get("emulate_speeds")
@@ -165,7 +165,7 @@ def train(msg: Message, context: Context) -> Message:
         stats["train_emulated_wait_s"] = wait  # every silo reports it (FedAvg wants equal keys)
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     delta = sub(local, base)
-    base_version = int(cfg[P.BASE_VERSION])
+    base_version = P.as_int(cfg[P.BASE_VERSION])
     claimed_silo = silo
     if fault == "nan":
         first = next(k for k, v in delta.items() if v.is_floating_point())
@@ -183,7 +183,7 @@ def train(msg: Message, context: Context) -> Message:
         {
             P.SILO: claimed_silo,
             P.BASE_VERSION: base_version,
-            P.JOB_ID: int(cfg[P.JOB_ID]),
+            P.JOB_ID: P.as_int(cfg[P.JOB_ID]),
             P.NUM_SAMPLES: len(data),
             **stats,
         }
@@ -205,8 +205,8 @@ def _refuse(
     metrics = MetricRecord(
         {
             P.SILO: silo,
-            P.BASE_VERSION: int(cfg[P.BASE_VERSION]),  # type: ignore[arg-type]
-            P.JOB_ID: int(cfg[P.JOB_ID]),  # type: ignore[arg-type]
+            P.BASE_VERSION: P.as_int(cfg[P.BASE_VERSION]),
+            P.JOB_ID: P.as_int(cfg[P.JOB_ID]),
             **({DP_EPSILON: e.spent, DP_DELTA: e.delta} if e is not None else {}),
         }
     )
@@ -224,7 +224,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     ccfg = _client_cfg(setup)
     torch.set_num_threads(ccfg.num_threads)
     model = _network(setup)
-    model.load_state_dict(wire.decode(msg.content[P.ARRAYS]))
+    model.load_state_dict(wire.decode(P.array_record(msg.content, P.ARRAYS)))
     res = evaluate(model, data, task=fed.spec.task, device=pick_device(ccfg.device))
     metrics = MetricRecord({P.SILO: silo, P.NUM_SAMPLES: len(data), **res})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
@@ -249,11 +249,15 @@ def unlearn(msg: Message, context: Context) -> Message:
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)
     model = _network(setup)
-    base = wire.decode(msg.content[P.ARRAYS])
+    base = wire.decode(P.array_record(msg.content, P.ARRAYS))
     model.load_state_dict(base)
-    reference = wire.decode(msg.content[P.REFERENCE]) if P.REFERENCE in msg.content else base
-    seed = int(cfg[P.SEED])
-    common = dict(steps=int(ucfg["steps"]), lr=float(ucfg["lr"]), batch_size=ccfg.batch_size)
+    reference = (
+        wire.decode(P.array_record(msg.content, P.REFERENCE))
+        if P.REFERENCE in msg.content
+        else base
+    )
+    seed = P.as_int(cfg[P.SEED])
+    steps, lr = int(ucfg["steps"]), float(ucfg["lr"])
     if ucfg["method"] == "pga":
         stats = erase_pga(
             model,
@@ -263,7 +267,9 @@ def unlearn(msg: Message, context: Context) -> Message:
             task=fed.spec.task,
             seed=seed,
             device=device,
-            **common,
+            steps=steps,
+            lr=lr,
+            batch_size=ccfg.batch_size,
         )
     else:
         retain = select(data, forget_ids) if forget_ids else None
@@ -275,7 +281,9 @@ def unlearn(msg: Message, context: Context) -> Message:
             task=fed.spec.task,
             seed=seed,
             device=device,
-            **common,
+            steps=steps,
+            lr=lr,
+            batch_size=ccfg.batch_size,
         )
     signature = forget_signature(
         model,
@@ -292,8 +300,8 @@ def unlearn(msg: Message, context: Context) -> Message:
     metrics = MetricRecord(
         {
             P.SILO: silo,
-            P.BASE_VERSION: int(cfg[P.BASE_VERSION]),
-            P.JOB_ID: int(cfg[P.JOB_ID]),
+            P.BASE_VERSION: P.as_int(cfg[P.BASE_VERSION]),
+            P.JOB_ID: P.as_int(cfg[P.JOB_ID]),
             P.NUM_SAMPLES: len(forget),
             "signature_rank": signature.rank,
             **{k: float(v) for k, v in stats.items()},

@@ -194,6 +194,8 @@ def train_local_dp(
                 loss.backward()
             if dp_opt.pre_step():  # clip, noise, scale; the accountant counts the step
                 for p, b in zip(params, base):
+                    if p.grad is None:  # (pre_step gives every trainable parameter one)
+                        raise AttributeError("a trainable parameter has no gradient to add to")
                     p.grad.add_(p.detach() - b, alpha=proximal_mu)
                 dp_opt.original_optimizer.step()
             if len(x):

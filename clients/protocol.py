@@ -12,7 +12,9 @@ Messages (Flower routes them by type, ``@app.train()`` etc.):
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
+
+from flwr.app import ArrayRecord, RecordDict
 
 QUERY = "query"
 TRAIN = "train"
@@ -65,3 +67,33 @@ def dumps(obj: Any) -> str:
 
 def loads(text: str) -> Any:
     return json.loads(text)
+
+
+# Flower types a record as the union of its three kinds, and a record's value as the union of
+# every kind of value (lists and arrays too); the contract above fixes which one each key holds.
+# These read a key with its contract's type and behave exactly as the plain expression would.
+
+
+def array_record(content: RecordDict, key: str) -> ArrayRecord:
+    """``content[key]``, an ArrayRecord by the contract (not checked here: a peer that put
+    another record there fails in ``wire.decode``, as it would without this)."""
+    return cast(ArrayRecord, content[key])
+
+
+def as_int(value: object) -> int:
+    """``int(value)`` for a scalar record value; anything else raises int()'s own TypeError."""
+    if isinstance(value, int | float | str | bytes):
+        return int(value)
+    raise TypeError(
+        "int() argument must be a string, a bytes-like object or a real number, "
+        f"not '{type(value).__name__}'"
+    )
+
+
+def as_float(value: object) -> float:
+    """``float(value)`` for a scalar record value; anything else raises float()'s own TypeError."""
+    if isinstance(value, int | float | str | bytes):
+        return float(value)
+    raise TypeError(
+        f"float() argument must be a string or a real number, not '{type(value).__name__}'"
+    )
