@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,8 +120,23 @@ def _load(benchmark: str, data_dir: str | None) -> tuple[BenchmarkSpec, RawData]
         if isinstance(e, DataError):
             raise
         raise DataError(str(e).splitlines()[0] if str(e) else repr(e)) from e
-    derived = {k: raw.info[k] for k in ("in_channels", "num_classes", "image_size", "class_names")}
-    return dataclasses.replace(spec, **derived), raw
+    # the fields load_online derived from the data: int, int, (H, W) and a tuple of names
+    in_channels, num_classes = raw.info["in_channels"], raw.info["num_classes"]
+    image_size, class_names = raw.info["image_size"], raw.info["class_names"]
+    if not (
+        isinstance(in_channels, int)
+        and isinstance(num_classes, int)
+        and isinstance(image_size, tuple)
+        and isinstance(class_names, tuple)
+    ):
+        raise TypeError(f"{benchmark}: the loader's class info has the wrong types")
+    return dataclasses.replace(
+        spec,
+        in_channels=in_channels,
+        num_classes=num_classes,
+        image_size=image_size,
+        class_names=class_names,
+    ), raw
 
 
 def _stratified_pick(strata: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -138,6 +154,8 @@ def _silo_name(raw: RawData, idx: np.ndarray, partition: str, k: int) -> str:
     g = raw.groups[idx]
     names = raw.info.get("group_names")
     if names is not None and g.min() == g.max():
+        if not isinstance(names, Sequence):  # (a list of names, one per group)
+            raise TypeError(f"'{type(names).__name__}' object is not subscriptable")
         return str(names[int(g[0])])
     label = {"axial slice z": "slab z", "region": "regions "}.get(
         str(raw.info.get("group")), "groups "

@@ -56,7 +56,8 @@ def _mni(kind: str) -> np.ndarray:
         raise DataError(
             f"{path} is missing: reinstall the nilearn wheel (`pip install --force-reinstall nilearn`)"
         )
-    return np.asarray(nib.load(path).get_fdata(dtype=np.float32))
+    # nib.load is typed as returning the FileBasedImage base; a NIfTI file is a Nifti1Image
+    return np.asarray(nib.load(path).get_fdata(dtype=np.float32))  # type: ignore[attr-defined]
 
 
 def _extract_brain(patch: int, per_class: int, stride: int, confidence: float) -> dict:
@@ -100,7 +101,12 @@ def load_brain_tissue(
     confident (max probability >= ``confidence``) voxels inside the brain; groups are the
     axial slice index z, so contiguous groups are contiguous slabs.
     """
-    params = {"v": BRAIN_VERSION, "patch": patch, "per_class": per_class, "stride": stride}
+    params: dict[str, int | float] = {
+        "v": BRAIN_VERSION,
+        "patch": patch,
+        "per_class": per_class,
+        "stride": stride,
+    }
     params["confidence"] = confidence
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     path = data_dir(cache_dir) / "derived" / f"brain-tissue-{key}.npz"

@@ -76,8 +76,9 @@ def load_decathlon_task(
     cases = meta["training"][:max_cases] if max_cases else meta["training"]
     images, labels, groups = [], [], []
     for g, case in enumerate(cases):
-        img = np.asarray(nib.load(root / case["image"]).get_fdata(dtype=np.float32))
-        lab = np.asarray(nib.load(root / case["label"]).dataobj).astype(np.int64)
+        # nib.load is typed as returning the FileBasedImage base; a NIfTI file is a Nifti1Image
+        img = np.asarray(nib.load(root / case["image"]).get_fdata(dtype=np.float32))  # type: ignore[attr-defined]
+        lab = np.asarray(nib.load(root / case["label"]).dataobj).astype(np.int64)  # type: ignore[attr-defined]
         if img.ndim == 3:
             img = img[..., None]
         img = np.moveaxis(img, (2, 3), (0, 1))  # (Z, C, X, Y)
@@ -137,7 +138,7 @@ def load_online(name: str, data_dir: str) -> RawData:
                 for c, i in zip(g, _running(g))
             ]
         )
-        strata = (y.reshape(len(y), -1) > 0).any(1).astype(np.int64)
+        strata = np.asarray((y.reshape(len(y), -1) > 0).any(1), dtype=np.int64)
         info = _class_info(len(names), x.shape[1:], names)
         return RawData(x, y, g, ids, strata, {**info, "source": str(path), "group": "case"})
     raise ValueError(f"{name!r} is not an online benchmark")

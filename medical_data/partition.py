@@ -184,11 +184,11 @@ def apply_site_shift(
         gamma = float(contrast.gamma_value)
         adjust = AdjustContrast(gamma)
         flat = torch.from_numpy(x.reshape(n * c, 1, h, w))
-        out = torch.stack([adjust(img) for img in flat])  # per image, as MONAI does
+        # MONAI types a transform's output as ndarray | Tensor; a Tensor in gives a Tensor out
+        out = torch.stack([adjust(img) for img in flat])  # type: ignore[misc]  # per image, as MONAI does
         out = out.reshape(n * c, h, w) * torch.from_numpy(field)
         smooth.randomize()
-        out = smooth(out, randomize=False)
-        out = noise(out)
+        shifted = noise(smooth(out, randomize=False))
     finally:
         set_track_meta(track)
     params = {
@@ -197,4 +197,4 @@ def apply_site_shift(
         "blur_sigma": round(float(smooth.x), 3),
         "noise_std": round(float(noise.noise.std()) if noise.noise is not None else 0.0, 3),
     }
-    return np.asarray(out, dtype=np.float32).reshape(n, c, h, w), params
+    return np.asarray(shifted, dtype=np.float32).reshape(n, c, h, w), params
