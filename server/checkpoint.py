@@ -20,6 +20,7 @@ import torch
 
 from fedasync.checkpoint import load_checkpoint, save_checkpoint
 from fedasync.errors import CheckpointError
+from fedasync.types import Params
 
 if TYPE_CHECKING:
     from server.loop import AsyncServer
@@ -50,6 +51,11 @@ class CheckpointState:
 
     @classmethod
     def capture(cls, srv: AsyncServer) -> CheckpointState:
+        train = [
+            j
+            for j in sorted(srv.inflight.values(), key=lambda j: j.job_id)
+            if j.kind == "train"  # an erasure in flight is restarted from the store instead
+        ]
         jobs = [
             {
                 "silo": j.silo,
@@ -59,12 +65,11 @@ class CheckpointState:
                 "finishes_at": j.finishes_at,
                 "fault": j.fault,
             }
-            for j in sorted(srv.inflight.values(), key=lambda j: j.job_id)
-            if j.kind == "train"  # an erasure in flight is restarted from the store instead
+            for j in train
         ]
-        bases = {}
-        for j in jobs:
-            v = j["base_version"]
+        bases: dict[int, Params] = {}
+        for j in train:
+            v = j.base_version
             if v not in bases:
                 bases[v] = srv.params if v == srv.version else srv.sent[v]
         return cls(

@@ -95,11 +95,11 @@ def take_reply(
         return Rejection(RejectReason.CLIENT_ERROR, str(reason).strip().splitlines()[-1][:300])
     try:
         metrics = reply.content[P.METRICS]
-        claimed_silo = int(metrics[P.SILO])
-        claimed_job = int(metrics[P.JOB_ID])
-        claimed_base = int(metrics[P.BASE_VERSION])
-        num_samples = int(metrics[P.NUM_SAMPLES])
-        record = reply.content[P.ARRAYS]
+        claimed_silo = P.as_int(metrics[P.SILO])
+        claimed_job = P.as_int(metrics[P.JOB_ID])
+        claimed_base = P.as_int(metrics[P.BASE_VERSION])
+        num_samples = P.as_int(metrics[P.NUM_SAMPLES])
+        record = P.array_record(reply.content, P.ARRAYS)
     except (KeyError, TypeError, ValueError) as e:
         return Rejection(RejectReason.MALFORMED, f"missing or bad field: {e}")
     if claimed_silo not in roster:
@@ -150,7 +150,7 @@ def take_reply(
     if outlier is not None:
         return outlier
     norms.observe(norm)
-    train_metrics = {k: float(v) for k, v in metrics.items() if k.startswith("train_")}  # type: ignore[arg-type]
+    train_metrics = {k: P.as_float(v) for k, v in metrics.items() if k.startswith("train_")}
     update = Update(
         silo=str(job.silo),
         base_version=job.base_version,

@@ -77,11 +77,11 @@ def read_unlearn_reply(
                 f"the silo failed: {reply.error.reason}".splitlines()[0][:300],
                 offline=reply.error.code == ErrorCode.NODE_UNAVAILABLE,
             )
-        delta = wire.decode(reply.content[P.ARRAYS])
+        delta = wire.decode(P.array_record(reply.content, P.ARRAYS))
         bad = check_tensors(delta, reference)
         if bad is not None:
             return f"{bad.reason.value}: {bad.detail}"
-        basis = wire.decode(reply.content[P.SIGNATURE])["basis"]
+        basis = wire.decode(P.array_record(reply.content, P.SIGNATURE))["basis"]
         names = [str(n) for n in reply.content[P.CONFIG]["signature-names"]]  # type: ignore[union-attr]
         if (
             basis.dim() != 2
@@ -90,7 +90,7 @@ def read_unlearn_reply(
         ):
             return "the gradient signature is not a finite (d, k) matrix"
         metrics = {
-            k: float(v)  # type: ignore[arg-type]
+            k: P.as_float(v)
             for k, v in reply.content[P.METRICS].items()
             if k not in (P.SILO, P.JOB_ID, P.BASE_VERSION)
         }

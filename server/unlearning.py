@@ -325,12 +325,18 @@ class ErasureCoordinator:
         )
         self._calibration_round()
 
+    def _history(self) -> UpdateHistory:
+        """The update history a rebuild reads (``_start_rebuild`` checked that it is kept)."""
+        if self.history is None:
+            raise AttributeError("FedEraser's update history is not kept (federaser is off)")
+        return self.history
+
     def _calibration_round(self) -> None:
         rb, srv = self.rebuild, self.srv
         assert rb is not None
         steps = max(1, round(srv.cfg.client.local_steps * self.cfg.federaser_steps_ratio))
         while rb.idx < len(rb.rounds):
-            norms = self.history.norms(rb.rounds[rb.idx])
+            norms = self._history().norms(rb.rounds[rb.idx])
             silos = [
                 s
                 for s in sorted(srv.roster)
@@ -358,7 +364,7 @@ class ErasureCoordinator:
             rb.updates[str(job.silo)] = update
         if rb.pending:
             return
-        norms = self.history.norms(rb.rounds[rb.idx])
+        norms = self._history().norms(rb.rounds[rb.idx])
         rb.model = federaser_step(
             rb.model,
             {s: u.tensors for s, u in rb.updates.items()},
