@@ -100,8 +100,11 @@ def take_reply(
         claimed_base = P.as_int(metrics[P.BASE_VERSION])
         num_samples = P.as_int(metrics[P.NUM_SAMPLES])
         record = P.array_record(reply.content, P.ARRAYS)
+        # a train_* metric Flower allows but we cannot read (a list) is malformed too, before
+        # the norm detector learns anything from this update
+        train_metrics = {k: P.as_float(v) for k, v in metrics.items() if k.startswith("train_")}
     except (KeyError, TypeError, ValueError) as e:
-        return Rejection(RejectReason.MALFORMED, f"missing or bad field: {e}")
+        return Rejection(RejectReason.MALFORMED, f"missing or bad field: {str(e)[:200]}")
     if claimed_silo not in roster:
         return Rejection(RejectReason.UNKNOWN_SILO, f"silo {claimed_silo} is not in the roster")
     if roster[claimed_silo] != job.node_id or claimed_silo != job.silo:
@@ -150,7 +153,6 @@ def take_reply(
     if outlier is not None:
         return outlier
     norms.observe(norm)
-    train_metrics = {k: P.as_float(v) for k, v in metrics.items() if k.startswith("train_")}
     update = Update(
         silo=str(job.silo),
         base_version=job.base_version,
