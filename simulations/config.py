@@ -95,7 +95,7 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
     model.eval()
     with torch.no_grad():
         out = tuple(model(torch.zeros(1, spec.in_channels, *spec.image_size)).shape)
-    want = (1, spec.num_classes)
+    want: tuple[int, ...] = (1, spec.num_classes)
     if spec.task == "segmentation":
         want = (*want, *spec.image_size)
     if out != want:

@@ -24,14 +24,16 @@ def make_backend(cfg: RLConfig) -> Any:
     try:
         from trainers.rl.ray_backend import RayBackend, ray_available
     except ImportError as e:  # pragma: no cover - Ray is a dependency of flwr[simulation]
-        reason = f"{type(e).__name__}: {e}"
+        reason: str | None = f"{type(e).__name__}: {e}"
     else:
         reason = ray_available()
         if reason is None:
             from trainers.rl.engine import build_task, pick_device
 
             return RayBackend(cfg, build_task(cfg), pick_device(cfg.run.device))
-    log.warning("Ray is not available (%s): running the one-process mode instead", reason[:200])
+    log.warning(
+        "Ray is not available (%s): running the one-process mode instead", str(reason)[:200]
+    )
     cfg.rollout.backend = "local"
     if cfg.rollout.clock == "wall":
         log.warning("the wall clock needs Ray's actors: using the virtual clock")

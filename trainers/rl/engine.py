@@ -470,9 +470,10 @@ class RLRun:
         """Set a virtual job's finish time from its tokens once its result is known."""
         if self.virtual and job.finishes_at == math.inf:
             assert self.gen_token_s is not None
-            units = job.group.tokens if job.group is not None else 0
+            units: float = job.group.tokens if job.group is not None else 0
             if job.error is not None:
                 units = units / 2.0
+            assert isinstance(self.clock, VirtualClock)
             job.finishes_at = job.dispatched_at + self.clock.duration(
                 job.worker, job.job_id, units * self.gen_token_s
             )
@@ -731,11 +732,11 @@ class RLRun:
                         progress.update(1)
                 elif t_score <= t_job:
                     self.clock.advance_to(t_score)
-                    due = sorted(
+                    due_scores = sorted(
                         (j for j in self.scoring.values() if j.finishes_at <= t_score + 1e-12),
                         key=lambda j: (j.finishes_at, j.job_id),
                     )
-                    for sj in due:
+                    for sj in due_scores:
                         self._scored(sj)
                 else:
                     self.clock.advance_to(t_job)

@@ -208,7 +208,7 @@ class RayBackend:
                     num_cpus=os.cpu_count() or 1,
                     include_dashboard=False,
                     log_to_driver=False,
-                    logging_level="ERROR",
+                    logging_level="ERROR",  # type: ignore[arg-type]  # Ray hands it to logging, which takes names
                     _temp_dir=self.session,
                     runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
                 )
@@ -419,7 +419,7 @@ class RayTeacherPool:
         self.pids_seen: set[int] = set()
         self._pid_refs: list[Any] = []  # pid calls of started actors, not yet fetched
         self._closed = False
-        self.weights = ray.put(state)  # once; every actor (and restart) fetches it
+        self.weights: Any = ray.put(state)  # once; every actor (and restart) fetches it
         try:
             self._remote = ray.remote(_Teacher)
             self.actors = [self._new_actor() for _ in range(self.teachers)]
@@ -435,7 +435,7 @@ class RayTeacherPool:
         actor = self._remote.options(num_cpus=0, max_restarts=0).remote(
             self.cfg, [self.weights], self.device.type
         )
-        self._pid_refs.append(actor.pid.remote())  # its first call: answered once it is up
+        self._pid_refs.append(actor.pid.remote())  # type: ignore[attr-defined]  # a Ray actor method  # its first call: answered once it is up
         return actor
 
     def _restart(self, i: int) -> None:
