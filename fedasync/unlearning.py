@@ -137,7 +137,7 @@ def forget_share_scale(
     unbounded PGA steps on 5 samples travel (seeds 0-2), so hardly a bound.
     ``none``: 1, every erasure the full size (the behaviour before the rule existed: on
     brain-tissue, 5 of 456 samples then cost the global test score 5-23 points at the
-    boundary over 3 seeds; ``linear`` 0.3-1.5, README "Erasure").
+    boundary over 3 seeds; ``linear`` 0.3-1.5, docs/erasure.md).
     A whole silo (``n_forget >= n_held``) or an unknown size (``n_held < 1``) is always 1.
     """
     if rule not in SHARE_RULES:

@@ -1,6 +1,6 @@
 """Typed configuration of a fedasync run, validated once where the app starts.
 
-Every key is documented by the docstring under its field; README.md lists them all. Every
+Every key is documented by the docstring under its field; docs/configuration.md lists them all. Every
 numeric key has its allowed values in RANGES; `validate` checks them, the names and the keys
 that must agree, and raises ConfigError (a fedasync.errors.UserError) naming the key.
 Experiments are YAML files (simulations/configs/) plus ``key=value`` overrides.
@@ -96,7 +96,7 @@ class ServerConfig:
     """fedasync (fold every update at once), fedbuff (buffer K updates), sync (FedAvg rounds)."""
     alpha: float = 0.3
     """FedAsync mixing rate: x <- x + alpha * s(tau) * delta (0.3: steadier than the paper's 0.6
-    when silos are non-IID, see README)."""
+    when silos are non-IID, see docs/measured.md)."""
     buffer_size: int = 3
     """FedBuff: updates per aggregation (K)."""
     sample_weighting: bool = True
@@ -251,7 +251,7 @@ class BackdoorConfig:
 
 @dataclass
 class UnlearningConfig:
-    """Asynchronous erasure with invariance calibration (AFU-IC style; see README)."""
+    """Asynchronous erasure with invariance calibration (AFU-IC style; see docs/erasure.md)."""
 
     method: str = "pga"
     """Silo-side erasure: pga (projected gradient ascent, Halimi et al. 2022) or relabel."""

@@ -530,7 +530,7 @@ class AsyncServer:
         res = self._validate(job, reply, self.norms)
         if isinstance(res, Rejection):
             self._reject(job, res)
-            if res.reason.value == "client_error":
+            if res.reason is RejectReason.CLIENT_ERROR:
                 self._after_failure(job, down_s=self._down_s(job, reply))
                 return False
             return True

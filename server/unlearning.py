@@ -39,7 +39,7 @@ erasure (a silo left without data could only fail every training job); the ``era
 and the audit row say so.
 
 Bounds, so that an erasure cannot wreck everyone's model (a silo could otherwise do it on
-purpose, and even an honest tiny erasure did: see README):
+purpose, and even an honest tiny erasure did: see docs/erasure.md):
 
 - its size follows the forget set's share of the silo's data
   (`fedasync.unlearning.forget_share_scale`, ``unlearning.radius_scaling``): PGA's ball
