@@ -51,7 +51,9 @@ def ms(xs: list[float], fmt: str = ".3f") -> str:
     return f"{statistics.fmean(xs):{fmt}} ± {(max(xs) - min(xs)) / 2:{fmt}}"
 
 
-def run(schedule: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
+def run(
+    schedule: str, seed: int, a: argparse.Namespace, out: Path, steps: int | None = None
+) -> dict:
     from trainers.pipeline.config import load_pipeline_config
     from trainers.pipeline.run import run_config
 
@@ -62,7 +64,7 @@ def run(schedule: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
             f"run.name={schedule}-{seed}",
             f"run.seed={seed}",
             f"data.seed={1000 + seed}",
-            f"run.steps={a.steps}",
+            f"run.steps={steps or a.steps}",
             f"run.eval_every={a.eval_every}",
             "run.checkpoint_every=0",
             "run.progress=false",
@@ -131,6 +133,7 @@ def main() -> None:
     t0 = time.perf_counter()
     if a.gap_micro:
         gap_vs_micro(a)
+        print(f"\nwall time {time.perf_counter() - t0:.0f} s")
         return
     from tqdm import tqdm
 
@@ -303,17 +306,16 @@ def every_schedule(a: argparse.Namespace) -> None:
     timeline PNG (memory is a matter of tensor sizes: one seed says it)."""
     import shutil
 
-    steps = a.steps
-    a.steps = a.every_schedule_steps
+    steps = a.every_schedule_steps
     print(
-        f"\n## Every schedule, real P = 2, m = {a.micro}, {a.steps} steps, seed 0: measured "
+        f"\n## Every schedule, real P = 2, m = {a.micro}, {steps} steps, seed 0: measured "
         "peak memory per stage (MiB, stage 0 / stage 1) and bubble"
     )
     print("| schedule | activations | weights + grads + optimiser + stash | bubble | s/step |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="fa-pipe-every-") as tmp:
         for s in ("gpipe", "1f1b", "2bw", "paci"):
-            r = run(s, 0, a, Path(tmp))
+            r = run(s, 0, a, Path(tmp), steps)
             mem = r["memory"]
             print(
                 f"| {s} | "
@@ -329,7 +331,6 @@ def every_schedule(a: argparse.Namespace) -> None:
                     Path(tmp) / f"{s}-0" / "timeline.png",
                     Path(a.png_dir) / f"pipeline_timeline_{s}.png",
                 )
-    a.steps = steps
 
 
 if __name__ == "__main__":

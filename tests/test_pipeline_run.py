@@ -39,6 +39,8 @@ def test_an_emulated_run_writes_its_folder(tmp_path, schedule, capsys):
             "run.steps=6",
             "run.eval_every=3",
             "run.checkpoint_every=0",
+            "optim.warmup=0",  # six steps: learn from the first
+            "optim.lr=0.01",
         )
     finally:
         torch.set_num_threads(before)
@@ -54,7 +56,9 @@ def test_an_emulated_run_writes_its_folder(tmp_path, schedule, capsys):
     assert all(e["time_s"] is not None and e["time_s"] > 0 for e in steps)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_val_loss"] == evals[-1]["val_loss"]
-    assert summary["final_val_loss"] < 4.5  # below log(vocab) ≈ 4.3 + slack: it learnt
+    # it learnt: an untrained model scores log(vocab) ≈ 4.2 nats; six steps reach about 3.4
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert summary["final_val_loss"] < 3.9
     assert summary["max_drift_seen"] == (1 if schedule == "paci" else 0)
     for m in summary["memory"]:
         assert m["activation_peak_bytes"] > 0 and m["weight_peak_bytes"] > 0

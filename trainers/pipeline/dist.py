@@ -38,7 +38,7 @@ from fedasync.corrections import DelayErrorFeedback
 from trainers.pipeline.model import GPTConfig, build_stages
 from trainers.pipeline.optim import StageOptimizer
 from trainers.pipeline.schedule import run_order
-from trainers.pipeline.worker import StageWorker
+from trainers.pipeline.worker import MicroBatches, StageWorker
 
 
 @dataclass(frozen=True)
@@ -79,45 +79,32 @@ class PipeJob:
     """Stored with every checkpoint (the run's config, to refuse resuming another run)."""
 
 
-def synthetic_batch(job: PipeJob, t: int) -> tuple[Tensor, Tensor]:
-    """Batch ``t`` of a seeded random id stream (the same on every rank, any order)."""
-    g = torch.Generator().manual_seed(job.data_seed * 1_000_003 + t)
-    ctx = job.cfg.context
-    n = max(4 * ctx * job.batch, 4096)
-    stream = torch.randint(
-        0, job.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(job.data_seed)
-    )
-    s = torch.randint(0, n - ctx - 1, (job.batch,), generator=g)
-    idx = s[:, None] + torch.arange(ctx)
-    return stream[idx], stream[idx + 1]
-
-
-def synthetic_batches(job: PipeJob) -> list[tuple[Tensor, Tensor]]:
-    """The job's batches, in order."""
-    return [synthetic_batch(job, t) for t in range(job.steps)]
-
-
 class BatchSource:
-    """Batch ``t`` of a job, from its data: each batch has its own seeded generator, so any
-    process and a resumed run draw the same batch ``t``."""
+    """Batch ``t`` of a job: ``data.batch`` windows of its id stream (the corpus's training
+    text, or a seeded random stream for ``synthetic``), drawn with batch t's own seeded
+    generator, so any process and a resumed run draw the same batch ``t``. ``corpus`` is an
+    already loaded :class:`trainers.pipeline.corpus.Corpus` to use instead of loading it."""
 
-    def __init__(self, job: PipeJob) -> None:
+    def __init__(self, job: PipeJob, corpus: Any = None) -> None:
         self.job = job
-        self.corpus: Any = None
         if job.data == "corpus":
-            from trainers.pipeline.corpus import load_corpus
+            if corpus is None:
+                from trainers.pipeline.corpus import load_corpus
 
-            self.corpus = load_corpus(val_fraction=job.val_fraction)
-        elif job.data != "synthetic":
+                corpus = load_corpus(val_fraction=job.val_fraction)
+            self.stream = corpus.train
+        elif job.data == "synthetic":
+            n = max(4 * job.cfg.context * job.batch, 4096)
+            g = torch.Generator().manual_seed(job.data_seed)
+            self.stream = torch.randint(0, job.cfg.vocab_size, (n,), generator=g)
+        else:
             raise ValueError(f"data must be synthetic or corpus, got {job.data!r:.40}")
 
     def __call__(self, t: int) -> tuple[Tensor, Tensor]:
-        if self.corpus is None:
-            return synthetic_batch(self.job, t)
         from trainers.pipeline.corpus import batch
 
         g = torch.Generator().manual_seed(self.job.data_seed * 1_000_003 + t)
-        return batch(self.corpus.train, self.job.cfg.context, self.job.batch, g)
+        return batch(self.stream, self.job.cfg.context, self.job.batch, g)
 
 
 TORCH_SCHEDULES = ("torch-gpipe", "torch-1f1b")
@@ -179,8 +166,6 @@ class StepHook:
 
     def __init__(self, job: PipeJob, out: Path, rank: int, queue: Any = None) -> None:
         self.job, self.out, self.rank, self.queue = job, out, rank, queue
-        self.evals: dict[int, dict[str, Tensor]] = {}
-        self.keep_in_memory = False
 
     def __call__(self, w: StageWorker, t: int) -> None:
         job, step = self.job, t + 1
@@ -188,12 +173,9 @@ class StepHook:
             os.kill(os.getpid(), signal.SIGKILL)  # the injected fault: this stage dies
         if (job.eval_every and step % job.eval_every == 0) or step == job.steps:
             weights = {k: v.detach().cpu().clone() for k, v in w.stage.state_dict().items()}
-            if self.keep_in_memory:
-                self.evals[step] = weights
-            else:
-                path = eval_path(self.out, step, self.rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(weights, path)
+            path = eval_path(self.out, step, self.rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(weights, path)
         if job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
             state = {"worker": w.state_dict(), "step": step, "rank": self.rank, "config": job.extra}
             save_checkpoint(checkpoint_path(self.out, step, self.rank), state)
@@ -242,7 +224,8 @@ def _torch_schedule(rank: int, job: PipeJob, out_dir: str) -> None:
     kind = ScheduleGPipe if job.schedule == "torch-gpipe" else Schedule1F1B
     sched = kind(pipe_stage, job.micro, loss_fn=loss_fn)
     losses: dict[str, float] = {}
-    for t, (x, y) in enumerate(synthetic_batches(job)):
+    source = BatchSource(job)
+    for t, (x, y) in enumerate(source(t) for t in range(job.steps)):
         opt.zero_grad(set_to_none=True)
         if rank == 0:
             sched.step(x)
@@ -280,25 +263,15 @@ def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str, queue: An
         data = BatchSource(job) if (w.first or w.last) else None
         m, P = job.micro, job.stages
         ops = run_order(job.schedule, P, m, job.steps - job.start, job.start, job.delay)[rank]
-        mb = job.batch // m
-        hidden = (mb, job.cfg.context, job.cfg.d_model)
-        cache: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
-
-        def micro_batch(j: int) -> tuple[Tensor, Tensor]:
-            t = j // m
-            if t not in cache:
-                assert data is not None
-                x, y = data(t)
-                cache.clear()
-                cache[t] = (x.to(device).chunk(m), y.to(device).chunk(m))
-            xs, ys = cache[t]
-            return xs[j % m], ys[j % m]
+        hidden = (job.batch // m, job.cfg.context, job.cfg.d_model)
+        batches = MicroBatches(data, m, keep=P // m + 2, device=device) if data else None
 
         sends: list[Any] = []
         for kind, j in ops:
             if kind == "F":
                 if w.first:
-                    inp = micro_batch(j)[0]
+                    assert batches is not None
+                    inp = batches(j)[0]
                 else:
                     inp = torch.empty(hidden, device=device)
                     dist.recv(inp, src=rank - 1)
@@ -307,7 +280,8 @@ def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str, queue: An
                     sends.append(dist.isend(y.contiguous(), dst=rank + 1))
             else:
                 if w.last:
-                    incoming = micro_batch(j)[1]
+                    assert batches is not None
+                    incoming = batches(j)[1]
                 else:
                     incoming = torch.empty(hidden, device=device)
                     dist.recv(incoming, src=rank + 1)

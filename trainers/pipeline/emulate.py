@@ -23,7 +23,7 @@ from torch import Tensor
 from fedasync.corrections import DelayErrorFeedback
 from trainers.pipeline.model import Stage, run_stages
 from trainers.pipeline.schedule import SCHEDULES, batch_order, peak_in_flight, run_order
-from trainers.pipeline.worker import StageWorker
+from trainers.pipeline.worker import MicroBatches, StageWorker
 
 __all__ = ["SCHEDULES", "Emulator", "emulate", "evaluate", "peak_in_flight", "stage_order"]
 
@@ -47,18 +47,7 @@ def emulate(
     pos = [0] * P
     acts: dict[tuple[int, int], Tensor] = {}
     grads: dict[tuple[int, int], Tensor] = {}
-    cache: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
-
-    def micro_batch(j: int) -> tuple[Tensor, Tensor]:
-        t = j // m
-        if t not in cache:
-            x, y = get_batch(t)
-            if x.shape[0] % m:
-                raise ValueError(f"batch of {x.shape[0]} does not split into {m} micro-batches")
-            cache.clear()
-            cache[t] = (x.chunk(m), y.chunk(m))
-        xs, ys = cache[t]
-        return xs[j % m], ys[j % m]
+    micro_batch = MicroBatches(get_batch, m, keep=P // m + 2)
 
     remaining = sum(len(o) for o in orders)
     while remaining:

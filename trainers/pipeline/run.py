@@ -26,7 +26,6 @@ import logging
 import shutil
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +231,7 @@ class _QueueToProgress:
         self.progress(item[0], item[1])
 
 
-def _emulate(job: PipeJob, run_dir: Path, progress: _Progress) -> list[dict[str, Any]]:
+def _emulate(job: PipeJob, run_dir: Path, progress: _Progress, corpus: Any) -> list[dict[str, Any]]:
     from trainers.pipeline.emulate import emulate
 
     torch.set_num_threads(job.threads)
@@ -244,7 +243,7 @@ def _emulate(job: PipeJob, run_dir: Path, progress: _Progress) -> list[dict[str,
         if job.start:
             resume_worker(w, job, run_dir, r)
         workers.append(w)
-    source = BatchSource(job)
+    source = BatchSource(job, corpus)
 
     def get_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = source(t)
@@ -254,12 +253,11 @@ def _emulate(job: PipeJob, run_dir: Path, progress: _Progress) -> list[dict[str,
     return [rank_result(w) for w in workers]
 
 
-def evaluate_saved(job: PipeJob, run_dir: Path, steps: list[int]) -> dict[int, float]:
+def evaluate_saved(job: PipeJob, run_dir: Path, steps: list[int], corpus: Any) -> dict[int, float]:
     """Held-out loss of the whole model at each of ``steps`` from the stages' saved weights."""
-    from trainers.pipeline.corpus import batch, load_corpus
+    from trainers.pipeline.corpus import batch
     from trainers.pipeline.emulate import evaluate
 
-    corpus = load_corpus(val_fraction=job.val_fraction)
     g = torch.Generator().manual_seed(2**31 - 1)
     n = job.extra.get("run", {}).get("eval_batches", 8)
     val = [batch(corpus.val, job.cfg.context, job.batch, g) for _ in range(n)]
@@ -273,8 +271,8 @@ def evaluate_saved(job: PipeJob, run_dir: Path, steps: list[int]) -> dict[int, f
 
 
 def measure(job: PipeJob, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run's measured bubble and step time, and what the simulator predicts for it (and
-    at P = 4 and 8) from the measured per-stage costs."""
+    """The run's measured bubble and step time, and what the simulator predicts for the same
+    run from its measured per-stage costs."""
     from trainers.pipeline.simulate import Timeline, from_measurements, simulate
 
     events = [e for r in ranks for e in r["events"]]
@@ -313,8 +311,8 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
     start = _resume_step(cfg, run_dir) if cfg.run.resume else 0
     if not cfg.run.resume:
         _fresh(run_dir)
-    vocab = load_corpus(val_fraction=cfg.data.val_fraction).vocab.size
-    job = job_of(cfg, vocab, start)
+    corpus = load_corpus(val_fraction=cfg.data.val_fraction)
+    job = job_of(cfg, corpus.vocab.size, start)
     metrics = run_dir / "metrics.jsonl"
     with metrics.open("a") as f:
         if start:
@@ -324,7 +322,7 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         if cfg.pipeline.backend == "emulate":
-            ranks = _emulate(job, run_dir, progress)
+            ranks = _emulate(job, run_dir, progress, corpus)
         else:
             ranks = run_pipeline(job, run_dir, progress=progress)["ranks"]
     finally:
@@ -338,18 +336,19 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
     (run_dir / "events.json").write_text(json.dumps(events))
     losses = {int(k): v for k, v in ranks[-1]["losses"].items()}
     m = job.micro
-    done = {e["step"] for e in _read_metrics(metrics) if e.get("event") == "eval"}
+    # evaluations recorded before a resume, and those of this run's saved weights
+    vals = {e["step"]: e["val_loss"] for e in _read_metrics(metrics) if e.get("event") == "eval"}
     eval_steps = sorted(
         step
         for p in (run_dir / "evals").glob("step*_stage0.pt")
-        if (step := int(p.stem[4:10])) not in done
+        if (step := int(p.stem[4:10])) not in vals
         and all(eval_path(run_dir, step, r).exists() for r in range(job.stages))
     )
-    vals = evaluate_saved(job, run_dir, eval_steps)
+    new = evaluate_saved(job, run_dir, eval_steps, corpus)
     with metrics.open("a") as f:
         for step in eval_steps:
-            f.write(json.dumps({"event": "eval", "step": step, "val_loss": vals[step]}) + "\n")
-    vals = {e["step"]: e["val_loss"] for e in _read_metrics(metrics) if e.get("event") == "eval"}
+            f.write(json.dumps({"event": "eval", "step": step, "val_loss": new[step]}) + "\n")
+    vals.update(new)
     tokens = (cfg.run.steps - start) * cfg.data.batch * cfg.model.context
     measured = measure(job, ranks)
     drift: dict[str, int] = {}
@@ -374,7 +373,8 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
         else None,
         "wall_s": wall,
         "tokens": tokens,
-        "tokens_per_s": tokens / max(events[-1]["end"] if events else wall, 1e-9),
+        # over the pipeline's own span (process start-up and evaluation excluded)
+        "tokens_per_s": tokens / max(max((e["end"] for e in events), default=wall), 1e-9),
         "memory": [r["memory"] for r in ranks],
         "drift": dict(sorted(drift.items(), key=lambda kv: int(kv[0]))),
         "max_drift_seen": max((int(k) for k in drift), default=0),
@@ -382,8 +382,6 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
         "correction": job.correction,
         "run_dir": str(run_dir),
     }
-    if events:
-        summary["tokens_per_s"] = tokens / max(max(e["end"] for e in events), 1e-9)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.run.plots:
         summary["plots"] = [str(p) for p in plot_run(run_dir, job, events, losses, vals, start)]
@@ -419,12 +417,4 @@ def plot_run(
     ]
     curves = {"train (batch)": train, "held-out": sorted(vals.items())}
     out.append(plot_loss(curves, run_dir / "loss.png", "step", f"{job.schedule} loss"))
-    return out
-
-
-def with_overrides(cfg: PipelineConfig, **sections: dict[str, Any]) -> PipelineConfig:
-    """A copy of ``cfg`` with fields of named sections replaced (for scripts)."""
-    out = cfg
-    for name, values in sections.items():
-        out = replace(out, **{name: replace(getattr(out, name), **values)})
     return out

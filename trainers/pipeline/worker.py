@@ -76,6 +76,37 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+class MicroBatches:
+    """Micro-batch ``j``'s ids and targets: batch ``j // micro`` from ``get_batch(t)``, drawn
+    once, cut into ``micro`` chunks and kept while it may still be needed (at most ``keep``
+    batches, the oldest dropped: without a flush a stage's forwards run up to P − 1
+    micro-batches ahead of the last stage's backwards)."""
+
+    def __init__(
+        self,
+        get_batch: Callable[[int], tuple[Tensor, Tensor]],
+        micro: int,
+        keep: int = 2,
+        device: torch.device | None = None,
+    ) -> None:
+        self.get_batch, self.micro, self.keep, self.device = get_batch, micro, keep, device
+        self._cache: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+
+    def __call__(self, j: int) -> tuple[Tensor, Tensor]:
+        m, t = self.micro, j // self.micro
+        if t not in self._cache:
+            x, y = self.get_batch(t)
+            if x.shape[0] % m:
+                raise ValueError(f"batch of {x.shape[0]} does not split into {m} micro-batches")
+            if self.device is not None:
+                x, y = x.to(self.device), y.to(self.device)
+            self._cache[t] = (x.chunk(m), y.chunk(m))
+            while len(self._cache) > self.keep:
+                del self._cache[min(self._cache)]
+        xs, ys = self._cache[t]
+        return xs[j % m], ys[j % m]
+
+
 class StageWorker:
     """Stage ``stage``'s operations under ``schedule`` with ``micro`` micro-batches a step.
 
@@ -146,7 +177,7 @@ class StageWorker:
         return max(batch - self.delay, 0)
 
     # -- operations ----------------------------------------------------------------------
-    def _saved(self, j: int, sizes: dict[int, int]) -> Any:
+    def _saved(self, sizes: dict[int, int]) -> Any:
         params = self._param_ptrs
 
         def pack(t: Tensor) -> Tensor:
@@ -165,7 +196,7 @@ class StageWorker:
             inp = inp.detach().requires_grad_(True)
         sizes: dict[int, int] = {}
         version = self.version
-        with self._saved(j, sizes):
+        with self._saved(sizes):
             if self.snapshots is not None:
                 v = self.computed_under(j // self.micro)
                 snap = self.snapshots.get(v)
@@ -200,8 +231,8 @@ class StageWorker:
             raise RuntimeError(
                 f"stage {self.index}: backward of micro-batch {j} before its forward"
             )
-        now = self.version if self.snapshots is None else h.version
-        tau = now - h.version if self.snapshots is None else 0
+        # 2BW's backward runs on its stash (no drift); the others on the live weights
+        tau = 0 if self.snapshots is not None else self.version - h.version
         decision = self.bound.check(tau)
         if decision.action == "reject":
             raise DriftExceeded(
@@ -312,7 +343,6 @@ class StageWorker:
         self.version = int(d["version"])
         if self.snapshots is not None and d["snapshots"] is not None:
             self.snapshots.load_state_dict(d["snapshots"])
-            self._refresh_param_ptrs()
         if self.correction is not None and d["correction"] is not None:
             self.correction.load_state_dict(d["correction"])
         self._refresh_param_ptrs()
