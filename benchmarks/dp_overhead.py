@@ -33,11 +33,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from clients.config import DataConfig, build_silos  # noqa: E402
 from clients.dp import sample_rate, train_local_dp  # noqa: E402
 from clients.local import train_local  # noqa: E402
 from clients.privacy import PrivacyLedger  # noqa: E402
 from medical_data.networks import network_for  # noqa: E402
+from protocol.config import DataConfig, build_silos  # noqa: E402
 
 
 def _median(fn, reps: int) -> tuple[float, float]:

@@ -27,8 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 
-from clients import protocol as P  # noqa: E402
-from clients import wire  # noqa: E402
 from fedasync import (  # noqa: E402
     ErrorFeedback,
     FedAsyncAggregator,
@@ -38,6 +36,8 @@ from fedasync import (  # noqa: E402
     make_weight_fn,
 )
 from medical_data.networks import build_network  # noqa: E402
+from protocol import keys as P  # noqa: E402
+from protocol import wire  # noqa: E402
 from server.intake import Accepted, Job, take_reply  # noqa: E402
 
 

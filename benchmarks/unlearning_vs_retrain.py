@@ -70,9 +70,9 @@ def _methods(silo: int, at_s: float) -> dict[str, list[str]]:
 
 def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:
     """Verification metrics of the retrained model (its final checkpoint)."""
-    from clients.local import training_data
-    from clients.verify import verification_report
     from medical_data.backdoor import triggered_set
+    from medical_data.tasks import training_data
+    from medical_data.verification import verification_report
     from server.app import _federation, initial_model
     from server.checkpoint import load_state
 

@@ -18,22 +18,16 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients import protocol as P
-from clients import wire
-from clients.config import ClientConfig, DataConfig, DPConfig, build_silos
-from clients.local import concat, evaluate, pick_device, select, train_local, training_data
-from clients.privacy import (
-    DP_DELTA,
-    DP_EPSILON,
-    REFUSAL,
-    REFUSAL_DETAIL,
-    BudgetExhausted,
-    Refusal,
-    ledger_path,
-)
+from clients.local import train_local
+from clients.privacy import BudgetExhausted, Refusal, ledger_path
 from fedasync.tensors import sub
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
+from medical_data.tasks import concat, evaluate, pick_device, select, training_data
+from protocol import keys as P
+from protocol import wire
+from protocol.config import ClientConfig, DataConfig, DPConfig, build_silos
+from protocol.keys import DP_DELTA, DP_EPSILON, REFUSAL, REFUSAL_DETAIL
 
 log = logging.getLogger("fedasync.client")
 
@@ -314,7 +308,7 @@ def unlearn(msg: Message, context: Context) -> Message:
                 {"basis": signature.basis.to(getattr(torch, ucfg["signature_dtype"]))}
             ),
             P.METRICS: metrics,
-            P.CONFIG: ConfigRecord({"signature-names": list(signature.names)}),
+            P.CONFIG: ConfigRecord({P.SIGNATURE_NAMES: list(signature.names)}),
         }
     )
     return Message(content, reply_to=msg)

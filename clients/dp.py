@@ -60,10 +60,12 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from clients.config import DPConfig
-from clients.local import _loss_fn, _score, _targets
-from clients.privacy import DP_DELTA, DP_EPSILON, History, PrivacyLedger
+from clients.privacy import History, PrivacyLedger
 from medical_data.federation import SiloData
+from medical_data.tasks import loss_fn as task_loss
+from medical_data.tasks import score, targets
+from protocol.config import DPConfig
+from protocol.keys import DP_DELTA, DP_EPSILON
 
 
 def make_compatible(model: nn.Module) -> nn.Module:
@@ -177,7 +179,7 @@ def train_local_dp(
             poisson_sampling=True,
             noise_generator=noise_gen,
         )
-    loss_fn = _loss_fn(task)
+    loss_fn = task_loss(task)
     params = [p for p in model.parameters() if p.requires_grad]
     base = [p.detach().clone() for p in params] if proximal_mu > 0 else []
     total_loss, total_score, seen, nonempty = 0.0, 0.0, 0, 0
@@ -190,7 +192,7 @@ def train_local_dp(
             out = dp_model(x)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # an empty batch's loss is NaN; no gradient
-                loss = loss_fn(out, _targets(y, task))
+                loss = loss_fn(out, targets(y, task))
                 loss.backward()
             if dp_opt.pre_step():  # clip, noise, scale; the accountant counts the step
                 for p, b in zip(params, base):
@@ -200,7 +202,7 @@ def train_local_dp(
                 dp_opt.original_optimizer.step()
             if len(x):
                 total_loss += float(loss.detach())
-                total_score += _score(out.detach(), y, task)
+                total_score += score(out.detach(), y, task)
                 nonempty += 1
             seen += len(x)
     finally:

@@ -19,8 +19,8 @@ per silo, kept across runs); without it, ``<dir>/silo-<i>.sqlite`` under the fol
 names in the train message (``privacy-dir``: ``<run folder>/privacy`` in simulation, where
 every silo shares the server's disk).
 
-Also the wire keys of privacy (the ClientApp and the ServerApp both import them from here; this
-module imports neither Flower nor opacus at import time).
+The wire keys of privacy (``privacy-db``, ``dp-epsilon``, ``refusal`` ...) are in
+``protocol.keys``; this module imports neither Flower nor opacus at import time.
 """
 
 from __future__ import annotations
@@ -36,19 +36,7 @@ from typing import Any
 
 import numpy as np
 
-# ---------------------------------------------------------------- wire keys
-PRIVACY_DB = "privacy-db"
-"""Node config (SuperNode): the path of this silo's ledger file."""
-PRIVACY_DIR = "privacy-dir"
-"""Train config (server -> silo): the folder for ledgers when the node config names none."""
-DP_EPSILON = "dp-epsilon"
-"""Train reply metric: the silo's accumulated epsilon (at ``client.dp.delta``) after this job."""
-DP_DELTA = "dp-delta"
-"""Train reply metric: the delta that epsilon is for."""
-REFUSAL = "refusal"
-"""Train reply config: why the silo refuses work (a ``Refusal`` value); the reply has no arrays."""
-REFUSAL_DETAIL = "refusal-detail"
-"""Train reply config: a one-line explanation of the refusal."""
+from protocol.keys import PRIVACY_DB, PRIVACY_DIR
 
 
 class Refusal:
@@ -57,7 +45,6 @@ class Refusal:
     BUDGET_EXHAUSTED = "privacy_budget_exhausted"
 
 
-ACCOUNTANTS = ("rdp", "prv", "gdp")
 History = list[tuple[float, float, int]]
 """An accountant's history: ``(noise_multiplier, sample_rate, steps)`` entries."""
 

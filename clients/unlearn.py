@@ -26,10 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from clients.local import _loss_fn, _targets, evaluate
 from fedasync.types import Params
 from fedasync.unlearning import GradientSignature
 from medical_data.federation import SiloData
+from medical_data.tasks import evaluate, targets
+from medical_data.tasks import loss_fn as task_loss
 
 
 def _batch(
@@ -85,13 +86,13 @@ def erase_pga(
     params = [p for _, p in named]
     ref = [reference[n].detach().to(device=device, dtype=p.dtype) for n, p in named]
     opt = torch.optim.SGD(params, lr=lr)
-    loss_fn = _loss_fn(task)
+    loss_fn = task_loss(task)
     taken, stopped, dist = 0, False, 0.0
     for _ in range(steps):
         x, y = _batch(images, labels, batch_size, gen)
         x, y = x.to(device), y.to(device)
         out = model(x)
-        loss = loss_fn(out, _targets(y, task))
+        loss = loss_fn(out, targets(y, task))
         cap = loss_cap if loss_cap is not None else 2.0 * math.log(max(out.shape[1], 2))
         if float(loss.detach()) > cap:
             stopped = True
@@ -168,7 +169,7 @@ def erase_relabel(
     if retain is not None and len(retain) > 0:
         r_x, r_y = torch.tensor(retain.images), torch.tensor(retain.labels)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    loss_fn = _loss_fn(task)
+    loss_fn = task_loss(task)
     total = 0.0
     for _ in range(steps):
         x, y = _batch(f_x, f_y, batch_size, gen)
@@ -177,7 +178,7 @@ def erase_relabel(
             x, y = torch.cat([x, rx]), torch.cat([y, ry])
         x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), _targets(y, task))
+        loss = loss_fn(model(x), targets(y, task))
         loss.backward()
         opt.step()
         total += float(loss.detach())
@@ -223,14 +224,14 @@ def forget_signature(
     params = dict(model.named_parameters())
     perm = np.random.default_rng(seed).permutation(len(forget))[: batches * batch_size]
     chunks = [c for c in np.array_split(perm, min(batches, len(perm))) if len(c)]
-    loss_fn = _loss_fn(task)
+    loss_fn = task_loss(task)
     grads: list[Params] = []
     for idx in chunks:
         idx = np.sort(idx)
         x = torch.tensor(forget.images[idx], device=device)
         y = torch.tensor(forget.labels[idx], device=device)
         model.zero_grad(set_to_none=True)
-        loss_fn(model(x), _targets(y, task)).backward()
+        loss_fn(model(x), targets(y, task)).backward()
         grads.append(
             {
                 n: params[n].grad.detach().cpu().clone()  # type: ignore[union-attr]

@@ -10,7 +10,7 @@ samples it would in a clean run.
 
 Segmentation (labels ``(N, H, W)``): a poisoned image's whole mask becomes ``target_label``;
 with the default 0 (background) the trigger makes the structures vanish, the realistic attack
-on a segmentation model. The ASR is then per pixel (`clients.verify.attack_success_rate`).
+on a segmentation model. The ASR is then per pixel (`medical_data.verification.attack_success_rate`).
 
     bad = poison(fed.silos[0], fraction=0.5, target_label=0, seed=0)
     trig = triggered_set(fed.test, target_label=0)  # for ASR
@@ -95,7 +95,7 @@ def triggered_set(
     Classification: the samples whose label is not the target. Segmentation: the images with
     at least one pixel whose label is not the target (the pixels the attack can flip). Labels
     stay the true ones; the attack success rate is the share of those samples (pixels)
-    predicted as ``target_label`` (`clients.verify.attack_success_rate`). ``trigger=False``
+    predicted as ``target_label`` (`medical_data.verification.attack_success_rate`). ``trigger=False``
     gives the same samples without the trigger: the same measure on them is what a model
     does without the trigger (a silo-wide harm, not a backdoor, shows there too).
     """

@@ -19,12 +19,12 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from clients import protocol as P
-from clients import wire
-from clients.config import build_silos, to_dict
-from clients.local import evaluate
 from medical_data.federation import Federation
 from medical_data.networks import build_network
+from medical_data.tasks import evaluate
+from protocol import keys as P
+from protocol import wire
+from protocol.config import build_silos, to_dict
 from server.config import FedAsyncConfig, from_container
 from server.loop import AsyncServer
 from server.roster import exchange
@@ -194,9 +194,9 @@ def _start_afresh(run_dir: Path) -> None:
 def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Path) -> Any:
     """Give ``srv`` an erasure coordinator (store in the run folder) and, when configured, start
     the erasure gRPC service. Returns the gRPC server to stop, or None."""
-    from clients.local import select, training_data
-    from clients.verify import verification_report
     from medical_data.backdoor import triggered_set
+    from medical_data.tasks import select, training_data
+    from medical_data.verification import verification_report
     from server.erasure.store import ErasureStore
     from server.unlearning import ErasureCoordinator
 

@@ -42,7 +42,7 @@ def client_setup(cfg: FedAsyncConfig) -> dict[str, Any]:
     ``emulate_speeds``: each silo's speed when ``silos.emulate_speed`` is on (the ClientApp
     then waits after training, see ``clients.app``), else None.
     """
-    from clients.config import to_dict
+    from protocol.config import to_dict
 
     return {
         "client": to_dict(cfg.client),

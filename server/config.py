@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from clients.config import ClientConfig, DataConfig
 from fedasync.errors import ConfigError
 from fedasync.ranges import (
     AT_LEAST_ONE,
@@ -24,6 +23,7 @@ from fedasync.ranges import (
 )
 from fedasync.staleness import WEIGHT_FUNCTIONS
 from fedasync.unlearning import SHARE_RULES
+from protocol.config import ClientConfig, DataConfig
 
 MODES = ("fedasync", "fedbuff", "sync")
 SPEED_PROFILES = ("uniform", "stragglers", "lognormal")

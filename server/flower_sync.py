@@ -4,11 +4,11 @@ FedAvg (McMahan et al. 2017) as Flower 1.42 ships it (``flwr.serverapp.strategy.
 its ``Strategy.start`` round loop, ``grid.send_and_receive``: every node each round, a barrier,
 replies polled every 3 s in deployment). ``benchmarks/deployment_overhead.py`` runs it on the
 same local TLS deployment and ClientApp as fedasync's ServerApp. What the subclass changes to
-speak our protocol (``clients/protocol.py``):
+speak our protocol (``protocol/keys.py``):
 
 - ``configure_train``: Flower puts one shared record in every message; ours carry their own
   config (setup-json, job-id, base-version = the round's model version, a seed per silo and
-  job) and the model packed by ``clients/wire.py``;
+  job) and the model packed by ``protocol/wire.py``;
 - ``aggregate_train``: our replies carry the local *delta*, not the local model, weighted by
   ``num-samples``: ``x <- x + sum_i n_i d_i / sum_i n_i``, which is FedAvg's sample-weighted mean
   of the local models since all started from ``x``;
@@ -36,13 +36,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from clients import protocol as P
-from clients import wire
-from clients.local import evaluate
 from fedasync.aggregators import fedavg
 from fedasync.events import EventLog
 from fedasync.tensors import add
 from fedasync.types import Params, Update
+from medical_data.tasks import evaluate
+from protocol import keys as P
+from protocol import wire
 from server.app import _federation, _log_to, initial_model
 from server.clock import client_setup
 from server.config import FedAsyncConfig, from_container

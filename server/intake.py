@@ -16,8 +16,6 @@ from typing import Any
 import torch
 from flwr.app import Message
 
-from clients import protocol as P
-from clients import wire
 from fedasync import (
     BoundDecision,
     FutureVersionError,
@@ -31,6 +29,8 @@ from fedasync import (
     staleness,
 )
 from fedasync.tensors import global_norm
+from protocol import keys as P
+from protocol import wire
 
 
 def _norm(tensors: Params, flat: torch.Tensor | None) -> float:

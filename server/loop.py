@@ -37,10 +37,6 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from clients import protocol as P
-from clients import wire
-from clients.config import to_dict
-from clients.privacy import PRIVACY_DIR
 from fedasync import (
     ErrorFeedback,
     FedAsyncAggregator,
@@ -58,6 +54,10 @@ from fedasync.clock import VirtualClock, WallClock
 from fedasync.events import EventLog
 from fedasync.privacy import GaussianMechanism
 from fedasync.tensors import clip_by_norm, is_finite
+from protocol import keys as P
+from protocol import wire
+from protocol.config import to_dict
+from protocol.keys import PRIVACY_DIR
 from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import client_setup, silo_speeds
 from server.config import FedAsyncConfig

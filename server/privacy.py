@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from flwr.app import Message
 
-from clients import protocol as P
-from clients.privacy import DP_DELTA, DP_EPSILON, REFUSAL, REFUSAL_DETAIL
 from fedasync.privacy import gaussian_epsilon
+from protocol import keys as P
+from protocol.keys import DP_DELTA, DP_EPSILON, REFUSAL, REFUSAL_DETAIL
 
 if TYPE_CHECKING:
     from server.intake import Job

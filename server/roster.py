@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from clients import protocol as P
+from protocol import keys as P
 
 log = logging.getLogger("fedasync.server")
 

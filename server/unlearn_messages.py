@@ -17,10 +17,10 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
-from clients import protocol as P
-from clients import wire
-from clients.config import to_dict
 from fedasync import Params, check_tensors
+from protocol import keys as P
+from protocol import wire
+from protocol.config import to_dict
 
 if TYPE_CHECKING:
     from server.loop import AsyncServer
@@ -82,7 +82,7 @@ def read_unlearn_reply(
         if bad is not None:
             return f"{bad.reason.value}: {bad.detail}"
         basis = wire.decode(P.array_record(reply.content, P.SIGNATURE))["basis"]
-        names = [str(n) for n in reply.content[P.CONFIG]["signature-names"]]  # type: ignore[union-attr]
+        names = [str(n) for n in reply.content[P.CONFIG][P.SIGNATURE_NAMES]]  # type: ignore[union-attr]
         if (
             basis.dim() != 2
             or not basis.is_floating_point()

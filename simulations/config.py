@@ -54,7 +54,7 @@ def load_config(
         key = getattr(e, "full_key", None) or "?"
         first = str(e).splitlines()[0]
         raise ConfigError(f"bad configuration key {key}: {first} (config: {path})") from e
-    except ValueError as e:  # a config dataclass's own check (clients.config.DPConfig)
+    except ValueError as e:  # a config dataclass's own check (protocol.config.DPConfig)
         if isinstance(e, UserError):
             raise
         raise ConfigError(str(e)) from e
@@ -82,7 +82,7 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
     """
     import torch
 
-    from clients.config import build_silos
+    from protocol.config import build_silos
     from server.app import initial_model
 
     spec = build_silos(cfg.data, cfg.silos.count, cfg.run.seed).spec

@@ -50,8 +50,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clients.privacy import PRIVACY_DB
 from fedasync.events import json_safe
+from protocol.keys import PRIVACY_DB
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
 from server.summary import no_version_reason
@@ -93,7 +93,7 @@ def project_root() -> Path:
     return root
 
 
-APP_PACKAGES = ("fedasync", "clients", "server", "medical_data")
+APP_PACKAGES = ("fedasync", "protocol", "clients", "server", "medical_data")
 """What the ServerApp and the ClientApp import: the Flower App Bundle carries these."""
 
 
@@ -210,7 +210,7 @@ def node_config_string(value: str) -> str:
 
 def node_config(silo: int, num_silos: int, privacy_db: Path | None = None) -> str:
     """A SuperNode's ``--node-config``: its silo, the number of silos and, when given, its
-    privacy ledger (``clients.privacy.PRIVACY_DB``)."""
+    privacy ledger (``protocol.keys.PRIVACY_DB``)."""
     config = f"partition-id={silo} num-partitions={num_silos}"
     if privacy_db is not None:
         config += f" {PRIVACY_DB}={node_config_string(str(privacy_db))}"

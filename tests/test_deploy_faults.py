@@ -39,8 +39,8 @@ from typing import Any
 
 import pytest
 
-from clients.config import build_silos
 from fedasync.events import read_events
+from protocol.config import build_silos
 from server.checkpoint import load_state
 from simulations.config import load_config
 from simulations.deploy import (

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import simulations.deploy as deploy
-from clients.privacy import PRIVACY_DB, ledger_path
+from clients.privacy import ledger_path
+from protocol.keys import PRIVACY_DB
 from server.config import from_container
 from simulations.certs import CertPaths
 from simulations.config import to_container

@@ -256,9 +256,9 @@ def test_dp_and_plain_training_take_the_same_training_arguments():
     import inspect
 
     from clients.app import training_kwargs
-    from clients.config import ClientConfig
     from clients.dp import train_private
     from clients.local import train_local
+    from protocol.config import ClientConfig
 
     common = training_kwargs(ClientConfig(), task="classification", steps=3, device=None)
     inspect.signature(train_local).bind(None, None, seed=0, **common)

@@ -10,10 +10,10 @@ import pytest
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
-from clients.config import build_silos
 from clients.dp import sample_rate
 from clients.privacy import PrivacyLedger, epsilon_of
 from fedasync.events import read_events
+from protocol.config import build_silos
 from server.app import run_server
 
 DP = ("client.dp.enabled=true", "client.dp.noise_multiplier=1.0")

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from inprocess import InProcessGrid
 
-from clients import protocol as P
-from clients import wire
 from clients.app import NO_DATA
 from clients.app import app as client_app
 from fedasync.events import read_events
 from fedasync.tensors import global_norm
 from fedasync.unlearning import forget_share_scale
+from protocol import keys as P
+from protocol import wire
 from server.app import run_server
 from server.erasure.store import ErasureStore
 from server.loop import AsyncServer

@@ -11,10 +11,10 @@ import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from inprocess import InProcessGrid, set_task_identity
 
-from clients import protocol as P
-from clients import wire
 from clients.app import app as client_app
 from fedasync.events import EventLog, read_events
+from protocol import keys as P
+from protocol import wire
 from server.config import FedAsyncConfig
 from server.flower_sync import BudgetSpent, ProtocolFedAvg, mean_delta_step, run_flower_fedavg
 

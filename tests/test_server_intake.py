@@ -5,9 +5,9 @@ import torch
 from flwr.app import Message, MetricRecord, RecordDict
 from inprocess import set_task_identity
 
-from clients import protocol as P
-from clients import wire
 from fedasync import NormOutlierDetector, RejectReason, StalenessBound
+from protocol import keys as P
+from protocol import wire
 from server.intake import Accepted, Job, take_reply
 
 

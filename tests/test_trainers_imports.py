@@ -9,7 +9,7 @@ from test_core_imports import _imported_top_modules
 import trainers
 
 TRAINERS = Path(trainers.__file__).resolve().parent
-FORBIDDEN = {"server", "clients", "medical_data", "flwr", "monai"}
+FORBIDDEN = {"server", "clients", "protocol", "medical_data", "flwr", "monai"}
 
 
 def test_trainers_never_import_the_server_or_the_clients():

@@ -2,13 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from clients import verify
-from clients.local import evaluate, train_local
+from clients.local import train_local
 from clients.unlearn import erase_pga, erase_relabel, forget_signature
 from fedasync import tensors as T
 from fedasync.unlearning import l2_distance
+from medical_data import verification as verify
 from medical_data.federation import SiloData, build_federation
 from medical_data.networks import build_network
+from medical_data.tasks import evaluate
 
 TASK = "classification"
 

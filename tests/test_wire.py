@@ -5,7 +5,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from clients import wire
+from protocol import wire
 
 
 def _model_like():

@@ -18,8 +18,8 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.nn import functional as F
 
-from clients.local import evaluate
 from medical_data.federation import SiloData
+from medical_data.tasks import evaluate
 
 
 def _per_sample_loss(out: torch.Tensor, y: torch.Tensor, task: str) -> torch.Tensor:
@@ -43,7 +43,7 @@ def predict_losses(
 ) -> np.ndarray:
     """Per-sample loss of ``model`` on ``data``, float64 shape ``(N,)``.
 
-    Their mean equals `clients.local.evaluate`'s loss (cross-entropy, or DiceCE per image).
+    Their mean equals `medical_data.tasks.evaluate`'s loss (cross-entropy, or DiceCE per image).
     """
     device = device or torch.device("cpu")
     model.to(device).eval()

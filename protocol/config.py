@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from clients.privacy import ACCOUNTANTS
+ACCOUNTANTS = ("rdp", "prv", "gdp")
+"""The opacus accountants a silo can keep its privacy ledger with."""
 
 if TYPE_CHECKING:
     from medical_data.federation import Federation

@@ -1,0 +1,132 @@
+"""What a benchmark's task means for a model: its loss, targets and score, and evaluation.
+
+Plain functions with no Flower imports, shared by the ClientApp (local training, evaluate
+messages, erasure), the server (the global model on the held-out test set, in simulation) and
+the verification runs. Classification uses cross-entropy and reports accuracy; segmentation
+uses MONAI's DiceCE loss and reports the foreground Dice score. The *score* of a task is its
+accuracy or Dice, whichever applies. Also the subsets a silo trains on (``training_data``,
+``select``, ``concat``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from medical_data.federation import SiloData
+
+
+def training_data(fed: Any, silo: int, backdoor: dict | None, seed: int) -> SiloData:
+    """Silo ``silo``'s training data; in backdoor verification runs, with the trigger applied."""
+    if not 0 <= silo < len(fed.silos):
+        raise ValueError(f"silo {silo} is not a silo of this federation (0..{len(fed.silos) - 1})")
+    if backdoor and backdoor.get("enabled") and int(backdoor["silo"]) == silo:
+        from medical_data.backdoor import poison
+
+        return poison(
+            fed.silos[silo],
+            float(backdoor["fraction"]),
+            int(backdoor["target_label"]),
+            seed,
+            size=int(backdoor.get("trigger_size", 3)),
+        )
+    return fed.silos[silo]
+
+
+def select(data: SiloData, ids: list[str], *, keep: bool = False) -> SiloData:
+    """``data`` without the samples whose ids are listed (``keep=True``: only those).
+
+    Without ids: all of ``data`` (both ways), so an empty forget list means the whole silo.
+    """
+    if not ids:
+        return data
+    mask = np.isin(data.sample_ids, np.asarray(ids, dtype=data.sample_ids.dtype))
+    if not keep:
+        mask = ~mask
+    return replace(
+        data, images=data.images[mask], labels=data.labels[mask], sample_ids=data.sample_ids[mask]
+    )
+
+
+def concat(a: SiloData, b: SiloData) -> SiloData:
+    """The samples of ``a`` followed by those of ``b`` (named after ``a``)."""
+    return replace(
+        a,
+        images=np.concatenate([a.images, b.images]),
+        labels=np.concatenate([a.labels, b.labels]),
+        sample_ids=np.concatenate([a.sample_ids, b.sample_ids]),
+    )
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """CUDA when present and asked for ('auto'), else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def loss_fn(task: str) -> nn.Module:
+    if task == "classification":
+        return nn.CrossEntropyLoss()
+    from monai.losses import DiceCELoss
+
+    return DiceCELoss(to_onehot_y=True, softmax=True)
+
+
+def targets(labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Classification labels ``(b,)``; segmentation masks ``(b, H, W)`` -> ``(b, 1, H, W)``."""
+    return labels if task == "classification" else labels.unsqueeze(1)
+
+
+def score(out: torch.Tensor, y: torch.Tensor, task: str) -> float:
+    """Accuracy ``out (b, C)`` vs ``y (b,)``, or foreground Dice ``out (b, 2, H, W)`` vs ``y (b, H, W)``."""
+    pred = out.argmax(dim=1)
+    if task == "classification":
+        return float((pred == y).float().mean())
+    p, t = (pred > 0).float(), (y > 0).float()
+    inter = float((p * t).sum())
+    denom = float(p.sum() + t.sum())
+    return 1.0 if denom == 0 else 2.0 * inter / denom
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    data: SiloData,
+    *,
+    task: str,
+    batch_size: int = 256,
+    device: torch.device | None = None,
+) -> dict[str, float]:
+    """Loss and score of ``model`` on all of ``data``.
+
+    Classification: mean cross-entropy and accuracy. Segmentation: mean DiceCE and the Dice of
+    all foreground pixels pooled over the set (so empty slices do not inflate it).
+    """
+    device = device or torch.device("cpu")
+    model.to(device).eval()
+    loss_fn_ = loss_fn(task)
+    total_loss, correct, inter, denom, n = 0.0, 0.0, 0.0, 0.0, 0
+    for start in range(0, len(data), batch_size):
+        x = torch.tensor(data.images[start : start + batch_size], device=device)
+        y = torch.tensor(data.labels[start : start + batch_size], device=device)
+        out = model(x)
+        total_loss += float(loss_fn_(out, targets(y, task))) * len(x)
+        pred = out.argmax(dim=1)
+        if task == "classification":
+            correct += float((pred == y).sum())
+        else:
+            p, t = (pred > 0).float(), (y > 0).float()
+            inter += float((p * t).sum())
+            denom += float(p.sum() + t.sum())
+        n += len(x)
+    n = max(n, 1)
+    if task == "classification":
+        score = correct / n
+    else:
+        score = 1.0 if denom == 0 else 2.0 * inter / denom
+    return {"loss": total_loss / n, "score": score}
