@@ -169,6 +169,7 @@ class ErrorFeedback:
         return sorted(self._residuals)
 
     def state_dict(self) -> dict[str, Any]:
+        """The ratio and a copy of every key's residual."""
         return {
             "ratio": self.ratio,
             "residuals": {
@@ -177,6 +178,7 @@ class ErrorFeedback:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the ratio checked as the constructor does)."""
         topk_count(1, float(d["ratio"]))
         self.ratio = float(d["ratio"])
         self._residuals = {
@@ -228,6 +230,7 @@ class DelayErrorFeedback:
         self._previous.pop(key, None)
 
     def state_dict(self) -> dict[str, Any]:
+        """β and a copy of every key's previous gradient."""
         return {
             "beta": self.beta,
             "previous": {
@@ -236,6 +239,7 @@ class DelayErrorFeedback:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (β checked as the constructor does)."""
         beta = float(d["beta"])
         if not (math.isfinite(beta) and beta >= 0.0):
             raise ValueError(f"beta must be finite and >= 0, got {beta}")

@@ -102,6 +102,7 @@ class LineProgress:
     # ------------------------------------------------------------------ tqdm's surface
     @property
     def n(self) -> float:
+        """Progress so far, in ``unit``; setting it may write a line."""
         return self._n
 
     @n.setter
@@ -110,19 +111,23 @@ class LineProgress:
         self._check()
 
     def update(self, n: float = 1) -> None:
+        """Advance progress by ``n``; writes a line if one is due."""
         self.n = self._n + n
 
     def set_postfix(
         self, ordered_dict: Mapping[str, Any] | None = None, refresh: bool = True, **kwargs: Any
     ) -> None:
+        """Show ``key=value`` pairs after the line (``refresh`` is accepted and ignored)."""
         items = {**(ordered_dict or {}), **kwargs}
         self.set_postfix_str(", ".join(f"{k}={_value(v)}" for k, v in items.items()), refresh)
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        """Show ``s`` after the line, on one line and cut to ``MAX_POSTFIX`` chars."""
         s = _one_line(str(s))
         self.postfix = s if len(s) <= MAX_POSTFIX else s[: MAX_POSTFIX - 3] + "..."
 
     def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+        """Set the line's prefix (made one line; ``None`` for none)."""
         self.desc = _one_line(desc or "")
 
     def refresh(self) -> None:
@@ -202,23 +207,29 @@ class NoProgress:
         self.postfix = ""
 
     def update(self, n: float = 1) -> None:
+        """Count ``n`` more; nothing is written."""
         self.n += n
 
     def set_postfix(
         self, ordered_dict: Mapping[str, Any] | None = None, refresh: bool = True, **kwargs: Any
     ) -> None:
+        """Nothing: no output."""
         pass
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        """Nothing: no output."""
         pass
 
     def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+        """Nothing: no output."""
         pass
 
     def refresh(self) -> None:
+        """Nothing: no output."""
         pass
 
     def close(self) -> None:
+        """Nothing: no output."""
         pass
 
     def __enter__(self) -> NoProgress:

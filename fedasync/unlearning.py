@@ -22,6 +22,10 @@ Conventions follow ``fedasync.tensors``: functions return new tensors and never 
 inputs; only floating-point tensors take part (integer buffers are copied unchanged). A flat
 vector is the concatenation of the floating tensors in ``names`` order (sorted key order by
 default), in the widest floating dtype present but at least float32.
+
+One file (over 400 lines) because it is the core's whole unlearning arithmetic, each piece
+small and all on the one flat-vector convention above; ``server.unlearning`` and
+``clients.unlearn`` read it as one, and splitting it by paper would only add modules.
 """
 
 from __future__ import annotations
@@ -271,14 +275,17 @@ class GradientSignature:
         return GradientSignature(torch.cat([u1, new], dim=1).float(), list(self.names))
 
     def state_dict(self) -> dict[str, Any]:
+        """The basis and the tensor names (copies)."""
         return {"basis": self.basis.clone(), "names": list(self.names)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the basis as float32)."""
         self.basis = d["basis"].detach().clone().float()
         self.names = [str(n) for n in d["names"]]
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> GradientSignature:
+        """A signature rebuilt from :meth:`state_dict`'s output."""
         sig = cls(torch.zeros(0, 0), [])
         sig.load_state_dict(d)
         return sig
@@ -339,6 +346,7 @@ class ContributionLedger:
         self._last.pop(silo, None)
 
     def state_dict(self) -> dict[str, Any]:
+        """Every silo's sum (a copy), count and last version."""
         return {
             "sums": {s: clone(p) for s, p in self._sums.items()},
             "counts": dict(self._counts),
@@ -346,6 +354,7 @@ class ContributionLedger:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
         self._sums = {str(s): clone(p) for s, p in d["sums"].items()}
         self._counts = {str(s): int(n) for s, n in d["counts"].items()}
         self._last = {str(s): int(v) for s, v in d["last_version"].items()}
@@ -389,6 +398,7 @@ class UpdateHistory:
         return dict(self._norms.get(int(round_), {}))
 
     def state_dict(self) -> dict[str, Any]:
+        """The interval, the initial model (a copy) and the retained norms."""
         return {
             "interval": self.interval,
             "initial": None if self.initial is None else clone(self.initial),
@@ -396,6 +406,7 @@ class UpdateHistory:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
         self.interval = int(d["interval"])
         self.initial = None if d["initial"] is None else clone(d["initial"])
         self._norms = {

@@ -150,6 +150,7 @@ class NormOutlierDetector:
         self._history.append(float(norm))
 
     def state_dict(self) -> dict[str, Any]:
+        """Config and the norm history."""
         return {
             "factor": self.factor,
             "window": self.window,
@@ -158,6 +159,7 @@ class NormOutlierDetector:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the history bounded by the restored ``window``)."""
         self.factor = float(d["factor"])
         self.window = int(d["window"])
         self.min_history = int(d["min_history"])

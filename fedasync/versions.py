@@ -93,11 +93,13 @@ class VersionedSnapshots:
         return max(self._store) if self._store else None
 
     def state_dict(self) -> dict[str, Any]:
+        """``max_versions`` and the snapshots by ``str(version)`` (the tensors, not copies)."""
         return {
             "max_versions": self.max_versions,
             "snapshots": {str(v): dict(p) for v, p in sorted(self._store.items())},
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; snapshots are copied to this store's device."""
         self.max_versions = int(d["max_versions"])
         self._store = {int(v): self._copy(p) for v, p in d["snapshots"].items()}

@@ -58,6 +58,7 @@ class SmallCNN(nn.Module):
         self.head = nn.Linear(ch, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(b, num_classes)`` for images ``(b, in_channels, H, W)``, average-pooled."""
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 

@@ -70,6 +70,7 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def loss_fn(task: str) -> nn.Module:
+    """Cross-entropy for classification; MONAI's DiceCE (softmax, one-hot) for segmentation."""
     if task == "classification":
         return nn.CrossEntropyLoss()
     from monai.losses import DiceCELoss

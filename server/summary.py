@@ -27,6 +27,12 @@ def time_to_target(evals: list[dict[str, Any]], target: float | None) -> float |
 def build_summary(
     srv: AsyncServer, *, metric: str, wall_time_s: float, silo_evals: dict[int, dict]
 ) -> dict[str, Any]:
+    """A finished run's summary: scores, times, update counts, staleness, per-silo numbers.
+
+    Scores are in ``metric`` (accuracy or Dice; the keys say accuracy either way), times in
+    seconds; ``virtual_time_s`` is None on a wall clock. ``silo_evals`` holds each silo's own
+    evaluation by silo index (empty when the run did not evaluate the silos).
+    """
     evals = srv.evals
     final = evals[-1] if evals else {"score": float("nan"), "loss": float("nan")}
     st = srv.staleness_seen
@@ -71,6 +77,7 @@ def build_summary(
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary`` to ``path`` as indented strict JSON (non-finite floats as null)."""
     path.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
 
 

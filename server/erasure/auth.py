@@ -30,10 +30,12 @@ class Principal:
 
     @property
     def is_admin(self) -> bool:
+        """True for the admin, who may act on any silo."""
         return self.role == ADMIN
 
 
 def hash_token(token: str) -> str:
+    """Hex SHA-256 of ``token``: the form ``credentials.json`` keeps."""
     return hashlib.sha256(token.encode()).hexdigest()
 
 
@@ -100,6 +102,7 @@ class Authorizer:
 
     @classmethod
     def from_file(cls, path: Path | str) -> Authorizer:
+        """Load the hashed entries :func:`generate_credentials` wrote to ``path``."""
         return cls(json.loads(Path(path).read_text()))
 
     @classmethod

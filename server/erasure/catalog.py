@@ -14,13 +14,19 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class Catalog(Protocol):
-    def silo_ids(self) -> set[int]: ...
+    """The federation as the erasure service reads it, from its gRPC worker threads."""
 
-    def sample_ids(self, silo: int) -> set[str]: ...
+    def silo_ids(self) -> set[int]:
+        """Indices of the silos that exist."""
 
-    def model_version(self) -> int: ...
+    def sample_ids(self, silo: int) -> set[str]:
+        """Sample ids held by ``silo`` (one of ``silo_ids()``)."""
 
-    def is_online(self, silo: int) -> bool: ...
+    def model_version(self) -> int:
+        """The global model's current version (kept on a request at submit)."""
+
+    def is_online(self, silo: int) -> bool:
+        """Whether ``silo`` is up now; an offline silo's request waits queued until it returns."""
 
 
 @dataclass
@@ -33,14 +39,18 @@ class StaticCatalog:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def silo_ids(self) -> set[int]:
+        """The silos of ``samples``."""
         return set(self.samples)
 
     def sample_ids(self, silo: int) -> set[str]:
+        """A copy of ``samples[silo]`` (empty for an unknown silo)."""
         return set(self.samples.get(silo, ()))
 
     def model_version(self) -> int:
+        """``version``, read under the lock."""
         with self._lock:
             return self.version
 
     def is_online(self, silo: int) -> bool:
+        """False for the silos in ``offline``."""
         return silo not in self.offline

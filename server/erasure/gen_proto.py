@@ -62,6 +62,7 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: generate into ``--out`` (default ``server/erasure/gen``), print the paths."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=GEN_DIR, help="output folder")
     args = parser.parse_args(argv)

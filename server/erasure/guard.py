@@ -78,6 +78,7 @@ class Guard(grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
+        """The method's handler wrapped in the guard (module docstring), or None without one."""
         handler = continuation(handler_call_details)
         if handler is None:
             return None

@@ -56,10 +56,12 @@ log = logging.getLogger(__name__)
 
 
 def from_pb_state(value: int) -> State:
+    """The ``State`` a protobuf ``State`` value names (callers drop STATE_UNSPECIFIED first)."""
     return State[pb.State.Name(value)]
 
 
 def request_to_pb(r: Request) -> pb.ErasureRequest:
+    """A stored request as its ``ErasureRequest`` message."""
     return pb.ErasureRequest(
         id=r.id,
         silo=r.silo,
@@ -78,6 +80,7 @@ def request_to_pb(r: Request) -> pb.ErasureRequest:
 
 
 def event_to_pb(e: Event) -> pb.ErasureEvent:
+    """An audit event as its ``ErasureEvent`` message."""
     return pb.ErasureEvent(
         seq=e.seq,
         request_id=e.request_id,
@@ -171,6 +174,7 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         self._check_len(context, "idempotency key", request.idempotency_key, lim.max_key_chars)
 
     def Submit(self, request: pb.SubmitRequest, context: grpc.ServicerContext) -> pb.ErasureRequest:
+        """Accept an erasure request; the answer comes once it is committed (see the module)."""
         principal = self._principal(context)
         self._check_submit(request, context)
         silo, ids = request.silo, list(dict.fromkeys(request.sample_ids))
@@ -249,6 +253,7 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         return request_to_pb(r)
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.ErasureRequest:
+        """One request by id; NOT_FOUND also when the caller may not see it."""
         principal = self._principal(context)
         self._check_request_id(context, request.id)
         r = self._visible(principal, request.id)
@@ -258,6 +263,7 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         return request_to_pb(r)
 
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        """Requests oldest first, by silo and states; a silo caller gets only its own silo's."""
         principal = self._principal(context)
         silo = request.silo if request.HasField("silo") else None
         if silo is not None and not self.authorizer.may_see(principal, silo):
@@ -286,6 +292,8 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
     def Watch(
         self, request: pb.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ErasureEvent]:
+        """Stream the audit events from seq ``from_seq`` on (of one request, or all the caller may
+        see) until the request is finished, the client goes away or the server stops."""
         principal = self._principal(context)
         self._check_request_id(context, request.request_id)
         rid = request.request_id or None
@@ -325,6 +333,8 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
     def ListRefusals(
         self, request: pb.ListRefusalsRequest, context: grpc.ServicerContext
     ) -> pb.ListRefusalsResponse:
+        """Admin only: the newest ``limit`` refused calls (100 when 0) and the counts per (who,
+        method, code)."""
         principal = self._principal(context)
         if not principal.is_admin:
             context.abort(

@@ -50,6 +50,7 @@ def is_terminal(state: State | str) -> bool:
 
 
 def can_transition(from_state: State | str, to_state: State | str) -> bool:
+    """Whether the lifecycle allows ``from_state -> to_state``."""
     return State(to_state) in ALLOWED[State(from_state)]
 
 

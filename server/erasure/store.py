@@ -19,6 +19,11 @@ checkpoints): the file is created 0600 before SQLite opens it, SQLite gives the 
 the database's mode, and files left by an older version are chmod-ed on open.
 
 Refused calls go to a capped table in the same file (``refusals.RefusalLog``).
+
+One file (over 400 lines) because every method is a transaction or read on the one
+connection under the one lock, and the write path's guarantees (request and audit row in one
+commit, then ``changed``) are checked here in one place; the row types and the refusal table
+are already apart (``records``, ``refusals``).
 """
 
 from __future__ import annotations
@@ -331,6 +336,7 @@ class ErasureStore:
         return self.refusal_log.counts()
 
     def get(self, id: str) -> Request | None:
+        """The request with ``id``, or None."""
         with self._lock:
             return self._get(id)
 
@@ -427,6 +433,7 @@ class ErasureStore:
             self.changed.notify_all()
 
     def close(self) -> None:
+        """Close the database connection."""
         with self._lock:
             self._db.close()
 
