@@ -46,27 +46,34 @@ class CertPaths:
 
     @property
     def ca_cert(self) -> Path:
+        """``ca.pem``: the CA's certificate, which SuperNodes and ``flwr`` trust."""
         return self.root / "ca.pem"
 
     @property
     def ca_key(self) -> Path:
+        """``ca.key``: the CA's private key (0600)."""
         return self.root / "ca.key"
 
     @property
     def server_cert(self) -> Path:
+        """``server.pem``: the SuperLink's certificate, signed by the CA."""
         return self.root / "server.pem"
 
     @property
     def server_key(self) -> Path:
+        """``server.key``: the SuperLink's private key (0600)."""
         return self.root / "server.key"
 
     def silo_dir(self, silo: int) -> Path:
+        """``silo-<i>``: the folder of silo ``silo``'s keys (0700)."""
         return self.root / f"silo-{silo}"
 
     def node_key(self, silo: int) -> Path:
+        """``silo-<i>/auth.key``: its SuperNode authentication key (OpenSSH private key, 0600)."""
         return self.silo_dir(silo) / "auth.key"
 
     def node_public_key(self, silo: int) -> Path:
+        """``silo-<i>/auth.pub``: its public key, for ``flwr supernode register``."""
         return self.silo_dir(silo) / "auth.pub"
 
     def complete(self) -> bool:
@@ -180,6 +187,7 @@ def make_node_key() -> ec.EllipticCurvePrivateKey:
 
 
 def pem_private(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """``key`` as unencrypted PKCS#8 PEM (the CA's and the server's key files)."""
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -188,6 +196,7 @@ def pem_private(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def openssh_private(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """``key`` as an unencrypted OpenSSH private key (a SuperNode's ``auth.key``)."""
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.OpenSSH,
@@ -196,6 +205,7 @@ def openssh_private(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def openssh_public(key: ec.EllipticCurvePrivateKey, comment: str = "") -> bytes:
+    """The public half of ``key`` as one OpenSSH line (``auth.pub``), ``comment`` appended."""
     line = key.public_key().public_bytes(
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     )

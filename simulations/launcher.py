@@ -15,6 +15,10 @@ erasure service, then Ray is stopped and one line says where it stopped and how 
 every case no process of the run's private Ray is left (``stop_session_processes``), and each
 run first stops what earlier runs whose driver was killed (kill -9) left behind
 (``processes.sweep_orphans``): Ray's DashboardAgent and RuntimeEnvAgent survive their driver.
+
+One file (just over 400 lines) because it is one command's life cycle read top to bottom:
+logging, signals, Ray's start and stop, the runs, the report; the process bookkeeping is
+already apart (``processes``).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ def plot_score_vs_time(
 
 
 def plot_staleness(staleness: list[int], path: Path, mode: str) -> None:
+    """Histogram of the accepted updates' staleness τ, one bar per version; ``mode`` titles it."""
     fig, ax = plt.subplots(figsize=(6, 3.6))
     if staleness:
         top = max(staleness)

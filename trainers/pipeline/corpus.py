@@ -67,6 +67,7 @@ class Vocab:
 
     @property
     def size(self) -> int:
+        """Number of ids (the distinct characters)."""
         return len(self.chars)
 
     def encode(self, text: str) -> Tensor:
@@ -78,6 +79,7 @@ class Vocab:
             raise ValueError(f"character {e.args[0]!r} is not in the vocabulary") from None
 
     def decode(self, ids: Tensor) -> str:
+        """The text of ``ids`` (any shape, read in order)."""
         return "".join(self.chars[int(i)] for i in ids.reshape(-1))
 
 

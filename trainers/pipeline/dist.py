@@ -101,6 +101,7 @@ class BatchSource:
             raise ValueError(f"data must be synthetic or corpus, got {job.data!r:.40}")
 
     def __call__(self, t: int) -> tuple[Tensor, Tensor]:
+        """Batch ``t``: ids and next-id targets, each ``(data.batch, context)``."""
         from trainers.pipeline.corpus import batch
 
         g = torch.Generator().manual_seed(self.job.data_seed * 1_000_003 + t)
@@ -113,10 +114,12 @@ synchronous schedules are checked against."""
 
 
 def eval_path(out: Path, step: int, rank: int) -> Path:
+    """Where rank ``rank`` writes its stage's weights after ``step`` (for evaluation)."""
     return out / "evals" / f"step{step:06d}_stage{rank}.pt"
 
 
 def checkpoint_path(out: Path, step: int, rank: int) -> Path:
+    """Where rank ``rank`` writes its checkpoint of ``step``."""
     return out / "checkpoints" / f"step{step:06d}_stage{rank}.pt"
 
 
@@ -168,6 +171,8 @@ class StepHook:
         self.job, self.out, self.rank, self.queue = job, out, rank, queue
 
     def __call__(self, w: StageWorker, t: int) -> None:
+        """After step ``t`` (0-based) of ``w``: the fault, the eval weights, the checkpoint (keeping
+        the newest two) and, from the last stage, the step's mean loss to ``queue``."""
         job, step = self.job, t + 1
         if job.kill_stage == self.rank and step == job.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # the injected fault: this stage dies
@@ -193,6 +198,7 @@ def resume_worker(w: StageWorker, job: PipeJob, out: Path, rank: int) -> None:
 
 
 def rank_result(w: StageWorker) -> dict[str, Any]:
+    """What a rank writes to ``rank{r}.json``: events, memory, drift histogram, losses, version."""
     return {
         "stage": w.index,
         "events": w.events,

@@ -45,6 +45,7 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``(b, t, d_model)`` -> the same shape, causally."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
@@ -70,6 +71,8 @@ class Stage(nn.Module):
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Ids ``(b, t)`` (first stage) or hidden ``(b, t, d_model)`` in; hidden, or logits
+        ``(b, t, vocab_size)`` from the last stage. ValueError when t > ``context``."""
         if self.first:
             t = x.shape[1]
             if t > self.cfg.context:

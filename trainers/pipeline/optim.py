@@ -67,13 +67,16 @@ class StageOptimizer:
         self.steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every part's gradients."""
         for opt in self.opts:
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
+        """Every part's state and the step count (which the warm-up reads)."""
         return {"opts": [o.state_dict() for o in self.opts], "steps": self.steps}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (same parts, in the same order)."""
         for o, s in zip(self.opts, d["opts"], strict=True):
             o.load_state_dict(s)
         self.steps = int(d.get("steps", 0))

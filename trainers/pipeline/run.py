@@ -17,6 +17,10 @@ of, with the same config (``run.steps``, ``run.resume``, ``run.progress``, ``run
 same weights as an uninterrupted run (a test); PACI's drift pattern depends on the pipeline
 being full, and a resumed run refills it, so its first batch after the resume crosses no
 version.
+
+One file (just over 400 lines) because it writes the whole run folder described above, from
+set-up and resume through the measured summary to the plots; the pipeline itself, the
+emulator and the simulator are apart (``dist``, ``emulate``, ``simulate``).
 """
 
 from __future__ import annotations

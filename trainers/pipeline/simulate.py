@@ -82,6 +82,7 @@ class StageCosts:
 
     @property
     def stages(self) -> int:
+        """Number of stages P."""
         return len(self.forward)
 
     @classmethod

@@ -93,6 +93,7 @@ class MicroBatches:
         self._cache: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
 
     def __call__(self, j: int) -> tuple[Tensor, Tensor]:
+        """Micro-batch ``j``'s ids and targets (on ``device`` when given)."""
         m, t = self.micro, j // self.micro
         if t not in self._cache:
             x, y = self.get_batch(t)
@@ -322,6 +323,7 @@ class StageWorker:
         return tensor_bytes(tensors)
 
     def memory(self) -> dict[str, int]:
+        """Peak bytes seen so far: activations, weights (and on CUDA ``max_memory_allocated``)."""
         out = {"activation_peak_bytes": self.act_peak, "weight_peak_bytes": self.weight_peak}
         if self.device.type == "cuda":
             out["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
@@ -338,6 +340,7 @@ class StageWorker:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (at a step boundary, as it was taken)."""
         self.stage.load_state_dict(d["stage"])
         self.opt.load_state_dict(d["opt"])
         self.version = int(d["version"])

@@ -209,6 +209,8 @@ class DistillLearner(Learner):
         self.mc_samples = mc_samples
 
     def step(self, groups: list[Group], version: int) -> dict[str, Any]:
+        """One learner step on ``groups`` with ``distill.loss``, as :meth:`Learner.step`; the
+        metrics add the teacher KLs, the teacher's log-prob and the cache's bytes per token."""
         c = self.cfg
         items, metrics = self.select(groups, version)
         metrics["loss_kind"] = self.loss

@@ -35,6 +35,11 @@ Time is the core's clock: on the virtual clock a group takes (its generated toke
 ``clock.gen_token_s`` on a worker and a learner step (its batch's tokens) x
 ``clock.learn_token_s``; the new version is available when the step ends. On the wall clock
 (Ray actors) both take what they take.
+
+One file (about 1000 lines) because the four schedules, the teacher stage, the two clocks and
+the checkpoint all read and write one scheduling state on :class:`RLRun`, saved and restored
+as a whole; split, each part would reach into that state from another module. The Ray
+backends are apart (:mod:`trainers.rl.ray_backend`).
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ class TeacherBackend(Protocol):
     def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
         """Jobs of ``jobs`` now ``done``; with ``wait_all`` block until every one is."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop the teachers."""
 
 
 class LocalTeacher:
@@ -132,6 +138,7 @@ class LocalTeacher:
         self.resent = 0
 
     def submit(self, job: ScoreJob, die: bool) -> None:
+        """Score the group now; ``die`` first restarts the teacher from its saved weights."""
         if die:  # the scorer dies holding the request: rebuilt, the request sent again
             log.warning(
                 "teacher died scoring group %d: restarted, request re-sent", job.group.group_id
@@ -144,9 +151,11 @@ class LocalTeacher:
         job.done = True
 
     def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
+        """The jobs already ``done``: every submitted one, as scoring happens at submit."""
         return [j for j in jobs if j.done]
 
     def close(self) -> None:
+        """Nothing to stop."""
         return None
 
 
@@ -168,10 +177,12 @@ class Backend(Protocol):
         """Jobs of ``jobs`` whose result (``group`` or ``error``) has arrived; with
         ``wait_all`` block until every one has, else return what arrives within ``timeout``."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop the workers."""
 
 
 def pick_device(name: str) -> torch.device:
+    """CUDA for ``cuda``, or for ``auto`` when present; else the CPU."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
@@ -189,6 +200,7 @@ def build_policy(cfg: RLConfig) -> TinyLM:
 
 
 def build_task(cfg: RLConfig) -> Task:
+    """The configured task (``task.name`` with its length bounds and tail)."""
     t = cfg.task
     return make_task(t.name, min_len=t.min_len, max_len=t.max_len, tail=t.tail)
 
@@ -206,13 +218,17 @@ class LocalBackend:
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
 
     def publish(self, version: int, params: dict[str, torch.Tensor]) -> None:
+        """Keep ``version``'s weights (not copied)."""
         self.weights[version] = params
 
     def retire(self, below: int) -> None:
+        """Drop the weights of versions below ``below``."""
         for v in [v for v in self.weights if v < below]:
             del self.weights[v]
 
     def submit(self, job: Job, die: bool, nan: bool) -> None:
+        """Generate the group now under ``job.version``; ``nan`` makes its first log-prob NaN,
+        ``die`` sets ``job.error`` after the group is made (the time is spent, the tokens lost)."""
         if self.loaded != job.version:
             self.model.load_state_dict(self.weights[job.version])
             self.loaded = job.version
@@ -234,9 +250,11 @@ class LocalBackend:
             job.error = f"worker {job.worker} died generating group {job.group_id}"
 
     def collect(self, jobs: list[Job], wait_all: bool, timeout: float) -> list[Job]:
+        """The jobs with a group or an error: every submitted one (generated at submit)."""
         return [j for j in jobs if j.group is not None or j.error is not None]
 
     def close(self) -> None:
+        """Nothing to stop."""
         return None
 
 
@@ -702,6 +720,14 @@ class RLRun:
 
     # ----------------------------------------------------------------- the loop
     def step_loop(self, progress: Any = None) -> None:
+        """Run until ``run.max_steps`` versions or the target accuracy (``progress``: one
+        ``update(1)`` per step).
+
+        Each pass learns if a batch is ready, dispatches to free workers and collects. On the
+        virtual clock the clock moves to the earliest of the step's end, a scoring's end and a
+        group's end; on the wall clock what has arrived is taken as it comes. Raises
+        RuntimeError when nothing is in flight and nothing can be learnt (a deadlock).
+        """
         while not self._done():
             self._maybe_learn()
             self._dispatch()
@@ -774,6 +800,8 @@ class RLRun:
                     time.sleep(0.02)  # only the teacher is busy: do not spin
 
     def run(self) -> dict[str, Any]:
+        """Start (or resume from ``checkpoint.pt``), train, close the backends; write ``policy.pt``
+        and ``summary.json`` to the run folder and return the summary."""
         from tqdm import tqdm
 
         from fedasync.progress import progress
@@ -806,6 +834,7 @@ class RLRun:
         return summary
 
     def summary(self) -> dict[str, Any]:
+        """The run's numbers: versions, time (s, run clock), accuracies, drops, utilisation."""
         now = self.clock.now
         workers = self.cfg.rollout.workers
         util = sum(self.busy_s) / (workers * now) if now > 0 else None

@@ -199,8 +199,10 @@ class Learner:
         return -masked_mean(w.detach() * pg * adv, mask)
 
     def state_dict(self) -> dict[str, Any]:
+        """The policy's and the optimiser's state."""
         return {"policy": self.policy.state_dict(), "opt": self.opt.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
         self.policy.load_state_dict(d["policy"])
         self.opt.load_state_dict(d["opt"])

@@ -175,6 +175,7 @@ def learner_spans(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
 
 # ----------------------------------------------------------------- one run
 def plot_reward(events: list[dict[str, Any]], path: Path, summary: dict[str, Any]) -> Path:
+    """Each step's batch reward and each held-out accuracy against time (s, the run's clock)."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     steps = [(_num(e.get("t")), _num(e.get("reward"))) for e in _of(events, "step")]
     steps = [(t, r) for t, r in steps if t is not None and r is not None]
@@ -196,6 +197,7 @@ def plot_reward(events: list[dict[str, Any]], path: Path, summary: dict[str, Any
 
 
 def plot_staleness_hist(events: list[dict[str, Any]], path: Path, summary: dict[str, Any]) -> Path:
+    """Trained trajectories per staleness τ (:func:`staleness_counts`), one bar per version."""
     counts = staleness_counts(events)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     if counts:

@@ -11,6 +11,10 @@ Departures: no KV cache (every decoding step recomputes the full forward; the se
 short); sampling always draws on the CPU from CPU probabilities with a caller's CPU
 ``torch.Generator``, so a run reproduces on any device. Functions take ``device=None`` to mean
 the device of the policy's parameters; :func:`pick_device` chooses CUDA when present.
+
+One file (just over 400 lines) because the model, sampling, log-probs and the warm start share
+one padding and sampling convention, which the workers, the learner and the teacher all rely
+on being the same.
 """
 
 from __future__ import annotations
@@ -41,17 +45,23 @@ class Policy(Protocol):
     returns ``model(input_ids=ids).logits``.
     """
 
-    def __call__(self, ids: Tensor) -> Tensor: ...
+    def __call__(self, ids: Tensor) -> Tensor:
+        """Next-token logits ``(b, t, vocab)`` for ids ``(b, t)``, causal."""
 
-    def state_dict(self) -> Mapping[str, Any]: ...
+    def state_dict(self) -> Mapping[str, Any]:
+        """The weights by name (what a version publishes and a checkpoint keeps)."""
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load weights by name, as ``nn.Module.load_state_dict``."""
 
-    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters the optimiser steps."""
 
-    def train(self, mode: bool = True) -> Any: ...
+    def train(self, mode: bool = True) -> Any:
+        """Training mode (dropout on, if any); evaluation mode when ``mode`` is false."""
 
-    def eval(self) -> Any: ...
+    def eval(self) -> Any:
+        """Evaluation mode, for sampling and scoring."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,7 @@ class TinyLM(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, ids: Tensor) -> Tensor:
+        """Logits ``(b, t, vocab_size)`` for ids ``(b, t)``; ValueError when t > ``max_len``."""
         t = ids.shape[1]
         if t > self.cfg.max_len:
             raise ValueError(

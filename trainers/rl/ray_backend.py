@@ -31,6 +31,10 @@ every request that was pending on it is sent again (``restarts``, ``resent``, th
 request's first sending. A request that still fails after ``TEACHER_MAX_SENDS`` sendings
 comes back unscored (its samples are then rejected by the engine and the group dropped), so
 ``collect`` never raises and never waits forever.
+
+One file (about 600 lines) because the two pools run on the one Ray the rollout backend
+starts and stops, restart actors by generation the same way and keep the same failure rules;
+most of its length is those failure paths, each handled where it arises.
 """
 
 from __future__ import annotations
@@ -258,15 +262,18 @@ class RayBackend:
 
     # ----------------------------------------------------------------- the Backend protocol
     def publish(self, version: int, params: dict[str, torch.Tensor]) -> None:
+        """Put ``version``'s weights in the object store, once."""
         import ray
 
         self.refs[version] = ray.put(params)
 
     def retire(self, below: int) -> None:
+        """Drop the references of versions below ``below`` (the object store frees them)."""
         for v in [v for v in self.refs if v < below]:
             del self.refs[v]
 
     def submit(self, job: Any, die: bool, nan: bool) -> None:
+        """Send the group to its worker's actor, with the reference of its version's weights."""
         w = job.worker
         ref = self.refs[job.version]
         result = self.actors[w].generate.remote(
@@ -275,6 +282,8 @@ class RayBackend:
         self.pending[job.job_id] = (job, result, self.generation[w])
 
     def collect(self, jobs: list[Any], wait_all: bool, timeout: float) -> list[Any]:
+        """The jobs whose group or error has arrived; a worker's earlier job that nobody asks
+        for any more was abandoned and is forgotten. Never raises: a failure is ``job.error``."""
         import ray
 
         waiting = [self.pending[j.job_id][1] for j in jobs if self._unsettled(j)]
@@ -350,6 +359,8 @@ class RayBackend:
         return [p for p in pids_with_env(RAY_SESSION_ENV, self.session) if alive(p)]
 
     def close(self) -> None:
+        """Kill this backend's actors and, when it started Ray, stop Ray and wait until none of its
+        processes is left; later calls do nothing."""
         if self._closed:
             return
         self._closed = True
@@ -462,9 +473,11 @@ class RayTeacherPool:
 
     # ----------------------------------------------------------------- the TeacherBackend
     def submit(self, job: ScoreJob, die: bool) -> None:
+        """Send ``job`` to the teacher with the fewest pending requests (``die`` with it)."""
         self._send(job, die, sends=1, errors=0)
 
     def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
+        """The jobs now ``done``: scored, or given up and unscored. Never raises."""
         import ray
 
         wait = None if wait_all or timeout == float("inf") else timeout
@@ -574,6 +587,7 @@ class RayTeacherPool:
         job.done = True
 
     def close(self) -> None:
+        """Kill this pool's actors (Ray itself keeps running); later calls do nothing."""
         if self._closed:
             return
         self._closed = True

@@ -88,6 +88,7 @@ class Group:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Group:
+        """The group :meth:`to_dict` wrote, with the −inf tail buckets put back."""
         trajs = [Trajectory(**(t | {"prompt": tuple(t["prompt"])})) for t in d["trajectories"]]
         for t in trajs:
             if t.teacher is not None and "tail_logp" not in t.teacher:
