@@ -1,6 +1,6 @@
 """Asynchronous on-policy distillation: staleness by loss, finite caches, throughput, cost vs RL.
 
-Issue 11 §3, on the RL trainer's distillation mode (``distill.loss``; README "On-policy
+Issue 11 §3, on the RL trainer's distillation mode (``distill.loss``; docs/rl.md, "On-policy
 distillation"). One teacher (a larger TinyLM trained once on the task with supervision and
 cached; its held-out accuracy is printed) and a weakly warm-started student; every run of a
 seed starts from the same student.

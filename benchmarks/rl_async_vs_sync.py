@@ -3,7 +3,7 @@
 Issue 10 §5. Every mode trains the same policy on the same task (``sort``, long-tailed list
 lengths), with the same B (groups per learner step), G (samples per group), learning rate and
 correction (``decoupled``), on 64 virtual rollout workers, for the same number of learner
-steps. What differs is only who generates what under which version (README, "Modes").
+steps. What differs is only who generates what under which version (docs/rl.md, "Modes").
 
 1. The per-token costs are measured once on this machine, median of a few repeats: generation
    per generated token (a worker's group of G samples, the warm-started policy), learning per
@@ -57,7 +57,7 @@ parallel over many devices, or a much heavier length tail), not more workers.
 Defaults and why. ``sort`` with lengths 2..16 from a truncated Pareto with exponent 1.2 (the
 task's defaults: median 3, a few of 15-16) is a long-tailed task this policy learns; B = 16
 groups of G = 8 (128 samples a step) with lr 3e-4 is the setting where RL improves held-out
-accuracy on every seed (1e-3 and above degraded it); S = 2 (README default) admits 3B = 48
+accuracy on every seed (1e-3 and above degraded it); S = 2 (the default, docs/rl.md) admits 3B = 48
 groups in flight; a warm start of 80 supervised steps (~0.62 held-out accuracy on seed 0)
 leaves RL headroom, and 80 steps let sync gain ~5-6 points. One torch thread (``--threads``):
 the machine is shared and oversubscribed threads made a learner step 10x slower. B is not raised to the worker count: it would only make the learner's share

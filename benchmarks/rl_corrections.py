@@ -7,9 +7,10 @@ trajectories are S versions old), for the same number of learner steps, on each 
 per correction the held-out accuracy at the end (mean, min-max over seeds), its change from
 the warm start, the mean KL from the behaviour policy, the truncated-weight fraction, the
 effective sample size of the importance weights and the trajectories dropped; writes
-``results.json``; last line ``rl_best_correction=<name>`` (the best asynchronous one). The virtual clock's per-token
-costs are fixed (``--gen-token-s``, ``--learn-token-s``: measured on this machine, README) so
-that the realised staleness is the same for every correction and seed.
+``results.json``; last line ``rl_best_correction=<name>`` (the best asynchronous one). The
+virtual clock's per-token costs are fixed (``--gen-token-s``, ``--learn-token-s``: measured on
+this machine; docs/rl.md, "Clocks and backends") so that the realised staleness is the same for
+every correction and seed.
 
     .venv/bin/python benchmarks/rl_corrections.py                       # S=8, seeds 0 1 2
     .venv/bin/python benchmarks/rl_corrections.py --lr 1e-3             # where every run degrades

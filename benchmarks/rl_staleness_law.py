@@ -9,7 +9,7 @@ the same for every η). At θ_S the benchmark takes the gradient of the GRPO sur
 - ``g_S`` (series ``none``): on samples drawn from θ_0, S versions back, the uncorrected
   surrogate (what ``learner.correction=none`` differentiates);
 - ``g_S`` (series ``tis``): the same stale samples weighted by sg(min(π_θS/μ, C)) (C = 2;
-  with one optimiser step this is also decoupled PPO's gradient, README).
+  with one optimiser step this is also decoupled PPO's gradient, docs/rl.md).
 
 Both sample sets use the same prompts and the same random streams (common random numbers: a
 group is a pure function of weights, seed and group id), so where θ_S and θ_0 sample the same
