@@ -9,8 +9,15 @@ et al. 2019) in ``corrections``; PPO/IMPALA ratios in ``importance``; Halimi et 
 FedEraser (Liu et al. 2021) and AFU-IC (Cai & Zhang 2026) in ``unlearning``.
 """
 
-from fedasync.aggregators import FedAsyncAggregator, FedBuffAggregator, FoldResult, fedavg
+from fedasync.aggregators import (
+    Aggregator,
+    FedAsyncAggregator,
+    FedBuffAggregator,
+    FoldResult,
+    fedavg,
+)
 from fedasync.checkpoint import load_checkpoint, save_checkpoint
+from fedasync.contributions import MomentShares, applied_change
 from fedasync.corrections import (
     DelayErrorFeedback,
     ErrorFeedback,
@@ -29,13 +36,14 @@ from fedasync.importance import (
     token_staleness,
     truncated_importance_weight,
 )
-from fedasync.optim import ServerOptimizer
+from fedasync.optim import OPTIMIZER_KINDS, OptimizerKind, ServerOptimizer
 from fedasync.privacy import GaussianMechanism, gaussian_epsilon
 from fedasync.staleness import (
     WEIGHT_FUNCTIONS,
     BoundDecision,
     StalenessBound,
     WeightFn,
+    WeightFnName,
     constant,
     exponential,
     hinge,
@@ -69,12 +77,14 @@ __all__ = [
     "BoundDecision",
     "DelayErrorFeedback",
     "ErrorFeedback",
+    "Aggregator",
     "FedAsyncAggregator",
     "FedBuffAggregator",
     "FoldResult",
     "GaussianMechanism",
     "gaussian_epsilon",
     "FutureVersionError",
+    "MomentShares",
     "NormOutlierDetector",
     "Params",
     "RejectReason",
@@ -84,6 +94,9 @@ __all__ = [
     "Update",
     "VersionedSnapshots",
     "WeightFn",
+    "WeightFnName",
+    "OPTIMIZER_KINDS",
+    "OptimizerKind",
     "check_tensors",
     "clipped_surrogate",
     "decoupled_ppo_loss",
@@ -92,6 +105,7 @@ __all__ = [
     "delay_compensate_delta",
     "effective_sample_size",
     "exponential",
+    "applied_change",
     "fedavg",
     "hinge",
     "identity",

@@ -16,18 +16,28 @@ x back toward the old base. FedBuff's staleness weight s(τ) (their Eq. for
 optional sample weighting is our addition. Integer buffers (e.g. BatchNorm
 ``num_batches_tracked``) are never aggregated: they keep the current params' value
 (see :mod:`fedasync.tensors`).
+
+What was applied: every :class:`FoldResult` that changed the params carries the change
+(``applied`` = new − old) and its exact split into per-silo ``contributions`` plus an
+``unattributed`` rest (central-DP noise), Σ contributions + unattributed = applied:
+
+- FedAsync: the whole change is the silo's (s·Δ, or s·(x_silo − x) for a model); with DP the
+  silo's part is s·clip(Δ) and the rest s·noise.
+- FedBuff: the server optimiser's step split per silo through per-silo shares of its first
+  moment (:mod:`fedasync.contributions`; exact for sgd, momentum and adam).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+from fedasync.contributions import MomentShares, applied_change
 from fedasync.optim import ServerOptimizer
 from fedasync.privacy import GaussianMechanism, largest_share
 from fedasync.staleness import WeightFn
-from fedasync.tensors import axpy, clone, is_arithmetic, weighted_sum
+from fedasync.tensors import axpy, clone, is_arithmetic, sub, weighted_sum
 from fedasync.types import Params, Update
 
 
@@ -47,6 +57,41 @@ class FoldResult:
     noise_std: float = 0.0
     """With central DP: the noise std per coordinate, in params space for FedAsync (after
     mixing), on the mean delta before the server optimiser's step for FedBuff."""
+    applied: Params | None = None
+    """The change this call made to the global params, ``params − old`` per arithmetic tensor
+    (integer buffers are never aggregated); ``None`` when nothing was applied."""
+    contributions: dict[str, Params] = field(default_factory=dict)
+    """Silo → its share of ``applied`` (see the module docstring); with ``unattributed`` they
+    sum to ``applied``. Empty when nothing was applied or attribution is off."""
+    unattributed: Params | None = None
+    """The part of ``applied`` that is no silo's (central-DP noise, and server momentum from
+    before attribution began), or ``None`` when there is none."""
+
+
+@runtime_checkable
+class Aggregator(Protocol):
+    """What a server loop needs from an aggregator; both aggregators here satisfy it."""
+
+    @property
+    def pending(self) -> int:
+        """Number of updates received but not yet applied (0 for FedAsync)."""
+        ...
+
+    def fold(self, params: Params, update: Update, tau: int, factor: float = 1.0) -> FoldResult:
+        """Take ``update`` of staleness ``tau`` (weight multiplied by ``factor``) into ``params``."""
+        ...
+
+    def flush(self, params: Params) -> FoldResult:
+        """Apply whatever is pending to ``params`` (``params=None`` in the result when nothing)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume (not the weight function)."""
+        ...
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
 
 
 def fedavg(updates: Sequence[Update], weight_by_samples: bool = True) -> Params:
@@ -87,6 +132,9 @@ class FedAsyncAggregator:
 
     With ``mechanism`` (central DP, :mod:`fedasync.privacy`) only deltas are accepted, each is
     clipped to C and noised with std σC before mixing: x ← x + s·(clip(Δ) + N(0, σ²C²)).
+
+    Every fold applies: ``contributions`` is {silo: applied}, or with DP {silo: s·clip(Δ)} and
+    ``unattributed`` = s·noise.
     """
 
     def __init__(
@@ -98,16 +146,23 @@ class FedAsyncAggregator:
         self.weight_fn = weight_fn
         self.mechanism = mechanism
 
+    @property
+    def pending(self) -> int:
+        """Always 0: every update is applied when it is folded."""
+        return 0
+
     def fold(self, params: Params, update: Update, tau: int, factor: float = 1.0) -> FoldResult:
         """Apply ``update`` of staleness ``tau`` to ``params``; always returns new params."""
         _check_names(params, update)
         _check_factor(factor)
         s = self.alpha * self.weight_fn(tau) * factor
         tensors, released, noise_std = update.tensors, [], 0.0
+        clipped: Params | None = None
         if self.mechanism is not None:
             if update.kind != "delta":
                 raise ValueError("central DP clips deltas: FedAsync with DP takes kind='delta'")
-            tensors, std = self.mechanism.noise(self.mechanism.clip(tensors)[0], 1.0)
+            clipped = self.mechanism.clip(tensors)[0]
+            tensors, std = self.mechanism.noise(clipped, 1.0)
             released, noise_std = [update.silo], s * std
         if update.kind == "model":
             new = weighted_sum([params, tensors], [1.0 - s, s])
@@ -117,13 +172,32 @@ class FedAsyncAggregator:
             new.update({k: v.detach().clone() for k, v in params.items() if not is_arithmetic(v)})
         else:
             raise ValueError(f"unknown update kind {update.kind!r}")
-        return FoldResult(params=new, weight=s, flushed=1, released=released, noise_std=noise_std)
+        applied = applied_change(params, new)
+        own, rest = applied, None
+        if clipped is not None:
+            own = {k: s * clipped[k].to(v.dtype) for k, v in applied.items()}
+            rest = {k: s * (tensors[k] - clipped[k]).to(v.dtype) for k, v in applied.items()}
+        return FoldResult(
+            params=new,
+            weight=s,
+            flushed=1,
+            released=released,
+            noise_std=noise_std,
+            applied=applied,
+            contributions={update.silo: own},
+            unattributed=rest,
+        )
+
+    def flush(self, params: Params) -> FoldResult:
+        """Nothing is ever pending: ``FoldResult(None, 0.0, 0)``."""
+        return FoldResult(params=None, weight=0.0, flushed=0)
 
     def state_dict(self) -> dict[str, Any]:
         """Config only (the weight function itself is not serialised)."""
         return {"alpha": self.alpha}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore ``alpha``."""
         self.alpha = float(d["alpha"])
 
 
@@ -142,6 +216,12 @@ class FedBuffAggregator:
     it is buffered, and Δ̄ gets N(0, (σ·C·max_j S_j)²) at the flush, S_j being silo j's summed
     coefficient in the buffer; ``sample weighting`` then leaks sample counts (the server
     refuses that combination).
+
+    With ``attribute`` (the default) a flush splits its step per silo, g_j = Σ_{i from j} c_i·Δ_i
+    (c_i the coefficient above, Δ_i clipped with DP) run through the optimiser's first moment
+    per silo (:class:`fedasync.contributions.MomentShares`), so momentum from earlier flushes
+    is attributed to the silos that made it; the DP noise is ``unattributed``. Off, no shares
+    are kept and ``contributions`` is empty.
     """
 
     def __init__(
@@ -151,6 +231,7 @@ class FedBuffAggregator:
         weight_by_samples: bool = False,
         optimizer: ServerOptimizer | None = None,
         mechanism: GaussianMechanism | None = None,
+        attribute: bool = True,
     ) -> None:
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
@@ -159,6 +240,8 @@ class FedBuffAggregator:
         self.weight_by_samples = weight_by_samples
         self.optimizer = optimizer if optimizer is not None else ServerOptimizer("sgd", lr=1.0)
         self.mechanism = mechanism
+        self.attribute = attribute
+        self._shares = MomentShares()
         self._deltas: list[Params] = []
         self._weights: list[float] = []
         self._num_samples: list[int] = []
@@ -212,18 +295,45 @@ class FedBuffAggregator:
         mean_delta = weighted_sum(self._deltas, coeffs)
         released: list[str] = []
         std = 0.0
+        noise: Params | None = None
         if self.mechanism is not None:
             share, released = largest_share(self._silos, coeffs)
-            mean_delta, std = self.mechanism.noise(mean_delta, share)
+            noised, std = self.mechanism.noise(mean_delta, share)
+            noise = sub(noised, mean_delta) if std > 0.0 else None
+            mean_delta = noised
         new = self.optimizer.step(params, mean_delta)
+        contributions: dict[str, Params] = {}
+        rest: Params | None = None
+        if self.attribute:
+            contributions, rest = self._shares.step(
+                self.optimizer, params, self._parts(coeffs), noise
+            )
         total_weight = float(sum(self._weights))
         self._deltas, self._weights, self._num_samples, self._silos = [], [], [], []
         return FoldResult(
-            params=new, weight=total_weight, flushed=k, released=released, noise_std=std
+            params=new,
+            weight=total_weight,
+            flushed=k,
+            released=released,
+            noise_std=std,
+            applied=applied_change(params, new),
+            contributions=contributions,
+            unattributed=rest,
         )
 
+    def _parts(self, coeffs: Sequence[float]) -> dict[str, Params]:
+        """Silo → g_j = Σ_{i from j} c_i·Δ_i over the buffer, silos in arrival order."""
+        index: dict[str, list[int]] = {}
+        for i, silo in enumerate(self._silos):
+            index.setdefault(silo, []).append(i)
+        return {
+            j: weighted_sum([self._deltas[i] for i in ix], [coeffs[i] for i in ix])
+            for j, ix in index.items()
+        }
+
     def state_dict(self) -> dict[str, Any]:
-        """Config, buffered deltas with their weights/sample counts/silos, optimizer state.
+        """Config, buffered deltas with their weights/sample counts/silos, optimizer state and
+        the silos' shares of its first moment.
 
         The weight function is not serialised: pass the same one to the constructor.
         """
@@ -235,9 +345,14 @@ class FedBuffAggregator:
             "num_samples": list(self._num_samples),
             "silos": list(self._silos),
             "optimizer": self.optimizer.state_dict(),
+            "attribute": self.attribute,
+            "moment_shares": self._shares.state_dict(),
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. ``attribute`` stays as constructed: state
+        saved without shares (attribution off, or an older checkpoint) makes the restored
+        optimiser's first moment ``unattributed``."""
         self.buffer_size = int(d["buffer_size"])
         self.weight_by_samples = bool(d["weight_by_samples"])
         self._deltas = [clone(p) for p in d["deltas"]]
@@ -245,3 +360,7 @@ class FedBuffAggregator:
         self._num_samples = [int(n) for n in d["num_samples"]]
         self._silos = [str(s) for s in d["silos"]]
         self.optimizer.load_state_dict(d["optimizer"])
+        if d.get("attribute", False):
+            self._shares.load_state_dict(d["moment_shares"])
+        else:
+            self._shares.start_from(d["optimizer"]["m"])
