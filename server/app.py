@@ -123,7 +123,8 @@ def run_server(
             )
             srv.progress = progress
         srv.run()
-        if not srv.evals or srv.evals[-1]["version"] != srv.version:
+        evals = srv.stats.evals
+        if not evals or evals[-1]["version"] != srv.version:
             srv.evaluate()
         if progress is not None:
             progress.close()
@@ -138,7 +139,7 @@ def run_server(
         )
         if srv.erasure is not None:
             summary["erasures"] = erasure_summary(srv)
-        if srv.central is not None:
+        if srv.privacy.ledger is not None:
             summary["central_dp"] = central_dp_summary(srv)
         write_summary(run_dir / "summary.json", summary)
         return summary
@@ -150,16 +151,16 @@ def run_server(
         if service is not None:
             service.stop(grace=1.0).wait(5.0)
         srv.events.close()
-        if srv.central is not None:
-            srv.central.close()
+        srv.privacy.close()
 
 
 def central_dp_summary(srv: AsyncServer) -> dict[str, Any]:
     """Central DP's settings and every silo's epsilon (all runs of its ledger), also logged."""
     dp = srv.cfg.server.dp
-    assert srv.central is not None
-    eps = {str(s): srv.central.epsilon(s) for s in sorted(srv.roster)}
-    releases = {str(s): srv.central.releases(s) for s in sorted(srv.roster)}
+    ledger = srv.privacy.ledger
+    assert ledger is not None
+    eps = {str(s): ledger.epsilon(s) for s in sorted(srv.roster)}
+    releases = {str(s): ledger.releases(s) for s in sorted(srv.roster)}
     log.info(
         "central DP (noise %.3g x clip %.3g, delta %g): epsilon per silo %s",
         dp.noise_multiplier,
@@ -172,7 +173,7 @@ def central_dp_summary(srv: AsyncServer) -> dict[str, Any]:
         "clip_norm": srv.cfg.server.clip_norm,
         "delta": dp.delta,
         "epsilon_budget": dp.epsilon_budget,
-        "ledger": str(srv.central.path),
+        "ledger": str(ledger.path),
         "epsilon": eps,
         "releases": releases,
     }

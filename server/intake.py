@@ -31,6 +31,7 @@ from fedasync import (
 from fedasync.tensors import global_norm
 from protocol import keys as P
 from protocol import wire
+from server.config import ServerConfig
 
 
 def _norm(tensors: Params, flat: torch.Tensor | None) -> float:
@@ -162,3 +163,44 @@ def take_reply(
         metrics=train_metrics,
     )
     return Accepted(update, tau, decision, norm)
+
+
+class Intake:
+    """The server's intake: the staleness bound and the norm detectors ``take_reply`` uses.
+
+    FedEraser's calibration replies have a norm detector of their own (their norms are of
+    shorter training, and they must not teach the regular detector). ``state_dict`` holds
+    both detectors (the bound has no state).
+    """
+
+    def __init__(self, s: ServerConfig):
+        self.bound = StalenessBound(s.max_staleness, s.soft_staleness, s.soft_factor)
+        self.norms = NormOutlierDetector(factor=s.norm_outlier_factor)
+        self.calibration_norms = NormOutlierDetector(factor=s.norm_outlier_factor)
+
+    def take(
+        self, reply: Message, job: Job, *, version: int, reference: Params, roster: dict[int, int]
+    ) -> Accepted | Rejection:
+        """``take_reply`` with this intake's bound and the detector for ``job``'s kind."""
+        norms = self.calibration_norms if job.kind == "calibrate" else self.norms
+        return take_reply(
+            reply,
+            job,
+            version=version,
+            reference=reference,
+            roster=roster,
+            bound=self.bound,
+            norms=norms,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Both norm detectors' state."""
+        return {
+            "norms": self.norms.state_dict(),
+            "calibration_norms": self.calibration_norms.state_dict(),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.norms.load_state_dict(d["norms"])
+        self.calibration_norms.load_state_dict(d["calibration_norms"])

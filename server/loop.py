@@ -28,7 +28,6 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +36,11 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from fedasync import (
-    ErrorFeedback,
-    FedAsyncAggregator,
-    FedBuffAggregator,
-    NormOutlierDetector,
-    Params,
-    Rejection,
-    RejectReason,
-    ServerOptimizer,
-    StalenessBound,
-    delay_compensate_delta,
-    make_weight_fn,
-)
-from fedasync.clock import VirtualClock, WallClock
+from fedasync import FedAsyncAggregator, Params, Rejection, RejectReason
+from fedasync.clock import Clock, Next, VirtualClock, WallClock
+from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
-from fedasync.privacy import GaussianMechanism
-from fedasync.tensors import clip_by_norm, is_finite
+from fedasync.tensors import is_finite
 from protocol import keys as P
 from protocol import wire
 from protocol.config import to_dict
@@ -61,43 +48,14 @@ from protocol.keys import PRIVACY_DIR
 from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import client_setup, silo_speeds
 from server.config import FedAsyncConfig
-from server.intake import Accepted, Job, take_reply
-from server.privacy import (
-    CentralLedger,
-    central_budget_refuses,
-    record_release,
-    reported_epsilon,
-    take_privacy,
-)
+from server.intake import Accepted, Intake, Job
+from server.pipeline import CorrectionPipeline
+from server.privacy import CentralLedger, ServerPrivacy, Stop
 from server.roster import discover_silos
+from server.stats import RunStats
 from server.unlearn_messages import SiloLost, read_unlearn_reply, unlearn_message
 
 log = logging.getLogger("fedasync.server")
-
-
-def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggregator:
-    """The core aggregator for ``server.mode``; sync is FedBuff with K = all silos, tau = 0."""
-    s = cfg.server
-    opt = ServerOptimizer(kind=s.optimizer.kind, lr=s.optimizer.lr, momentum=s.optimizer.momentum)  # type: ignore[arg-type]
-    mech = None
-    if s.dp.noise_multiplier is not None and s.clip_norm is not None:
-        mech = GaussianMechanism(s.clip_norm, s.dp.noise_multiplier)  # noise from OS entropy
-    if s.mode == "fedasync":
-        return FedAsyncAggregator(
-            s.alpha, make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b), mechanism=mech
-        )
-    if s.mode == "fedbuff":
-        fn = make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
-        return FedBuffAggregator(
-            s.buffer_size, fn, weight_by_samples=s.sample_weighting, optimizer=opt, mechanism=mech
-        )
-    return FedBuffAggregator(
-        cfg.silos.count,
-        make_weight_fn("constant"),
-        weight_by_samples=s.sample_weighting,
-        optimizer=opt,
-        mechanism=mech,
-    )
 
 
 class AsyncServer:
@@ -120,7 +78,7 @@ class AsyncServer:
         self.version = 0
         self.barrier = cfg.server.mode == "sync"
         self.speeds = silo_speeds(cfg.silos, cfg.run.seed)
-        self.clock: VirtualClock | WallClock = (
+        self.clock: Clock = (
             WallClock()
             if wall_clock
             else VirtualClock(
@@ -131,12 +89,8 @@ class AsyncServer:
                 seed=cfg.run.seed,
             )
         )
-        s = cfg.server
-        self.aggregator = build_aggregator(cfg)
-        self.bound = StalenessBound(s.max_staleness, s.soft_staleness, s.soft_factor)
-        self.norms = NormOutlierDetector(factor=s.norm_outlier_factor)
-        self.calibration_norms = NormOutlierDetector(factor=s.norm_outlier_factor)
-        self.ef = ErrorFeedback(s.corrections.error_feedback_topk)
+        self.pipeline = CorrectionPipeline(cfg)
+        self.intake = Intake(cfg.server)
         # the weights each in-flight job was sent, by version (for DC-ASGD's w_base, and so that a
         # checkpoint can re-send in-flight work identically); pruned when no job refers to them
         self.sent: dict[int, Params] = {}
@@ -149,28 +103,19 @@ class AsyncServer:
         self.next_job_id = 0
         self.pending_faults = [to_dict(f) for f in cfg.faults]
         self.faults_fired: list[dict[str, Any]] = []
-        self.rejected: Counter[str] = Counter()
-        self.per_silo: dict[int, dict[str, float]] = defaultdict(
-            lambda: {"accepted": 0, "rejected": 0, "weight": 0.0}
-        )
-        self.stopped: dict[int, str] = {}  # silo -> why it refused further work (privacy budget)
-        self.central: CentralLedger | None = None  # central DP's per-silo release ledger
-        if s.dp.noise_multiplier is not None:
-            path = Path(s.dp.ledger) if s.dp.ledger else run_dir / "privacy" / "central.sqlite"
-            self.central = CentralLedger(path, run_dir.name, s.dp.noise_multiplier, s.dp.delta)
-        self.staleness_seen: list[int] = []
-        self.evals: list[dict[str, float]] = []
-        self.updates_accepted = 0  # passed intake and were folded (FedBuff: maybe still buffered)
-        self.updates_applied = 0  # reached the global model
+        self.stats = RunStats()
+        dp = cfg.server.dp
+        ledger = None  # central DP's per-silo release ledger
+        if dp.noise_multiplier is not None:
+            path = Path(dp.ledger) if dp.ledger else run_dir / "privacy" / "central.sqlite"
+            ledger = CentralLedger(path, run_dir.name, dp.noise_multiplier, dp.delta)
+        self.privacy = ServerPrivacy(ledger, dp.epsilon_budget, dp.delta)
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.ckpt_path = run_dir / "checkpoint.pt"
         self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
         self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
         self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
-        self.accept_times: list[float] = []
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
-        self.dispatches_refused = 0  # second jobs for a busy or down silo (_send's guard)
-        self.versions_refused = 0  # folds whose model was not finite (_publish's guard)
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
@@ -210,7 +155,7 @@ class AsyncServer:
         """Send ``silo`` a train message with the newest model (or, on resume, its old job)."""
         if silo in self.cfg.silos.exclude:
             return  # retraining without this silo's data
-        if silo in self.stopped:
+        if silo in self.privacy.stopped:
             return  # it refused further work (out of privacy budget)
         if self.erasure is not None and not self.erasure.may_train(silo):
             return  # retired by a whole-silo erasure, erasing or about to, or halted
@@ -298,7 +243,7 @@ class AsyncServer:
         return None
 
     def _refuse_dispatch(self, silo: int, kind: str, why: str, job_id: int | None = None) -> None:
-        self.dispatches_refused += 1
+        self.stats.dispatches_refused += 1
         log.error("refused to send silo %d a second (%s) job: %s", silo, kind, why)
         self.events.write(
             "dispatch_refused",
@@ -343,10 +288,7 @@ class AsyncServer:
         regular schedule (erasure work: no jitter, as the virtual clock's schedule has)."""
         job_id = self.next_job_id
         self.next_job_id += 1
-        if isinstance(self.clock, VirtualClock):
-            work = steps * self.cfg.silos.step_time_s / self.speeds[silo]
-            return job_id, (self.clock.now, self.clock.now + work + self.cfg.silos.latency_s)
-        jt = self.clock.schedule(silo, job_id, self.cfg.client.local_steps)
+        jt = self.clock.schedule(silo, job_id, steps, jitter=False)
         return job_id, (jt.dispatched_at, jt.finishes_at)
 
     def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
@@ -382,7 +324,8 @@ class AsyncServer:
         return [] if self.sample_ids_fn is None else list(self.sample_ids_fn(silo))
 
     def updates_accepted_between(self, t0: float, t1: float) -> int:
-        return sum(1 for t in self.accept_times if t0 < t <= t1)
+        """Updates accepted in the clock interval ``(t0, t1]``."""
+        return self.stats.accepted_between(t0, t1)
 
     def apply_erasure(self, params: Params) -> None:
         """The erasure's model becomes the newest version (the erasure boundary)."""
@@ -421,34 +364,27 @@ class AsyncServer:
             self.started_at = self.clock.now  # 0 on the virtual clock
         budget, max_v = self.deadline, self.cfg.run.max_versions
         for silo in sorted(self.roster):
-            central_budget_refuses(self, silo)  # a ledger kept across runs may be spent already
+            self._budget_refuses(silo)  # a ledger kept across runs may be spent already
         if not self.inflight:
             for silo in sorted(self.roster):
                 self.dispatch(silo)
         while True:
             if max_v is not None and self.version >= max_v:
                 break
-            if isinstance(self.clock, WallClock):
-                while self.retries and self.retries[0][0] <= self.clock.now:
-                    self.dispatch(heapq.heappop(self.retries)[1])
             if self.erasure is not None:
                 self.erasure.poll()
             t_job = self.clock.next_event_time(self.inflight)
             t_retry = self.retries[0][0] if self.retries else float("inf")
             t_erase = self.erasure.next_time() if self.erasure is not None else float("inf")
-            t_next = (
-                min(t_job, t_retry, t_erase)
-                if isinstance(self.clock, VirtualClock)
-                else self.clock.now
-            )
+            what, t_next = self.clock.next(t_job, t_retry, t_erase)
             if t_next > budget or (
                 not self.inflight and not self.retries and t_erase == float("inf")
             ):
                 break
-            if isinstance(self.clock, VirtualClock) and t_erase <= min(t_job, t_retry):
+            if what is Next.TIMER:
                 self.clock.advance_to(t_erase)
                 continue  # the scheduled erasure is submitted by poll() at the loop's top
-            if isinstance(self.clock, VirtualClock) and t_retry <= t_job:
+            if what is Next.RETRY:
                 _, silo = heapq.heappop(self.retries)
                 self.clock.advance_to(t_retry)
                 if not self.barrier:
@@ -457,9 +393,7 @@ class AsyncServer:
             due = self._wait_due()
             if due is None:
                 continue
-            finish = max(self.inflight[m].finishes_at for m in due)
-            if isinstance(self.clock, VirtualClock):
-                self.clock.advance_to(finish)
+            self.clock.advance_to(max(self.inflight[m].finishes_at for m in due))
             ready: list[int] = []
             # simultaneous replies in job order: message ids are random (uuid4), and folding
             # in their order made a seed's run differ in the last bits from one run to the next
@@ -484,7 +418,7 @@ class AsyncServer:
             if due is not None:
                 return due
             self._abandon_timed_out()
-            if not isinstance(self.clock, WallClock):
+            if not self.clock.realtime:  # the reply to take is known; wait for that one only
                 if not self.inflight:
                     return None
                 time.sleep(0.005)
@@ -505,11 +439,10 @@ class AsyncServer:
 
     def _close_round(self) -> None:
         """Sync mode: average what the round brought, then send everyone the new model."""
-        if isinstance(self.aggregator, FedBuffAggregator) and self.aggregator.pending > 0:
-            res = self.aggregator.flush(self.params)
-            if res.params is not None:
-                record_release(self, res.released, res.noise_std)
-                self._publish(res.params, "round")
+        res = self.pipeline.flush(self.params)
+        if res is not None and res.params is not None:
+            self.privacy.record_release(res.released, self.version + 1, res.noise_std)
+            self._publish(res.params, "round")
         # silos that were down rejoin at the start of the next round
         self.retries = []
         for silo in sorted(self.roster):
@@ -520,23 +453,29 @@ class AsyncServer:
         """Validate and fold one reply; True when its silo may be sent work at once."""
         if job.kind == "unlearn":
             return self._take_unlearn(job, reply)
-        eps = reported_epsilon(reply)
-        if take_privacy(self, job, reply, eps):  # a refusal: the silo is out of privacy budget
+        note = self.privacy.take_reply(job.silo, job.job_id, reply)
+        if note.stop is not None:  # a refusal: the silo is out of privacy budget
+            self._stopped(note.stop)
             if job.kind == "calibrate":
                 self.erasure.take_calibration(job, None)
             return False
-        if job.kind == "calibrate":
-            return self._take_calibration(job, reply)
-        res = self._validate(job, reply, self.norms)
+        res = self.intake.take(
+            reply, job, version=self.version, reference=self.params, roster=self.roster
+        )
+        if job.kind == "calibrate":  # FedEraser's: handed to the coordinator, never folded
+            if isinstance(res, Rejection):
+                self._reject(job, res)
+            self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)
+            return False  # sent regular work again only when the rebuild is done
         if isinstance(res, Rejection):
             self._reject(job, res)
             if res.reason is RejectReason.CLIENT_ERROR:
                 self._after_failure(job, down_s=self._down_s(job, reply))
                 return False
             return True
-        if eps is not None:
-            res.update.metrics["dp_epsilon"] = eps[0]
-        if central_budget_refuses(self, job.silo, job.job_id):
+        if note.epsilon is not None:
+            res.update.metrics["dp_epsilon"] = note.epsilon
+        if self._budget_refuses(job.silo, job.job_id):
             return False
         self._fold(job, res)
         return True
@@ -556,27 +495,17 @@ class AsyncServer:
         self.erasure.take_unlearn(erasure, result)
         return bool(erasure.sample_ids)  # a retired silo is not sent work again
 
-    def _take_calibration(self, job: Job, reply: Message) -> bool:
-        """A FedEraser calibration update: validated like any reply, handed to the coordinator
-        (never folded; the silo is sent regular work again only when the rebuild is done)."""
-        res = self._validate(job, reply, self.calibration_norms)
-        if isinstance(res, Rejection):
-            self._reject(job, res)
-        self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)
-        return False
+    def _stopped(self, stop: Stop) -> None:
+        self.events.write("silo_stopped", t=self.clock.now, version=self.version, **stop.event())
 
-    def _validate(
-        self, job: Job, reply: Message, norms: NormOutlierDetector
-    ) -> Accepted | Rejection:
-        return take_reply(
-            reply,
-            job,
-            version=self.version,
-            reference=self.params,
-            roster=self.roster,
-            bound=self.bound,
-            norms=norms,
-        )
+    def _budget_refuses(self, silo: int, job_id: int | None = None) -> bool:
+        """True when central DP's budget stops ``silo`` (now, or earlier in this run)."""
+        stop = self.privacy.budget_stop(silo, job_id)
+        if stop is None:
+            return False
+        if stop.reason:  # newly stopped
+            self._stopped(stop)
+        return True
 
     def _down_s(self, job: Job, reply: Message) -> float:
         if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
@@ -593,8 +522,7 @@ class AsyncServer:
         heapq.heappush(self.retries, (self.clock.now + down_s, job.silo))
 
     def _reject(self, job: Job, rej: Rejection) -> None:
-        self.rejected[rej.reason.value] += 1
-        self.per_silo[job.silo]["rejected"] += 1
+        self.stats.reject(job.silo, rej.reason)
         log.warning(
             "rejected reply of silo %d (job %d): %s: %s",
             job.silo,
@@ -613,59 +541,46 @@ class AsyncServer:
         )
 
     def _fold(self, job: Job, acc: Accepted) -> None:
+        """Correct and fold an accepted update (server/pipeline.py), count it, and publish the
+        new model when the fold made one."""
         update = acc.update
-        raw = update.tensors  # acc.norm is this one's norm
+        calibrate = None
         if self.erasure is not None:
-            calibrated = self.erasure.calibrate(job, update.tensors)
-            if isinstance(calibrated, Rejection):
-                self._reject(job, calibrated)
-                return
-            update.tensors = calibrated
-            if self.erasure.last_overlap is not None:
-                update.metrics["calibration_overlap"] = self.erasure.last_overlap
-        corr = self.cfg.server.corrections
-        if corr.delay_compensation > 0 and acc.staleness > 0:
-            w_base = self.sent.get(job.base_version)
-            if w_base is not None:
-                update.tensors = delay_compensate_delta(
-                    update.tensors, self.params, w_base, corr.delay_compensation, self.cfg.client.lr
-                )
-        if corr.error_feedback_topk < 1.0:
-            update.tensors = self.ef.apply(update.silo, update.tensors)
-        if self.cfg.server.clip_norm is not None:  # last: corrections change the norm
-            norm = acc.norm if update.tensors is raw else None
-            update.tensors, c = clip_by_norm(update.tensors, self.cfg.server.clip_norm, norm)
-            if c < 1.0:
-                update.metrics["clip_factor"] = c
-        res = self.aggregator.fold(self.params, update, acc.staleness, factor=acc.decision.factor)
+            erasure = self.erasure
+
+            def calibrate(tensors: Params) -> Params | Rejection:
+                out = erasure.calibrate(job, tensors)
+                if not isinstance(out, Rejection) and erasure.last_overlap is not None:
+                    update.metrics["calibration_overlap"] = erasure.last_overlap
+                return out
+
+        res = self.pipeline.fold(
+            self.params,
+            update,
+            staleness=acc.staleness,
+            factor=acc.decision.factor,
+            norm=acc.norm,
+            w_base=self.sent.get(job.base_version),
+            calibrate=calibrate,
+        )
+        if isinstance(res, Rejection):
+            self._reject(job, res)
+            return
         if res.released:
-            record_release(self, res.released, res.noise_std)
-            update.metrics["central_epsilon"] = self.per_silo[job.silo]["central_epsilon"]
-        self.updates_accepted += 1
-        self.updates_applied += res.flushed
-        self.accept_times.append(self.clock.now)
+            self.privacy.record_release(res.released, self.version + 1, res.noise_std)
+            update.metrics["central_epsilon"] = self.privacy.central_epsilon[job.silo]
+        self.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.clock.now)
         if self.erasure is not None:
             # first-order record of what this update contributes (exact for FedAsync and for
             # FedBuff with server SGD without sample weighting)
-            k = (
-                1.0
-                if isinstance(self.aggregator, FedAsyncAggregator)
-                else self.aggregator.buffer_size
-            )
-            lr = (
-                1.0
-                if isinstance(self.aggregator, FedAsyncAggregator)
-                else self.cfg.server.optimizer.lr
-            )
+            agg = self.pipeline.aggregator
+            k = 1.0 if isinstance(agg, FedAsyncAggregator) else agg.buffer_size
+            lr = 1.0 if isinstance(agg, FedAsyncAggregator) else self.cfg.server.optimizer.lr
             share = res.weight * lr / k
             contribution = {
                 n: t * share for n, t in update.tensors.items() if t.is_floating_point()
             }
             self.erasure.record(job.silo, contribution, self.version, acc.norm)
-        self.staleness_seen.append(acc.staleness)
-        st = self.per_silo[job.silo]
-        st["accepted"] += 1
-        st["weight"] += res.weight
         self.events.write(
             "update",
             t=self.clock.now,
@@ -693,7 +608,7 @@ class AsyncServer:
         where it was. Published, it would make every silo's next update non-finite and every
         silo would be blamed (``non_finite``) for the rest of the run."""
         if not is_finite(params):
-            self.versions_refused += 1
+            self.stats.versions_refused += 1
             log.error(
                 "the model after the %s is not finite: refused, the model stays at version %d",
                 cause,
@@ -724,7 +639,7 @@ class AsyncServer:
     def evaluate(self) -> dict[str, float]:
         res = self.evaluate_fn(self.params)
         rec = {"t": self.clock.now, "version": self.version, **res}
-        self.evals.append(rec)
+        self.stats.evals.append(rec)
         self.events.write("eval", **rec)
         if self.progress is not None:
             self.progress.set_postfix(
@@ -739,9 +654,78 @@ class AsyncServer:
             self.progress.refresh()
 
     # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the loop needs to continue as if it had never stopped: its own state
+        (version, weights, clock, the train jobs in flight with the weights they were sent,
+        retries, faults) and each part's ``state_dict`` under ``parts``, as
+        ``torch.optim.Optimizer`` combines its groups. An erasure in flight is restarted from
+        the erasure store instead."""
+        train = sorted(
+            (j for j in self.inflight.values() if j.kind == "train"), key=lambda j: j.job_id
+        )
+        bases: dict[int, Params] = {}
+        for j in train:
+            if j.base_version not in bases:
+                v = j.base_version
+                bases[v] = self.params if v == self.version else self.sent[v]
+        return {
+            "mode": self.cfg.server.mode,
+            "version": self.version,
+            "params": self.params,
+            "jobs": [
+                {
+                    "silo": j.silo,
+                    "job_id": j.job_id,
+                    "base_version": j.base_version,
+                    "dispatched_at": j.dispatched_at,
+                    "finishes_at": j.finishes_at,
+                    "fault": j.fault,
+                }
+                for j in train
+            ],
+            "events_offset": self.events.offset(),
+            "loop": {
+                "clock": self.clock.state_dict(),
+                "next_job_id": self.next_job_id,
+                "base_params": bases,
+                "retries": list(self.retries),
+                "pending_faults": list(self.pending_faults),
+                "faults_fired": list(self.faults_fired),
+                "started_at": self.started_at,
+            },
+            "parts": {
+                "pipeline": self.pipeline.state_dict(),
+                "intake": self.intake.state_dict(),
+                "stats": self.stats.state_dict(),
+                "privacy": self.privacy.state_dict(),
+                "erasure": self.erasure.state_dict() if self.erasure is not None else None,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Restore what ``state_dict`` returned; the train jobs to re-send."""
+        self.version = int(state["version"])
+        self.params = state["params"]
+        loop, parts = state["loop"], state["parts"]
+        self.clock.load_state_dict(loop["clock"])
+        self.next_job_id = int(loop["next_job_id"])
+        self.sent = {int(v): p for v, p in loop["base_params"].items()}
+        self.retries = [(float(t), int(s)) for t, s in loop["retries"]]
+        self.pending_faults = list(loop["pending_faults"])
+        self.faults_fired = list(loop["faults_fired"])
+        started = loop["started_at"]
+        self.started_at = 0.0 if started is None else float(started)  # the budget's origin
+        self.pipeline.load_state_dict(parts["pipeline"])
+        self.intake.load_state_dict(parts["intake"])
+        self.stats.load_state_dict(parts["stats"])
+        self.privacy.load_state_dict(parts["privacy"])
+        if self.erasure is not None and parts["erasure"] is not None:
+            self.erasure.load_state_dict(parts["erasure"])
+        return list(state["jobs"])
+
     def checkpoint(self) -> None:
-        state = CheckpointState.capture(self)
-        save_state(self.ckpt_path, state)
+        """Write ``checkpoint.pt`` (atomically, with a digest) and a ``checkpoint`` event."""
+        save_state(self.ckpt_path, CheckpointState(**self.state_dict()))
         self.events.write("checkpoint", t=self.clock.now, version=self.version)
 
     def resume(self) -> bool:
@@ -749,7 +733,13 @@ class AsyncServer:
         if not self.ckpt_path.exists():
             return False
         state = load_state(self.ckpt_path)
-        jobs = state.restore(self)
+        if state.mode != self.cfg.server.mode:
+            raise CheckpointError(
+                f"checkpoint is of server.mode={state.mode}, the run is "
+                f"server.mode={self.cfg.server.mode}; set server.mode={state.mode}, or "
+                "run.resume=false"
+            )
+        jobs = self.load_state_dict(state.as_dict())
         self.events.truncate(state.events_offset)
         if self.erasure is not None:
             self.erasure.reconcile()

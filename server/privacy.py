@@ -9,6 +9,9 @@ with a typed refusal instead of an update; the server stops sending it work, log
 line and writes a ``silo_stopped`` event. A refusal is not a fault: nothing is counted as
 rejected. The value is what the silo says; the server cannot check it (the silo's ledger and
 data never leave it).
+
+``ServerPrivacy`` is the server's part that keeps all of this (with its own ``state_dict``); it
+returns decisions (a ``Stop``) and the loop writes the events.
 """
 
 from __future__ import annotations
@@ -17,18 +20,15 @@ import logging
 import sqlite3
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flwr.app import Message
 
 from fedasync.privacy import gaussian_epsilon
 from protocol import keys as P
 from protocol.keys import DP_DELTA, DP_EPSILON, REFUSAL, REFUSAL_DETAIL
-
-if TYPE_CHECKING:
-    from server.intake import Job
-    from server.loop import AsyncServer
 
 log = logging.getLogger("fedasync.server")
 
@@ -52,40 +52,6 @@ def refusal(reply: Message) -> tuple[str, str] | None:
     if REFUSAL not in cfg:
         return None
     return str(cfg[REFUSAL]), str(cfg.get(REFUSAL_DETAIL, ""))[:300]
-
-
-def take_privacy(
-    srv: AsyncServer, job: Job, reply: Message, eps: tuple[float, float] | None
-) -> bool:
-    """Note the epsilon ``reply`` reports (``eps``: ``reported_epsilon(reply)``) for ``job``'s
-    silo; True when the silo refused the work (it is then stopped: never sent training again
-    in this run)."""
-    if eps is not None:
-        srv.per_silo[job.silo]["dp_epsilon"] = eps[0]
-        log.info(
-            "silo %d privacy: epsilon %.4g (delta %g) after job %d",
-            job.silo,
-            eps[0],
-            eps[1],
-            job.job_id,
-        )
-    why = refusal(reply)
-    if why is None:
-        return False
-    reason, detail = why
-    srv.stopped[job.silo] = reason
-    log.warning("silo %d stopped training (job %d): %s: %s", job.silo, job.job_id, reason, detail)
-    srv.events.write(
-        "silo_stopped",
-        t=srv.clock.now,
-        version=srv.version,
-        silo=job.silo,
-        job=job.job_id,
-        reason=reason,
-        detail=detail,
-        **({"dp_epsilon": eps[0]} if eps is not None else {}),
-    )
-    return True
 
 
 # ---------------------------------------------------------------- central DP
@@ -165,60 +131,144 @@ class CentralLedger:
             c[noise_multiplier] = c.get(noise_multiplier, 0) + 1
 
 
-def central_budget_refuses(srv: AsyncServer, silo: int, job_id: int | None = None) -> bool:
-    """True when one more release of ``silo``'s data would take it past
-    ``server.dp.epsilon_budget``; the silo is then stopped (never folded or sent work again in
-    this run), in one log line and a ``silo_stopped`` event. Asked before each fold (the
-    update of job ``job_id`` is then discarded) and, for a ledger that outlives runs, before
-    the first dispatch. Not a fault: nothing is counted as rejected."""
-    dp = srv.cfg.server.dp
-    if srv.central is None or dp.epsilon_budget is None:
-        return False
-    if silo in srv.stopped:
-        return True
-    would_be = srv.central.epsilon(silo, {srv.central.noise_multiplier: 1})
-    if would_be <= dp.epsilon_budget:
-        return False
-    spent = srv.central.epsilon(silo)
-    detail = (
-        f"central epsilon {spent:.4g} spent of {dp.epsilon_budget:.4g} (delta {dp.delta:g}); "
-        f"one more release would take it to {would_be:.4g}; "
-        + ("its update is discarded" if job_id is not None else "it is not sent work")
-    )
-    srv.stopped[silo] = CENTRAL_BUDGET
-    srv.per_silo[silo]["central_epsilon"] = spent
-    log.warning(
-        "silo %d stopped (%s): %s: %s",
-        silo,
-        f"job {job_id}" if job_id is not None else "before its first job",
-        CENTRAL_BUDGET,
-        detail,
-    )
-    srv.events.write(
-        "silo_stopped",
-        t=srv.clock.now,
-        version=srv.version,
-        silo=silo,
-        job=job_id,
-        reason=CENTRAL_BUDGET,
-        detail=detail,
-        central_epsilon=spent,
-    )
-    return True
+@dataclass(frozen=True)
+class Stop:
+    """A silo stopped for the rest of the run: why, and what its ``silo_stopped`` event says."""
+
+    silo: int
+    job: int | None
+    reason: str
+    detail: str
+    extra: dict[str, float]
+
+    def event(self) -> dict[str, Any]:
+        """The fields of the ``silo_stopped`` event (besides ``t`` and ``version``)."""
+        return {
+            "silo": self.silo,
+            "job": self.job,
+            "reason": self.reason,
+            "detail": self.detail,
+            **self.extra,
+        }
 
 
-def record_release(srv: AsyncServer, silos: list[str], noise_std: float) -> None:
-    """Account a new global version that releases ``silos``' data (before it goes anywhere)."""
-    if srv.central is None or not silos:
-        return
-    ids = [int(s) for s in silos]
-    srv.central.record(ids, srv.version + 1)
-    for s in ids:
-        srv.per_silo[s]["central_epsilon"] = srv.central.epsilon(s)
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug(
-            "version %d: central DP noise std %.3g; releases %s",
-            srv.version + 1,
-            noise_std,
-            ", ".join(f"silo {s} (epsilon {srv.per_silo[s]['central_epsilon']:.3g})" for s in ids),
+@dataclass(frozen=True)
+class PrivacyNote:
+    """What a train reply said about privacy: the epsilon it reports, and a stop if it refused."""
+
+    epsilon: float | None
+    stop: Stop | None
+
+
+class ServerPrivacy:
+    """Each silo's privacy as the server sees it: the epsilon it reports, whether it refused
+    work, and central DP's per-silo releases and budget.
+
+    ``ledger``: central DP's ledger (None without ``server.dp``); ``budget``: central epsilon a
+    silo may reach (None: no budget). ``row(silo)`` is what the summary's per-silo table shows.
+    """
+
+    def __init__(self, ledger: CentralLedger | None, budget: float | None, delta: float):
+        self.ledger = ledger
+        self.budget = budget
+        self.delta = delta
+        self.stopped: dict[int, str] = {}
+        """silo -> why it is sent no more work (a refusal, or central DP's budget)."""
+        self.dp_epsilon: dict[int, float] = {}
+        self.central_epsilon: dict[int, float] = {}
+
+    def row(self, silo: int) -> dict[str, Any]:
+        """The silo's epsilons and stop reason, as far as there are any."""
+        out: dict[str, Any] = {}
+        if silo in self.dp_epsilon:
+            out["dp_epsilon"] = self.dp_epsilon[silo]
+        if silo in self.central_epsilon:
+            out["central_epsilon"] = self.central_epsilon[silo]
+        if silo in self.stopped:
+            out["stopped"] = self.stopped[silo]
+        return out
+
+    def take_reply(self, silo: int, job: int, reply: Message) -> PrivacyNote:
+        """Note the epsilon a train reply reports (a rejected update was still trained on the
+        silo's data), and a ``Stop`` when the reply refuses the work (out of budget)."""
+        eps = reported_epsilon(reply)
+        if eps is not None:
+            self.dp_epsilon[silo] = eps[0]
+            log.info(
+                "silo %d privacy: epsilon %.4g (delta %g) after job %d", silo, eps[0], eps[1], job
+            )
+        epsilon = eps[0] if eps is not None else None
+        why = refusal(reply)
+        if why is None:
+            return PrivacyNote(epsilon, None)
+        reason, detail = why
+        self.stopped[silo] = reason
+        log.warning("silo %d stopped training (job %d): %s: %s", silo, job, reason, detail)
+        extra = {"dp_epsilon": eps[0]} if eps is not None else {}
+        return PrivacyNote(epsilon, Stop(silo, job, reason, detail, extra))
+
+    def budget_stop(self, silo: int, job: int | None = None) -> Stop | None:
+        """A ``Stop`` when one more release of ``silo``'s data would take it past the central
+        budget (the silo is then stopped: never folded or sent work again in this run). Asked
+        before each fold (the update of ``job`` is then discarded) and, for a ledger that
+        outlives runs, before the first dispatch. Not a fault: nothing is counted as rejected.
+        A silo stopped already answers a ``Stop`` with reason ``""`` (no new event)."""
+        if self.ledger is None or self.budget is None:
+            return None
+        if silo in self.stopped:
+            return Stop(silo, job, "", "", {})
+        would_be = self.ledger.epsilon(silo, {self.ledger.noise_multiplier: 1})
+        if would_be <= self.budget:
+            return None
+        spent = self.ledger.epsilon(silo)
+        detail = (
+            f"central epsilon {spent:.4g} spent of {self.budget:.4g} (delta {self.delta:g}); "
+            f"one more release would take it to {would_be:.4g}; "
+            + ("its update is discarded" if job is not None else "it is not sent work")
         )
+        self.stopped[silo] = CENTRAL_BUDGET
+        self.central_epsilon[silo] = spent
+        log.warning(
+            "silo %d stopped (%s): %s: %s",
+            silo,
+            f"job {job}" if job is not None else "before its first job",
+            CENTRAL_BUDGET,
+            detail,
+        )
+        return Stop(silo, job, CENTRAL_BUDGET, detail, {"central_epsilon": spent})
+
+    def record_release(self, silos: list[str], version: int, noise_std: float) -> None:
+        """Account the new global ``version`` that releases ``silos``' data, durably, before
+        it goes anywhere."""
+        if self.ledger is None or not silos:
+            return
+        ids = [int(s) for s in silos]
+        self.ledger.record(ids, version)
+        for s in ids:
+            self.central_epsilon[s] = self.ledger.epsilon(s)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "version %d: central DP noise std %.3g; releases %s",
+                version,
+                noise_std,
+                ", ".join(f"silo {s} (epsilon {self.central_epsilon[s]:.3g})" for s in ids),
+            )
+
+    def close(self) -> None:
+        """Close the central ledger's database (if any)."""
+        if self.ledger is not None:
+            self.ledger.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stopped silos and the latest epsilons (the ledger keeps itself on disk)."""
+        return {
+            "stopped": dict(self.stopped),
+            "dp_epsilon": dict(self.dp_epsilon),
+            "central_epsilon": dict(self.central_epsilon),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.stopped = {int(k): str(v) for k, v in d["stopped"].items()}
+        self.dp_epsilon = {int(k): float(v) for k, v in d["dp_epsilon"].items()}
+        self.central_epsilon = {int(k): float(v) for k, v in d["central_epsilon"].items()}

@@ -33,15 +33,16 @@ def build_summary(
     seconds; ``virtual_time_s`` is None on a wall clock. ``silo_evals`` holds each silo's own
     evaluation by silo index (empty when the run did not evaluate the silos).
     """
-    evals = srv.evals
+    stats = srv.stats
+    evals = stats.evals
     final = evals[-1] if evals else {"score": float("nan"), "loss": float("nan")}
-    st = srv.staleness_seen
+    st = stats.staleness_seen
     per_silo = {
         str(s): {
             "speed": srv.speeds[s],
             "num_samples": srv.num_samples.get(s, 0),
-            **srv.per_silo.get(s, {"accepted": 0, "rejected": 0, "weight": 0.0}),
-            **({"stopped": srv.stopped[s]} if s in srv.stopped else {}),
+            **stats.per_silo.get(s, {"accepted": 0, "rejected": 0, "weight": 0.0}),
+            **srv.privacy.row(s),
             **({"eval": silo_evals[s]} if s in silo_evals else {}),
         }
         for s in range(srv.cfg.silos.count)
@@ -59,15 +60,15 @@ def build_summary(
         "target_accuracy": target,
         "time_to_target_s": time_to_target(evals, target),
         "versions": srv.version,
-        "updates_applied": srv.updates_applied,
-        "updates_accepted": srv.updates_accepted,
-        "updates_buffered_at_end": srv.updates_accepted - srv.updates_applied,
-        "updates_rejected": dict(sorted(srv.rejected.items())),
-        "updates_rejected_total": sum(srv.rejected.values()),
+        "updates_applied": stats.updates_applied,
+        "updates_accepted": stats.updates_accepted,
+        "updates_buffered_at_end": stats.updates_accepted - stats.updates_applied,
+        "updates_rejected": dict(sorted(stats.rejected.items())),
+        "updates_rejected_total": sum(stats.rejected.values()),
         # second jobs the loop refused to send a silo that held one (0 unless a bug asked)
-        "dispatches_refused": srv.dispatches_refused,
+        "dispatches_refused": stats.dispatches_refused,
         # folds whose model was not finite, refused (the model stayed; 0 unless a bug)
-        "versions_refused": srv.versions_refused,
+        "versions_refused": stats.versions_refused,
         "staleness_mean": float(np.mean(st)) if st else 0.0,
         "staleness_max": int(max(st)) if st else 0,
         "per_silo": per_silo,

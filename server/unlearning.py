@@ -432,7 +432,7 @@ class ErasureCoordinator:
         """
         srv = self.srv
         bounds: list[float] = []
-        threshold = srv.norms.threshold()
+        threshold = srv.intake.norms.threshold()
         if threshold is not None:
             bounds.append(threshold)
         if srv.cfg.server.clip_norm is not None:

@@ -140,7 +140,7 @@ def test_resume_from_a_damaged_checkpoint_is_refused_before_the_engine(
 
     path = tmp_path / "t" / "checkpoint.pt"
     params = {"w": torch.ones(64, 64), "b": torch.zeros(64)}
-    state = CheckpointState(0, params, {}, {}, {}, {}, 0, [], {}, [], [], [], {}, 0, "fedasync")
+    state = CheckpointState("fedasync", 0, params, [], 0)
     save_state(path, state)
     damage(path)
 
@@ -160,7 +160,7 @@ def test_resume_from_a_damaged_baseline_checkpoint_is_refused(tmp_path, capsys, 
     path = tmp_path / "t" / "baseline-sync" / "checkpoint.pt"
     params = {"w": torch.ones(64, 64)}
     save_state(
-        path, CheckpointState(0, params, {}, {}, {}, {}, 0, [], {}, [], [], [], {}, 0, "sync")
+        path, CheckpointState("sync", 0, params, [], 0)
     )
     _truncate(path)
 
@@ -179,7 +179,7 @@ def test_resume_from_a_checkpoint_of_another_mode_is_refused(small_cfg, tmp_path
 
     cfg = small_cfg()
     params = initial_model(cfg).state_dict()
-    state = CheckpointState(0, params, {}, {}, {}, {}, 0, [], {}, [], [], [], {}, 0, "fedbuff")
+    state = CheckpointState("fedbuff", 0, params, [], 0)
     save_state(tmp_path / "t" / "checkpoint.pt", state)
 
     assert main(["simulate", f"run.out_dir={tmp_path}", "run.name=t", "run.resume=true"]) == 2
@@ -191,7 +191,7 @@ def test_resume_from_a_checkpoint_of_another_model_is_refused(tmp_path, capsys, 
     from server.checkpoint import CheckpointState, save_state
 
     params = {"w": torch.ones(3, 3)}
-    state = CheckpointState(0, params, {}, {}, {}, {}, 0, [], {}, [], [], [], {}, 0, "fedasync")
+    state = CheckpointState("fedasync", 0, params, [], 0)
     save_state(tmp_path / "t" / "checkpoint.pt", state)
 
     assert main(["simulate", f"run.out_dir={tmp_path}", "run.name=t", "run.resume=true"]) == 2

@@ -1,0 +1,131 @@
+"""The correction pipeline: what happens to an accepted update between intake and the model.
+
+Paper: none of its own; each step is the core's (fedasync.corrections, fedasync.aggregators).
+In order, for one validated delta:
+
+1. **calibrate**: an erasure's invariance calibration, when erasures are on (the erasure
+   coordinator's ``calibrate``: projection out of erased data's gradient signature, or a
+   rejection of pre-boundary work);
+2. **delay compensation** (DC-ASGD, ``server.corrections.delay_compensation``), for a stale
+   update whose base weights the server still holds;
+3. **error feedback** (``server.corrections.error_feedback_topk`` < 1): top-k compression with
+   per-silo residuals;
+4. **clip** to ``server.clip_norm`` (last: the corrections change the norm);
+5. **fold** into the global model by the aggregator (FedAsync mixing, or FedBuff's buffer and
+   server optimiser; with central DP, the aggregator's noise).
+
+No Flower import: the loop hands it tensors and gets back the fold's result. It owns the
+aggregator and the error-feedback residuals, and checkpoints them in its ``state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fedasync import (
+    ErrorFeedback,
+    FedAsyncAggregator,
+    FedBuffAggregator,
+    FoldResult,
+    Params,
+    Rejection,
+    ServerOptimizer,
+    Update,
+    delay_compensate_delta,
+    make_weight_fn,
+)
+from fedasync.aggregators import Aggregator
+from fedasync.privacy import GaussianMechanism
+from fedasync.tensors import clip_by_norm
+from server.config import FedAsyncConfig
+
+Calibrate = Callable[[Params], "Params | Rejection"]
+"""An erasure's calibration of one update's tensors (or why the update is refused)."""
+
+
+def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggregator:
+    """The core aggregator for ``server.mode``; sync is FedBuff with K = all silos, tau = 0."""
+    s = cfg.server
+    opt = ServerOptimizer(kind=s.optimizer.kind, lr=s.optimizer.lr, momentum=s.optimizer.momentum)
+    mech = None
+    if s.dp.noise_multiplier is not None and s.clip_norm is not None:
+        mech = GaussianMechanism(s.clip_norm, s.dp.noise_multiplier)  # noise from OS entropy
+    if s.mode == "fedasync":
+        return FedAsyncAggregator(
+            s.alpha, make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b), mechanism=mech
+        )
+    if s.mode == "fedbuff":
+        fn = make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
+        return FedBuffAggregator(
+            s.buffer_size, fn, weight_by_samples=s.sample_weighting, optimizer=opt, mechanism=mech
+        )
+    return FedBuffAggregator(
+        cfg.silos.count,
+        make_weight_fn("constant"),
+        weight_by_samples=s.sample_weighting,
+        optimizer=opt,
+        mechanism=mech,
+    )
+
+
+class CorrectionPipeline:
+    """calibrate → delay compensation → error feedback → clip → fold, for one update at a time."""
+
+    def __init__(self, cfg: FedAsyncConfig):
+        s = cfg.server
+        self.delay_compensation = s.corrections.delay_compensation
+        self.error_feedback = s.corrections.error_feedback_topk < 1.0
+        self.clip_norm = s.clip_norm
+        self.client_lr = cfg.client.lr
+        self.aggregator: Aggregator = build_aggregator(cfg)
+        self.ef = ErrorFeedback(s.corrections.error_feedback_topk)
+
+    def fold(
+        self,
+        params: Params,
+        update: Update,
+        *,
+        staleness: int,
+        factor: float,
+        norm: float,
+        w_base: Params | None,
+        calibrate: Calibrate | None = None,
+    ) -> FoldResult | Rejection:
+        """Correct ``update`` (a validated delta on ``params``' names, of L2 norm ``norm``, sent
+        with base weights ``w_base`` when the server still holds them) and fold it into
+        ``params``; or the calibration's rejection. What a step did to the update goes into
+        ``update.metrics`` (``clip_factor``); ``update.tensors`` ends as what was folded."""
+        raw = update.tensors
+        if calibrate is not None:
+            calibrated = calibrate(update.tensors)
+            if isinstance(calibrated, Rejection):
+                return calibrated
+            update.tensors = calibrated
+        if self.delay_compensation > 0 and staleness > 0 and w_base is not None:
+            update.tensors = delay_compensate_delta(
+                update.tensors, params, w_base, self.delay_compensation, self.client_lr
+            )
+        if self.error_feedback:
+            update.tensors = self.ef.apply(update.silo, update.tensors)
+        if self.clip_norm is not None:
+            known = norm if update.tensors is raw else None
+            update.tensors, c = clip_by_norm(update.tensors, self.clip_norm, known)
+            if c < 1.0:
+                update.metrics["clip_factor"] = c
+        return self.aggregator.fold(params, update, staleness, factor=factor)
+
+    def flush(self, params: Params) -> FoldResult | None:
+        """Apply what the aggregator holds (sync mode's round end); None when it holds nothing."""
+        if self.aggregator.pending == 0:
+            return None
+        return self.aggregator.flush(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The aggregator (FedBuff's buffer, the server optimiser) and the residuals."""
+        return {"aggregator": self.aggregator.state_dict(), "error_feedback": self.ef.state_dict()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.aggregator.load_state_dict(d["aggregator"])
+        self.ef.load_state_dict(d["error_feedback"])
