@@ -173,7 +173,7 @@ class FedAsyncAggregator:
         else:
             raise ValueError(f"unknown update kind {update.kind!r}")
         applied = applied_change(params, new)
-        own, rest = applied, None
+        own, rest = dict(applied), None  # the same tensors, a dict of its own
         if clipped is not None:
             own = {k: s * clipped[k].to(v.dtype) for k, v in applied.items()}
             rest = {k: s * (tensors[k] - clipped[k]).to(v.dtype) for k, v in applied.items()}
@@ -360,7 +360,9 @@ class FedBuffAggregator:
         self._num_samples = [int(n) for n in d["num_samples"]]
         self._silos = [str(s) for s in d["silos"]]
         self.optimizer.load_state_dict(d["optimizer"])
-        if d.get("attribute", False):
+        if not self.attribute:
+            self._shares = MomentShares()
+        elif d.get("attribute", False):
             self._shares.load_state_dict(d["moment_shares"])
         else:
             self._shares.start_from(d["optimizer"]["m"])
