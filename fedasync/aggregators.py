@@ -134,17 +134,24 @@ class FedAsyncAggregator:
     clipped to C and noised with std σC before mixing: x ← x + s·(clip(Δ) + N(0, σ²C²)).
 
     Every fold applies: ``contributions`` is {silo: applied}, or with DP {silo: s·clip(Δ)} and
-    ``unattributed`` = s·noise.
+    ``unattributed`` = s·noise. ``attribute=False`` skips that bookkeeping (one model-sized
+    subtraction per fold): ``applied`` is then None and ``contributions`` empty.
     """
 
     def __init__(
-        self, alpha: float, weight_fn: WeightFn, mechanism: GaussianMechanism | None = None
+        self,
+        alpha: float,
+        weight_fn: WeightFn,
+        mechanism: GaussianMechanism | None = None,
+        *,
+        attribute: bool = True,
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.weight_fn = weight_fn
         self.mechanism = mechanism
+        self.attribute = attribute
 
     @property
     def pending(self) -> int:
@@ -172,6 +179,8 @@ class FedAsyncAggregator:
             new.update({k: v.detach().clone() for k, v in params.items() if not is_arithmetic(v)})
         else:
             raise ValueError(f"unknown update kind {update.kind!r}")
+        if not self.attribute:
+            return FoldResult(new, s, 1, released=released, noise_std=noise_std)
         applied = applied_change(params, new)
         own, rest = dict(applied), None  # the same tensors, a dict of its own
         if clipped is not None:

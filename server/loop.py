@@ -36,7 +36,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from fedasync import FedAsyncAggregator, Params, Rejection, RejectReason
+from fedasync import Params, Rejection, RejectReason
 from fedasync.clock import Clock, Next, VirtualClock, WallClock
 from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
@@ -442,6 +442,8 @@ class AsyncServer:
         res = self.pipeline.flush(self.params)
         if res is not None and res.params is not None:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)
+            if self.erasure is not None:
+                self.erasure.record(None, res.contributions, self.version)
             self._publish(res.params, "round")
         # silos that were down rejoin at the start of the next round
         self.retries = []
@@ -570,17 +572,8 @@ class AsyncServer:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)
             update.metrics["central_epsilon"] = self.privacy.central_epsilon[job.silo]
         self.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.clock.now)
-        if self.erasure is not None:
-            # first-order record of what this update contributes (exact for FedAsync and for
-            # FedBuff with server SGD without sample weighting)
-            agg = self.pipeline.aggregator
-            k = 1.0 if isinstance(agg, FedAsyncAggregator) else agg.buffer_size
-            lr = 1.0 if isinstance(agg, FedAsyncAggregator) else self.cfg.server.optimizer.lr
-            share = res.weight * lr / k
-            contribution = {
-                n: t * share for n, t in update.tensors.items() if t.is_floating_point()
-            }
-            self.erasure.record(job.silo, contribution, self.version, acc.norm)
+        if self.erasure is not None:  # the silos' exact shares of what this fold applied
+            self.erasure.record(job.silo, res.contributions, self.version, acc.norm)
         self.events.write(
             "update",
             t=self.clock.now,

@@ -45,20 +45,33 @@ Calibrate = Callable[[Params], "Params | Rejection"]
 
 
 def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggregator:
-    """The core aggregator for ``server.mode``; sync is FedBuff with K = all silos, tau = 0."""
+    """The core aggregator for ``server.mode``; sync is FedBuff with K = all silos, tau = 0.
+
+    Each fold's per-silo contributions are computed only when something reads them
+    (``unlearning.server_removal``: the erasure subtracts the silo's recorded contributions).
+    """
     s = cfg.server
+    attribute = cfg.unlearning.server_removal
     opt = ServerOptimizer(kind=s.optimizer.kind, lr=s.optimizer.lr, momentum=s.optimizer.momentum)
     mech = None
     if s.dp.noise_multiplier is not None and s.clip_norm is not None:
         mech = GaussianMechanism(s.clip_norm, s.dp.noise_multiplier)  # noise from OS entropy
     if s.mode == "fedasync":
         return FedAsyncAggregator(
-            s.alpha, make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b), mechanism=mech
+            s.alpha,
+            make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b),
+            mechanism=mech,
+            attribute=attribute,
         )
     if s.mode == "fedbuff":
         fn = make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
         return FedBuffAggregator(
-            s.buffer_size, fn, weight_by_samples=s.sample_weighting, optimizer=opt, mechanism=mech
+            s.buffer_size,
+            fn,
+            weight_by_samples=s.sample_weighting,
+            optimizer=opt,
+            mechanism=mech,
+            attribute=attribute,
         )
     return FedBuffAggregator(
         cfg.silos.count,
@@ -66,6 +79,7 @@ def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggrega
         weight_by_samples=s.sample_weighting,
         optimizer=opt,
         mechanism=mech,
+        attribute=attribute,
     )
 
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -74,12 +74,15 @@ from fedasync.unlearning import (
     federaser_step,
     forget_share_scale,
 )
+from server.erasure.states import State
 from server.unlearn_messages import SiloLost
 
 if TYPE_CHECKING:
+    from fedasync.clock import Clock
+    from fedasync.events import EventLog
+    from server.config import FedAsyncConfig
     from server.erasure.store import ErasureStore
-    from server.intake import Job
-    from server.loop import AsyncServer
+    from server.intake import Intake, Job
 
 log = logging.getLogger("fedasync.server")
 
@@ -87,6 +90,60 @@ WENT_DOWN = "silo went down mid-erasure"
 """Audit detail of an erasing -> queued that counts against ``unlearning.max_attempts``."""
 WENT_OFFLINE = "silo went offline mid-erasure"
 """Audit detail of an erasing -> queued that does not (the SuperLink reported it offline)."""
+
+
+class Federation(Protocol):
+    """What the erasure coordinator sees of the server: the model and its version, the clock,
+    the silos and their jobs, the event log, and the few actions it may ask for. The server
+    (``server.loop.AsyncServer``) is one; a test may pass another."""
+
+    cfg: FedAsyncConfig
+    version: int
+    params: Params
+    clock: Clock
+    roster: dict[int, int]
+    num_samples: dict[int, int]
+    inflight: dict[str, Job]
+    barrier: bool
+    events: EventLog
+    intake: Intake
+    evaluate_fn: Any
+
+    def holding(self, silo: int) -> str | None:
+        """Why ``silo`` may not be sent work now (None: it is idle)."""
+        ...
+
+    def is_down(self, silo: int) -> bool:
+        """Whether ``silo`` waits out a failure."""
+        ...
+
+    def dispatch(self, silo: int) -> None:
+        """Send ``silo`` regular training work."""
+        ...
+
+    def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
+        """Send ``silo`` an erasure; False when refused."""
+        ...
+
+    def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> bool:
+        """Send ``silo`` FedEraser calibration training; False when refused."""
+        ...
+
+    def apply_erasure(self, params: Params) -> None:
+        """Make ``params`` the newest version (the erasure boundary)."""
+        ...
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint now."""
+        ...
+
+    def silo_sample_ids(self, silo: int) -> list[str]:
+        """The sample ids ``silo`` holds."""
+        ...
+
+    def updates_accepted_between(self, t0: float, t1: float) -> int:
+        """Updates accepted in the clock interval ``(t0, t1]``."""
+        ...
 
 
 @dataclass
@@ -127,7 +184,7 @@ class Rebuild:
 class ErasureCoordinator:
     """Drives erasure requests through their states from inside the server loop."""
 
-    def __init__(self, srv: AsyncServer, store: ErasureStore, verify_fn: Any):
+    def __init__(self, srv: Federation, store: ErasureStore, verify_fn: Any):
         self.srv = srv
         self.store = store
         self.cfg = srv.cfg.unlearning
@@ -188,7 +245,7 @@ class ErasureCoordinator:
             ids = self._fraction_ids(silo, fraction)
             req, _ = self.store.submit(silo, ids or None, "schedule", self.srv.version)
             log.info("scheduled erasure %s of silo %d submitted at t=%.1f", req.id, silo, now)
-        queued = [r for r in self.store.unfinished() if r.state.value == "queued"]
+        queued = [r for r in self.store.unfinished() if r.state is State.QUEUED]
         for req in queued:
             self.seen.setdefault(req.id, now)
         before, self.waiting = self.waiting, {r.silo for r in queued}
@@ -247,7 +304,7 @@ class ErasureCoordinator:
         else:
             self.store.transition(
                 req.id,
-                _state("erasing"),
+                State.ERASING,
                 actor="server",
                 model_version=srv.version,
                 detail=f"sent train.unlearn to silo {req.silo}{note}",
@@ -268,7 +325,7 @@ class ErasureCoordinator:
         now = self.srv.clock.now
         if req.created_at_ms >= self.store.opened_ms:
             return self.seen.get(req.id, now), None
-        if self.srv.clock.kind == "wall":
+        if self.srv.clock.realtime:
             return now - max(0.0, (now_ms() - req.created_at_ms) / 1000), None
         return self.seen.get(req.id, now), int(req.created_at_ms)
 
@@ -398,11 +455,18 @@ class ErasureCoordinator:
         return self.signature.project_out(tensors, strength=self.cfg.calibration_strength)
 
     def record(
-        self, silo: int, contribution: Params, version: int, norm: float | None = None
+        self,
+        silo: int | None,
+        contributions: dict[str, Params],
+        version: int,
+        norm: float | None = None,
     ) -> None:
-        """An applied update: its contribution (ledger) and its raw norm (FedEraser history)."""
-        self.ledger.record(str(silo), contribution, version)
-        if norm is not None and self.history is not None:
+        """What a fold applied: each silo's exact share (the ledger; empty unless
+        ``unlearning.server_removal`` asks for it), and the raw norm of the update of ``silo``
+        that was folded (FedEraser's history; None at a round's flush)."""
+        for s, part in contributions.items():
+            self.ledger.record(s, part, version)
+        if silo is not None and norm is not None and self.history is not None:
             self.history.record(version, str(silo), norm)
 
     def take_unlearn(self, erasure: Erasure, decoded: tuple) -> None:
@@ -491,7 +555,7 @@ class ErasureCoordinator:
         srv.checkpoint()  # the model with the erasure is durable before the store says so
         self.store.transition(
             erasure.request_id,
-            _state("calibrating"),
+            State.CALIBRATING,
             actor="server",
             model_version=srv.version,
             boundary_version=srv.version,
@@ -512,7 +576,7 @@ class ErasureCoordinator:
         self.active.pop(erasure.request_id, None)
         self.store.transition(
             erasure.request_id,
-            _state("failed"),
+            State.FAILED,
             actor="server",
             model_version=self.srv.version,
             detail=why,
@@ -549,7 +613,7 @@ class ErasureCoordinator:
         self.waiting.add(erasure.silo)  # no training for it before the erasure starts again
         log.warning("erasure %s of silo %d back to queued: %s", rid, erasure.silo, detail)
         self.store.transition(
-            rid, _state("queued"), actor="server", model_version=srv.version, detail=detail
+            rid, State.QUEUED, actor="server", model_version=srv.version, detail=detail
         )
         self.event(erasure, "queued", detail=detail)
 
@@ -576,7 +640,7 @@ class ErasureCoordinator:
             applied = [
                 a.time_ms
                 for a in self.store.audit(e.request_id)
-                if a.action == "transition" and a.to_state.value == "calibrating"
+                if a.action == "transition" and a.to_state is State.CALIBRATING
             ]
             if applied:  # from submission to the erasure in the model, both on the wall clock
                 latency, clock = (applied[0] - e.submitted_wall_ms) / 1000, "wall"
@@ -609,7 +673,7 @@ class ErasureCoordinator:
             del self.active[rid]
             self.store.transition(
                 rid,
-                _state("verified"),
+                State.VERIFIED,
                 actor="server",
                 model_version=srv.version,
                 metrics=after,
@@ -681,19 +745,19 @@ class ErasureCoordinator:
         resumed mid-erasure (erasing, calibrating) gets an audit row saying so (``note``).
         """
         for req in self.store.unfinished():
-            if req.state.value == "calibrating":  # applied; verified after its window
+            if req.state is State.CALIBRATING:  # applied; verified after its window
                 self.store.note(
                     req.id,
                     actor="server",
                     model_version=self.srv.version,
                     detail="resumed after restart (calibrating)",
                 )
-            if req.state.value != "erasing":
+            if req.state is not State.ERASING:
                 continue
             if req.id in self.applied:
                 self.store.transition(
                     req.id,
-                    _state("calibrating"),
+                    State.CALIBRATING,
                     actor="server",
                     model_version=self.srv.version,
                     detail="resumed after a restart",
@@ -709,17 +773,11 @@ class ErasureCoordinator:
                 log.warning("erasure %s of silo %d back to queued: %s", req.id, req.silo, detail)
                 self.store.transition(
                     req.id,
-                    _state("queued"),
+                    State.QUEUED,
                     actor="server",
                     model_version=self.srv.version,
                     detail=detail,
                 )
-
-
-def _state(name: str) -> Any:
-    from server.erasure.states import State
-
-    return State(name)
 
 
 def _add(a: Params, b: Params) -> Params:
