@@ -1,17 +1,32 @@
-"""Typed configuration of a fedasync run, validated once where the app starts.
+"""Typed configuration of a fedasync run, each part validated where it is built.
 
-Every key is documented by the docstring under its field; docs/configuration.md lists them all. Every
-numeric key has its allowed values in RANGES; `validate` checks them, the names and the keys
-that must agree, and raises ConfigError (a fedasync.errors.UserError) naming the key.
-Experiments are YAML files (simulations/configs/) plus ``key=value`` overrides.
+Every key is documented by the docstring under its field; docs/configuration.md lists them all.
+Every numeric key has its allowed values in RANGES. Each section checks its own keys in
+``__post_init__`` (ranges, choices, the keys within it that must agree), so a section that
+exists is valid whoever built it: omegaconf (``OmegaConf.to_object`` calls the constructors),
+``dataclasses.replace`` or a test. FedAsyncConfig checks what needs the whole config: keys of
+different sections that must agree, the entries of ``faults`` and ``erasures`` (their keys carry
+their index, which an entry does not know) and the client and data sections, whose classes are
+protocol.config's. Every error is a ConfigError (a fedasync.errors.UserError) naming the key.
+A config is never changed once built: derive another with ``dataclasses.replace``. Experiments
+are YAML files (simulations/configs/) plus ``key=value`` overrides.
+
+Choices are ``Literal`` types; the staleness weight functions and the server optimiser kinds
+are the core's own (fedasync.staleness.WeightFnName, fedasync.optim.OptimizerKind). To mypy a
+choice field is its Literal. To omegaconf it is a ``str`` that carries the Literal
+(``Annotated[str, Literal[...]]``, rebound below under ``not TYPE_CHECKING``): omegaconf 2.3
+refuses Literal annotations, and 2.4 would check them itself in its own words before the
+section does, changing the messages. `choices` reads the allowed values from either form.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 from fedasync.errors import ConfigError
+from fedasync.optim import OptimizerKind
 from fedasync.ranges import (
     AT_LEAST_ONE,
     NON_NEGATIVE,
@@ -21,45 +36,111 @@ from fedasync.ranges import (
     Range,
     numeric_values,
 )
-from fedasync.staleness import WEIGHT_FUNCTIONS
+from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from fedasync.unlearning import SHARE_RULES
 from protocol.config import ClientConfig, DataConfig
 
-MODES = ("fedasync", "fedbuff", "sync")
-SPEED_PROFILES = ("uniform", "stragglers", "lognormal")
-FAULT_KINDS = (
-    "crash",
-    "nan",
-    "wrong_shape",
-    "replay",
-    "huge_norm",
-    "future_version",
-    "unknown_silo",
-)
+ServerMode = Literal["fedasync", "fedbuff", "sync"]
+"""``server.mode``."""
+SpeedProfile = Literal["uniform", "stragglers", "lognormal"]
+"""``silos.speed_profile``."""
+FaultKind = Literal[
+    "crash", "nan", "wrong_shape", "replay", "huge_norm", "future_version", "unknown_silo"
+]
+"""``faults[].kind``."""
+ErasureMethod = Literal["pga", "relabel"]
+"""``unlearning.method``."""
+RadiusScaling = Literal["linear", "sqrt", "none"]
+"""``unlearning.radius_scaling``: fedasync.unlearning.SHARE_RULES (checked equal at import)."""
+SignatureDtype = Literal["float32", "float16"]
+"""``unlearning.signature_dtype``."""
+PreBoundary = Literal["project", "drop"]
+"""``unlearning.pre_boundary``."""
+
+
+def choices(tp: Any) -> tuple[Any, ...]:
+    """The values the choice type ``tp`` allows: its Literal's, also when ``tp`` is the
+    ``Annotated[str, Literal[...]]`` omegaconf is shown (empty: ``tp`` is no choice)."""
+    for t in (tp, *getattr(tp, "__metadata__", ())):
+        if get_origin(t) is Literal:
+            return get_args(t)
+    return ()
+
+
+MODES: tuple[str, ...] = choices(ServerMode)
+SPEED_PROFILES: tuple[str, ...] = choices(SpeedProfile)
+FAULT_KINDS: tuple[str, ...] = choices(FaultKind)
+OPTIMIZER_KINDS: tuple[str, ...] = choices(OptimizerKind)
+ERASURE_METHODS: tuple[str, ...] = choices(ErasureMethod)
+SIGNATURE_DTYPES: tuple[str, ...] = choices(SignatureDtype)
+PRE_BOUNDARIES: tuple[str, ...] = choices(PreBoundary)
+
+if choices(RadiusScaling) != tuple(SHARE_RULES):  # not an assert: kept under python -O
+    raise AssertionError(f"RadiusScaling {choices(RadiusScaling)} != SHARE_RULES {SHARE_RULES}")
+
+if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
+    ServerMode, SpeedProfile, FaultKind, ErasureMethod = (
+        Annotated[str, t] for t in (ServerMode, SpeedProfile, FaultKind, ErasureMethod)
+    )
+    RadiusScaling, SignatureDtype, PreBoundary = (
+        Annotated[str, t] for t in (RadiusScaling, SignatureDtype, PreBoundary)
+    )
+    WeightFnName, OptimizerKind = (Annotated[str, t] for t in (WeightFnName, OptimizerKind))
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _check_ranges(section: Any, prefix: str) -> None:
+    """The numeric keys of ``section`` itself (not of its sub-sections), named ``prefix`` +
+    field, against RANGES."""
+    depth = prefix.count(".")
+    for rkey, key, value in numeric_values(section, prefix):
+        if rkey.count(".") == depth:
+            rng = RANGES.get(rkey)
+            _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
 
 
 @dataclass
 class StalenessConfig:
     """Staleness weight s(tau) (FedAsync, Xie et al. 2019)."""
 
-    fn: str = "polynomial"
+    fn: WeightFnName = "polynomial"
     """constant, polynomial ((tau+1)^-a), hinge, or exponential (exp(-a tau))."""
     a: float = 0.5
     """Exponent / slope of the weight function."""
     b: float = 4.0
     """Hinge: staleness up to which the weight stays 1."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges and the weight function's name."""
+        _check_ranges(self, "server.staleness.")
+        _check(
+            self.fn in WEIGHT_FUNCTIONS,
+            f"server.staleness.fn must be one of {tuple(WEIGHT_FUNCTIONS)}, got {self.fn!r}",
+        )
+
 
 @dataclass
 class OptimizerConfig:
     """Server optimiser applied to FedBuff's averaged delta (FedAdam et al.)."""
 
-    kind: str = "sgd"
+    kind: OptimizerKind = "sgd"
     """sgd, momentum or adam."""
     lr: float = 1.0
     """Server learning rate."""
     momentum: float = 0.9
     """Momentum (kind=momentum)."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges and the kind."""
+        _check_ranges(self, "server.optimizer.")
+        _check(
+            self.kind in OPTIMIZER_KINDS,
+            f"server.optimizer.kind must be sgd, momentum or adam, got {self.kind!r}",
+        )
 
 
 @dataclass
@@ -71,6 +152,10 @@ class CorrectionsConfig:
     error_feedback_topk: float = 1.0
     """Fraction of entries of each update folded in (top-k); the rest is kept per silo as an
     error-feedback residual and added to its next update. 1.0 disables."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges."""
+        _check_ranges(self, "server.corrections.")
 
 
 @dataclass
@@ -87,12 +172,16 @@ class ServerDPConfig:
     ledger: str | None = None
     """SQLite file of every release per silo (kept across runs); None: <run>/privacy/central.sqlite."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges (what needs server.clip_norm is ServerConfig's)."""
+        _check_ranges(self, "server.dp.")
+
 
 @dataclass
 class ServerConfig:
     """The asynchronous server loop."""
 
-    mode: str = "fedasync"
+    mode: ServerMode = "fedasync"
     """fedasync (fold every update at once), fedbuff (buffer K updates), sync (FedAvg rounds)."""
     alpha: float = 0.3
     """FedAsync mixing rate: x <- x + alpha * s(tau) * delta (0.3: steadier than the paper's 0.6
@@ -133,6 +222,30 @@ class ServerConfig:
     offline_retry_s: float = 10.0
     """Wall seconds before a silo the SuperLink reports offline is sent work again."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, the mode, and the server keys that must agree (its
+        sub-sections have checked themselves)."""
+        _check_ranges(self, "server.")
+        _check(self.mode in MODES, f"server.mode must be one of {MODES}, got {self.mode!r}")
+        _check(
+            self.max_staleness is None
+            or self.soft_staleness is None
+            or self.soft_staleness <= self.max_staleness,
+            f"server.soft_staleness={self.soft_staleness} must be <= "
+            f"server.max_staleness={self.max_staleness}",
+        )
+        if self.dp.noise_multiplier is not None:
+            _check(
+                self.clip_norm is not None,
+                "server.dp.noise_multiplier needs server.clip_norm: the noise is in units of "
+                "the clipping norm, which bounds each silo's influence",
+            )
+            _check(
+                self.mode == "fedasync" or not self.sample_weighting,
+                "server.dp with fedbuff/sync needs server.sample_weighting=false: the sample "
+                "counts silos report are their data too, and weighting by them is not noised",
+            )
+
 
 @dataclass
 class SilosConfig:
@@ -140,7 +253,7 @@ class SilosConfig:
 
     count: int = 6
     """Number of silos (one SuperNode each)."""
-    speed_profile: str = "stragglers"
+    speed_profile: SpeedProfile = "stragglers"
     """uniform (all speed 1), stragglers (a fraction `straggler_fraction` is `straggler_slowdown`
     times slower), lognormal (speeds drawn from a log-normal with sigma `sigma`)."""
     straggler_fraction: float = 0.2
@@ -160,6 +273,17 @@ class SilosConfig:
     message takes 1/speed as long as its training did, making the speed profile real."""
     exclude: list[int] = field(default_factory=list)
     """Silos that never train (retraining from scratch without their data)."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, the speed profile, and that excluded silos exist."""
+        _check_ranges(self, "silos.")
+        _check(
+            self.speed_profile in SPEED_PROFILES,
+            f"silos.speed_profile must be one of {SPEED_PROFILES}, got {self.speed_profile!r}",
+        )
+        n = self.count
+        for i, silo in enumerate(self.exclude):
+            _check(silo < n, f"silos.exclude[{i}]={silo} is not a silo (0..{n - 1})")
 
 
 @dataclass
@@ -185,6 +309,10 @@ class RunConfig:
     progress: bool = True
     """Show a progress bar."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges."""
+        _check_ranges(self, "run.")
+
 
 @dataclass
 class EngineConfig:
@@ -202,12 +330,31 @@ class EngineConfig:
     client_gpus: float = 0.0
     """GPUs per ClientApp actor (fractions share a GPU)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, and the engine keys that must agree."""
+        _check_ranges(self, "engine.")
+        _check(
+            self.ray_address is None or self.num_cpus is None,
+            "engine.num_cpus cannot be set with engine.ray_address: a running cluster's CPUs "
+            "are fixed by `ray start --num-cpus` on its nodes",
+        )
+        _check(
+            self.num_cpus is None or self.num_cpus >= self.client_cpus,
+            f"engine.num_cpus={self.num_cpus} must be >= engine.client_cpus="
+            f"{self.client_cpus}, or no silo could ever run",
+        )
+        _check(
+            self.ray_address is None or "://" not in self.ray_address,
+            "engine.ray_address must be host:port or auto (Ray Client ray:// is not supported)",
+        )
+
 
 @dataclass
 class FaultConfig:
-    """One injected fault, for robustness runs."""
+    """One injected fault, for robustness runs (an entry of ``faults``: FedAsyncConfig checks
+    it, naming its index)."""
 
-    kind: str = "crash"
+    kind: FaultKind = "crash"
     """crash, nan, wrong_shape, replay, huge_norm, future_version or unknown_silo."""
     silo: int = 0
     """Which silo misbehaves."""
@@ -219,7 +366,8 @@ class FaultConfig:
 
 @dataclass
 class ErasureRequestConfig:
-    """An erasure scheduled in a simulation (live ones come through the erasure service)."""
+    """An erasure scheduled in a simulation (live ones come through the erasure service); an
+    entry of ``erasures``: FedAsyncConfig checks it, naming its index."""
 
     silo: int = 0
     """Whose data is erased."""
@@ -248,12 +396,16 @@ class BackdoorConfig:
     relearn_after_s: float = 0.0
     """...from this virtual second on (to test that an erasure stays in force)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges (which silos and labels exist, FedAsyncConfig)."""
+        _check_ranges(self, "backdoor.")
+
 
 @dataclass
 class UnlearningConfig:
     """Asynchronous erasure with invariance calibration (AFU-IC style; see docs/erasure.md)."""
 
-    method: str = "pga"
+    method: ErasureMethod = "pga"
     """Silo-side erasure: pga (projected gradient ascent, Halimi et al. 2022) or relabel."""
     steps: int = 5
     """Local erasure steps."""
@@ -262,7 +414,7 @@ class UnlearningConfig:
     radius: float = 2.0
     """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
     sample-level one gets it scaled by radius_scaling)."""
-    radius_scaling: str = "linear"
+    radius_scaling: RadiusScaling = "linear"
     """How a sample-level erasure's size (PGA radius, relabel steps) follows its share of the
     silo's samples: linear (max(share, radius_floor)), sqrt (max(sqrt(share), radius_floor)) or
     none (the full size for any erasure)."""
@@ -278,10 +430,10 @@ class UnlearningConfig:
     """Rank of the gradient signature the erasing silo sends."""
     signature_batches: int = 4
     """Forget-set batches whose loss gradients span that signature (each costs about a step)."""
-    signature_dtype: str = "float32"
+    signature_dtype: SignatureDtype = "float32"
     """Precision the signature crosses the wire in: float32, or float16 (half the bytes; the
     server re-orthonormalises it)."""
-    pre_boundary: str = "project"
+    pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
     relearn_versions: int = 20
     """Versions after the boundary at which the erasure is verified (the relearning check)."""
@@ -310,6 +462,27 @@ class UnlearningConfig:
     tls_keyfile: str | None = None
     """Its private key (PEM)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, the choices, and the TLS files' pairing."""
+        _check_ranges(self, "unlearning.")
+        _check(self.method in ERASURE_METHODS, "unlearning.method must be pga or relabel")
+        _check(
+            self.radius_scaling in SHARE_RULES,
+            f"unlearning.radius_scaling must be one of {SHARE_RULES}, got {self.radius_scaling!r}",
+        )
+        _check(
+            self.pre_boundary in PRE_BOUNDARIES,
+            "unlearning.pre_boundary must be project or drop",
+        )
+        _check(
+            (self.tls_certfile is None) == (self.tls_keyfile is None),
+            "unlearning.tls_certfile and unlearning.tls_keyfile go together",
+        )
+        _check(
+            self.signature_dtype in SIGNATURE_DTYPES,
+            "unlearning.signature_dtype must be float32 or float16",
+        )
+
 
 @dataclass
 class FedAsyncConfig:
@@ -325,6 +498,70 @@ class FedAsyncConfig:
     erasures: list[ErasureRequestConfig] = field(default_factory=list)
     unlearning: UnlearningConfig = field(default_factory=UnlearningConfig)
     backdoor: BackdoorConfig = field(default_factory=BackdoorConfig)
+
+    def __post_init__(self) -> None:
+        """Checked when built (each section has checked itself): the client and data sections'
+        ranges, the entries of ``faults`` and ``erasures``, the data's names, and the keys of
+        different sections that must agree. What needs files (the data, a checkpoint to resume)
+        is checked by simulations.config.preflight."""
+        from medical_data.registry import BENCHMARKS, PARTITIONS
+
+        for rkey, key, value in numeric_values(self):
+            if rkey.startswith(("client.", "data.", "faults[", "erasures[")):
+                rng = RANGES.get(rkey)
+                _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
+        s, u, d, n = self.server, self.unlearning, self.data, self.silos.count
+        _check(
+            d.benchmark in BENCHMARKS,
+            f"data.benchmark must be one of {tuple(BENCHMARKS)}, got {d.benchmark!r}",
+        )
+        spec = BENCHMARKS[d.benchmark]
+        _check(
+            d.partition in PARTITIONS,
+            f"data.partition must be one of {PARTITIONS}, got {d.partition!r}",
+        )
+        _check(
+            not (d.partition == "natural" and spec.natural_split.startswith("none")),
+            f"data.partition=natural: {d.benchmark} has no natural split; use dirichlet or iid",
+        )
+        _check(
+            spec.offline or d.data_dir is not None,
+            f"data.data_dir must name the file or folder you downloaded for {d.benchmark}",
+        )
+        if d.network is not None:
+            from medical_data.networks import NETWORKS
+
+            _check(
+                d.network in NETWORKS, f"data.network must be one of {NETWORKS}, got {d.network!r}"
+            )
+        _check(
+            d.max_samples is None or d.max_samples >= 2 * n,
+            f"data.max_samples={d.max_samples} is too small for silos.count={n} (at least {2 * n})",
+        )
+        _check(
+            not u.federaser or (u.halt and s.mode == "sync"),
+            "unlearning.federaser needs unlearning.halt=true and server.mode=sync",
+        )
+        for i, e in enumerate(self.erasures):
+            _check(e.silo < n, f"erasures[{i}].silo={e.silo} is not a silo (0..{n - 1})")
+        for i, f in enumerate(self.faults):
+            _check(
+                f.kind in FAULT_KINDS,
+                f"faults[{i}].kind must be one of {FAULT_KINDS}, got {f.kind!r}",
+            )
+            _check(f.silo < n, f"faults[{i}].silo={f.silo} is not a silo (0..{n - 1})")
+        b = self.backdoor
+        if b.enabled:
+            _check(b.silo < n, f"backdoor.silo={b.silo} is not a silo (0..{n - 1})")
+            _check(
+                not spec.offline or b.target_label < spec.num_classes,
+                f"backdoor.target_label={b.target_label} is not a class of {d.benchmark} "
+                f"(0..{spec.num_classes - 1})",
+            )
+        _check(
+            b.relearn_silo is None or b.relearn_silo < n,
+            f"backdoor.relearn_silo={b.relearn_silo} is not a silo (0..{n - 1})",
+        )
 
 
 RANGES: dict[str, Range] = {
@@ -418,140 +655,39 @@ RANGES: dict[str, Range] = {
 allows it, means off. tests/test_config.py checks that no numeric key is missing here."""
 
 
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
+def _parts(cfg: Any) -> Iterator[Any]:
+    """``cfg`` and every config dataclass in it, innermost first (the order they are built)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            if is_dataclass(item):
+                yield from _parts(item)
+    yield cfg
 
 
 def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
-    """Check values that types alone cannot; raise ConfigError naming the key.
+    """Check ``cfg`` again, every section then the whole, and return it; raise ConfigError
+    naming the key. A config is checked when it is built (each ``__post_init__``), so this
+    only repeats those checks, for a caller that wants them said.
 
     Every numeric key against its range (RANGES), every name against what exists (modes,
     weight functions, benchmarks, partitions, networks), and the keys that must agree. What
     needs files (the data, a checkpoint to resume) is checked by simulations.config.preflight.
     """
-    from medical_data.registry import BENCHMARKS, PARTITIONS
-
-    for rkey, key, value in numeric_values(cfg):
-        rng = RANGES.get(rkey)
-        _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
-    s, u, d, n = cfg.server, cfg.unlearning, cfg.data, cfg.silos.count
-    _check(s.mode in MODES, f"server.mode must be one of {MODES}, got {s.mode!r}")
-    _check(
-        s.staleness.fn in WEIGHT_FUNCTIONS,
-        f"server.staleness.fn must be one of {tuple(WEIGHT_FUNCTIONS)}, got {s.staleness.fn!r}",
-    )
-    _check(
-        cfg.silos.speed_profile in SPEED_PROFILES,
-        f"silos.speed_profile must be one of {SPEED_PROFILES}, got {cfg.silos.speed_profile!r}",
-    )
-    _check(
-        s.optimizer.kind in ("sgd", "momentum", "adam"),
-        f"server.optimizer.kind must be sgd, momentum or adam, got {s.optimizer.kind!r}",
-    )
-    _check(
-        d.benchmark in BENCHMARKS,
-        f"data.benchmark must be one of {tuple(BENCHMARKS)}, got {d.benchmark!r}",
-    )
-    spec = BENCHMARKS[d.benchmark]
-    _check(
-        d.partition in PARTITIONS,
-        f"data.partition must be one of {PARTITIONS}, got {d.partition!r}",
-    )
-    _check(
-        not (d.partition == "natural" and spec.natural_split.startswith("none")),
-        f"data.partition=natural: {d.benchmark} has no natural split; use dirichlet or iid",
-    )
-    _check(
-        spec.offline or d.data_dir is not None,
-        f"data.data_dir must name the file or folder you downloaded for {d.benchmark}",
-    )
-    if d.network is not None:
-        from medical_data.networks import NETWORKS
-
-        _check(d.network in NETWORKS, f"data.network must be one of {NETWORKS}, got {d.network!r}")
-    _check(
-        d.max_samples is None or d.max_samples >= 2 * n,
-        f"data.max_samples={d.max_samples} is too small for silos.count={n} (at least {2 * n})",
-    )
-    _check(
-        s.max_staleness is None or s.soft_staleness is None or s.soft_staleness <= s.max_staleness,
-        f"server.soft_staleness={s.soft_staleness} must be <= server.max_staleness={s.max_staleness}",
-    )
-    _check(
-        cfg.engine.ray_address is None or cfg.engine.num_cpus is None,
-        "engine.num_cpus cannot be set with engine.ray_address: a running cluster's CPUs "
-        "are fixed by `ray start --num-cpus` on its nodes",
-    )
-    _check(
-        cfg.engine.num_cpus is None or cfg.engine.num_cpus >= cfg.engine.client_cpus,
-        f"engine.num_cpus={cfg.engine.num_cpus} must be >= engine.client_cpus="
-        f"{cfg.engine.client_cpus}, or no silo could ever run",
-    )
-    _check(
-        cfg.engine.ray_address is None or "://" not in cfg.engine.ray_address,
-        "engine.ray_address must be host:port or auto (Ray Client ray:// is not supported)",
-    )
-    _check(u.method in ("pga", "relabel"), "unlearning.method must be pga or relabel")
-    _check(
-        u.radius_scaling in SHARE_RULES,
-        f"unlearning.radius_scaling must be one of {SHARE_RULES}, got {u.radius_scaling!r}",
-    )
-    _check(u.pre_boundary in ("project", "drop"), "unlearning.pre_boundary must be project or drop")
-    _check(
-        (u.tls_certfile is None) == (u.tls_keyfile is None),
-        "unlearning.tls_certfile and unlearning.tls_keyfile go together",
-    )
-    _check(
-        u.signature_dtype in ("float32", "float16"),
-        "unlearning.signature_dtype must be float32 or float16",
-    )
-    _check(
-        not u.federaser or (u.halt and s.mode == "sync"),
-        "unlearning.federaser needs unlearning.halt=true and server.mode=sync",
-    )
-    for i, silo in enumerate(cfg.silos.exclude):
-        _check(silo < n, f"silos.exclude[{i}]={silo} is not a silo (0..{n - 1})")
-    for i, e in enumerate(cfg.erasures):
-        _check(e.silo < n, f"erasures[{i}].silo={e.silo} is not a silo (0..{n - 1})")
-    for i, f in enumerate(cfg.faults):
-        _check(
-            f.kind in FAULT_KINDS, f"faults[{i}].kind must be one of {FAULT_KINDS}, got {f.kind!r}"
-        )
-        _check(f.silo < n, f"faults[{i}].silo={f.silo} is not a silo (0..{n - 1})")
-    dp = s.dp
-    if dp.noise_multiplier is not None:
-        _check(
-            s.clip_norm is not None,
-            "server.dp.noise_multiplier needs server.clip_norm: the noise is in units of "
-            "the clipping norm, which bounds each silo's influence",
-        )
-        _check(
-            s.mode == "fedasync" or not s.sample_weighting,
-            "server.dp with fedbuff/sync needs server.sample_weighting=false: the sample "
-            "counts silos report are their data too, and weighting by them is not noised",
-        )
-    b = cfg.backdoor
-    if b.enabled:
-        _check(b.silo < n, f"backdoor.silo={b.silo} is not a silo (0..{n - 1})")
-        _check(
-            not spec.offline or b.target_label < spec.num_classes,
-            f"backdoor.target_label={b.target_label} is not a class of {d.benchmark} "
-            f"(0..{spec.num_classes - 1})",
-        )
-    _check(
-        b.relearn_silo is None or b.relearn_silo < n,
-        f"backdoor.relearn_silo={b.relearn_silo} is not a silo (0..{n - 1})",
-    )
+    for part in _parts(cfg):
+        check = getattr(part, "__post_init__", None)
+        if check is not None:
+            check()
     return cfg
 
 
 def from_container(data: dict[str, Any]) -> FedAsyncConfig:
-    """Build and validate a config from a plain dict (e.g. JSON sent by the launcher)."""
+    """Build a config from a plain dict (e.g. JSON sent by the launcher), checked as it is
+    built; ``data`` is left as it was."""
     from omegaconf import OmegaConf
 
     schema = OmegaConf.structured(FedAsyncConfig)
     merged = OmegaConf.merge(schema, OmegaConf.create(data))
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, FedAsyncConfig)
-    return validate(cfg)
+    return cfg

@@ -1,7 +1,9 @@
 """Load a run configuration: defaults <- YAML file <- ``key=value`` overrides (omegaconf).
 
 The schema is ``server.config.FedAsyncConfig``: unknown keys, wrong types and values out of
-range are errors that name the key, before anything starts. `load_config` then runs
+range are errors that name the key, before anything starts (omegaconf catches the first two,
+each config section's ``__post_init__`` the rest, as ``OmegaConf.to_object`` builds it; the
+inputs, the file and the overrides, are never changed). `load_config` then runs
 `preflight`, which checks what needs files (the data, a checkpoint to resume from), so that a
 run never reaches Flower's simulation engine (or a deployment) with inputs it cannot use.
 Every such error is a ``fedasync.errors.UserError``: the CLI prints it as one line, exit 2.
@@ -17,12 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fedasync.errors import ConfigError, UserError
-from server.config import FedAsyncConfig, validate
+from server.config import FedAsyncConfig
 
 DEFAULT_CONFIG = "default.yaml"
 
 
 def default_config_path() -> Path:
+    """The packaged default config (simulations/configs/default.yaml)."""
     return Path(str(resources.files("simulations") / "configs" / DEFAULT_CONFIG))
 
 
@@ -54,12 +57,12 @@ def load_config(
         key = getattr(e, "full_key", None) or "?"
         first = str(e).splitlines()[0]
         raise ConfigError(f"bad configuration key {key}: {first} (config: {path})") from e
-    except ValueError as e:  # a config dataclass's own check (protocol.config.DPConfig)
+    except ValueError as e:  # a config dataclass's own check (ConfigError), or a plain one
         if isinstance(e, UserError):
             raise
         raise ConfigError(str(e)) from e
     assert isinstance(cfg, FedAsyncConfig)
-    return preflight(validate(cfg))
+    return preflight(cfg)
 
 
 def checkpoint_path(cfg: FedAsyncConfig) -> Path:
@@ -152,10 +155,12 @@ def _check_devices(cfg: FedAsyncConfig) -> None:
 
 
 def to_yaml(cfg: FedAsyncConfig) -> str:
+    """``cfg`` as YAML (the run folder's config.yaml)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 def to_container(cfg: FedAsyncConfig) -> dict[str, Any]:
+    """``cfg`` as plain dicts (what ``from_container`` takes back)."""
     out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]

@@ -35,7 +35,6 @@ was measured) and ``deploy/`` (certificates and each process's FLWR_HOME, temp f
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re
@@ -47,6 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -267,10 +267,8 @@ def sync_comparison_warning(cfg: FedAsyncConfig) -> str | None:
 def write_run_config(cfg: FedAsyncConfig, path: Path) -> None:
     """The run config ``flwr run`` is given: ``cfg`` as JSON, with the ServerApp's progress bar
     off (the console shows progress from the event log) and no sync-comparison warning of its
-    own (``deploy_local`` has said it, once)."""
-    server_cfg = copy.deepcopy(cfg)
-    server_cfg.run.progress = False
-    server_cfg.run.compare_sync = False
+    own (``deploy_local`` has said it, once). ``cfg`` itself is left as it was."""
+    server_cfg = replace(cfg, run=replace(cfg.run, progress=False, compare_sync=False))
     path.write_text(run_config_toml(server_cfg))
 
 
@@ -319,16 +317,17 @@ def _restore_signals(previous: dict[int, Any]) -> None:
         signal.signal(s, h)
 
 
-def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> None:
+def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> FedAsyncConfig:
     """The erasure service of a deployment: TLS with the SuperLink's certificate (unless the
     config names one), and per-silo credentials made once in ``folder`` and kept for a resumed
     run: ``credentials.json`` (the hashes the service checks) and one token file each,
-    ``silo-<i>.token`` and ``admin.token`` (0600), to hand to their holders."""
+    ``silo-<i>.token`` and ``admin.token`` (0600), to hand to their holders. Returns the config
+    that names them (``cfg`` itself is left as it was)."""
     u = cfg.unlearning
     if u.tls_certfile is None:
-        u.tls_certfile, u.tls_keyfile = str(paths.server_cert), str(paths.server_key)
+        u = replace(u, tls_certfile=str(paths.server_cert), tls_keyfile=str(paths.server_key))
     if u.credentials is not None:
-        return
+        return replace(cfg, unlearning=u)
     hashes = folder / "credentials.json"
     if not hashes.exists():
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -336,16 +335,21 @@ def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> None
         for name, token in tokens.items():
             write_file(folder / f"{name}.token", token.encode() + b"\n", 0o600)
         os.replace(folder / ".credentials.json", hashes)  # tokens first: all or none
-    u.credentials = str(hashes)
+    return replace(cfg, unlearning=replace(u, credentials=str(hashes)))
 
 
 def prepare(
     cfg: FedAsyncConfig, certs: Path | None, privacy_dir: Path | None = None
-) -> tuple[Path, CertPaths, dict[int, Path]]:
+) -> tuple[FedAsyncConfig, Path, CertPaths, dict[int, Path]]:
     """The run folder, its deploy/ folder, config.yaml, run-config.toml, certificates and the
-    silos' privacy ledgers (in ``privacy_dir``, default ``<run folder>/privacy``)."""
+    silos' privacy ledgers (in ``privacy_dir``, default ``<run folder>/privacy``).
+
+    Returns the config the deployment runs (``run.out_dir`` made absolute, and with the
+    erasure service on, its TLS files and credentials; ``cfg`` itself is left as it was), the
+    run folder, the certificates' paths and the ledgers by silo."""
     n = cfg.silos.count
-    cfg.run.out_dir = str(Path(cfg.run.out_dir).resolve())  # the ServerApp runs elsewhere
+    out_dir = str(Path(cfg.run.out_dir).resolve())  # the ServerApp runs elsewhere
+    cfg = replace(cfg, run=replace(cfg.run, out_dir=out_dir))
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     work = run_dir / "deploy"
     work.mkdir(parents=True, exist_ok=True)
@@ -355,13 +359,13 @@ def prepare(
             raise DeployError(f"{certs} lacks files for {n} silos (make them: fedasync certs)")
         paths = write_certs(paths.root, n, force=True)
     if cfg.unlearning.service:
-        prepare_erasure(cfg, work / "erasure", paths)
+        cfg = prepare_erasure(cfg, work / "erasure", paths)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     write_run_config(cfg, work / "run-config.toml")
     if not cfg.run.resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # progress reads only this run's
     ledgers = privacy_ledgers(run_dir / "privacy" if privacy_dir is None else privacy_dir, n)
-    return run_dir, paths, ledgers
+    return cfg, run_dir, paths, ledgers
 
 
 def deploy_local(
@@ -384,7 +388,7 @@ def deploy_local(
     are stopped first.
     """
     sweep_orphans()  # what earlier deployments (or simulations) whose driver was killed left
-    run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir)
+    cfg, run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir)
     work = run_dir / "deploy"
     procs = Processes(marker=f"{work}:{owner_token()}")  # whose: see processes.find_orphans
     events = EventTail(run_dir / "metrics.jsonl")
@@ -518,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted as e:
         print(f"fedasync deploy: {e}; every process it started was stopped", file=sys.stderr)
         return 143
-    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    run_dir = Path(cfg.run.out_dir).resolve() / cfg.run.name  # as deploy_local's prepare has it
     print_result(summary, run_dir)
     why = no_version_reason(summary, run_dir)
     if why is not None:
