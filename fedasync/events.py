@@ -40,10 +40,12 @@ class EventLog:
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, event: str, **fields: Any) -> None:
+        """Append one event (non-finite floats as null) and flush it."""
         self._f.write(json.dumps({"event": event, **json_safe(fields)}, sort_keys=False) + "\n")
         self._f.flush()
 
     def offset(self) -> int:
+        """The log's length in bytes, everything written flushed (a checkpoint keeps it)."""
         self._f.flush()
         return self._f.tell()
 
@@ -56,6 +58,7 @@ class EventLog:
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def close(self) -> None:
+        """Flush, fsync and close the file."""
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()

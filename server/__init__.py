@@ -1,0 +1,1 @@
+"""The ServerApp: the asynchronous loop and the parts it is made of, deployment glue, the erasure service."""

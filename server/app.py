@@ -325,11 +325,13 @@ class StoppableGrid:
         self._grid, self._stop = grid, stop
 
     def pull_messages(self, *args: Any, **kwargs: Any) -> Any:
+        """The grid's, unless the run was stopped (then ``RunStopped``)."""
         if self._stop.is_set():
             raise RunStopped
         return self._grid.pull_messages(*args, **kwargs)
 
     def get_node_ids(self, *args: Any, **kwargs: Any) -> Any:
+        """The grid's, unless the run was stopped (then ``RunStopped``)."""
         if self._stop.is_set():
             raise RunStopped
         return self._grid.get_node_ids(*args, **kwargs)

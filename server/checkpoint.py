@@ -53,6 +53,7 @@ class CheckpointState:
 
 
 def save_state(path: Path, state: CheckpointState) -> None:
+    """Write ``state`` to ``path`` atomically, sealed with its digest."""
     save_checkpoint(path, state.to_dict())
 
 

@@ -71,6 +71,8 @@ class Job:
 
 @dataclass
 class Accepted:
+    """A reply that passed intake: its update, staleness, the bound's decision, its L2 norm."""
+
     update: Update
     staleness: int
     decision: BoundDecision

@@ -321,6 +321,7 @@ class AsyncServer:
         return any(s == silo for _, s in self.retries)
 
     def silo_sample_ids(self, silo: int) -> list[str]:
+        """The sample ids ``silo`` holds (empty when the caller set no ``sample_ids_fn``)."""
         return [] if self.sample_ids_fn is None else list(self.sample_ids_fn(silo))
 
     def updates_accepted_between(self, t0: float, t1: float) -> int:
@@ -630,6 +631,7 @@ class AsyncServer:
             self.erasure.on_version()
 
     def evaluate(self) -> dict[str, float]:
+        """Evaluate the global model (``evaluate_fn``), record it and write an ``eval`` event."""
         res = self.evaluate_fn(self.params)
         rec = {"t": self.clock.now, "version": self.version, **res}
         self.stats.evals.append(rec)

@@ -97,6 +97,7 @@ class CentralLedger:
             self._counts[int(silo)][float(sigma)] = int(n)
 
     def close(self) -> None:
+        """Close the database."""
         self._db.close()
 
     def releases(self, silo: int) -> int:

@@ -223,9 +223,11 @@ class ErasureCoordinator:
         return min(times, default=float("inf"))
 
     def erasing(self, silo: int) -> bool:
+        """Whether ``silo`` is carrying out an erasure not yet applied."""
         return any(e.silo == silo and e.boundary is None for e in self.active.values())
 
     def may_train(self, silo: int) -> bool:
+        """Whether ``silo`` may be sent training (not retired, erasing, or halted)."""
         if self.cfg.halt and (
             self.halting or any(e.boundary is None for e in self.active.values())
         ):
@@ -683,6 +685,7 @@ class ErasureCoordinator:
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """The erasures in progress, the ledger, the signatures and the FedEraser history."""
         return {
             "ledger": self.ledger.state_dict(),
             "history": None if self.history is None else self.history.state_dict(),
@@ -710,6 +713,7 @@ class ErasureCoordinator:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
         self.ledger.load_state_dict(d["ledger"])
         if self.history is not None and d.get("history"):  # (absent: FedEraser was off)
             self.history.load_state_dict(d["history"])

@@ -1,0 +1,1 @@
+"""The commands: simulate, deploy, erase, and the launchers and plots behind them."""
