@@ -2,16 +2,27 @@
 
 Shared by the trainers' configs (``fedasync rl``, ``fedasync pipeline``), on the same omegaconf
 conventions as ``fedasync simulate``: an unknown key, a wrong type or a malformed file is a
-``fedasync.errors.ConfigError`` (one line, exit 2) that names the key or the file. Ranges and
-cross-key rules are each config's own ``validate``, run on what this returns.
+``fedasync.errors.ConfigError`` (one line, exit 2) that names the key or the file. Ranges,
+choices and cross-key rules are each config section's own ``__post_init__`` (with `check`,
+`check_ranges` and `choices` from here), run as ``OmegaConf.to_object`` builds the sections;
+the config class's own ``__post_init__`` checks the keys of different sections that must agree.
+A config is never changed once built: derive another with ``dataclasses.replace``.
+
+Choice fields are ``Literal`` types to mypy and, to omegaconf, ``Annotated[str, Literal[...]]``
+(each config module rebinds its aliases under ``not TYPE_CHECKING``): omegaconf 2.3 refuses
+Literal annotations, and 2.4 would check them itself in its own words before the section does,
+changing the messages. `choices` reads the allowed values from either form.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from fedasync.errors import ConfigError, UserError
+from fedasync.ranges import Range, numeric_values
 
 T = TypeVar("T")
 
@@ -23,8 +34,9 @@ def load_structured(
     example_override: str,
 ) -> T:
     """An instance of the dataclass ``schema_cls``: its defaults <- YAML ``path`` (None: none)
-    <- ``key=value`` overrides, not yet validated. ``example_override`` is shown to a user who
-    writes an override without ``=``."""
+    <- ``key=value`` overrides, each section checked as it is built (its ``__post_init__``),
+    the whole last. ``example_override`` is shown to a user who writes an override without
+    ``=``. Neither the file nor ``overrides`` is changed."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -65,3 +77,48 @@ def to_container(cfg: Any) -> dict[str, Any]:
     out = OmegaConf.to_container(OmegaConf.structured(cfg))
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
+
+
+def choices(tp: Any) -> tuple[Any, ...]:
+    """The values the choice type ``tp`` allows: its Literal's, also when ``tp`` is the
+    ``Annotated[str, Literal[...]]`` omegaconf is shown (empty: ``tp`` is no choice)."""
+    for t in (tp, *getattr(tp, "__metadata__", ())):
+        if get_origin(t) is Literal:
+            return get_args(t)
+    return ()
+
+
+def check(ok: bool, msg: str) -> None:
+    """Raise ConfigError(``msg``) unless ``ok``: ``msg`` names the key."""
+    if not ok:
+        raise ConfigError(msg)
+
+
+def check_ranges(section: Any, prefix: str, ranges: Mapping[str, Range]) -> None:
+    """The numeric keys of the config section ``section`` itself (not of its sub-sections),
+    named ``prefix`` + field, against ``ranges``; ConfigError naming the first outside."""
+    depth = prefix.count(".")
+    for rkey, key, value in numeric_values(section, prefix):
+        if rkey.count(".") == depth:
+            rng = ranges.get(rkey)
+            check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
+
+
+def _parts(cfg: Any) -> Iterator[Any]:
+    """``cfg`` and every config dataclass in it, innermost first (the order they are built)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            if is_dataclass(item):
+                yield from _parts(item)
+    yield cfg
+
+
+def recheck(cfg: T) -> T:
+    """Run the checks of ``cfg``'s every section, then of the whole, again, and return it
+    (they ran when it was built; this is for a caller that wants them said)."""
+    for part in _parts(cfg):
+        post_init = getattr(part, "__post_init__", None)
+        if post_init is not None:
+            post_init()
+    return cfg

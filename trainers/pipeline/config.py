@@ -7,24 +7,48 @@ simulate`` and ``fedasync rl``: unknown keys, wrong types and values out of rang
 that name the key as ``section.key`` (``fedasync.errors.ConfigError``: one line, exit 2). Every
 key is documented by the docstring under its field (a test checks). String choices avoid
 ``on``/``off``/``yes``/``no``, which YAML reads as booleans.
+
+Each section checks its own keys in ``__post_init__`` (ranges in RANGES, choices, keys within
+it that must agree, such as PACI's drift bound); PipelineConfig checks what spans sections. A
+config is never changed once built (``dataclasses.replace`` derives another). Choices are
+``Literal`` types; omegaconf is shown each as a str carrying its Literal, for the reasons in
+trainers.configload's docstring.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fedasync.errors import ConfigError
-from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, numeric_values
+from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
 from trainers import configload
-from trainers.configload import load_structured
+from trainers.configload import check, check_ranges, choices, load_structured, recheck
 from trainers.pipeline.schedule import SCHEDULES, SYNCHRONOUS, max_drift, micro_for_drift
 
-BACKENDS = ("emulate", "processes")
-COMMS = ("auto", "gloo", "nccl")
-DEVICES = ("auto", "cpu", "cuda")
-OPTIMIZERS = ("adamw", "muon")
+Device = Literal["auto", "cpu", "cuda"]
+"""``run.device``."""
+Schedule = Literal["gpipe", "1f1b", "2bw", "paci"]
+"""``pipeline.schedule``: trainers.pipeline.schedule.SCHEDULES (checked equal at import)."""
+Backend = Literal["emulate", "processes"]
+"""``pipeline.backend``."""
+Comm = Literal["auto", "gloo", "nccl"]
+"""``pipeline.comm``."""
+OptimizerName = Literal["adamw", "muon"]
+"""``optim.name``: trainers.pipeline.optim.OPTIMIZERS (a test checks they are equal)."""
+
+BACKENDS: tuple[str, ...] = choices(Backend)
+COMMS: tuple[str, ...] = choices(Comm)
+DEVICES: tuple[str, ...] = choices(Device)
+OPTIMIZERS: tuple[str, ...] = choices(OptimizerName)
+
+if choices(Schedule) != tuple(SCHEDULES):  # not an assert: kept under python -O
+    raise AssertionError(f"Schedule {choices(Schedule)} != SCHEDULES {SCHEDULES}")
+
+if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
+    Device, Schedule, Backend, Comm, OptimizerName = (
+        Annotated[str, t] for t in (Device, Schedule, Backend, Comm, OptimizerName)
+    )
 
 
 @dataclass
@@ -50,10 +74,18 @@ class RunSection:
     """A progress bar on stderr while it runs."""
     plots: bool = True
     """Write PNGs at the end (timeline.png: four batches of the run, stage by time; loss.png)."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto (CUDA when present), cpu or cuda."""
     threads: int = 1
     """Torch threads per process (per stage process with ``pipeline.backend=processes``)."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges and the device."""
+        check_ranges(self, "run.", RANGES)
+        check(
+            self.device in DEVICES,
+            f"run.device must be auto, cpu or cuda, got {self.device!r:.40}",
+        )
 
 
 @dataclass
@@ -67,6 +99,14 @@ class ModelSection:
     context: int = 128
     """Ids per training window (the model's longest input)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, and that the heads divide the width."""
+        check_ranges(self, "model.", RANGES)
+        check(
+            self.d_model % self.n_heads == 0,
+            f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}",
+        )
+
 
 @dataclass
 class DataSection:
@@ -78,10 +118,14 @@ class DataSection:
     seed: int = 0
     """Seeds the sampling of training and held-out windows (apart from ``run.seed``)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges."""
+        check_ranges(self, "data.", RANGES)
+
 
 @dataclass
 class PipelineSection:
-    schedule: str = "paci"
+    schedule: Schedule = "paci"
     """gpipe | 1f1b (flushed every batch: synchronous) | 2bw (PipeDream-2BW: computes under
     weights ``pipeline.delay`` steps old) | paci (no flush, the forward/backward drift bounded
     by ``pipeline.max_drift``)."""
@@ -94,17 +138,40 @@ class PipelineSection:
     max_drift: int = 1
     """paci: the staleness bound, the most optimiser steps a stage may take between a
     micro-batch's forward and its backward (>= 1); needs ceil((P - 1) / m) <= it."""
-    backend: str = "processes"
+    backend: Backend = "processes"
     """emulate (one process runs the schedule, stage by stage) or processes (one
     torch.distributed process per stage)."""
-    comm: str = "auto"
+    comm: Comm = "auto"
     """torch.distributed backend of ``processes``: auto (nccl on CUDA, gloo otherwise), gloo
     or nccl."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, the choices, and PACI's drift bound."""
+        check_ranges(self, "pipeline.", RANGES)
+        check(
+            self.schedule in SCHEDULES,
+            f"pipeline.schedule must be one of {SCHEDULES}, got {self.schedule!r:.40}",
+        )
+        check(
+            self.backend in BACKENDS,
+            f"pipeline.backend must be one of {BACKENDS}, got {self.backend!r:.40}",
+        )
+        check(self.comm in COMMS, f"pipeline.comm must be one of {COMMS}, got {self.comm!r:.40}")
+        if self.schedule == "paci":
+            drift = max_drift(self.schedule, self.stages, self.micro)
+            check(
+                drift <= self.max_drift,
+                f"pipeline.micro={self.micro} lets {self.stages} stages drift up to {drift} "
+                f"optimiser steps between a micro-batch's forward and backward, over "
+                f"pipeline.max_drift={self.max_drift}: the smallest pipeline.micro that keeps "
+                f"it is {micro_for_drift(self.stages, self.max_drift)} (or raise "
+                "pipeline.max_drift)",
+            )
 
 
 @dataclass
 class OptimSection:
-    name: str = "adamw"
+    name: OptimizerName = "adamw"
     """adamw, or muon (Muon on the blocks' matrices, AdamW for embeddings, head and vectors,
     with an RMS-matched learning rate)."""
     lr: float = 0.003
@@ -117,6 +184,14 @@ class OptimSection:
     """Steps of linear learning-rate warm-up from 0 (0: none). Without it AdamW at lr 3e-3 sits on
     the unigram plateau (loss 3.3) for a seed-dependent 50-250 steps."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges and the optimiser's name."""
+        check_ranges(self, "optim.", RANGES)
+        check(
+            self.name in OPTIMIZERS,
+            f"optim.name must be one of {OPTIMIZERS}, got {self.name!r:.40}",
+        )
+
 
 @dataclass
 class CorrectionSection:
@@ -125,6 +200,10 @@ class CorrectionSection:
     schedule has no delay to correct)."""
     beta: float = 1.0
     """Coefficient of the error-feedback correction, in [0, 2]."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges (the schedule it needs, PipelineConfig)."""
+        check_ranges(self, "correction.", RANGES)
 
 
 @dataclass
@@ -136,6 +215,10 @@ class FaultSection:
     """``faults.kill_stage`` is killed (SIGKILL) right after its optimiser step of this step,
     before it saves anything for it (< ``run.steps``)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges (the stage and step it needs, PipelineConfig)."""
+        check_ranges(self, "faults.", RANGES)
+
 
 @dataclass
 class PipelineConfig:
@@ -146,6 +229,46 @@ class PipelineConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     correction: CorrectionSection = field(default_factory=CorrectionSection)
     faults: FaultSection = field(default_factory=FaultSection)
+
+    def __post_init__(self) -> None:
+        """Checked when built (each section has checked itself): the keys of different
+        sections that must agree."""
+        run, m, d, p = self.run, self.model, self.data, self.pipeline
+        check(
+            not (p.comm == "nccl" and run.device == "cpu"),
+            "pipeline.comm=nccl needs CUDA, but run.device=cpu (use pipeline.comm=gloo or auto)",
+        )
+        check(
+            p.stages <= m.n_layers,
+            f"pipeline.stages={p.stages} exceeds model.n_layers={m.n_layers} (a stage needs a "
+            "block)",
+        )
+        check(
+            d.batch % p.micro == 0,
+            f"data.batch={d.batch} must be divisible by pipeline.micro={p.micro} (equal "
+            "micro-batches)",
+        )
+        check(
+            not (self.correction.error_feedback and p.schedule in SYNCHRONOUS),
+            f"correction.error_feedback=true needs a delayed schedule (2bw or paci): "
+            f"pipeline.schedule={p.schedule} flushes every batch, so there is no delay to correct",
+        )
+        f = self.faults
+        if f.kill_stage >= 0:
+            check(
+                f.kill_stage < p.stages,
+                f"faults.kill_stage={f.kill_stage} must be < pipeline.stages={p.stages} (or -1)",
+            )
+            check(
+                p.backend == "processes",
+                f"faults.kill_stage={f.kill_stage} needs pipeline.backend=processes "
+                "(the emulator has no stage process to kill)",
+            )
+            check(
+                f.kill_at_step < run.steps,
+                f"faults.kill_at_step={f.kill_at_step} must be < run.steps={run.steps} "
+                "(else the stage never dies)",
+            )
 
 
 RANGES: dict[str, Range] = {
@@ -177,83 +300,18 @@ RANGES: dict[str, Range] = {
 """Every numeric key's allowed values (a test checks that none is left out)."""
 
 
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
-
-
 def validate(cfg: PipelineConfig) -> PipelineConfig:
-    """Check what types alone cannot; raise ConfigError naming the key."""
-    for rkey, key, value in numeric_values(cfg):
-        rng = RANGES.get(rkey)
-        _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
-    run, m, d, p = cfg.run, cfg.model, cfg.data, cfg.pipeline
-    _check(run.device in DEVICES, f"run.device must be auto, cpu or cuda, got {run.device!r:.40}")
-    _check(
-        m.d_model % m.n_heads == 0,
-        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}",
-    )
-    _check(
-        p.schedule in SCHEDULES,
-        f"pipeline.schedule must be one of {SCHEDULES}, got {p.schedule!r:.40}",
-    )
-    _check(
-        p.backend in BACKENDS,
-        f"pipeline.backend must be one of {BACKENDS}, got {p.backend!r:.40}",
-    )
-    _check(p.comm in COMMS, f"pipeline.comm must be one of {COMMS}, got {p.comm!r:.40}")
-    _check(
-        not (p.comm == "nccl" and run.device == "cpu"),
-        "pipeline.comm=nccl needs CUDA, but run.device=cpu (use pipeline.comm=gloo or auto)",
-    )
-    _check(
-        p.stages <= m.n_layers,
-        f"pipeline.stages={p.stages} exceeds model.n_layers={m.n_layers} (a stage needs a block)",
-    )
-    if p.schedule == "paci":
-        drift = max_drift(p.schedule, p.stages, p.micro)
-        _check(
-            drift <= p.max_drift,
-            f"pipeline.micro={p.micro} lets {p.stages} stages drift up to {drift} optimiser "
-            f"steps between a micro-batch's forward and backward, over "
-            f"pipeline.max_drift={p.max_drift}: the smallest pipeline.micro that keeps it is "
-            f"{micro_for_drift(p.stages, p.max_drift)} (or raise pipeline.max_drift)",
-        )
-    _check(
-        d.batch % p.micro == 0,
-        f"data.batch={d.batch} must be divisible by pipeline.micro={p.micro} (equal micro-batches)",
-    )
-    o = cfg.optim
-    _check(o.name in OPTIMIZERS, f"optim.name must be one of {OPTIMIZERS}, got {o.name!r:.40}")
-    _check(
-        not (cfg.correction.error_feedback and p.schedule in SYNCHRONOUS),
-        f"correction.error_feedback=true needs a delayed schedule (2bw or paci): "
-        f"pipeline.schedule={p.schedule} flushes every batch, so there is no delay to correct",
-    )
-    f = cfg.faults
-    if f.kill_stage >= 0:
-        _check(
-            f.kill_stage < p.stages,
-            f"faults.kill_stage={f.kill_stage} must be < pipeline.stages={p.stages} (or -1)",
-        )
-        _check(
-            p.backend == "processes",
-            f"faults.kill_stage={f.kill_stage} needs pipeline.backend=processes "
-            "(the emulator has no stage process to kill)",
-        )
-        _check(
-            f.kill_at_step < run.steps,
-            f"faults.kill_at_step={f.kill_at_step} must be < run.steps={run.steps} "
-            "(else the stage never dies)",
-        )
-    return cfg
+    """Check ``cfg`` again, every section then the whole, and return it; ConfigError naming
+    the key. A config is checked when it is built, so this only repeats those checks."""
+    return recheck(cfg)
 
 
 def load_pipeline_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> PipelineConfig:
-    """The validated config: defaults <- YAML ``path`` <- ``key=value`` overrides."""
-    return validate(load_structured(PipelineConfig, path, overrides, "pipeline.schedule=paci"))
+    """The config, checked as it is built: defaults <- YAML ``path`` <- ``key=value``
+    overrides."""
+    return load_structured(PipelineConfig, path, overrides, "pipeline.schedule=paci")
 
 
 def to_container(cfg: PipelineConfig) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,14 @@ from trainers.rl.config import RLConfig, load_rl_config
 log = logging.getLogger("fedasync.rl")
 
 
-def make_backend(cfg: RLConfig) -> Any:
-    """The backend the config asks for; without Ray, the one-process mode (and it says so)."""
+def with_backend(cfg: RLConfig) -> tuple[RLConfig, Any]:
+    """The config the run uses and the backend it asks for (None: the one-process mode).
+
+    Without Ray, the one-process mode, and it says so: a new config with
+    ``rollout.backend=local`` (and the virtual clock for a wall one, which needs Ray's
+    actors). ``cfg`` itself is left as it was."""
     if cfg.rollout.backend != "ray":
-        return None
+        return cfg, None
     try:
         from trainers.rl.ray_backend import RayBackend, ray_available
     except ImportError as e:  # pragma: no cover - Ray is a dependency of flwr[simulation]
@@ -30,15 +35,21 @@ def make_backend(cfg: RLConfig) -> Any:
         if reason is None:
             from trainers.rl.engine import build_task, pick_device
 
-            return RayBackend(cfg, build_task(cfg), pick_device(cfg.run.device))
+            return cfg, RayBackend(cfg, build_task(cfg), pick_device(cfg.run.device))
     log.warning(
         "Ray is not available (%s): running the one-process mode instead", str(reason)[:200]
     )
-    cfg.rollout.backend = "local"
-    if cfg.rollout.clock == "wall":
+    clock = cfg.rollout.clock
+    if clock == "wall":
         log.warning("the wall clock needs Ray's actors: using the virtual clock")
-        cfg.rollout.clock = "virtual"
-    return None
+        clock = "virtual"
+    return replace(cfg, rollout=replace(cfg.rollout, backend="local", clock=clock)), None
+
+
+def make_backend(cfg: RLConfig) -> Any:
+    """The backend the config asks for (None: the one-process mode, and it says so); the
+    config that goes with it is `with_backend`'s. ``cfg`` is left as it was."""
+    return with_backend(cfg)[1]
 
 
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
@@ -46,7 +57,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     from trainers.rl.engine import RLRun
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
-    backend = make_backend(cfg)
+    cfg, backend = with_backend(cfg)
     try:
         summary = RLRun(cfg, run_dir, backend).run()
     except BaseException:

@@ -4,31 +4,55 @@ defaults <- YAML file (``--config``) <- ``key=value`` overrides, on the same ome
 conventions as ``fedasync simulate``: unknown keys, wrong types and values out of range are
 errors that name the key (``fedasync.errors.ConfigError``: one line, exit 2). Every key is
 documented by the docstring under its field; docs/rl.md lists them all (a test checks).
+
+Each section checks its own keys in ``__post_init__`` (ranges in RANGES, choices, keys within
+it that must agree); RLConfig checks what spans sections. A config is never changed once built
+(``dataclasses.replace`` derives another). Choices are ``Literal`` types (``learner.weight_fn``
+is the core's fedasync.staleness.WeightFnName); omegaconf is shown each as a str carrying its
+Literal, for the reasons in trainers.configload's docstring.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fedasync.errors import ConfigError
-from fedasync.ranges import (
-    AT_LEAST_ONE,
-    NON_NEGATIVE,
-    POSITIVE,
-    Range,
-    numeric_values,
-)
-from fedasync.staleness import WEIGHT_FUNCTIONS
+from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
+from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from trainers import configload
-from trainers.configload import load_structured
+from trainers.configload import check, check_ranges, choices, load_structured, recheck
 
-MODES = ("sync", "one_step_off", "async", "streaming")
-CORRECTIONS = ("none", "tis", "decoupled", "drop", "weight")
-BACKENDS = ("local", "ray")
-CLOCKS = ("virtual", "wall")
-DISTILL_LOSSES = ("none", "forward_kl", "reverse_kl", "pg_kl", "pg_kl_online")
+Device = Literal["auto", "cpu", "cuda"]
+"""``run.device``."""
+TaskName = Literal["sort", "reverse", "copy", "add"]
+"""``task.name``: trainers.rl.tasks.TASKS (a test checks they are equal)."""
+RolloutMode = Literal["sync", "one_step_off", "async", "streaming"]
+"""``rollout.mode``."""
+Backend = Literal["local", "ray"]
+"""``rollout.backend``."""
+ClockKind = Literal["virtual", "wall"]
+"""``rollout.clock``."""
+Correction = Literal["none", "tis", "decoupled", "drop", "weight"]
+"""``learner.correction``."""
+DistillLoss = Literal["none", "forward_kl", "reverse_kl", "pg_kl", "pg_kl_online"]
+"""``distill.loss``."""
+
+DEVICES: tuple[str, ...] = choices(Device)
+TASK_NAMES: tuple[str, ...] = choices(TaskName)
+MODES: tuple[str, ...] = choices(RolloutMode)
+CORRECTIONS: tuple[str, ...] = choices(Correction)
+BACKENDS: tuple[str, ...] = choices(Backend)
+CLOCKS: tuple[str, ...] = choices(ClockKind)
+DISTILL_LOSSES: tuple[str, ...] = choices(DistillLoss)
+
+if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
+    Device, TaskName, RolloutMode, Backend = (
+        Annotated[str, t] for t in (Device, TaskName, RolloutMode, Backend)
+    )
+    ClockKind, Correction, DistillLoss, WeightFnName = (
+        Annotated[str, t] for t in (ClockKind, Correction, DistillLoss, WeightFnName)
+    )
 
 
 @dataclass
@@ -55,13 +79,21 @@ class RunSection:
     """A progress bar on stderr while it runs."""
     plots: bool = True
     """Write PNGs at the end (reward vs time, staleness histogram, worker timeline)."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto (CUDA when present), cpu or cuda."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges and the device."""
+        check_ranges(self, "run.", RANGES)
+        check(
+            self.device in DEVICES,
+            f"run.device must be auto, cpu or cuda, got {self.device!r:.40}",
+        )
 
 
 @dataclass
 class TaskSection:
-    name: str = "sort"
+    name: TaskName = "sort"
     """The task (trainers.rl.tasks.TASKS): sort, reverse, copy or add."""
     min_len: int = 2
     """Shortest problem (list length)."""
@@ -69,6 +101,18 @@ class TaskSection:
     """Longest problem; lengths between are drawn from a truncated Pareto (long-tailed)."""
     tail: float = 1.2
     """Tail exponent of the length distribution: smaller is heavier-tailed."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, the task, and its lengths in order."""
+        check_ranges(self, "task.", RANGES)
+        check(
+            self.name in TASK_NAMES,
+            f"task.name must be one of {TASK_NAMES}, got {self.name!r:.40}",
+        )
+        check(
+            self.min_len <= self.max_len,
+            f"task.min_len={self.min_len} > task.max_len={self.max_len}",
+        )
 
 
 @dataclass
@@ -86,10 +130,18 @@ class PolicySection:
     warm_start_batch: int = 32
     """Prompts per warm-start step."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, and that the heads divide the width."""
+        check_ranges(self, "policy.", RANGES)
+        check(
+            self.d_model % self.n_heads == 0,
+            f"policy.n_heads={self.n_heads} must divide policy.d_model={self.d_model}",
+        )
+
 
 @dataclass
 class RolloutSection:
-    mode: str = "streaming"
+    mode: RolloutMode = "streaming"
     """sync | one_step_off | async | streaming (docs/rl.md: how the modes schedule work)."""
     workers: int = 8
     """Rollout workers (Ray actors with backend=ray; virtual workers otherwise)."""
@@ -102,18 +154,34 @@ class RolloutSection:
     and streaming admit new work only within it (0 makes both equal to sync, bit for bit)."""
     temperature: float = 1.0
     """Sampling temperature (behaviour log-probs are of the tempered distribution)."""
-    backend: str = "local"
+    backend: Backend = "local"
     """local (one process, same semantics) or ray (one actor per worker, weights by version
     through the object store). Without Ray, ray falls back to local and says so."""
-    clock: str = "virtual"
+    clock: ClockKind = "virtual"
     """virtual (deterministic: generation and learning cost tokens x per-token cost) or wall."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, the choices, and that a wall clock has Ray's actors."""
+        check_ranges(self, "rollout.", RANGES)
+        check(self.mode in MODES, f"rollout.mode must be one of {MODES}, got {self.mode!r:.40}")
+        check(
+            self.backend in BACKENDS,
+            f"rollout.backend must be one of {BACKENDS}, got {self.backend!r:.40}",
+        )
+        check(
+            self.clock in CLOCKS, f"rollout.clock must be one of {CLOCKS}, got {self.clock!r:.40}"
+        )
+        check(
+            not (self.clock == "wall" and self.backend == "local"),
+            "rollout.clock=wall needs rollout.backend=ray (one process has no concurrency to time)",
+        )
 
 
 @dataclass
 class LearnerSection:
     lr: float = 0.0003
     """Adam learning rate of the policy (1e-3 and above degraded held-out accuracy on sort)."""
-    correction: str = "decoupled"
+    correction: Correction = "decoupled"
     """How stale tokens are corrected: none | tis | decoupled | drop | weight (docs/rl.md)."""
     clip_eps: float = 0.2
     """PPO clip range of the ratio against the proximal policy (decoupled)."""
@@ -122,7 +190,7 @@ class LearnerSection:
     behaviour weight."""
     drop_beyond: int = 0
     """correction=drop: trajectories staler than this are dropped, the rest learnt as fresh."""
-    weight_fn: str = "polynomial"
+    weight_fn: WeightFnName = "polynomial"
     """correction=weight: the core's staleness weight s(τ) (constant, polynomial, hinge,
     exponential), times the truncated importance weight."""
     weight_a: float = 0.5
@@ -135,10 +203,23 @@ class LearnerSection:
     max_grad_norm: float = 1.0
     """Gradient clipping (global L2 norm)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, the correction and the weight function."""
+        check_ranges(self, "learner.", RANGES)
+        check(
+            self.correction in CORRECTIONS,
+            f"learner.correction must be one of {CORRECTIONS}, got {self.correction!r:.40}",
+        )
+        check(
+            self.weight_fn in WEIGHT_FUNCTIONS,
+            f"learner.weight_fn must be one of {tuple(WEIGHT_FUNCTIONS)}, "
+            f"got {self.weight_fn!r:.40}",
+        )
+
 
 @dataclass
 class DistillSection:
-    loss: str = "none"
+    loss: DistillLoss = "none"
     """none (GRPO on rewards; not ``off``, which YAML reads as false) or on-policy
     distillation from a teacher: forward_kl | reverse_kl
     (on the teacher's top-k plus tail bucket) | pg_kl (advantage log p_T − log μ, stale) |
@@ -175,6 +256,25 @@ class DistillSection:
     """Seeds the teacher's initialisation and training (not run.seed: one teacher serves
     every seed of a study)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges, the loss, the teacher's heads, and that several Monte
+        Carlo samples go with a sampled loss."""
+        check_ranges(self, "distill.", RANGES)
+        check(
+            self.loss in DISTILL_LOSSES,
+            f"distill.loss must be one of {DISTILL_LOSSES}, got {self.loss!r:.40}",
+        )
+        check(
+            self.teacher_d_model % self.teacher_n_heads == 0,
+            f"distill.teacher_n_heads={self.teacher_n_heads} must divide "
+            f"distill.teacher_d_model={self.teacher_d_model}",
+        )
+        check(
+            self.mc_samples == 1 or self.loss in ("pg_kl", "pg_kl_online"),
+            f"distill.mc_samples={self.mc_samples} needs a sampled loss (pg_kl or "
+            f"pg_kl_online); {self.loss} sums over the teacher's top-k instead",
+        )
+
 
 @dataclass
 class ClockSection:
@@ -186,6 +286,10 @@ class ClockSection:
     """Seeded jitter of each job's duration, in [0, 1)."""
     teacher_token_s: float | None = None
     """Virtual seconds a teacher scorer takes per token it scores (None: measured at start)."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges."""
+        check_ranges(self, "clock.", RANGES)
 
 
 @dataclass
@@ -199,6 +303,10 @@ class FaultSection:
     """Group ids whose first teacher scoring kills the teacher (with Ray its actor process
     exits); the teacher is restarted and its pending requests re-sent, counted."""
 
+    def __post_init__(self) -> None:
+        """Checked when built: ranges."""
+        check_ranges(self, "faults.", RANGES)
+
 
 @dataclass
 class RLConfig:
@@ -210,6 +318,16 @@ class RLConfig:
     distill: DistillSection = field(default_factory=DistillSection)
     clock: ClockSection = field(default_factory=ClockSection)
     faults: FaultSection = field(default_factory=FaultSection)
+
+    def __post_init__(self) -> None:
+        """Checked when built (each section has checked itself): the keys of different
+        sections that must agree."""
+        r, lr = self.rollout, self.learner
+        check(
+            lr.minibatches <= r.batch_groups * r.group_size,
+            f"learner.minibatches={lr.minibatches} exceeds the batch's "
+            f"{r.batch_groups * r.group_size} trajectories",
+        )
 
 
 RANGES: dict[str, Range] = {
@@ -263,73 +381,16 @@ RANGES: dict[str, Range] = {
 """Every numeric key's allowed values; None, where a key allows it, means off."""
 
 
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
-
-
 def validate(cfg: RLConfig) -> RLConfig:
-    """Check what types alone cannot; raise ConfigError naming the key."""
-    from trainers.rl.tasks import TASKS
-
-    for rkey, key, value in numeric_values(cfg):
-        rng = RANGES.get(rkey)
-        _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
-    r, lr, t = cfg.rollout, cfg.learner, cfg.task
-    _check(r.mode in MODES, f"rollout.mode must be one of {MODES}, got {r.mode!r:.40}")
-    _check(
-        r.backend in BACKENDS, f"rollout.backend must be one of {BACKENDS}, got {r.backend!r:.40}"
-    )
-    _check(r.clock in CLOCKS, f"rollout.clock must be one of {CLOCKS}, got {r.clock!r:.40}")
-    _check(
-        not (r.clock == "wall" and r.backend == "local"),
-        "rollout.clock=wall needs rollout.backend=ray (one process has no concurrency to time)",
-    )
-    _check(
-        lr.correction in CORRECTIONS,
-        f"learner.correction must be one of {CORRECTIONS}, got {lr.correction!r:.40}",
-    )
-    _check(
-        lr.weight_fn in WEIGHT_FUNCTIONS,
-        f"learner.weight_fn must be one of {tuple(WEIGHT_FUNCTIONS)}, got {lr.weight_fn!r:.40}",
-    )
-    d = cfg.distill
-    _check(
-        d.loss in DISTILL_LOSSES,
-        f"distill.loss must be one of {DISTILL_LOSSES}, got {d.loss!r:.40}",
-    )
-    _check(
-        d.teacher_d_model % d.teacher_n_heads == 0,
-        f"distill.teacher_n_heads={d.teacher_n_heads} must divide "
-        f"distill.teacher_d_model={d.teacher_d_model}",
-    )
-    _check(
-        d.mc_samples == 1 or d.loss in ("pg_kl", "pg_kl_online"),
-        f"distill.mc_samples={d.mc_samples} needs a sampled loss (pg_kl or pg_kl_online); "
-        f"{d.loss} sums over the teacher's top-k instead",
-    )
-    _check(t.name in TASKS, f"task.name must be one of {TASKS}, got {t.name!r:.40}")
-    _check(t.min_len <= t.max_len, f"task.min_len={t.min_len} > task.max_len={t.max_len}")
-    p = cfg.policy
-    _check(
-        p.d_model % p.n_heads == 0,
-        f"policy.n_heads={p.n_heads} must divide policy.d_model={p.d_model}",
-    )
-    _check(
-        cfg.run.device in ("auto", "cpu", "cuda"),
-        f"run.device must be auto, cpu or cuda, got {cfg.run.device!r:.40}",
-    )
-    _check(
-        lr.minibatches <= r.batch_groups * r.group_size,
-        f"learner.minibatches={lr.minibatches} exceeds the batch's "
-        f"{r.batch_groups * r.group_size} trajectories",
-    )
-    return cfg
+    """Check ``cfg`` again, every section then the whole, and return it; ConfigError naming
+    the key. A config is checked when it is built, so this only repeats those checks."""
+    return recheck(cfg)
 
 
 def load_rl_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
-    """The validated config: defaults <- YAML ``path`` <- ``key=value`` overrides."""
-    return validate(load_structured(RLConfig, path, overrides, "rollout.mode=streaming"))
+    """The config, checked as it is built: defaults <- YAML ``path`` <- ``key=value``
+    overrides."""
+    return load_structured(RLConfig, path, overrides, "rollout.mode=streaming")
 
 
 def to_container(cfg: RLConfig) -> dict[str, Any]:
