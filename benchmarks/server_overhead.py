@@ -185,10 +185,10 @@ def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
         srv.run()
         dt = time.perf_counter() - t0
         srv.events.close()
-    rate = srv.updates_applied / dt
+    rate = srv.stats.updates_applied / dt
     print(
-        f"server loop, {silos} silos, cnn-small: {srv.updates_applied} updates in {dt:.2f}s wall = {rate:.0f} updates/s "
-        f"(staleness mean {statistics.mean(srv.staleness_seen):.1f})"
+        f"server loop, {silos} silos, cnn-small: {srv.stats.updates_applied} updates in {dt:.2f}s wall = {rate:.0f} updates/s "
+        f"(staleness mean {statistics.mean(srv.stats.staleness_seen):.1f})"
     )
     return rate
 

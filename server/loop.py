@@ -25,14 +25,13 @@ instead of sending it. Erasure work is started only on an idle silo (server/unle
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
@@ -42,15 +41,15 @@ from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
 from fedasync.tensors import is_finite
 from protocol import keys as P
-from protocol import wire
 from protocol.config import to_dict
-from protocol.keys import PRIVACY_DIR
+from protocol.messages import TrainRequest
 from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import client_setup, silo_speeds
 from server.config import FedAsyncConfig
+from server.dispatch import Dispatcher, FaultSchedule
 from server.intake import Accepted, Intake, Job
 from server.pipeline import CorrectionPipeline
-from server.privacy import CentralLedger, ServerPrivacy, Stop
+from server.privacy import ServerPrivacy, Stop
 from server.roster import discover_silos
 from server.stats import RunStats
 from server.unlearn_messages import SiloLost, read_unlearn_reply, unlearn_message
@@ -59,7 +58,14 @@ log = logging.getLogger("fedasync.server")
 
 
 class AsyncServer:
-    """Runs one federated training job on ``grid`` and returns its result record."""
+    """Runs one federated training job on ``grid`` and returns its result record.
+
+    Made of parts it owns, each with a ``state_dict`` that ``state_dict`` combines: the
+    dispatcher (jobs in flight, retries) and the fault schedule (server/dispatch.py), the
+    intake (server/intake.py), the correction pipeline (server/pipeline.py), privacy
+    (server/privacy.py), the run statistics (server/stats.py) and, when erasures are possible,
+    the erasure coordinator (server/unlearning.py, set by the caller).
+    """
 
     def __init__(
         self,
@@ -89,33 +95,27 @@ class AsyncServer:
                 seed=cfg.run.seed,
             )
         )
-        self.pipeline = CorrectionPipeline(cfg)
+        self.events = EventLog(run_dir / "metrics.jsonl")
+        self.jobs = Dispatcher(grid, self.clock, self.events)
+        self.faults = FaultSchedule([to_dict(f) for f in cfg.faults])
         self.intake = Intake(cfg.server)
-        # the weights each in-flight job was sent, by version (for DC-ASGD's w_base, and so that a
-        # checkpoint can re-send in-flight work identically); pruned when no job refers to them
-        self.sent: dict[int, Params] = {}
+        self.pipeline = CorrectionPipeline(cfg)
+        self.privacy = ServerPrivacy.for_run(cfg.server.dp, run_dir)
+        self.stats = RunStats()
         self.setup_json = P.dumps(client_setup(cfg))
         self.roster: dict[int, int] = {}
         self.num_samples: dict[int, int] = {}
-        self.inflight: dict[str, Job] = {}
         self.arrived: dict[str, Message] = {}
-        self.retries: list[tuple[float, int]] = []  # (time, silo) heap of silos to re-send work
-        self.next_job_id = 0
-        self.pending_faults = [to_dict(f) for f in cfg.faults]
-        self.faults_fired: list[dict[str, Any]] = []
-        self.stats = RunStats()
-        dp = cfg.server.dp
-        ledger = None  # central DP's per-silo release ledger
-        if dp.noise_multiplier is not None:
-            path = Path(dp.ledger) if dp.ledger else run_dir / "privacy" / "central.sqlite"
-            ledger = CentralLedger(path, run_dir.name, dp.noise_multiplier, dp.delta)
-        self.privacy = ServerPrivacy(ledger, dp.epsilon_budget, dp.delta)
-        self.events = EventLog(run_dir / "metrics.jsonl")
         self.ckpt_path = run_dir / "checkpoint.pt"
         self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
         self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
         self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
+
+    @property
+    def inflight(self) -> dict[str, Job]:
+        """The jobs in flight, by message id (the dispatcher's)."""
+        return self.jobs.inflight
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
@@ -134,15 +134,6 @@ class AsyncServer:
         )
 
     # ---------------------------------------------------------------- dispatch
-    def _fault_for(self, silo: int) -> str:
-        for i, f in enumerate(self.pending_faults):
-            if f["silo"] == silo and self.version >= f["at_version"]:
-                self.pending_faults.pop(i)
-                self.faults_fired.append({**f, "t": self.clock.now, "version": self.version})
-                self.events.write("fault", t=self.clock.now, version=self.version, **f)
-                return str(f["kind"])
-        return ""
-
     def dispatch(
         self,
         silo: int,
@@ -159,21 +150,24 @@ class AsyncServer:
             return  # it refused further work (out of privacy budget)
         if self.erasure is not None and not self.erasure.may_train(silo):
             return  # retired by a whole-silo erasure, erasing or about to, or halted
-        why = self.holding(silo)
-        if why is not None:  # (before a fault or a job id is spent on it; _send checks again)
-            self._refuse_dispatch(silo, "train", why, job_id)
+        why = self.jobs.holding(silo)
+        if why is not None:  # (before a fault or a job id is spent on it; send checks again)
+            self.jobs.refuse(silo, "train", why, job_id, self.version)
             return
         if job_id is None:
-            job_id = self.next_job_id
-            self.next_job_id += 1
+            job_id = self.jobs.new_job_id()
         base_version = self.version if base_version is None else base_version
-        params = self.params if base_version == self.version else self.sent[base_version]
-        self.sent[base_version] = params
-        fault = self._fault_for(silo) if fault is None else fault
-        keep = any(f["silo"] == silo and f["kind"] == "replay" for f in self.pending_faults)
+        params = self.params if base_version == self.version else self.jobs.sent[base_version]
+        self.jobs.sent[base_version] = params
+        if fault is None:
+            f = self.faults.take(silo, self.version, self.clock.now)
+            if f is not None:
+                self.events.write("fault", t=self.clock.now, version=self.version, **f)
+            fault = "" if f is None else str(f["kind"])
         if timing is None:
             jt = self.clock.schedule(silo, job_id, self.cfg.client.local_steps)
             timing = (jt.dispatched_at, jt.finishes_at)
+        keep = self.faults.replay_pending(silo)
         self._push_train(silo, job_id, base_version, params, timing, fault=fault, keep=keep)
 
     def _push_train(
@@ -190,84 +184,38 @@ class AsyncServer:
         kind: str = "train",
         erasure: Any = None,
     ) -> bool:
-        seed = int(np.random.default_rng([self.cfg.run.seed, silo, job_id]).integers(2**31 - 1))
-        config = ConfigRecord(
-            {
-                P.SETUP: self.setup_json,
-                P.JOB_ID: job_id,
-                P.BASE_VERSION: base_version,
-                P.SEED: seed,
-                P.FAULT: fault,
-                P.KEEP_REPLY: keep,
-                P.EXCLUDE: self.erasure.excluded.get(silo, []) if self.erasure else [],
-                P.RELEARN: silo == self.cfg.backdoor.relearn_silo
-                and self.cfg.backdoor.enabled
-                and self.clock.now >= self.cfg.backdoor.relearn_after_s,
-            }
+        """Build ``silo``'s train message (protocol/messages.py) and send it."""
+        cfg = self.cfg
+        request = TrainRequest(
+            setup_json=self.setup_json,
+            job_id=job_id,
+            base_version=base_version,
+            seed=int(np.random.default_rng([cfg.run.seed, silo, job_id]).integers(2**31 - 1)),
+            params=params,
+            fault=fault,
+            keep_reply=keep,
+            exclude=tuple(self.erasure.excluded.get(silo, []) if self.erasure else ()),
+            relearn=silo == cfg.backdoor.relearn_silo
+            and cfg.backdoor.enabled
+            and self.clock.now >= cfg.backdoor.relearn_after_s,
+            local_steps=local_steps,
+            # where silos without a privacy-db node config keep their ledger
+            privacy_dir=str((self.run_dir / "privacy").resolve())
+            if cfg.client.dp.enabled
+            else None,
         )
-        if local_steps is not None:
-            config[P.LOCAL_STEPS] = int(local_steps)
-        if self.cfg.client.dp.enabled:  # where silos without a privacy-db node config keep theirs
-            config[PRIVACY_DIR] = str((self.run_dir / "privacy").resolve())
-        content = RecordDict({P.ARRAYS: wire.encode(params), P.CONFIG: config})
-        msg = Message(
-            content,
-            dst_node_id=self.roster[silo],
-            message_type=P.TRAIN,
-            ttl=self.cfg.server.reply_timeout_s,
-        )
-        job = Job(
-            "",
-            silo,
-            self.roster[silo],
-            job_id,
-            base_version,
-            timing[0],
-            timing[1],
-            time.monotonic(),
-            fault,
-            kind=kind,
-            erasure=erasure,
-        )
-        return self._send(msg, job)
+        msg = request.to_message(self.roster[silo], ttl=cfg.server.reply_timeout_s)
+        job = Job("", silo, self.roster[silo], job_id, base_version, *timing, 0.0, fault)
+        job.kind, job.erasure = kind, erasure
+        return self.jobs.send(msg, job, self.version)
 
     def holding(self, silo: int) -> str | None:
-        """Why ``silo`` may not be sent work now (None: it is idle): a job in flight, or a
-        failure it waits out (``retries``; its entry is taken off before it is re-sent)."""
-        for j in self.inflight.values():
-            if j.silo == silo:
-                return f"its {j.kind} job {j.job_id} is in flight"
-        for t, s in self.retries:
-            if s == silo:
-                return f"it is down until t={t:.1f}"
-        return None
+        """Why ``silo`` may not be sent work now (None: it is idle)."""
+        return self.jobs.holding(silo)
 
-    def _refuse_dispatch(self, silo: int, kind: str, why: str, job_id: int | None = None) -> None:
-        self.stats.dispatches_refused += 1
-        log.error("refused to send silo %d a second (%s) job: %s", silo, kind, why)
-        self.events.write(
-            "dispatch_refused",
-            t=self.clock.now,
-            version=self.version,
-            silo=silo,
-            kind=kind,
-            job=job_id,
-            detail=why,
-        )
-
-    def _send(self, msg: Message, job: Job) -> bool:
-        """Push ``msg`` (``job``'s message) to its silo: the single point where work leaves the
-        server. It enforces the invariant one silo, at most one job in flight: a second job
-        for a silo that holds one, or that waits out a failure, is refused, logged and counted
-        (a bug in whoever asked), never sent. True when sent."""
-        why = self.holding(job.silo)
-        if why is not None:
-            self._refuse_dispatch(job.silo, job.kind, why, job.job_id)
-            return False
-        (mid,) = list(self.grid.push_messages([msg]))
-        job.msg_id = mid
-        self.inflight[mid] = job
-        return True
+    def is_down(self, silo: int) -> bool:
+        """A silo whose work failed and that waits to be sent work again (offline)."""
+        return self.jobs.is_down(silo)
 
     def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> bool:
         """FedEraser: a train message of ``steps`` local steps from the model being rebuilt."""
@@ -286,8 +234,7 @@ class AsyncServer:
     def _side_job(self, silo: int, steps: int) -> tuple[int, tuple[float, float]]:
         """A new job id and (dispatched, finishes) for a job of ``steps`` steps outside the
         regular schedule (erasure work: no jitter, as the virtual clock's schedule has)."""
-        job_id = self.next_job_id
-        self.next_job_id += 1
+        job_id = self.jobs.new_job_id()
         jt = self.clock.schedule(silo, job_id, steps, jitter=False)
         return job_id, (jt.dispatched_at, jt.finishes_at)
 
@@ -299,26 +246,13 @@ class AsyncServer:
         steps = int(erasure.overrides.get("steps", u.steps))
         job_id, timing = self._side_job(silo, steps + u.signature_batches)
         msg = unlearn_message(self, silo, job_id, start, erasure)
-        job = Job(
-            "",
-            silo,
-            self.roster[silo],
-            job_id,
-            self.version,
-            *timing,
-            time.monotonic(),
-            kind="unlearn",
-            erasure=erasure,
-        )
-        if not self._send(msg, job):
+        job = Job("", silo, self.roster[silo], job_id, self.version, *timing, 0.0)
+        job.kind, job.erasure = "unlearn", erasure
+        if not self.jobs.send(msg, job, self.version):
             self.erasure.requeue(erasure, SiloLost("its silo was busy", offline=True))
             return False
         self.erasure.event(erasure, "erasing", **erasure.start_report)
         return True
-
-    def is_down(self, silo: int) -> bool:
-        """A silo whose work failed and that waits to be sent work again (offline)."""
-        return any(s == silo for _, s in self.retries)
 
     def silo_sample_ids(self, silo: int) -> list[str]:
         """The sample ids ``silo`` holds (empty when the caller set no ``sample_ids_fn``)."""
@@ -343,7 +277,7 @@ class AsyncServer:
         limit = self.cfg.server.reply_timeout_s
         for mid, job in list(self.inflight.items()):
             if mid not in self.arrived and time.monotonic() - job.wall_sent > limit:
-                del self.inflight[mid]
+                del self.jobs.inflight[mid]
                 detail = f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
                 self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
                 self._after_failure(job, down_s=0.0)
@@ -375,18 +309,18 @@ class AsyncServer:
             if self.erasure is not None:
                 self.erasure.poll()
             t_job = self.clock.next_event_time(self.inflight)
-            t_retry = self.retries[0][0] if self.retries else float("inf")
+            t_retry = self.jobs.retries[0][0] if self.jobs.retries else float("inf")
             t_erase = self.erasure.next_time() if self.erasure is not None else float("inf")
             what, t_next = self.clock.next(t_job, t_retry, t_erase)
             if t_next > budget or (
-                not self.inflight and not self.retries and t_erase == float("inf")
+                not self.inflight and not self.jobs.retries and t_erase == float("inf")
             ):
                 break
             if what is Next.TIMER:
                 self.clock.advance_to(t_erase)
                 continue  # the scheduled erasure is submitted by poll() at the loop's top
             if what is Next.RETRY:
-                _, silo = heapq.heappop(self.retries)
+                _, silo = self.jobs.next_retry()
                 self.clock.advance_to(t_retry)
                 if not self.barrier:
                     self.dispatch(silo)
@@ -399,7 +333,7 @@ class AsyncServer:
             # simultaneous replies in job order: message ids are random (uuid4), and folding
             # in their order made a seed's run differ in the last bits from one run to the next
             for mid in sorted(due, key=lambda m: self.inflight[m].job_id):
-                job = self.inflight.pop(mid)
+                job = self.jobs.inflight.pop(mid)
                 if self._take(job, self.arrived.pop(mid)):
                     ready.append(job.silo)
             if self.barrier:
@@ -408,7 +342,7 @@ class AsyncServer:
             else:
                 for silo in sorted(ready):
                     self.dispatch(silo)
-            self._prune_sent()
+            self.jobs.prune_sent()
             self._tick()
 
     def _wait_due(self) -> list[str] | None:
@@ -425,10 +359,10 @@ class AsyncServer:
                 time.sleep(0.005)
                 continue
             if self.clock.now > self.deadline or (
-                self.retries and self.retries[0][0] <= self.clock.now
+                self.jobs.retries and self.jobs.retries[0][0] <= self.clock.now
             ):
                 return None  # the loop's top re-sends work to silos that are due
-            if not self.inflight and not self.retries:
+            if not self.inflight and not self.jobs.retries:
                 if self.erasure is not None and self.erasure.next_time() < float("inf"):
                     # nothing in flight (a halted federation) while an erasure waits out its
                     # pause: the loop's top would otherwise spin until it is due
@@ -447,7 +381,7 @@ class AsyncServer:
                 self.erasure.record(None, res.contributions, self.version)
             self._publish(res.params, "round")
         # silos that were down rejoin at the start of the next round
-        self.retries = []
+        self.jobs.retries = []
         for silo in sorted(self.roster):
             self.dispatch(silo)
 
@@ -513,16 +447,12 @@ class AsyncServer:
     def _down_s(self, job: Job, reply: Message) -> float:
         if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
             return self.cfg.server.offline_retry_s  # not at once: the SuperLink would refuse again
-        if job.fault != "crash":
-            return 0.0
-        fired = [f for f in self.faults_fired if f["silo"] == job.silo and f["kind"] == "crash"]
-        return float(fired[-1]["down_s"]) if fired else 0.0
+        return self.faults.crash_down_s(job.silo) if job.fault == "crash" else 0.0
 
     def _after_failure(self, job: Job, down_s: float) -> None:
         """Re-send the silo work after ``down_s`` (0: as soon as the loop goes on)."""
-        if self.barrier:
-            return
-        heapq.heappush(self.retries, (self.clock.now + down_s, job.silo))
+        if not self.barrier:
+            self.jobs.retry_after(job.silo, down_s)
 
     def _reject(self, job: Job, rej: Rejection) -> None:
         self.stats.reject(job.silo, rej.reason)
@@ -563,7 +493,7 @@ class AsyncServer:
             staleness=acc.staleness,
             factor=acc.decision.factor,
             norm=acc.norm,
-            w_base=self.sent.get(job.base_version),
+            w_base=self.jobs.sent.get(job.base_version),
             calibrate=calibrate,
         )
         if isinstance(res, Rejection):
@@ -589,11 +519,6 @@ class AsyncServer:
         )
         if res.params is not None:
             self._publish(res.params, f"update of silo {job.silo} (job {job.job_id})")
-
-    def _prune_sent(self) -> None:
-        live = {j.base_version for j in self.inflight.values()}
-        for v in [v for v in self.sent if v not in live]:
-            del self.sent[v]
 
     def _publish(self, params: Params, cause: str) -> None:
         """A fold's model becomes the next version, unless it is non-finite. Every update is
@@ -650,19 +575,10 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Everything the loop needs to continue as if it had never stopped: its own state
-        (version, weights, clock, the train jobs in flight with the weights they were sent,
-        retries, faults) and each part's ``state_dict`` under ``parts``, as
-        ``torch.optim.Optimizer`` combines its groups. An erasure in flight is restarted from
-        the erasure store instead."""
-        train = sorted(
-            (j for j in self.inflight.values() if j.kind == "train"), key=lambda j: j.job_id
-        )
-        bases: dict[int, Params] = {}
-        for j in train:
-            if j.base_version not in bases:
-                v = j.base_version
-                bases[v] = self.params if v == self.version else self.sent[v]
+        """Everything the loop needs to continue as if it had never stopped: the version and
+        weights, the train jobs in flight (re-sent identically; an erasure in flight is
+        restarted from the erasure store instead), the event log's length, the clock, and each
+        part's ``state_dict`` under ``parts``, as ``torch.optim.Optimizer`` combines its groups."""
         return {
             "mode": self.cfg.server.mode,
             "version": self.version,
@@ -676,19 +592,13 @@ class AsyncServer:
                     "finishes_at": j.finishes_at,
                     "fault": j.fault,
                 }
-                for j in train
+                for j in self.jobs.train_jobs()
             ],
             "events_offset": self.events.offset(),
-            "loop": {
-                "clock": self.clock.state_dict(),
-                "next_job_id": self.next_job_id,
-                "base_params": bases,
-                "retries": list(self.retries),
-                "pending_faults": list(self.pending_faults),
-                "faults_fired": list(self.faults_fired),
-                "started_at": self.started_at,
-            },
+            "loop": {"clock": self.clock.state_dict(), "started_at": self.started_at},
             "parts": {
+                "dispatcher": self.jobs.state_dict(self.params, self.version),
+                "faults": self.faults.state_dict(),
                 "pipeline": self.pipeline.state_dict(),
                 "intake": self.intake.state_dict(),
                 "stats": self.stats.state_dict(),
@@ -703,13 +613,10 @@ class AsyncServer:
         self.params = state["params"]
         loop, parts = state["loop"], state["parts"]
         self.clock.load_state_dict(loop["clock"])
-        self.next_job_id = int(loop["next_job_id"])
-        self.sent = {int(v): p for v, p in loop["base_params"].items()}
-        self.retries = [(float(t), int(s)) for t, s in loop["retries"]]
-        self.pending_faults = list(loop["pending_faults"])
-        self.faults_fired = list(loop["faults_fired"])
         started = loop["started_at"]
         self.started_at = 0.0 if started is None else float(started)  # the budget's origin
+        self.jobs.load_state_dict(parts["dispatcher"])
+        self.faults.load_state_dict(parts["faults"])
         self.pipeline.load_state_dict(parts["pipeline"])
         self.intake.load_state_dict(parts["intake"])
         self.stats.load_state_dict(parts["stats"])

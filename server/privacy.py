@@ -29,6 +29,7 @@ from flwr.app import Message
 from fedasync.privacy import gaussian_epsilon
 from protocol import keys as P
 from protocol.keys import DP_DELTA, DP_EPSILON, REFUSAL, REFUSAL_DETAIL
+from server.config import ServerDPConfig
 
 log = logging.getLogger("fedasync.server")
 
@@ -177,6 +178,16 @@ class ServerPrivacy:
         """silo -> why it is sent no more work (a refusal, or central DP's budget)."""
         self.dp_epsilon: dict[int, float] = {}
         self.central_epsilon: dict[int, float] = {}
+
+    @classmethod
+    def for_run(cls, dp: ServerDPConfig, run_dir: Path) -> ServerPrivacy:
+        """The run's privacy part: with ``server.dp`` noise, its central ledger
+        (``server.dp.ledger``, else ``<run folder>/privacy/central.sqlite``)."""
+        ledger = None
+        if dp.noise_multiplier is not None:
+            path = Path(dp.ledger) if dp.ledger else run_dir / "privacy" / "central.sqlite"
+            ledger = CentralLedger(path, run_dir.name, dp.noise_multiplier, dp.delta)
+        return cls(ledger, dp.epsilon_budget, dp.delta)
 
     def row(self, silo: int) -> dict[str, Any]:
         """The silo's epsilons and stop reason, as far as there are any."""

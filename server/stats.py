@@ -35,8 +35,6 @@ class RunStats:
         self.accept_times: list[float] = []
         self.updates_accepted = 0
         self.updates_applied = 0
-        self.dispatches_refused = 0
-        """Second jobs for a busy or down silo (the loop's one-job guard)."""
         self.versions_refused = 0
         """Folds whose model was not finite (the loop's publish guard)."""
 
@@ -70,7 +68,6 @@ class RunStats:
             "accept_times": list(self.accept_times),
             "updates_applied": self.updates_applied,
             "updates_accepted": self.updates_accepted,
-            "dispatches_refused": self.dispatches_refused,
             "versions_refused": self.versions_refused,
         }
 
@@ -83,5 +80,4 @@ class RunStats:
         self.accept_times = list(d["accept_times"])
         self.updates_applied = int(d["updates_applied"])
         self.updates_accepted = int(d["updates_accepted"])
-        self.dispatches_refused = int(d["dispatches_refused"])
         self.versions_refused = int(d["versions_refused"])

@@ -66,13 +66,13 @@ def build_summary(
         "updates_rejected": dict(sorted(stats.rejected.items())),
         "updates_rejected_total": sum(stats.rejected.values()),
         # second jobs the loop refused to send a silo that held one (0 unless a bug asked)
-        "dispatches_refused": stats.dispatches_refused,
+        "dispatches_refused": srv.jobs.refused,
         # folds whose model was not finite, refused (the model stayed; 0 unless a bug)
         "versions_refused": stats.versions_refused,
         "staleness_mean": float(np.mean(st)) if st else 0.0,
         "staleness_max": int(max(st)) if st else 0,
         "per_silo": per_silo,
-        "faults": srv.faults_fired,
+        "faults": srv.faults.fired,
         "evals": evals,
     }
 

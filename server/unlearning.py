@@ -103,11 +103,15 @@ class Federation(Protocol):
     clock: Clock
     roster: dict[int, int]
     num_samples: dict[int, int]
-    inflight: dict[str, Job]
     barrier: bool
     events: EventLog
     intake: Intake
     evaluate_fn: Any
+
+    @property
+    def inflight(self) -> dict[str, Job]:
+        """The jobs in flight, by message id."""
+        ...
 
     def holding(self, silo: int) -> str | None:
         """Why ``silo`` may not be sent work now (None: it is idle)."""

@@ -24,7 +24,7 @@ ERASE = (
 
 def _coordinator(kind: str, opened_ms: int, seen: dict[str, float]) -> SimpleNamespace:
     """What ``ErasureCoordinator._submitted`` reads of its coordinator."""
-    clock = SimpleNamespace(now=100.0, kind=kind)
+    clock = SimpleNamespace(now=100.0, kind=kind, realtime=kind == "wall")
     return SimpleNamespace(
         srv=SimpleNamespace(clock=clock), store=SimpleNamespace(opened_ms=opened_ms), seen=seen
     )
