@@ -1,14 +1,19 @@
-"""Typed configuration of a silo's local work and of the data it holds.
+"""Typed configuration of a silo's local work, of the data it holds, and of an erasure.
 
-Both travel from the server to every silo inside each train message (as JSON), so that a
-SuperNode needs nothing but its silo id to join a run: the same ClientApp serves simulation
-and deployment unchanged.
+``Setup`` (local training, data, DP, backdoor, seed) travels from the server to every silo
+inside each message (as JSON), so that a SuperNode needs nothing but its silo id to join a
+run: the same ClientApp serves simulation and deployment unchanged. ``SiloErasure`` is what an
+unlearn request asks of the silo. Both are parsed and validated once on arrival.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Literal
+
+from protocol.keys import dumps, loads
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
 """The opacus accountants a silo can keep its privacy ledger with."""
@@ -129,3 +134,192 @@ def build_silos(d: DataConfig, num_silos: int, seed: int) -> Federation:
         max_samples=d.max_samples,
         data_dir=d.data_dir,
     )
+
+
+def _bounded(text: object, limit: int = 200) -> str:
+    """``str(text)`` cut to ``limit`` characters (errors never echo unbounded input)."""
+    s = str(text)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def _int(value: object, name: str) -> int:
+    """An integer JSON value (not a bool, not a float), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {_bounded(repr(value), 60)}")
+    return value
+
+
+def _float(value: object, name: str) -> float:
+    """A real JSON number as float (not a bool), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {_bounded(repr(value), 60)}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every message tells a silo about the run (``keys.SETUP``, as JSON).
+
+    Sent unchanged in every train, evaluate, query and unlearn message, so a SuperNode needs
+    nothing but its silo id to join a run. The ClientApp parses it once per distinct JSON
+    (``parse_setup``) and keys its caches (data, network) by the JSON text itself. Treat the
+    nested configs as read-only: a parsed Setup is shared between messages.
+    """
+
+    client: ClientConfig
+    data: DataConfig
+    num_silos: int
+    seed: int
+    backdoor: dict[str, Any] | None = None
+    """The server's BackdoorConfig as a dict (``medical_data.tasks.training_data`` reads it)."""
+    emulate_speeds: list[float] | None = None
+    """Each silo's speed when a one-machine deployment emulates heterogeneity, else None."""
+
+    def to_json(self) -> str:
+        """The JSON the server sends (sorted keys, as ``keys.dumps`` writes it)."""
+        return dumps(
+            {
+                "client": to_dict(self.client),
+                "data": to_dict(self.data),
+                "backdoor": self.backdoor,
+                "num_silos": self.num_silos,
+                "seed": self.seed,
+                "emulate_speeds": self.emulate_speeds,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Setup:
+        """The Setup ``text`` holds; ValueError (bounded message) for anything malformed."""
+        try:
+            raw = loads(text)
+            if not isinstance(raw, dict):
+                raise ValueError("not a JSON object")
+            unknown = set(raw) - {"client", "data", "backdoor", "num_silos", "seed"}
+            unknown.discard("emulate_speeds")
+            if unknown:
+                raise ValueError(f"unknown keys {_bounded(sorted(unknown), 100)}")
+            client = dict(raw["client"])
+            dp = DPConfig(**client.pop("dp", {}))
+            backdoor = raw.get("backdoor")
+            if backdoor is not None and not isinstance(backdoor, dict):
+                raise ValueError("backdoor must be an object or null")
+            speeds = raw.get("emulate_speeds")
+            if speeds is not None:
+                if not isinstance(speeds, list):
+                    raise ValueError("emulate_speeds must be a list or null")
+                speeds = [_float(s, "emulate_speeds[i]") for s in speeds]
+            return cls(
+                client=ClientConfig(**client, dp=dp),
+                data=DataConfig(**raw["data"]),
+                num_silos=_int(raw["num_silos"], "num_silos"),
+                seed=_int(raw["seed"], "seed"),
+                backdoor=backdoor,
+                emulate_speeds=speeds,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise ValueError(f"bad setup: {_bounded(what)}") from e
+
+    @property
+    def backdoor_silo(self) -> int:
+        """The silo whose data carries the backdoor trigger (verification runs)."""
+        if not self.backdoor or "silo" not in self.backdoor:
+            raise ValueError("this run's setup names no backdoored silo")
+        return _int(self.backdoor["silo"], "backdoor.silo")
+
+
+@lru_cache(maxsize=8)
+def parse_setup(text: str) -> Setup:
+    """``Setup.from_json(text)``, parsed once per distinct text (the result is shared)."""
+    return Setup.from_json(text)
+
+
+ERASURE_METHODS = ("pga", "relabel")
+SIGNATURE_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class SiloErasure:
+    """How a silo erases its forget set (``keys.UNLEARN_JSON``, as JSON): the server's
+    ``unlearning`` config with the erasure's own size (a sample-level erasure scales its PGA
+    radius or relabel steps to its share of the silo's samples)."""
+
+    method: Literal["pga", "relabel"] = "pga"
+    """pga (projected gradient ascent, Halimi et al. 2022) or relabel."""
+    steps: int = 5
+    """Local erasure steps."""
+    lr: float = 0.01
+    """Local erasure learning rate."""
+    radius: float = 2.0
+    """PGA: L2 radius of the ball around the reference model."""
+    signature_rank: int = 4
+    """Rank of the gradient signature the silo sends back."""
+    signature_batches: int = 4
+    """Forget-set batches whose loss gradients span that signature."""
+    signature_dtype: Literal["float32", "float16"] = "float32"
+    """Precision the signature crosses the wire in."""
+
+    def __post_init__(self) -> None:
+        """The same bounds as the server's ``unlearning`` config; ValueError naming the field."""
+        checks = [
+            (self.method in ERASURE_METHODS, "method must be pga or relabel"),
+            (self.steps >= 0, "steps must be >= 0"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.radius >= 0, "radius must be >= 0"),
+            (self.signature_rank >= 1, "signature_rank must be >= 1"),
+            (self.signature_batches >= 1, "signature_batches must be >= 1"),
+            (
+                self.signature_dtype in SIGNATURE_DTYPES,
+                "signature_dtype must be float32 or float16",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"erasure {msg}")
+
+    def to_json(self) -> str:
+        """The JSON sent in the unlearn request (sorted keys)."""
+        return dumps(to_dict(self))
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> SiloErasure:
+        """A SiloErasure from a mapping of exactly its fields (types checked, ints as floats
+        accepted); ValueError (bounded message) otherwise."""
+        names = [f.name for f in fields(cls)]
+        unknown = set(raw) - set(names)
+        if unknown:
+            raise ValueError(f"erasure: unknown keys {_bounded(sorted(unknown), 100)}")
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise ValueError(f"erasure: missing keys {missing}")
+        for text in ("method", "signature_dtype"):
+            if not isinstance(raw[text], str):
+                raise ValueError(f"erasure {text} must be a string")
+        return cls(
+            method=raw["method"],
+            steps=_int(raw["steps"], "erasure steps"),
+            lr=_float(raw["lr"], "erasure lr"),
+            radius=_float(raw["radius"], "erasure radius"),
+            signature_rank=_int(raw["signature_rank"], "erasure signature_rank"),
+            signature_batches=_int(raw["signature_batches"], "erasure signature_batches"),
+            signature_dtype=raw["signature_dtype"],
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> SiloErasure:
+        """The SiloErasure ``text`` holds; ValueError (bounded message) for anything else."""
+        try:
+            raw = loads(text)
+        except ValueError as e:
+            raise ValueError(f"erasure: not JSON: {_bounded(e)}") from e
+        if not isinstance(raw, dict):
+            raise ValueError("erasure: not a JSON object")
+        return cls.from_mapping(raw)
+
+    @classmethod
+    def of(cls, unlearning: object, overrides: Mapping[str, Any]) -> SiloErasure:
+        """This erasure's config: each field from ``overrides`` when there, else the same-named
+        attribute of ``unlearning`` (the server's UnlearningConfig)."""
+        raw = {f.name: overrides.get(f.name, getattr(unlearning, f.name)) for f in fields(cls)}
+        return cls.from_mapping(raw)

@@ -1,0 +1,383 @@
+"""One dataclass per message of the wire protocol, built and read in one place by both sides.
+
+Each has ``to_message`` (a request takes ``dst_node_id`` and ``ttl``; a reply ``reply_to``,
+the request it answers) and a classmethod ``from_message`` that validates the message once:
+the records and keys the protocol requires are there, scalars have their types (read as
+``keys.as_int`` / ``keys.as_float`` read them), every metric of a reply is a scalar (Flower
+also allows lists), and arrays decode by ``wire.decode``. It raises one of two errors
+(``protocol.reading``):
+
+- ``ErrorReply``: the reply is Flower's error reply (the ClientApp raised, the SuperLink reports
+  the node unavailable, the message expired). Every reply's ``from_message`` checks this first,
+  so a caller tells "the silo failed" from "the silo sent garbage" by the exception's type.
+- ``Malformed`` (a ``ValueError``): the message is not what the protocol says; its text is
+  bounded (at most 300 characters) and starts with what failed (``missing or bad field: ...``,
+  ``arrays do not decode: ...``, or the failed check itself).
+
+Messages: ``QueryRequest``/``QueryReply``, ``TrainRequest``/``TrainReply`` (or ``TrainRefusal``;
+``read_train_reply`` reads either), ``EvaluateRequest``/``EvaluateReply`` here, and
+``UnlearnRequest``/``UnlearnReply`` in ``protocol.erasure_messages`` (re-exported here).
+
+What is not checked here stays with the server: the update against the reference model (names,
+shapes, dtypes, finite values), the roster, the job and base version it was sent, staleness and
+norms. Byte compatibility: the keys, value types and record order are those the two sides sent
+before these classes existed (``keys`` documents them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from protocol import keys as P
+from protocol import wire
+from protocol.config import Setup, parse_setup
+from protocol.erasure_messages import UnlearnReply, UnlearnRequest
+from protocol.reading import (
+    ErrorReply,
+    Malformed,
+    Params,
+    arrays,
+    bounded,
+    check_setup,
+    fields,
+    flag,
+    no_reserved,
+    record,
+    scalars,
+    strings,
+    text,
+)
+
+__all__ = [
+    "ErrorReply",
+    "EvaluateReply",
+    "EvaluateRequest",
+    "Malformed",
+    "QueryReply",
+    "QueryRequest",
+    "TrainRefusal",
+    "TrainReply",
+    "TrainRequest",
+    "UnlearnReply",
+    "UnlearnRequest",
+    "injected_fault",
+    "is_refusal",
+    "read_train_reply",
+]
+
+_TRAIN_IDS = (P.SILO, P.BASE_VERSION, P.JOB_ID)
+
+
+@dataclass(frozen=True)
+class QueryRequest:
+    """``query``: the server asks a node which silo it is."""
+
+    setup_json: str
+
+    def to_message(self, dst_node_id: int, *, ttl: float | None = None) -> Message:
+        """The query message to node ``dst_node_id``."""
+        content = RecordDict({P.CONFIG: ConfigRecord({P.SETUP: self.setup_json})})
+        return Message(content, dst_node_id=dst_node_id, message_type=P.QUERY, ttl=ttl)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> QueryRequest:
+        """The request ``msg`` holds (Malformed otherwise)."""
+        with fields():
+            setup = text(record(msg.content, P.CONFIG, ConfigRecord), P.SETUP)
+        check_setup(setup)
+        return cls(setup)
+
+
+@dataclass(frozen=True)
+class QueryReply:
+    """The node's answer: its silo and how many samples that silo holds."""
+
+    silo: int
+    num_samples: int
+
+    def to_message(self, reply_to: Message) -> Message:
+        """The reply to ``reply_to``."""
+        metrics = MetricRecord({P.SILO: self.silo, P.NUM_SAMPLES: self.num_samples})
+        return Message(RecordDict({P.METRICS: metrics}), reply_to=reply_to)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> QueryReply:
+        """The reply ``msg`` holds (ErrorReply, Malformed otherwise)."""
+        ErrorReply.check(msg)
+        with fields():
+            m = record(msg.content, P.METRICS, MetricRecord)
+            return cls(P.as_int(m[P.SILO]), P.as_int(m[P.NUM_SAMPLES]))
+
+
+@dataclass(frozen=True, eq=False)
+class TrainRequest:
+    """``train``: train ``params`` (the global model at ``base_version``) locally; reply with
+    the delta. ``setup`` is parsed once per distinct ``setup_json`` (``parse_setup``)."""
+
+    setup_json: str
+    job_id: int
+    base_version: int
+    seed: int
+    params: Params
+    fault: str = ""
+    """Injected fault for robustness runs ('' = none; the client's fault mod acts on it)."""
+    keep_reply: bool = False
+    """Keep a copy of the reply in the node state (only needed to inject a replay)."""
+    exclude: tuple[str, ...] = ()
+    """Sample ids the silo must no longer train on (erased samples)."""
+    relearn: bool = False
+    """Relearning attack: also train on the backdoored silo's poisoned samples."""
+    local_steps: int | None = None
+    """Local steps for this message only (None: the setup's ``client.local_steps``)."""
+    privacy_dir: str | None = None
+    """Where silos without a ``privacy-db`` node config keep their DP ledger."""
+
+    @property
+    def setup(self) -> Setup:
+        """The run's setup (parsed once per distinct JSON; shared, read-only)."""
+        return parse_setup(self.setup_json)
+
+    def to_message(
+        self, dst_node_id: int, *, ttl: float | None = None, arrays: ArrayRecord | None = None
+    ) -> Message:
+        """The train message to node ``dst_node_id``; ``arrays``: ``params`` already encoded
+        (one encoding shared by several messages), else they are encoded here."""
+        config = ConfigRecord(
+            {
+                P.SETUP: self.setup_json,
+                P.JOB_ID: self.job_id,
+                P.BASE_VERSION: self.base_version,
+                P.SEED: self.seed,
+                P.FAULT: self.fault,
+                P.KEEP_REPLY: self.keep_reply,
+                P.EXCLUDE: list(self.exclude),
+                P.RELEARN: self.relearn,
+            }
+        )
+        if self.local_steps is not None:
+            config[P.LOCAL_STEPS] = int(self.local_steps)
+        if self.privacy_dir is not None:
+            config[P.PRIVACY_DIR] = self.privacy_dir
+        record = wire.encode(self.params) if arrays is None else arrays
+        content = RecordDict({P.ARRAYS: record, P.CONFIG: config})
+        return Message(content, dst_node_id=dst_node_id, message_type=P.TRAIN, ttl=ttl)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> TrainRequest:
+        """The request ``msg`` holds, its arrays decoded (Malformed otherwise)."""
+        with fields():
+            cfg = record(msg.content, P.CONFIG, ConfigRecord)
+            values = {
+                "setup_json": text(cfg, P.SETUP),
+                "job_id": P.as_int(cfg[P.JOB_ID]),
+                "base_version": P.as_int(cfg[P.BASE_VERSION]),
+                "seed": P.as_int(cfg[P.SEED]),
+                "fault": text(cfg, P.FAULT, ""),
+                "keep_reply": flag(cfg, P.KEEP_REPLY),
+                "exclude": strings(cfg, P.EXCLUDE),
+                "relearn": flag(cfg, P.RELEARN),
+                "local_steps": P.as_int(cfg[P.LOCAL_STEPS]) if P.LOCAL_STEPS in cfg else None,
+                "privacy_dir": text(cfg, P.PRIVACY_DIR) if P.PRIVACY_DIR in cfg else None,
+            }
+        check_setup(str(values["setup_json"]))
+        params, _ = arrays(msg.content, P.ARRAYS)
+        return cls(params=params, **values)  # type: ignore[arg-type]
+
+
+def injected_fault(msg: Message) -> tuple[str, bool]:
+    """(fault, keep-reply) of a train request, read without decoding its arrays (the fault
+    mod runs before the handler validates the request)."""
+    cfg = msg.content[P.CONFIG] if P.CONFIG in msg.content else ConfigRecord()
+    with fields():
+        return text(cfg, P.FAULT, ""), flag(cfg, P.KEEP_REPLY)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, eq=False)
+class TrainReply:
+    """A silo's update: the local delta (local model - the model sent) and its metrics.
+
+    ``metrics`` holds every metric but the four keyed ones (``train_*`` statistics, and with
+    DP ``dp-epsilon`` / ``dp-delta``); ``flat`` is the packed buffer the floating tensors of a
+    decoded ``delta`` are views of (the server takes the norm on it), None when built."""
+
+    silo: int
+    job_id: int
+    base_version: int
+    num_samples: int
+    delta: Params
+    metrics: dict[str, float] = field(default_factory=dict)
+    flat: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        """``metrics`` may not repeat a keyed metric."""
+        no_reserved(self.metrics, (*_TRAIN_IDS, P.NUM_SAMPLES))
+
+    @property
+    def privacy(self) -> tuple[float, float] | None:
+        """(epsilon, delta) the silo reports after this job (DP runs), else None."""
+        if P.DP_EPSILON not in self.metrics:
+            return None
+        return self.metrics[P.DP_EPSILON], self.metrics.get(P.DP_DELTA, float("nan"))
+
+    def to_message(self, reply_to: Message) -> Message:
+        """The reply to ``reply_to``."""
+        metrics = MetricRecord(
+            {
+                P.SILO: self.silo,
+                P.BASE_VERSION: self.base_version,
+                P.JOB_ID: self.job_id,
+                P.NUM_SAMPLES: self.num_samples,
+                **self.metrics,
+            }
+        )
+        content = RecordDict({P.ARRAYS: wire.encode(self.delta), P.METRICS: metrics})
+        return Message(content, reply_to=reply_to)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> TrainReply:
+        """The update ``msg`` holds (ErrorReply; Malformed, also for a refusal)."""
+        ErrorReply.check(msg)
+        if is_refusal(msg):
+            raise Malformed("a refusal, not an update")
+        with fields():
+            m = record(msg.content, P.METRICS, MetricRecord)
+            ids = [P.as_int(m[k]) for k in (*_TRAIN_IDS, P.NUM_SAMPLES)]
+            # a train_* metric Flower allows but nobody can read (a list) is malformed too
+            metrics = scalars(m, (*_TRAIN_IDS, P.NUM_SAMPLES))
+        delta, flat = arrays(msg.content, P.ARRAYS)
+        silo, base, job, n = ids
+        return cls(silo, job, base, n, delta, metrics, flat)
+
+
+@dataclass(frozen=True)
+class TrainRefusal:
+    """A silo refuses the work (no arrays): ``reason`` (e.g. its privacy budget is spent, it
+    has no data left) and a one-line ``detail``; the server stops sending it training."""
+
+    silo: int
+    job_id: int
+    base_version: int
+    reason: str
+    detail: str = ""
+    epsilon: float | None = None
+    """With DP: the silo's accumulated epsilon (at ``delta``)."""
+    delta: float | None = None
+
+    def to_message(self, reply_to: Message) -> Message:
+        """The reply to ``reply_to``."""
+        dp: dict[str, float] = {}
+        if self.epsilon is not None:
+            dp[P.DP_EPSILON] = self.epsilon
+        if self.delta is not None:
+            dp[P.DP_DELTA] = self.delta
+        metrics = MetricRecord(
+            {P.SILO: self.silo, P.BASE_VERSION: self.base_version, P.JOB_ID: self.job_id, **dp}
+        )
+        why = ConfigRecord({P.REFUSAL: self.reason, P.REFUSAL_DETAIL: self.detail})
+        return Message(RecordDict({P.METRICS: metrics, P.CONFIG: why}), reply_to=reply_to)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> TrainRefusal:
+        """The refusal ``msg`` holds (ErrorReply; Malformed, also for an update)."""
+        ErrorReply.check(msg)
+        if not is_refusal(msg):
+            raise Malformed("an update, not a refusal")
+        with fields():
+            m = record(msg.content, P.METRICS, MetricRecord)
+            cfg = record(msg.content, P.CONFIG, ConfigRecord)
+            silo, base, job = (P.as_int(m[k]) for k in _TRAIN_IDS)
+            eps = P.as_float(m[P.DP_EPSILON]) if P.DP_EPSILON in m else None
+            dlt = P.as_float(m[P.DP_DELTA]) if P.DP_DELTA in m else None
+            reason = bounded(cfg[P.REFUSAL])
+            detail = bounded(cfg.get(P.REFUSAL_DETAIL, ""))
+        return cls(silo, job, base, reason, detail, eps, dlt)
+
+
+def is_refusal(msg: Message) -> bool:
+    """Whether the (non-error) train reply ``msg`` refuses the work."""
+    cfg = msg.content[P.CONFIG] if P.CONFIG in msg.content else None
+    return isinstance(cfg, ConfigRecord) and P.REFUSAL in cfg
+
+
+def read_train_reply(msg: Message) -> TrainReply | TrainRefusal:
+    """The update or the refusal a train reply holds (ErrorReply, Malformed otherwise)."""
+    ErrorReply.check(msg)
+    return TrainRefusal.from_message(msg) if is_refusal(msg) else TrainReply.from_message(msg)
+
+
+@dataclass(frozen=True, eq=False)
+class EvaluateRequest:
+    """``evaluate``: evaluate ``params`` on the silo's own data."""
+
+    setup_json: str
+    params: Params
+
+    @property
+    def setup(self) -> Setup:
+        """The run's setup (parsed once per distinct JSON; shared, read-only)."""
+        return parse_setup(self.setup_json)
+
+    def to_message(
+        self, dst_node_id: int, *, ttl: float | None = None, arrays: ArrayRecord | None = None
+    ) -> Message:
+        """The evaluate message to node ``dst_node_id`` (``arrays``: ``params`` already
+        encoded, else they are encoded here)."""
+        record_ = wire.encode(self.params) if arrays is None else arrays
+        config = ConfigRecord({P.SETUP: self.setup_json})
+        content = RecordDict({P.ARRAYS: record_, P.CONFIG: config})
+        return Message(content, dst_node_id=dst_node_id, message_type=P.EVALUATE, ttl=ttl)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> EvaluateRequest:
+        """The request ``msg`` holds, its arrays decoded (Malformed otherwise)."""
+        with fields():
+            setup = text(record(msg.content, P.CONFIG, ConfigRecord), P.SETUP)
+        check_setup(setup)
+        params, _ = arrays(msg.content, P.ARRAYS)
+        return cls(setup, params)
+
+
+@dataclass(frozen=True)
+class EvaluateReply:
+    """The silo's loss and score of the model on its own data (``metrics``: any others)."""
+
+    silo: int
+    num_samples: int
+    loss: float
+    score: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """``metrics`` may not repeat a keyed metric."""
+        no_reserved(self.metrics, (P.SILO, P.NUM_SAMPLES, "loss", "score"))
+
+    def to_message(self, reply_to: Message) -> Message:
+        """The reply to ``reply_to``."""
+        metrics = MetricRecord(
+            {
+                P.SILO: self.silo,
+                P.NUM_SAMPLES: self.num_samples,
+                "loss": self.loss,
+                "score": self.score,
+                **self.metrics,
+            }
+        )
+        return Message(RecordDict({P.METRICS: metrics}), reply_to=reply_to)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> EvaluateReply:
+        """The reply ``msg`` holds (ErrorReply, Malformed otherwise)."""
+        ErrorReply.check(msg)
+        with fields():
+            m = record(msg.content, P.METRICS, MetricRecord)
+            rest = scalars(m, (P.SILO, P.NUM_SAMPLES, "loss", "score"))
+            return cls(
+                P.as_int(m[P.SILO]),
+                P.as_int(m[P.NUM_SAMPLES]),
+                P.as_float(m["loss"]),
+                P.as_float(m["score"]),
+                rest,
+            )
