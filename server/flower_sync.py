@@ -6,10 +6,12 @@ replies polled every 3 s in deployment). ``benchmarks/deployment_overhead.py`` r
 same local TLS deployment and ClientApp as fedasync's ServerApp. What the subclass changes to
 speak our protocol (``protocol/keys.py``):
 
-- ``configure_train``: Flower puts one shared record in every message; ours carry their own
-  config (setup-json, job-id, base-version = the round's model version, a seed per silo and
-  job) and the model packed by ``protocol/wire.py``;
-- ``aggregate_train``: our replies carry the local *delta*, not the local model, weighted by
+- ``configure_train``: Flower puts one shared record in every message; ours are
+  ``protocol.messages.TrainRequest``s with their own config (setup-json, job-id, base-version
+  = the round's model version, a seed per silo and job) and the model packed by
+  ``protocol/wire.py`` (encoded once per round);
+- ``aggregate_train``: our replies (``TrainReply``; a malformed one is dropped with a warning)
+  carry the local *delta*, not the local model, weighted by
   ``num-samples``: ``x <- x + sum_i n_i d_i / sum_i n_i``, which is FedAvg's sample-weighted mean
   of the local models since all started from ``x``;
 - the run ends after ``run.max_versions`` rounds or, on the wall clock, at the first round that
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
@@ -43,6 +45,7 @@ from fedasync.types import Params, Update
 from medical_data.tasks import evaluate
 from protocol import keys as P
 from protocol import wire
+from protocol.messages import Malformed, TrainReply, TrainRequest
 from server.app import _federation, _log_to, initial_model
 from server.clock import client_setup
 from server.config import FedAsyncConfig, from_container
@@ -108,22 +111,8 @@ class ProtocolFedAvg(FedAvg):
             self.next_job_id += 1
             node = int(m.metadata.dst_node_id)
             seed = int(np.random.default_rng([self.cfg.run.seed, node, job_id]).integers(2**31 - 1))
-            cfg_rec = ConfigRecord(
-                {
-                    P.SETUP: self.setup_json,
-                    P.JOB_ID: job_id,
-                    P.BASE_VERSION: self.version,
-                    P.SEED: seed,
-                }
-            )
-            out.append(
-                Message(
-                    RecordDict({P.ARRAYS: record, P.CONFIG: cfg_rec}),
-                    dst_node_id=node,
-                    message_type=P.TRAIN,
-                    ttl=self.cfg.server.reply_timeout_s,
-                )
-            )
+            req = TrainRequest(self.setup_json, job_id, self.version, seed, self.params)
+            out.append(req.to_message(node, ttl=self.cfg.server.reply_timeout_s, arrays=record))
             self.inflight[job_id] = {"round": server_round, "node": node, "job": job_id}
         t = self.now()
         if self.started_at is None:
@@ -140,18 +129,21 @@ class ProtocolFedAvg(FedAvg):
         valid, _ = self._check_and_log_replies(list(replies), is_train=True)
         deltas: list[tuple[Params, int]] = []
         for reply in valid:
-            m: Any = reply.content[P.METRICS]
-            rec = self.inflight.pop(int(m[P.JOB_ID]), None)
-            if rec is None or int(m[P.BASE_VERSION]) != self.version:
+            try:
+                got = TrainReply.from_message(reply)
+            except Malformed as e:
+                log.warning("malformed reply dropped: %s", e)
+                continue
+            rec = self.inflight.pop(got.job_id, None)
+            if rec is None or got.base_version != self.version:
                 log.warning("reply to an unknown job or another version: dropped")
                 continue
-            n = int(m[P.NUM_SAMPLES])
-            deltas.append((wire.decode(reply.content[P.ARRAYS]), n))  # type: ignore[arg-type]
+            deltas.append((got.delta, got.num_samples))
             rec.update(
-                silo=int(m[P.SILO]),
+                silo=got.silo,
                 taken=taken,
-                num_samples=n,
-                train_seconds=float(m.get(P.TRAIN_SECONDS, float("nan"))),
+                num_samples=got.num_samples,
+                train_seconds=got.metrics.get(P.TRAIN_SECONDS, float("nan")),
                 reply_created=reply.metadata.created_at - self.unix0,
             )
             self.messages.append(rec)
@@ -162,7 +154,7 @@ class ProtocolFedAvg(FedAvg):
                 silo=rec["silo"],
                 job=rec["job"],
                 staleness=0,
-                **{k: float(v) for k, v in m.items() if k.startswith("train_")},
+                **{k: v for k, v in got.metrics.items() if k.startswith("train_")},
             )
         self.inflight.clear()  # unanswered messages of this round are abandoned
         if not deltas:

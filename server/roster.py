@@ -11,10 +11,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message
 from flwr.serverapp import Grid
 
-from protocol import keys as P
+from protocol.messages import ErrorReply, Malformed, QueryReply, QueryRequest
 
 log = logging.getLogger("fedasync.server")
 
@@ -54,22 +54,24 @@ def discover_silos(
         time.sleep(0.2)
     if len(nodes) < want:
         raise RuntimeError(f"only {len(nodes)} of {want} silos connected within {wait_s:.0f}s")
-    cfg = ConfigRecord({P.SETUP: setup_json})
-    msgs = [
-        Message(RecordDict({P.CONFIG: cfg}), dst_node_id=n, message_type=P.QUERY) for n in nodes
-    ]
+    msgs = [QueryRequest(setup_json).to_message(n) for n in nodes]
     roster: dict[int, int] = {}
     samples: dict[int, int] = {}
     for node, reply in zip(nodes, exchange(grid, msgs, timeout_s=max(wait_s, 60.0))):
-        if reply is None or reply.has_error():
-            why = "no reply" if reply is None else reply.error.reason
-            log.error("node %s failed the roster query: %s", node, why)
+        if reply is None:
+            log.error("node %s failed the roster query: no reply", node)
             continue
-        silo = int(reply.content[P.METRICS][P.SILO])  # type: ignore[arg-type]
-        if silo in roster:
-            raise RuntimeError(f"nodes {roster[silo]} and {node} both claim silo {silo}")
-        roster[silo] = node
-        samples[silo] = int(reply.content[P.METRICS][P.NUM_SAMPLES])  # type: ignore[arg-type]
+        try:
+            got = QueryReply.from_message(reply)
+        except ErrorReply as e:
+            log.error("node %s failed the roster query: %s", node, e.last_line)
+            continue
+        except Malformed as e:
+            raise RuntimeError(f"node {node} sent a malformed roster reply: {e}") from e
+        if got.silo in roster:
+            raise RuntimeError(f"nodes {roster[got.silo]} and {node} both claim silo {got.silo}")
+        roster[got.silo] = node
+        samples[got.silo] = got.num_samples
     missing = sorted(set(range(want)) - set(roster))
     if missing:
         raise RuntimeError(f"silos {missing} did not answer the roster query")

@@ -1,11 +1,12 @@
-"""The ``train.unlearn`` exchange with a silo: the message sent, and the reply read strictly.
+"""The server's side of the ``train.unlearn`` exchange: what it asks, and what a reply means.
 
-The reply carries the erasure delta (relative to the model sent), the forget data's gradient
-signature basis ``(d, k)`` with the names of the tensors it spans, and the silo's metrics.
-Anything malformed is an error message (the request fails with it), never an exception that
-would stop the loop. An error reply (the silo's ClientApp raised or crashed, the SuperLink
-reports the node offline, the message expired) is a ``SiloLost``: the silo went down
-mid-erasure, and the request goes back to the queue instead of failing.
+The messages themselves are ``protocol.erasure_messages.UnlearnRequest`` / ``UnlearnReply``
+(built and validated there). Here: the request built from the server's state (its unlearning
+config with the erasure's own size), and the server's reading of a reply. Anything malformed
+is an error message (the request fails with it), never an exception that would stop the loop.
+An error reply (the silo's ClientApp raised or crashed, the SuperLink reports the node offline,
+the message expired) is a ``SiloLost``: the silo went down mid-erasure, and the request goes
+back to the queue instead of failing.
 """
 
 from __future__ import annotations
@@ -14,41 +15,41 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.app import Message
 
 from fedasync import Params, check_tensors
-from protocol import keys as P
-from protocol import wire
-from protocol.config import to_dict
+from protocol.config import SiloErasure
+from protocol.erasure_messages import UnlearnReply, UnlearnRequest
+from protocol.reading import ErrorReply, Malformed
 
 if TYPE_CHECKING:
     from server.loop import AsyncServer
+
+
+def unlearn_request(
+    srv: AsyncServer, silo: int, job_id: int, start: Params, erasure: Any
+) -> UnlearnRequest:
+    """The request asking ``silo`` to erase ``erasure``'s samples from ``start``: the server's
+    ``unlearning`` config with the erasure's own size (``erasure.overrides``: radius, steps
+    scaled to its forget set) over the configured one."""
+    seed = int(np.random.default_rng([srv.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1))
+    return UnlearnRequest(
+        setup_json=srv.setup_json,
+        job_id=job_id,
+        base_version=srv.version,
+        seed=seed,
+        params=start,
+        erasure=SiloErasure.of(srv.cfg.unlearning, erasure.overrides),
+        forget=tuple(erasure.sample_ids),
+    )
 
 
 def unlearn_message(
     srv: AsyncServer, silo: int, job_id: int, start: Params, erasure: Any
 ) -> Message:
     """The train.unlearn message asking ``silo`` to erase ``erasure``'s samples from ``start``."""
-    seed = int(np.random.default_rng([srv.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1))
-    config = ConfigRecord(
-        {
-            P.SETUP: srv.setup_json,
-            P.JOB_ID: job_id,
-            P.BASE_VERSION: srv.version,
-            P.SEED: seed,
-            P.FORGET: list(erasure.sample_ids),
-            # the erasure's own size (scaled to its forget set) over the configured one
-            P.UNLEARN_JSON: P.dumps({**to_dict(srv.cfg.unlearning), **erasure.overrides}),
-        }
-    )
-    content = RecordDict({P.ARRAYS: wire.encode(start), P.CONFIG: config})
-    return Message(
-        content,
-        dst_node_id=srv.roster[silo],
-        message_type=P.UNLEARN,
-        ttl=srv.cfg.server.reply_timeout_s,
-    )
+    req = unlearn_request(srv, silo, job_id, start, erasure)
+    return req.to_message(srv.roster[silo], ttl=srv.cfg.server.reply_timeout_s)
 
 
 class SiloLost(str):
@@ -60,9 +61,22 @@ class SiloLost(str):
     offline: bool
 
     def __new__(cls, reason: str, offline: bool = False) -> SiloLost:
+        """A reason (a ``str``) with its ``offline`` flag."""
         lost = super().__new__(cls, reason)
         lost.offline = offline
         return lost
+
+    @classmethod
+    def of(cls, error: ErrorReply) -> SiloLost:
+        """The loss an error reply means (its first line, at most 300 characters)."""
+        return cls(f"the silo failed: {error.first_line}"[:300], offline=error.offline)
+
+
+def check_unlearn_reply(reply: UnlearnReply, reference: Params) -> str | None:
+    """Why the erasure delta does not fit the reference model (names, shapes, dtypes, finite
+    values), or None."""
+    bad = check_tensors(reply.delta, reference)
+    return None if bad is None else f"{bad.reason.value}: {bad.detail}"
 
 
 def read_unlearn_reply(
@@ -70,30 +84,15 @@ def read_unlearn_reply(
 ) -> tuple[Params, torch.Tensor, list[str], dict[str, float]] | str:
     """(delta, signature basis, basis tensor names, metrics), or why the reply is unusable:
     a ``SiloLost`` for an error reply (the silo went down; the request is retried), a plain
-    ``str`` for a reply that came back malformed (the request fails)."""
+    ``str`` for a reply that came back malformed (the request fails). ``metrics``: every
+    metric but silo, job and base version, as floats."""
     try:
-        if reply.has_error():
-            return SiloLost(
-                f"the silo failed: {reply.error.reason}".splitlines()[0][:300],
-                offline=reply.error.code == ErrorCode.NODE_UNAVAILABLE,
-            )
-        delta = wire.decode(P.array_record(reply.content, P.ARRAYS))
-        bad = check_tensors(delta, reference)
-        if bad is not None:
-            return f"{bad.reason.value}: {bad.detail}"
-        basis = wire.decode(P.array_record(reply.content, P.SIGNATURE))["basis"]
-        names = [str(n) for n in reply.content[P.CONFIG][P.SIGNATURE_NAMES]]  # type: ignore[union-attr]
-        if (
-            basis.dim() != 2
-            or not basis.is_floating_point()
-            or not bool(torch.isfinite(basis).all())
-        ):
-            return "the gradient signature is not a finite (d, k) matrix"
-        metrics = {
-            k: P.as_float(v)
-            for k, v in reply.content[P.METRICS].items()
-            if k not in (P.SILO, P.JOB_ID, P.BASE_VERSION)
-        }
-    except (KeyError, ValueError, TypeError) as e:
+        got = UnlearnReply.from_message(reply)
+    except ErrorReply as e:
+        return SiloLost.of(e)
+    except Malformed as e:
         return f"malformed erasure reply: {e}"
-    return delta, basis, names, metrics
+    bad = check_unlearn_reply(got, reference)
+    if bad is not None:
+        return bad
+    return got.delta, got.basis, list(got.names), got.report()
