@@ -1,0 +1,72 @@
+"""What the erasure ledger records is exactly what the folds applied, for every aggregator.
+
+With ``unlearning.server_removal`` the coordinator subtracts a silo's recorded contributions
+from the model, so they must add up to what the silos' updates did to it: over a whole run,
+the silos' summed contributions equal the final model minus the initial one (no central DP,
+so nothing is unattributed). Before issue 13 the loop recorded a first-order share that was,
+by its own comment, exact only for FedAsync and for FedBuff with server SGD.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from inprocess import InProcessGrid
+
+from clients.app import app as client_app
+from server.app import run_server
+from server.loop import AsyncServer
+
+MODES = {
+    "fedasync": ("server.mode=fedasync",),
+    "fedbuff-sgd": ("server.mode=fedbuff", "server.buffer_size=2"),
+    "fedbuff-momentum": (
+        "server.mode=fedbuff",
+        "server.buffer_size=2",
+        "server.optimizer.kind=momentum",
+        "server.optimizer.momentum=0.9",
+    ),
+    "fedbuff-adam": (
+        "server.mode=fedbuff",
+        "server.buffer_size=2",
+        "server.optimizer.kind=adam",
+        "server.optimizer.lr=0.01",
+    ),
+    "sync": ("server.mode=sync",),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_recorded_contributions_sum_to_what_the_run_changed(mode, small_cfg, monkeypatch):
+    # Prepare: a run with the ledger on and an erasure scheduled after its end (the
+    # coordinator exists and records, nothing is erased)
+    cfg = small_cfg(
+        "run.max_versions=6",
+        "unlearning.server_removal=true",
+        "erasures=[{silo: 1, at_s: 100000}]",
+        *MODES[mode],
+    )
+    seen: dict[str, AsyncServer] = {}
+    connect = AsyncServer.connect
+
+    def spy(self):
+        seen["srv"], seen["initial"] = self, {k: v.clone() for k, v in self.params.items()}
+        connect(self)
+
+    monkeypatch.setattr(AsyncServer, "connect", spy)
+
+    # Execute
+    run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
+
+    # Assert
+    srv, initial = seen["srv"], seen["initial"]
+    ledger = srv.erasure.ledger
+    assert ledger.silos() == ["0", "1", "2"]
+    totals = [ledger.total(s) for s in ledger.silos()]
+    for name, start in initial.items():
+        if not start.is_floating_point():
+            continue
+        changed = srv.params[name] - start
+        recorded = sum(t[name] for t in totals)
+        assert float(changed.abs().max()) > 0, name
+        torch.testing.assert_close(recorded, changed, rtol=1e-4, atol=1e-6)
