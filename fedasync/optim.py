@@ -18,19 +18,24 @@ tensors are updated; integer buffers are taken from ``params`` unchanged (see
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
 from fedasync.tensors import is_arithmetic
 from fedasync.types import Params
 
+OptimizerKind = Literal["sgd", "momentum", "adam"]
+"""The update rules (see module docstring): the type of ``server.optimizer.kind``."""
+OPTIMIZER_KINDS: tuple[OptimizerKind, ...] = get_args(OptimizerKind)
+"""The same names as a tuple, derived from the Literal (the one place they are written)."""
+
 
 @dataclass
 class ServerOptimizer:
     """Server-side optimizer over ``Params``; ``step`` returns new params, never mutates."""
 
-    kind: Literal["sgd", "momentum", "adam"] = "sgd"
+    kind: OptimizerKind = "sgd"
     """Update rule (see module docstring)."""
     lr: float = 1.0
     """Server learning rate η (dimensionless multiplier on Δ)."""
@@ -45,8 +50,10 @@ class ServerOptimizer:
     _steps: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("sgd", "momentum", "adam"):
-            raise ValueError(f"unknown optimizer kind {self.kind!r}; valid: sgd, momentum, adam")
+        if self.kind not in OPTIMIZER_KINDS:
+            raise ValueError(
+                f"unknown optimizer kind {self.kind!r}; valid: {', '.join(OPTIMIZER_KINDS)}"
+            )
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:

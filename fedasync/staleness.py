@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -56,13 +56,23 @@ def exponential(tau: int, a: float) -> float:
     return math.exp(-a * tau)
 
 
-WEIGHT_FUNCTIONS: dict[str, Callable[..., float]] = {
+WeightFnName = Literal["constant", "polynomial", "hinge", "exponential"]
+"""The weight functions' names: the type of a config's choice of one (``server.staleness.fn``,
+``learner.weight_fn``). It is the source; WEIGHT_FUNCTIONS is keyed by it (mypy checks every
+key is one of these) and checked at import to hold every one, in this order."""
+
+WEIGHT_FUNCTIONS: dict[WeightFnName, Callable[..., float]] = {
     "constant": constant,
     "polynomial": polynomial,
     "hinge": hinge,
     "exponential": exponential,
 }
 """Weight functions by name; each takes ``tau`` then its own parameters."""
+
+if tuple(WEIGHT_FUNCTIONS) != get_args(WeightFnName):  # not an assert: kept under python -O
+    raise AssertionError(
+        f"WEIGHT_FUNCTIONS {tuple(WEIGHT_FUNCTIONS)} != WeightFnName {get_args(WeightFnName)}"
+    )
 
 
 def weights_of(name: str, taus: torch.Tensor, a: float = 0.5, b: float = 4) -> torch.Tensor:
