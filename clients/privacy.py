@@ -53,6 +53,8 @@ class BudgetExhausted(Exception):
     """Training (further) would take the silo's epsilon past its budget."""
 
     def __init__(self, spent: float, would_be: float, budget: float, delta: float):
+        """Epsilon ``spent`` so far, what one more message ``would_be``, the ``budget``, and
+        the ``delta`` they are at."""
         self.spent, self.would_be, self.budget, self.delta = spent, would_be, budget, delta
         super().__init__(
             f"privacy budget exhausted: epsilon {spent:.4g} spent of {budget:.4g} "
@@ -147,6 +149,7 @@ class PrivacyLedger:
     """The accountant history of one silo's data, in an SQLite file (see module docstring)."""
 
     def __init__(self, path: Path):
+        """Open (creating it and its folder if needed) the ledger file at ``path``."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
@@ -155,12 +158,15 @@ class PrivacyLedger:
         self._db.executescript(SCHEMA)
 
     def close(self) -> None:
+        """Close the database connection."""
         self._db.close()
 
     def __enter__(self) -> PrivacyLedger:
+        """The ledger itself (closed on exit)."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the ledger."""
         self.close()
 
     def history(self) -> History:

@@ -7,6 +7,10 @@ Messages (Flower routes them by type, ``@app.train()`` etc.):
 - ``train``: arrays = the global model at ``base-version``; reply arrays = the local *delta*
   (local model - global model) and metrics (silo, base-version, job-id, num-samples, losses).
 - ``evaluate``: arrays = a model; reply metrics = loss and score on the silo's own data.
+- ``train.unlearn``: arrays = the model to erase from; reply = the erasure delta, the forget
+  data's gradient signature and metrics.
+
+The dataclass of each message (built and validated in one place) is in ``protocol.messages``.
 """
 
 from __future__ import annotations
@@ -78,10 +82,12 @@ the server's update events; the deployment benchmark subtracts it from the round
 
 
 def dumps(obj: Any) -> str:
+    """JSON with sorted keys (so equal objects make equal text, e.g. a cache key)."""
     return json.dumps(obj, sort_keys=True)
 
 
 def loads(text: str) -> Any:
+    """The object JSON ``text`` holds."""
     return json.loads(text)
 
 

@@ -170,29 +170,25 @@ class TrainRequest:
         """The request ``msg`` holds, its arrays decoded (Malformed otherwise)."""
         with fields():
             cfg = record(msg.content, P.CONFIG, ConfigRecord)
-            values = {
-                "setup_json": text(cfg, P.SETUP),
-                "job_id": P.as_int(cfg[P.JOB_ID]),
-                "base_version": P.as_int(cfg[P.BASE_VERSION]),
-                "seed": P.as_int(cfg[P.SEED]),
-                "fault": text(cfg, P.FAULT, ""),
-                "keep_reply": flag(cfg, P.KEEP_REPLY),
-                "exclude": strings(cfg, P.EXCLUDE),
-                "relearn": flag(cfg, P.RELEARN),
-                "local_steps": P.as_int(cfg[P.LOCAL_STEPS]) if P.LOCAL_STEPS in cfg else None,
-                "privacy_dir": text(cfg, P.PRIVACY_DIR) if P.PRIVACY_DIR in cfg else None,
-            }
-        check_setup(str(values["setup_json"]))
+            setup = text(cfg, P.SETUP)
+            job_id, base, seed = (P.as_int(cfg[k]) for k in (P.JOB_ID, P.BASE_VERSION, P.SEED))
+            fault, keep = text(cfg, P.FAULT, ""), flag(cfg, P.KEEP_REPLY)
+            exclude, relearn = strings(cfg, P.EXCLUDE), flag(cfg, P.RELEARN)
+            steps = P.as_int(cfg[P.LOCAL_STEPS]) if P.LOCAL_STEPS in cfg else None
+            privacy_dir = text(cfg, P.PRIVACY_DIR) if P.PRIVACY_DIR in cfg else None
+        check_setup(setup)
         params, _ = arrays(msg.content, P.ARRAYS)
-        return cls(params=params, **values)  # type: ignore[arg-type]
+        return cls(
+            setup, job_id, base, seed, params, fault, keep, exclude, relearn, steps, privacy_dir
+        )
 
 
 def injected_fault(msg: Message) -> tuple[str, bool]:
     """(fault, keep-reply) of a train request, read without decoding its arrays (the fault
     mod runs before the handler validates the request)."""
-    cfg = msg.content[P.CONFIG] if P.CONFIG in msg.content else ConfigRecord()
     with fields():
-        return text(cfg, P.FAULT, ""), flag(cfg, P.KEEP_REPLY)  # type: ignore[arg-type]
+        cfg = record(msg.content, P.CONFIG, ConfigRecord)
+        return text(cfg, P.FAULT, ""), flag(cfg, P.KEEP_REPLY)
 
 
 @dataclass(frozen=True, eq=False)

@@ -75,6 +75,8 @@ class ProtocolFedAvg(FedAvg):
     """
 
     def __init__(self, cfg: FedAsyncConfig, params: Params, events: EventLog, t0: float):
+        """FedAvg over all ``cfg.silos.count`` nodes from ``params``; events to ``events``,
+        times relative to ``t0`` (``time.monotonic()`` when the ServerApp started)."""
         n = cfg.silos.count
         super().__init__(
             fraction_evaluate=0.0,
