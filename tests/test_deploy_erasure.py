@@ -22,10 +22,10 @@ def test_prepare_erasure_uses_the_superlink_certificate_and_per_silo_tokens(smal
     cfg = small_cfg("silos.count=2", "unlearning.service=true")
     folder = tmp_path / "erasure"
     # Execute
-    prepare_erasure(cfg, folder, paths)
+    cfg = prepare_erasure(cfg, folder, paths)
     first = {p.name: p.read_text() for p in folder.iterdir()}
     again = small_cfg("silos.count=2", "unlearning.service=true")
-    prepare_erasure(again, folder, paths)  # a resumed run keeps the credentials
+    again = prepare_erasure(again, folder, paths)  # a resumed run keeps the credentials
     # Assert
     u = cfg.unlearning
     assert (u.tls_certfile, u.tls_keyfile) == (str(paths.server_cert), str(paths.server_key))
@@ -41,7 +41,7 @@ def test_erasure_over_tls_with_another_silos_token_is_refused(small_cfg, tmp_pat
     # Prepare: the service as the ServerApp starts it in a deployment
     paths = write_certs(tmp_path / "certs", 2)
     cfg = small_cfg("silos.count=2", "unlearning.service=true")
-    prepare_erasure(cfg, tmp_path / "erasure", paths)
+    cfg = prepare_erasure(cfg, tmp_path / "erasure", paths)
     store = ErasureStore(tmp_path / "e.sqlite")
     catalog = StaticCatalog(samples={0: {"a", "b"}, 1: {"c"}})
     service = ErasureService(store, Authorizer.from_file(cfg.unlearning.credentials), catalog)

@@ -27,13 +27,13 @@ tests/test_deploy_local.py. Slow: 3.7-4.6 minutes on 2 cores at a load average o
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
 import sqlite3
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +124,7 @@ class Federation:
                 "unlearning.relearn_versions=2",
             ],
         )
-        self.run_dir, self.paths, self.ledgers = prepare(self.cfg, None)
+        self.cfg, self.run_dir, self.paths, self.ledgers = prepare(self.cfg, None)
         self.work = self.run_dir / "deploy"
         self.cli = self.work / "flwr-home"
         self.procs = Processes(marker=f"{root}:faults:{time.time_ns()}")
@@ -249,9 +249,9 @@ def _run_scenario(fed: Federation) -> None:
     os.killpg(run_a.popen.pid, signal.SIGTERM)  # the CLI streaming run A's logs
     run_a.popen.wait(timeout=15)
     # run B: the same run folder, resumed, two more versions
-    cfg_b = copy.deepcopy(cfg)
-    cfg_b.run.resume = True
-    cfg_b.run.max_versions = obs["checkpoint_version"] + 2
+    cfg_b = replace(
+        cfg, run=replace(cfg.run, resume=True, max_versions=obs["checkpoint_version"] + 2)
+    )
     tail_b = EventTail(fed.run_dir / "metrics.jsonl")
     run_b = fed.flwr_run("run-b", cfg_b)
     fed.wait("run B to finish", lambda: run_b.popen.poll() is not None, 300, tail_b)

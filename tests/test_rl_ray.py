@@ -233,18 +233,19 @@ def test_distillation_on_ray_teachers_restarts_a_dead_teacher_and_learns_the_loc
 def test_without_ray_the_cli_runs_the_one_process_mode_and_says_why(monkeypatch, caplog):
     # Prepare
     import trainers.rl.ray_backend as rb
-    from trainers.rl.cli import make_backend
+    from trainers.rl.cli import with_backend
 
     monkeypatch.setattr(rb, "ray_available", lambda: "cannot import ray: no module for tests")
     cfg = load_rl_config(None, ["rollout.backend=ray", "rollout.clock=wall"])
 
     # Execute
     with caplog.at_level(logging.WARNING, logger="fedasync.rl"):
-        backend = make_backend(cfg)
+        used, backend = with_backend(cfg)
 
     # Assert
     assert backend is None
-    assert (cfg.rollout.backend, cfg.rollout.clock) == ("local", "virtual")
+    assert (used.rollout.backend, used.rollout.clock) == ("local", "virtual")
+    assert (cfg.rollout.backend, cfg.rollout.clock) == ("ray", "wall")  # cfg itself unchanged
     messages = [r.getMessage() for r in caplog.records]
     assert any("Ray is not available" in m and "no module for tests" in m for m in messages), (
         messages
