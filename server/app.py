@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from medical_data.federation import Federation
@@ -25,6 +25,8 @@ from medical_data.tasks import evaluate
 from protocol import keys as P
 from protocol import wire
 from protocol.config import build_silos, to_dict
+from protocol.messages import EvaluateReply, EvaluateRequest
+from protocol.reading import ErrorReply, Malformed
 from server.config import FedAsyncConfig, from_container
 from server.loop import AsyncServer
 from server.roster import exchange
@@ -48,23 +50,20 @@ def initial_model(cfg: FedAsyncConfig) -> torch.nn.Module:
 
 def evaluate_silos(srv: AsyncServer, timeout_s: float = 300.0) -> dict[int, dict[str, float]]:
     """Ask every silo to evaluate the current global model on its own data."""
-    cfg_rec = ConfigRecord({P.SETUP: srv.setup_json})
     silos = sorted(srv.roster)
-    msgs = [
-        Message(
-            RecordDict({P.ARRAYS: wire.encode(srv.params), P.CONFIG: cfg_rec}),
-            dst_node_id=srv.roster[s],
-            message_type=P.EVALUATE,
-        )
-        for s in silos
-    ]
+    arrays = wire.encode(srv.params)  # one encoding for every silo's message
+    request = EvaluateRequest(srv.setup_json, srv.params)
+    msgs = [request.to_message(srv.roster[s], arrays=arrays) for s in silos]
     out: dict[int, dict[str, float]] = {}
     for silo, reply in zip(silos, exchange(srv.grid, msgs, timeout_s)):
-        if reply is None or reply.has_error():
-            log.warning("silo %d did not evaluate the final model", silo)
+        try:
+            if reply is None:
+                raise Malformed("no reply")
+            got = EvaluateReply.from_message(reply)
+        except (ErrorReply, Malformed) as e:
+            log.warning("silo %d did not evaluate the final model: %s", silo, e)
             continue
-        m = reply.content[P.METRICS]
-        out[silo] = {"loss": float(m["loss"]), "score": float(m["score"])}  # type: ignore[arg-type]
+        out[silo] = {"loss": got.loss, "score": got.score}
         srv.events.write("silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **out[silo])
     return out
 

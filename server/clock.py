@@ -8,10 +8,9 @@ its wall clock (replies taken in the order they arrive).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from protocol.config import Setup, to_dict
 from server.config import FedAsyncConfig, SilosConfig
 
 
@@ -36,19 +35,18 @@ def silo_speeds(cfg: SilosConfig, seed: int) -> list[float]:
     raise ValueError(f"unknown speed profile {cfg.speed_profile!r}")
 
 
-def client_setup(cfg: FedAsyncConfig) -> dict[str, Any]:
-    """What every train message tells the ClientApp about the run (both ServerApps send it).
+def client_setup(cfg: FedAsyncConfig) -> Setup:
+    """What every train message tells the ClientApp about the run (both ServerApps send it,
+    as ``client_setup(cfg).to_json()``).
 
     ``emulate_speeds``: each silo's speed when ``silos.emulate_speed`` is on (the ClientApp
     then waits after training, see ``clients.app``), else None.
     """
-    from protocol.config import to_dict
-
-    return {
-        "client": to_dict(cfg.client),
-        "data": to_dict(cfg.data),
-        "backdoor": to_dict(cfg.backdoor),
-        "num_silos": cfg.silos.count,
-        "seed": cfg.run.seed,
-        "emulate_speeds": silo_speeds(cfg.silos, cfg.run.seed) if cfg.silos.emulate_speed else None,
-    }
+    return Setup(
+        client=cfg.client,
+        data=cfg.data,
+        num_silos=cfg.silos.count,
+        seed=cfg.run.seed,
+        backdoor=to_dict(cfg.backdoor),
+        emulate_speeds=silo_speeds(cfg.silos, cfg.run.seed) if cfg.silos.emulate_speed else None,
+    )

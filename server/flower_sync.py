@@ -88,7 +88,7 @@ class ProtocolFedAvg(FedAvg):
         )
         self.cfg, self.params, self.events, self.t0 = cfg, params, events, t0
         self.unix0 = time.time() - (time.monotonic() - t0)  # t0 on the Unix clock
-        self.setup_json = P.dumps(client_setup(cfg))
+        self.setup_json = client_setup(cfg).to_json()
         self.version = 0
         self.next_job_id = 0
         self.started_at: float | None = None

@@ -29,8 +29,8 @@ from fedasync import (
     staleness,
 )
 from fedasync.tensors import global_norm
-from protocol import keys as P
-from protocol import wire
+from protocol.messages import TrainRefusal, TrainReply, read_train_reply
+from protocol.reading import ErrorReply, Malformed
 from server.config import ServerConfig
 
 
@@ -79,6 +79,18 @@ class Accepted:
     norm: float
 
 
+def read_reply(reply: Message) -> TrainReply | TrainRefusal | Rejection:
+    """The update or refusal ``reply`` holds, read once (protocol/messages.py); a
+    ``client_error`` rejection for an error reply (the ClientApp raised, the node went
+    offline, the message expired), ``malformed`` for anything the protocol refuses."""
+    try:
+        return read_train_reply(reply)
+    except ErrorReply as e:
+        return Rejection(RejectReason.CLIENT_ERROR, e.last_line)
+    except Malformed as e:
+        return Rejection(RejectReason.MALFORMED, str(e))
+
+
 def take_reply(
     reply: Message,
     job: Job,
@@ -89,25 +101,32 @@ def take_reply(
     bound: StalenessBound,
     norms: NormOutlierDetector,
 ) -> Accepted | Rejection:
-    """Validate ``reply`` to ``job`` against the current ``version`` and parameters ``reference``.
+    """``read_reply`` then ``check_reply`` (a refusal is not an update: malformed here)."""
+    got = read_reply(reply)
+    if isinstance(got, Rejection):
+        return got
+    if isinstance(got, TrainRefusal):
+        return Rejection(RejectReason.MALFORMED, "a refusal, not an update")
+    return check_reply(
+        got, job, version=version, reference=reference, roster=roster, bound=bound, norms=norms
+    )
 
-    ``roster`` maps silo id -> node id. The norm detector only learns from accepted updates.
-    """
-    if reply.has_error():
-        reason = reply.error.reason if reply.error is not None else "unknown error"
-        return Rejection(RejectReason.CLIENT_ERROR, str(reason).strip().splitlines()[-1][:300])
-    try:
-        metrics = reply.content[P.METRICS]
-        claimed_silo = P.as_int(metrics[P.SILO])
-        claimed_job = P.as_int(metrics[P.JOB_ID])
-        claimed_base = P.as_int(metrics[P.BASE_VERSION])
-        num_samples = P.as_int(metrics[P.NUM_SAMPLES])
-        record = P.array_record(reply.content, P.ARRAYS)
-        # a train_* metric Flower allows but we cannot read (a list) is malformed too, before
-        # the norm detector learns anything from this update
-        train_metrics = {k: P.as_float(v) for k, v in metrics.items() if k.startswith("train_")}
-    except (KeyError, TypeError, ValueError) as e:
-        return Rejection(RejectReason.MALFORMED, f"missing or bad field: {str(e)[:200]}")
+
+def check_reply(
+    reply: TrainReply,
+    job: Job,
+    *,
+    version: int,
+    reference: Params,
+    roster: dict[int, int],
+    bound: StalenessBound,
+    norms: NormOutlierDetector,
+) -> Accepted | Rejection:
+    """Validate the update ``reply`` to ``job`` against the current ``version`` and parameters
+    ``reference``. ``roster`` maps silo id -> node id. The norm detector only learns from
+    accepted updates."""
+    claimed_silo, claimed_job, claimed_base = reply.silo, reply.job_id, reply.base_version
+    num_samples = reply.num_samples
     if claimed_silo not in roster:
         return Rejection(RejectReason.UNKNOWN_SILO, f"silo {claimed_silo} is not in the roster")
     if roster[claimed_silo] != job.node_id or claimed_silo != job.silo:
@@ -136,10 +155,7 @@ def take_reply(
         )
     if num_samples < 1:
         return Rejection(RejectReason.MALFORMED, f"num-samples {num_samples} < 1")
-    try:
-        tensors, flat = wire.decode_with_flat(record)
-    except Exception as e:  # noqa: BLE001 - any decoding failure is a malformed reply
-        return Rejection(RejectReason.MALFORMED, f"arrays do not decode: {e}")
+    tensors, flat = reply.delta, reply.flat
     bad = check_tensors(tensors, reference, check_finite=False)
     if bad is not None:
         return bad
@@ -162,7 +178,7 @@ def take_reply(
         tensors=tensors,
         num_samples=num_samples,
         kind="delta",
-        metrics=train_metrics,
+        metrics={k: v for k, v in reply.metrics.items() if k.startswith("train_")},
     )
     return Accepted(update, tau, decision, norm)
 
@@ -180,12 +196,18 @@ class Intake:
         self.norms = NormOutlierDetector(factor=s.norm_outlier_factor)
         self.calibration_norms = NormOutlierDetector(factor=s.norm_outlier_factor)
 
-    def take(
-        self, reply: Message, job: Job, *, version: int, reference: Params, roster: dict[int, int]
+    def check(
+        self,
+        reply: TrainReply,
+        job: Job,
+        *,
+        version: int,
+        reference: Params,
+        roster: dict[int, int],
     ) -> Accepted | Rejection:
-        """``take_reply`` with this intake's bound and the detector for ``job``'s kind."""
+        """``check_reply`` with this intake's bound and the detector for ``job``'s kind."""
         norms = self.calibration_norms if job.kind == "calibrate" else self.norms
-        return take_reply(
+        return check_reply(
             reply,
             job,
             version=version,

@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedasync import Params, Rejection, RejectReason
@@ -40,19 +39,20 @@ from fedasync.clock import Clock, Next, VirtualClock, WallClock
 from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
 from fedasync.tensors import is_finite
-from protocol import keys as P
-from protocol.config import to_dict
-from protocol.messages import TrainRequest
+from protocol.config import SiloErasure, to_dict
+from protocol.erasure_messages import UnlearnRequest
+from protocol.messages import TrainRefusal, TrainRequest
+from protocol.reading import ErrorReply
 from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import client_setup, silo_speeds
 from server.config import FedAsyncConfig
 from server.dispatch import Dispatcher, FaultSchedule
-from server.intake import Accepted, Intake, Job
+from server.intake import Accepted, Intake, Job, read_reply
 from server.pipeline import CorrectionPipeline
 from server.privacy import ServerPrivacy, Stop
 from server.roster import discover_silos
 from server.stats import RunStats
-from server.unlearn_messages import SiloLost, read_unlearn_reply, unlearn_message
+from server.unlearn_messages import SiloLost, read_unlearn_reply
 
 log = logging.getLogger("fedasync.server")
 
@@ -102,7 +102,7 @@ class AsyncServer:
         self.pipeline = CorrectionPipeline(cfg)
         self.privacy = ServerPrivacy.for_run(cfg.server.dp, run_dir)
         self.stats = RunStats()
-        self.setup_json = P.dumps(client_setup(cfg))
+        self.setup_json = client_setup(cfg).to_json()
         self.roster: dict[int, int] = {}
         self.num_samples: dict[int, int] = {}
         self.arrived: dict[str, Message] = {}
@@ -242,10 +242,22 @@ class AsyncServer:
         """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``.
         False when refused (the silo holds a job): the coordinator starts erasures only on an
         idle silo, so this is a bug's trace; the request goes back to the queue."""
-        u = self.cfg.unlearning  # the erasure steps, then one gradient per signature batch
-        steps = int(erasure.overrides.get("steps", u.steps))
-        job_id, timing = self._side_job(silo, steps + u.signature_batches)
-        msg = unlearn_message(self, silo, job_id, start, erasure)
+        # the erasure's own size (scaled to its forget set) over the configured one
+        erase = SiloErasure.of(self.cfg.unlearning, erasure.overrides)
+        # the erasure steps, then one gradient per signature batch
+        job_id, timing = self._side_job(silo, erase.steps + erase.signature_batches)
+        request = UnlearnRequest(
+            setup_json=self.setup_json,
+            job_id=job_id,
+            base_version=self.version,
+            seed=int(
+                np.random.default_rng([self.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1)
+            ),
+            params=start,
+            erasure=erase,
+            forget=tuple(erasure.sample_ids),
+        )
+        msg = request.to_message(self.roster[silo], ttl=self.cfg.server.reply_timeout_s)
         job = Job("", silo, self.roster[silo], job_id, self.version, *timing, 0.0)
         job.kind, job.erasure = "unlearn", erasure
         if not self.jobs.send(msg, job, self.version):
@@ -390,14 +402,20 @@ class AsyncServer:
         """Validate and fold one reply; True when its silo may be sent work at once."""
         if job.kind == "unlearn":
             return self._take_unlearn(job, reply)
-        note = self.privacy.take_reply(job.silo, job.job_id, reply)
-        if note.stop is not None:  # a refusal: the silo is out of privacy budget
-            self._stopped(note.stop)
+        got = read_reply(reply)  # an update, a refusal, or why it cannot be read
+        note = self.privacy.take(job.silo, job.job_id, got)
+        if isinstance(got, TrainRefusal):  # out of privacy budget: the silo is stopped
+            if note.stop is not None:
+                self._stopped(note.stop)
             if job.kind == "calibrate":
                 self.erasure.take_calibration(job, None)
             return False
-        res = self.intake.take(
-            reply, job, version=self.version, reference=self.params, roster=self.roster
+        res = (
+            got
+            if isinstance(got, Rejection)
+            else self.intake.check(
+                got, job, version=self.version, reference=self.params, roster=self.roster
+            )
         )
         if job.kind == "calibrate":  # FedEraser's: handed to the coordinator, never folded
             if isinstance(res, Rejection):
@@ -445,7 +463,8 @@ class AsyncServer:
         return True
 
     def _down_s(self, job: Job, reply: Message) -> float:
-        if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+        """How long a failed silo waits before it is sent work again."""
+        if reply.has_error() and ErrorReply(reply.error.code, reply.error.reason).offline:
             return self.cfg.server.offline_retry_s  # not at once: the SuperLink would refuse again
         return self.faults.crash_down_s(job.silo) if job.fault == "crash" else 0.0
 

@@ -24,35 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Message
-
 from fedasync.privacy import gaussian_epsilon
-from protocol import keys as P
-from protocol.keys import DP_DELTA, DP_EPSILON, REFUSAL, REFUSAL_DETAIL
+from protocol.messages import TrainRefusal, TrainReply
 from server.config import ServerDPConfig
 
 log = logging.getLogger("fedasync.server")
-
-
-def reported_epsilon(reply: Message) -> tuple[float, float] | None:
-    """``(epsilon, delta)`` a train reply reports, or None (no DP, an error, malformed)."""
-    if reply.has_error() or P.METRICS not in reply.content:
-        return None
-    metrics: Any = reply.content[P.METRICS]
-    try:
-        return float(metrics[DP_EPSILON]), float(metrics.get(DP_DELTA, float("nan")))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def refusal(reply: Message) -> tuple[str, str] | None:
-    """``(reason, detail)`` when a train reply refuses the work, else None."""
-    if reply.has_error() or P.CONFIG not in reply.content:
-        return None
-    cfg: Any = reply.content[P.CONFIG]
-    if REFUSAL not in cfg:
-        return None
-    return str(cfg[REFUSAL]), str(cfg.get(REFUSAL_DETAIL, ""))[:300]
 
 
 # ---------------------------------------------------------------- central DP
@@ -200,20 +176,26 @@ class ServerPrivacy:
             out["stopped"] = self.stopped[silo]
         return out
 
-    def take_reply(self, silo: int, job: int, reply: Message) -> PrivacyNote:
-        """Note the epsilon a train reply reports (a rejected update was still trained on the
-        silo's data), and a ``Stop`` when the reply refuses the work (out of budget)."""
-        eps = reported_epsilon(reply)
+    def take(self, silo: int, job: int, got: TrainReply | TrainRefusal | Any) -> PrivacyNote:
+        """Note the epsilon a train reply (``got``: an update, a refusal, or what intake made
+        of an unreadable reply) reports (a rejected update was still trained on the silo's
+        data), and a ``Stop`` when it refuses the work (the silo is out of budget)."""
+        if isinstance(got, TrainReply):
+            eps = got.privacy
+        elif isinstance(got, TrainRefusal) and got.epsilon is not None:
+            delta = got.delta if got.delta is not None else float("nan")
+            eps = (got.epsilon, delta)
+        else:
+            eps = None
         if eps is not None:
             self.dp_epsilon[silo] = eps[0]
             log.info(
                 "silo %d privacy: epsilon %.4g (delta %g) after job %d", silo, eps[0], eps[1], job
             )
         epsilon = eps[0] if eps is not None else None
-        why = refusal(reply)
-        if why is None:
+        if not isinstance(got, TrainRefusal):
             return PrivacyNote(epsilon, None)
-        reason, detail = why
+        reason, detail = got.reason, got.detail
         self.stopped[silo] = reason
         log.warning("silo %d stopped training (job %d): %s: %s", silo, job, reason, detail)
         extra = {"dp_epsilon": eps[0]} if eps is not None else {}

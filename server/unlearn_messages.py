@@ -1,8 +1,8 @@
 """The server's side of the ``train.unlearn`` exchange: what it asks, and what a reply means.
 
 The messages themselves are ``protocol.erasure_messages.UnlearnRequest`` / ``UnlearnReply``
-(built and validated there). Here: the request built from the server's state (its unlearning
-config with the erasure's own size), and the server's reading of a reply. Anything malformed
+(built and validated there; the loop builds the request). Here: the server's reading of a
+reply. Anything malformed
 is an error message (the request fails with it), never an exception that would stop the loop.
 An error reply (the silo's ClientApp raised or crashed, the SuperLink reports the node offline,
 the message expired) is a ``SiloLost``: the silo went down mid-erasure, and the request goes
@@ -11,45 +11,12 @@ back to the queue instead of failing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
 import torch
 from flwr.app import Message
 
 from fedasync import Params, check_tensors
-from protocol.config import SiloErasure
-from protocol.erasure_messages import UnlearnReply, UnlearnRequest
+from protocol.erasure_messages import UnlearnReply
 from protocol.reading import ErrorReply, Malformed
-
-if TYPE_CHECKING:
-    from server.loop import AsyncServer
-
-
-def unlearn_request(
-    srv: AsyncServer, silo: int, job_id: int, start: Params, erasure: Any
-) -> UnlearnRequest:
-    """The request asking ``silo`` to erase ``erasure``'s samples from ``start``: the server's
-    ``unlearning`` config with the erasure's own size (``erasure.overrides``: radius, steps
-    scaled to its forget set) over the configured one."""
-    seed = int(np.random.default_rng([srv.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1))
-    return UnlearnRequest(
-        setup_json=srv.setup_json,
-        job_id=job_id,
-        base_version=srv.version,
-        seed=seed,
-        params=start,
-        erasure=SiloErasure.of(srv.cfg.unlearning, erasure.overrides),
-        forget=tuple(erasure.sample_ids),
-    )
-
-
-def unlearn_message(
-    srv: AsyncServer, silo: int, job_id: int, start: Params, erasure: Any
-) -> Message:
-    """The train.unlearn message asking ``silo`` to erase ``erasure``'s samples from ``start``."""
-    req = unlearn_request(srv, silo, job_id, start, erasure)
-    return req.to_message(srv.roster[silo], ttl=srv.cfg.server.reply_timeout_s)
 
 
 class SiloLost(str):

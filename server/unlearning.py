@@ -74,6 +74,7 @@ from fedasync.unlearning import (
     federaser_step,
     forget_share_scale,
 )
+from protocol.config import SiloErasure
 from server.erasure.states import State
 from server.unlearn_messages import SiloLost
 
@@ -508,7 +509,7 @@ class ErasureCoordinator:
         if srv.cfg.server.clip_norm is not None:
             bounds.append(float(srv.cfg.server.clip_norm))
         if self.cfg.method == "pga":
-            bounds.append(float(erasure.overrides.get("radius", self.cfg.radius)) * (1 + 1e-3))
+            bounds.append(SiloErasure.of(self.cfg, erasure.overrides).radius * (1 + 1e-3))
         norm = global_norm(delta)
         report = {"delta_norm": norm}
         if not bounds:

@@ -23,7 +23,6 @@ already apart (``processes``).
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -252,11 +252,14 @@ def ray_init_args(engine: EngineConfig, ray_tmp: str) -> dict[str, Any]:
 
 
 def _baseline_config(cfg: FedAsyncConfig) -> FedAsyncConfig:
-    b = copy.deepcopy(cfg)
-    b.server.mode = "sync"
-    b.run.compare_sync = False
-    b.faults = []
-    return b
+    """The sync baseline of ``cfg``: the same run in ``server.mode=sync``, without faults (a new
+    config; ``cfg`` is not changed). With central DP the baseline weighs silos equally
+    (``server.sample_weighting=false``): sync with DP is only valid so, since sample weights
+    would break the per-silo sensitivity the noise is scaled to."""
+    dp = cfg.server.dp.noise_multiplier is not None
+    weighting = cfg.server.sample_weighting and not dp
+    server = replace(cfg.server, mode="sync", sample_weighting=weighting)
+    return replace(cfg, server=server, run=replace(cfg.run, compare_sync=False), faults=[])
 
 
 def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:

@@ -176,7 +176,7 @@ def test_unlearn_round_trip():
 def test_setup_json_is_the_servers_byte_for_byte(small_cfg):
     from server.clock import client_setup
 
-    sent = P.dumps(client_setup(small_cfg("data.max_samples=100")))
+    sent = client_setup(small_cfg("data.max_samples=100")).to_json()
     setup = Setup.from_json(sent)
     assert setup.to_json() == sent and setup.data.max_samples == 100
     assert setup.client.dp.delta == small_cfg().client.dp.delta

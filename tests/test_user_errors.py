@@ -159,9 +159,7 @@ def test_resume_from_a_damaged_baseline_checkpoint_is_refused(tmp_path, capsys, 
 
     path = tmp_path / "t" / "baseline-sync" / "checkpoint.pt"
     params = {"w": torch.ones(64, 64)}
-    save_state(
-        path, CheckpointState("sync", 0, params, [], 0)
-    )
+    save_state(path, CheckpointState("sync", 0, params, [], 0))
     _truncate(path)
 
     # Execute
