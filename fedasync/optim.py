@@ -98,6 +98,7 @@ class ServerOptimizer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """Settings, step count and the moments (copies)."""
         return {
             "kind": self.kind,
             "lr": self.lr,
@@ -110,6 +111,7 @@ class ServerOptimizer:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
         self.kind = d["kind"]
         self.lr = float(d["lr"])
         self.momentum = float(d["momentum"])

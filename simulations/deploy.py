@@ -130,6 +130,8 @@ def tool(name: str) -> str:
 
 
 def wait_for_port(port: int, alive: Callable[[], bool], timeout_s: float) -> None:
+    """Wait until something listens on ``port``; DeployError if ``alive()`` turns False or
+    ``timeout_s`` passes first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():

@@ -15,6 +15,7 @@ from trainers.pipeline.config import load_pipeline_config
 
 
 def add_parser(sub: Any) -> None:
+    """Add the ``pipeline`` subcommand to the ``fedasync`` parser."""
     p = sub.add_parser(
         "pipeline", help="pipeline-parallel training: GPipe, 1F1B, PipeDream-2BW, PACI"
     )
@@ -24,6 +25,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``fedasync pipeline``; the exit code."""
     from trainers.pipeline.dist import StageFailed
     from trainers.pipeline.run import run_config
 

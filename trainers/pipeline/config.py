@@ -53,6 +53,8 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
 
 @dataclass
 class RunSection:
+    """``run.*``: the run's name, folder, seed, device and length."""
+
     seed: int = 0
     """Seeds the model's initialisation (the same weights however the model is cut into
     stages)."""
@@ -90,6 +92,8 @@ class RunSection:
 
 @dataclass
 class ModelSection:
+    """``model.*``: the GPT that is cut into stages."""
+
     d_model: int = 128
     """Width of the decoder-only transformer."""
     n_layers: int = 4
@@ -110,6 +114,8 @@ class ModelSection:
 
 @dataclass
 class DataSection:
+    """``data.*``: the corpus (or synthetic tokens) and the batch shape."""
+
     batch: int = 16
     """Sequences per batch (one optimiser step), split into ``pipeline.micro`` micro-batches;
     must be divisible by ``pipeline.micro``."""
@@ -125,6 +131,8 @@ class DataSection:
 
 @dataclass
 class PipelineSection:
+    """``pipeline.*``: the schedule, stages, micro-batches and transport."""
+
     schedule: Schedule = "paci"
     """gpipe | 1f1b (flushed every batch: synchronous) | 2bw (PipeDream-2BW: computes under
     weights ``pipeline.delay`` steps old) | paci (no flush, the forward/backward drift bounded
@@ -171,6 +179,8 @@ class PipelineSection:
 
 @dataclass
 class OptimSection:
+    """``optim.*``: the optimiser (AdamW or Muon), its learning rate and warm-up."""
+
     name: OptimizerName = "adamw"
     """adamw, or muon (Muon on the blocks' matrices, AdamW for embeddings, head and vectors,
     with an RMS-matched learning rate)."""
@@ -195,6 +205,8 @@ class OptimSection:
 
 @dataclass
 class CorrectionSection:
+    """``correction.*``: the delay error feedback."""
+
     error_feedback: bool = False
     """Correct the delayed gradient with error feedback (2bw and paci only: a synchronous
     schedule has no delay to correct)."""
@@ -208,6 +220,8 @@ class CorrectionSection:
 
 @dataclass
 class FaultSection:
+    """``fault.*``: a stage process killed at a step (fault tests)."""
+
     kill_stage: int = -1
     """A stage process to kill mid-run (-1: none; needs ``pipeline.backend=processes`` and a
     stage < ``pipeline.stages``)."""
@@ -222,6 +236,8 @@ class FaultSection:
 
 @dataclass
 class PipelineConfig:
+    """The whole ``fedasync pipeline`` config (one section per key prefix)."""
+
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)

@@ -72,6 +72,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
+    """Add the ``rl`` subcommand to the ``fedasync`` parser."""
     p = sub.add_parser("rl", help="asynchronous RL on a small language-model policy")
     p.add_argument("--config", help="YAML config file (default: the built-in defaults)")
     p.add_argument("--verbose", action="store_true", help="log INFO to the console too")
@@ -79,6 +80,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``fedasync rl``; the exit code."""
     if args.verbose:
         logging.getLogger("fedasync").setLevel(logging.INFO)
     cfg = load_rl_config(args.config, args.overrides)  # a UserError: one line, exit 2

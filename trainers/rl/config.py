@@ -57,6 +57,8 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
 
 @dataclass
 class RunSection:
+    """``run.*``: the run's name, folder, seed, device and length."""
+
     seed: int = 0
     """Seeds the policy's initialisation, the warm start, the prompts and every sample."""
     name: str = "rl"
@@ -93,6 +95,8 @@ class RunSection:
 
 @dataclass
 class TaskSection:
+    """``task.*``: the verifiable task the policy is trained on."""
+
     name: TaskName = "sort"
     """The task (trainers.rl.tasks.TASKS): sort, reverse, copy or add."""
     min_len: int = 2
@@ -117,6 +121,8 @@ class TaskSection:
 
 @dataclass
 class PolicySection:
+    """``policy.*``: the TinyLM policy's size."""
+
     d_model: int = 64
     """Width of the decoder-only transformer."""
     n_layers: int = 2
@@ -141,6 +147,8 @@ class PolicySection:
 
 @dataclass
 class RolloutSection:
+    """``rollout.*``: the mode (sync, async, streaming), staleness and backend."""
+
     mode: RolloutMode = "streaming"
     """sync | one_step_off | async | streaming (docs/rl.md: how the modes schedule work)."""
     workers: int = 8
@@ -179,6 +187,8 @@ class RolloutSection:
 
 @dataclass
 class LearnerSection:
+    """``learner.*``: the GRPO learner, its staleness correction and weights."""
+
     lr: float = 0.0003
     """Adam learning rate of the policy (1e-3 and above degraded held-out accuracy on sort)."""
     correction: Correction = "decoupled"
@@ -219,6 +229,8 @@ class LearnerSection:
 
 @dataclass
 class DistillSection:
+    """``distill.*``: on-policy distillation from a cached teacher."""
+
     loss: DistillLoss = "none"
     """none (GRPO on rewards; not ``off``, which YAML reads as false) or on-policy
     distillation from a teacher: forward_kl | reverse_kl
@@ -278,6 +290,8 @@ class DistillSection:
 
 @dataclass
 class ClockSection:
+    """``clock.*``: the virtual clock's costs per token and per step."""
+
     gen_token_s: float | None = None
     """Virtual seconds a worker takes per generated token (None: measured once at start)."""
     learn_token_s: float | None = None
@@ -294,6 +308,8 @@ class ClockSection:
 
 @dataclass
 class FaultSection:
+    """``fault.*``: a rollout worker killed at a step (fault tests)."""
+
     die_on_groups: list[int] = field(default_factory=list)
     """Group ids whose first attempt dies mid-trajectory (the worker is lost; with Ray the
     actor process really exits); the group is redone, or dropped when it would be too stale."""
@@ -310,6 +326,8 @@ class FaultSection:
 
 @dataclass
 class RLConfig:
+    """The whole ``fedasync rl`` config (one section per key prefix)."""
+
     run: RunSection = field(default_factory=RunSection)
     task: TaskSection = field(default_factory=TaskSection)
     policy: PolicySection = field(default_factory=PolicySection)
