@@ -4,6 +4,10 @@
 engine. The module-level ``app`` is the same ServerApp for Flower's deployment engine
 (``flwr run``), which reads the whole config as JSON from the run config key ``config-json``
 and runs on the wall clock.
+
+A little over 400 lines because it also holds what a run does around the loop: the
+erasure coordinator's and the service's set-up, silo evaluation, and the run's end
+(summary, checkpoint, stop on a signal).
 """
 
 from __future__ import annotations

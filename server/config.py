@@ -17,6 +17,10 @@ choice field is its Literal. To omegaconf it is a ``str`` that carries the Liter
 (``Annotated[str, Literal[...]]``, rebound below under ``not TYPE_CHECKING``): omegaconf 2.3
 refuses Literal annotations, and 2.4 would check them itself in its own words before the
 section does, changing the messages. `choices` reads the allowed values from either form.
+
+One module (about 700 lines) because it is the one reference of every ``fedasync simulate``
+key: a section per key prefix, each documented field by field (docs/configuration.md and a
+test read it); splitting it would scatter the reference.
 """
 
 from __future__ import annotations

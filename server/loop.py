@@ -18,9 +18,19 @@ after ``server.offline_retry_s``. On the wall clock the loop polls for replies e
 counts from the first dispatch, not from the roster query.
 
 One silo, at most one job (train, unlearn or calibration) in flight, always: every message
-leaves through ``_send``, which refuses (logs, counts in ``dispatches_refused`` and writes a
-``dispatch_refused`` event) work for a silo that already holds a job or waits out a failure,
+leaves through the dispatcher's ``send``, which refuses (logs, counts in ``dispatches_refused``
+and writes a ``dispatch_refused`` event) work for a silo that already holds a job or waits out a failure,
 instead of sending it. Erasure work is started only on an idle silo (server/unlearning.py).
+
+The server is made of parts it owns, each with its own ``state_dict``: the dispatcher and the
+fault schedule (server/dispatch.py), the intake (server/intake.py), the correction pipeline
+(server/pipeline.py), privacy (server/privacy.py), the run statistics (server/stats.py) and
+the erasure coordinator (server/unlearning.py). A training reply reads top-down from
+``pull_messages`` (``_poll``) through ``run`` → ``_take`` (intake's ``read_reply`` and
+``check_reply``) → ``_fold`` (the pipeline's ``fold``) → ``_publish`` → ``_new_version``.
+One module (about 700 lines) because that event loop is one state machine: dispatching, taking
+replies, publishing versions and checkpointing all read and advance the same clock, version
+and jobs in flight; what is not the loop's own is in the parts.
 """
 
 from __future__ import annotations

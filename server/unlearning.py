@@ -53,6 +53,11 @@ purpose, and even an honest tiny erasure did: see docs/erasure.md):
 
 One silo, one job: an erasure starts only when its silo has no job in flight (the loop
 refuses a second one); while a request waits for its silo, the silo is sent no new training.
+
+One module (about 800 lines) because the coordinator is one state machine over a request's
+lifecycle (queued, erasing, calibrating, verified or failed), and the halting baseline's
+FedEraser rebuild and the checkpointed state are transitions of that same machine; the
+arithmetic is the core's (fedasync.unlearning) and the messages are protocol's.
 """
 
 from __future__ import annotations

@@ -30,6 +30,10 @@ certificate, and per-silo tokens are made once in ``deploy/erasure/`` (``prepare
 Everything lands in the run folder ``<run.out_dir>/<run.name>/``: the ServerApp's outputs
 (summary.json, metrics.jsonl, run.log, checkpoint.pt), ``config.yaml``, ``deploy.json`` (what
 was measured) and ``deploy/`` (certificates and each process's FLWR_HOME, temp folder and log).
+
+One module (about 530 lines) because it is the one path from a config to a running local
+deployment (certificates, SuperLink, SuperNodes, the app bundle, the run, the teardown), read
+top to bottom; the process handling is simulations/processes.py.
 """
 
 from __future__ import annotations
