@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from fedasync import Params
 from fedasync.clock import Clock
 from fedasync.events import EventLog
-from server.intake import Job
+from server.intake import Job, JobKind
 
 log = logging.getLogger("fedasync.server")
 
@@ -112,7 +112,7 @@ class Dispatcher:
         """The regular train jobs in flight, in job order (what a checkpoint re-sends; erasure
         work is restarted from the erasure store instead)."""
         return sorted(
-            (j for j in self.inflight.values() if j.kind == "train"), key=lambda j: j.job_id
+            (j for j in self.inflight.values() if j.kind is JobKind.TRAIN), key=lambda j: j.job_id
         )
 
     def state_dict(self, params: Params, version: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -50,6 +51,17 @@ def _norm(tensors: Params, flat: torch.Tensor | None) -> float:
     return packed if not rest else math.hypot(packed, global_norm(rest))
 
 
+class JobKind(StrEnum):
+    """What a job in flight carries out on its silo."""
+
+    TRAIN = "train"
+    """Regular local training."""
+    UNLEARN = "unlearn"
+    """An erasure running on the silo."""
+    CALIBRATE = "calibrate"
+    """FedEraser's calibration training (the halting baseline's rebuild)."""
+
+
 @dataclass
 class Job:
     """A train message in flight."""
@@ -63,8 +75,7 @@ class Job:
     finishes_at: float
     wall_sent: float
     fault: str = ""
-    kind: str = "train"
-    """train, unlearn (an erasure running on the silo) or calibrate (FedEraser's rebuild)."""
+    kind: JobKind = JobKind.TRAIN
     erasure: Any = None
     """For unlearn jobs: the server.unlearning.Erasure it carries out."""
 
@@ -206,7 +217,7 @@ class Intake:
         roster: dict[int, int],
     ) -> Accepted | Rejection:
         """``check_reply`` with this intake's bound and the detector for ``job``'s kind."""
-        norms = self.calibration_norms if job.kind == "calibrate" else self.norms
+        norms = self.calibration_norms if job.kind is JobKind.CALIBRATE else self.norms
         return check_reply(
             reply,
             job,

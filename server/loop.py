@@ -57,7 +57,7 @@ from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import client_setup, silo_speeds
 from server.config import FedAsyncConfig
 from server.dispatch import Dispatcher, FaultSchedule
-from server.intake import Accepted, Intake, Job, read_reply
+from server.intake import Accepted, Intake, Job, JobKind, read_reply
 from server.pipeline import CorrectionPipeline
 from server.privacy import ServerPrivacy, Stop
 from server.roster import discover_silos
@@ -162,7 +162,7 @@ class AsyncServer:
             return  # retired by a whole-silo erasure, erasing or about to, or halted
         why = self.jobs.holding(silo)
         if why is not None:  # (before a fault or a job id is spent on it; send checks again)
-            self.jobs.refuse(silo, "train", why, job_id, self.version)
+            self.jobs.refuse(silo, JobKind.TRAIN, why, job_id, self.version)
             return
         if job_id is None:
             job_id = self.jobs.new_job_id()
@@ -191,7 +191,7 @@ class AsyncServer:
         fault: str = "",
         keep: bool = False,
         local_steps: int | None = None,
-        kind: str = "train",
+        kind: JobKind = JobKind.TRAIN,
         erasure: Any = None,
     ) -> bool:
         """Build ``silo``'s train message (protocol/messages.py) and send it."""
@@ -237,7 +237,7 @@ class AsyncServer:
             start,
             timing,
             local_steps=steps,
-            kind="calibrate",
+            kind=JobKind.CALIBRATE,
             erasure=erasure,
         )
 
@@ -269,7 +269,7 @@ class AsyncServer:
         )
         msg = request.to_message(self.roster[silo], ttl=self.cfg.server.reply_timeout_s)
         job = Job("", silo, self.roster[silo], job_id, self.version, *timing, 0.0)
-        job.kind, job.erasure = "unlearn", erasure
+        job.kind, job.erasure = JobKind.UNLEARN, erasure
         if not self.jobs.send(msg, job, self.version):
             self.erasure.requeue(erasure, SiloLost("its silo was busy", offline=True))
             return False
@@ -303,9 +303,9 @@ class AsyncServer:
                 detail = f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
                 self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
                 self._after_failure(job, down_s=0.0)
-                if job.kind == "unlearn":
+                if job.kind is JobKind.UNLEARN:
                     self.erasure.requeue(job.erasure, SiloLost(detail))
-                elif job.kind == "calibrate":  # a FedEraser rebuild goes on without it
+                elif job.kind is JobKind.CALIBRATE:  # a FedEraser rebuild goes on without it
                     self.erasure.take_calibration(job, None)
 
     @property
@@ -410,14 +410,14 @@ class AsyncServer:
     # ---------------------------------------------------------------- one reply
     def _take(self, job: Job, reply: Message) -> bool:
         """Validate and fold one reply; True when its silo may be sent work at once."""
-        if job.kind == "unlearn":
+        if job.kind is JobKind.UNLEARN:
             return self._take_unlearn(job, reply)
         got = read_reply(reply)  # an update, a refusal, or why it cannot be read
         note = self.privacy.take(job.silo, job.job_id, got)
         if isinstance(got, TrainRefusal):  # out of privacy budget: the silo is stopped
             if note.stop is not None:
                 self._stopped(note.stop)
-            if job.kind == "calibrate":
+            if job.kind is JobKind.CALIBRATE:
                 self.erasure.take_calibration(job, None)
             return False
         res = (
@@ -427,7 +427,7 @@ class AsyncServer:
                 got, job, version=self.version, reference=self.params, roster=self.roster
             )
         )
-        if job.kind == "calibrate":  # FedEraser's: handed to the coordinator, never folded
+        if job.kind is JobKind.CALIBRATE:  # FedEraser's: handed to the coordinator, never folded
             if isinstance(res, Rejection):
                 self._reject(job, res)
             self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)

@@ -54,7 +54,7 @@ def build_summary(
         "final_accuracy": final["score"],
         "best_accuracy": max((e["score"] for e in evals), default=float("nan")),
         "final_loss": final["loss"],
-        "virtual_time_s": srv.clock.now if srv.clock.kind == "virtual" else None,
+        "virtual_time_s": None if srv.clock.realtime else srv.clock.now,
         "clock": srv.clock.kind,
         "wall_time_s": wall_time_s,
         "target_accuracy": target,

@@ -81,6 +81,7 @@ from fedasync.unlearning import (
 )
 from protocol.config import SiloErasure
 from server.erasure.states import State
+from server.intake import JobKind
 from server.unlearn_messages import SiloLost
 
 if TYPE_CHECKING:
@@ -271,7 +272,7 @@ class ErasureCoordinator:
         # the synchronous baseline halts: no new work while a request waits, and the erasure
         # starts only once the work in flight has drained
         self.halting = self.cfg.halt and bool(queued)
-        if self.halting and any(j.kind == "train" for j in self.srv.inflight.values()):
+        if self.halting and any(j.kind is JobKind.TRAIN for j in self.srv.inflight.values()):
             return
         for req in queued:
             if req.id in self.active:
