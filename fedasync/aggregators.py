@@ -29,7 +29,7 @@ What was applied: every :class:`FoldResult` that changed the params carries the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,7 +37,7 @@ from fedasync.contributions import MomentShares, applied_change
 from fedasync.optim import ServerOptimizer
 from fedasync.privacy import GaussianMechanism, largest_share
 from fedasync.staleness import WeightFn
-from fedasync.tensors import axpy, clone, is_arithmetic, sub, weighted_sum
+from fedasync.tensors import add, axpy, clone, is_arithmetic, sub, weighted_sum
 from fedasync.types import Params, Update
 
 
@@ -87,6 +87,15 @@ class Aggregator(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume (not the weight function)."""
+        ...
+
+    def drop(self, silo: str) -> int:
+        """Forget ``silo``'s updates that are not applied yet; how many there were."""
+        ...
+
+    def map_state(self, fn: Callable[[Params], Params]) -> None:
+        """Replace every direction the aggregator carries into later folds (buffered deltas,
+        the server optimiser's first moment) by ``fn`` of it."""
         ...
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -200,6 +209,13 @@ class FedAsyncAggregator:
     def flush(self, params: Params) -> FoldResult:
         """Nothing is ever pending: ``FoldResult(None, 0.0, 0)``."""
         return FoldResult(params=None, weight=0.0, flushed=0)
+
+    def drop(self, silo: str) -> int:
+        """Nothing is ever pending: 0."""
+        return 0
+
+    def map_state(self, fn: Callable[[Params], Params]) -> None:
+        """Nothing is carried between folds."""
 
     def state_dict(self) -> dict[str, Any]:
         """Config only (the weight function itself is not serialised)."""
@@ -329,6 +345,31 @@ class FedBuffAggregator:
             contributions=contributions,
             unattributed=rest,
         )
+
+    def drop(self, silo: str) -> int:
+        """Forget ``silo``'s buffered deltas (e.g. its data was erased); how many there were.
+        Its share of the optimiser's first moment is no longer attributed to it: it stays in
+        the moment (``map_state`` projects it) and becomes unattributed."""
+        keep = [i for i, s in enumerate(self._silos) if s != silo]
+        dropped = len(self._silos) - len(keep)
+        self._deltas = [self._deltas[i] for i in keep]
+        self._weights = [self._weights[i] for i in keep]
+        self._num_samples = [self._num_samples[i] for i in keep]
+        self._silos = [self._silos[i] for i in keep]
+        share = self._shares.shares.get(silo)
+        if share is not None:
+            self._shares.drop(silo)
+            self._shares.rest = (
+                share if self._shares.rest is None else add(self._shares.rest, share)
+            )
+        return dropped
+
+    def map_state(self, fn: Callable[[Params], Params]) -> None:
+        """Replace each buffered delta, the server optimiser's first moment and the silos'
+        shares of it by ``fn`` of them (a linear ``fn`` keeps the shares summing to it)."""
+        self._deltas = [fn(d) for d in self._deltas]
+        self.optimizer.map_first_moment(fn)
+        self._shares.map(fn)
 
     def _parts(self, coeffs: Sequence[float]) -> dict[str, Params]:
         """Silo → g_j = Σ_{i from j} c_i·Δ_i over the buffer, silos in arrival order."""

@@ -24,6 +24,7 @@ m. Memory: one model-sized share per silo that ever contributed (none for ``sgd`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,6 +127,16 @@ class MomentShares:
         """Restore what :meth:`state_dict` returned."""
         self.shares = {str(j): clone(m) for j, m in d["shares"].items()}
         self.rest = None if d["rest"] is None else clone(d["rest"])
+
+    def map(self, fn: Callable[[Params], Params]) -> None:
+        """Replace every share (and the rest) by ``fn`` of it; with a linear ``fn`` applied to
+        the optimiser's first moment too, Σ m_j + m_∅ = m still holds."""
+        self.shares = {j: fn(m) for j, m in self.shares.items()}
+        self.rest = None if self.rest is None else fn(self.rest)
+
+    def drop(self, silo: str) -> None:
+        """Forget ``silo``'s share (its moment was removed from the optimiser)."""
+        self.shares.pop(silo, None)
 
     def start_from(self, moment: Params) -> None:
         """Forget the shares; the optimiser's current first moment becomes the rest (for an

@@ -155,6 +155,17 @@ class ErrorFeedback:
         self._residuals[key] = new_residual
         return sent
 
+    def drop(self, key: str) -> None:
+        """Forget ``key``'s residual (its sender's data was erased)."""
+        self._residuals.pop(key, None)
+
+    def map_residuals(self, fn: Callable[[Params], Params]) -> None:
+        """Replace every residual by ``fn`` of it (e.g. a projection out of an erased
+        subspace); integer tensors pass through unchanged."""
+        for key, r in self._residuals.items():
+            out = fn(r)
+            self._residuals[key] = {k: (out[k] if is_arithmetic(v) else v) for k, v in r.items()}
+
     def residual(self, key: str) -> Params | None:
         """The residual kept for ``key`` (a copy), or ``None`` before the first ``apply``."""
         r = self._residuals.get(key)

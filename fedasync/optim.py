@@ -17,6 +17,7 @@ tensors are updated; integer buffers are taken from ``params`` unchanged (see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -96,6 +97,14 @@ class ServerOptimizer:
                 out[k] = x.detach() + self.lr * m / (v.sqrt() + self.eps)
         self._steps += 1
         return out
+
+    def map_first_moment(self, fn: Callable[[Params], Params]) -> None:
+        """Replace the first moment m (momentum's velocity, Adam's m) by ``fn(m)``, e.g. a
+        projection out of an erased subspace. Adam's second moment v holds squared magnitudes,
+        no direction, and is kept."""
+        if self._m:
+            out = fn(dict(self._m))
+            self._m = {k: out[k].detach() for k in self._m}
 
     def state_dict(self) -> dict[str, Any]:
         """Settings, step count and the moments (copies)."""

@@ -60,6 +60,8 @@ SignatureDtype = Literal["float32", "float16"]
 """``unlearning.signature_dtype``."""
 PreBoundary = Literal["project", "drop"]
 """``unlearning.pre_boundary``."""
+CalibrationTarget = Literal["reply", "applied"]
+"""``unlearning.calibration_target``."""
 
 
 def choices(tp: Any) -> tuple[Any, ...]:
@@ -78,6 +80,7 @@ OPTIMIZER_KINDS: tuple[str, ...] = choices(OptimizerKind)
 ERASURE_METHODS: tuple[str, ...] = choices(ErasureMethod)
 SIGNATURE_DTYPES: tuple[str, ...] = choices(SignatureDtype)
 PRE_BOUNDARIES: tuple[str, ...] = choices(PreBoundary)
+CALIBRATION_TARGETS: tuple[str, ...] = choices(CalibrationTarget)
 
 if choices(RadiusScaling) != tuple(SHARE_RULES):  # not an assert: kept under python -O
     raise AssertionError(f"RadiusScaling {choices(RadiusScaling)} != SHARE_RULES {SHARE_RULES}")
@@ -86,8 +89,8 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
     ServerMode, SpeedProfile, FaultKind, ErasureMethod = (
         Annotated[str, t] for t in (ServerMode, SpeedProfile, FaultKind, ErasureMethod)
     )
-    RadiusScaling, SignatureDtype, PreBoundary = (
-        Annotated[str, t] for t in (RadiusScaling, SignatureDtype, PreBoundary)
+    RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget = (
+        Annotated[str, t] for t in (RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget)
     )
     WeightFnName, OptimizerKind = (Annotated[str, t] for t in (WeightFnName, OptimizerKind))
 
@@ -437,6 +440,13 @@ class UnlearningConfig:
     signature_dtype: SignatureDtype = "float32"
     """Precision the signature crosses the wire in: float32, or float16 (half the bytes; the
     server re-orthonormalises it)."""
+    calibration_target: CalibrationTarget = "reply"
+    """What the invariance calibration projects: ``reply``, each accepted update as it arrives,
+    before delay compensation, error feedback and the server optimiser; or ``applied``, the
+    change each fold makes to the model, after all of them, with the server's carried state
+    (FedBuff's buffer, the optimiser's first moment, error-feedback residuals) projected at the
+    boundary, the erased silo's buffered deltas and residual dropped, and no delay compensation
+    across the boundary (its w_now − w_base would hold the erasure itself)."""
     pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
     relearn_versions: int = 20
@@ -477,6 +487,10 @@ class UnlearningConfig:
         _check(
             self.pre_boundary in PRE_BOUNDARIES,
             "unlearning.pre_boundary must be project or drop",
+        )
+        _check(
+            self.calibration_target in CALIBRATION_TARGETS,
+            "unlearning.calibration_target must be reply or applied",
         )
         _check(
             (self.tls_certfile is None) == (self.tls_keyfile is None),

@@ -396,7 +396,10 @@ class AsyncServer:
 
     def _close_round(self) -> None:
         """Sync mode: average what the round brought, then send everyone the new model."""
-        res = self.pipeline.flush(self.params)
+        project = None
+        if self.erasure is not None and self.erasure.projects_applied:
+            project = self.erasure.project
+        res = self.pipeline.flush(self.params, project)
         if res is not None and res.params is not None:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)
             if self.erasure is not None:
@@ -506,15 +509,18 @@ class AsyncServer:
         """Correct and fold an accepted update (server/pipeline.py), count it, and publish the
         new model when the fold made one."""
         update = acc.update
-        calibrate = None
+        calibrate = project = None
+        w_base = self.jobs.sent.get(job.base_version)
         if self.erasure is not None:
             erasure = self.erasure
 
             def calibrate(tensors: Params) -> Params | Rejection:
-                out = erasure.calibrate(job, tensors)
-                if not isinstance(out, Rejection) and erasure.last_overlap is not None:
-                    update.metrics["calibration_overlap"] = erasure.last_overlap
-                return out
+                return erasure.calibrate(job, tensors)
+
+            if erasure.projects_applied:
+                project = erasure.project
+            if not erasure.compensates(job):
+                w_base = None
 
         res = self.pipeline.fold(
             self.params,
@@ -522,9 +528,12 @@ class AsyncServer:
             staleness=acc.staleness,
             factor=acc.decision.factor,
             norm=acc.norm,
-            w_base=self.jobs.sent.get(job.base_version),
+            w_base=w_base,
             calibrate=calibrate,
+            project=project,
         )
+        if self.erasure is not None and self.erasure.last_overlap is not None:
+            update.metrics["calibration_overlap"] = self.erasure.last_overlap
         if isinstance(res, Rejection):
             self._reject(job, res)
             return

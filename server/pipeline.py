@@ -37,11 +37,13 @@ from fedasync import (
 )
 from fedasync.aggregators import Aggregator
 from fedasync.privacy import GaussianMechanism
-from fedasync.tensors import clip_by_norm
+from fedasync.tensors import clip_by_norm, is_arithmetic
 from server.config import FedAsyncConfig
 
 Calibrate = Callable[[Params], "Params | Rejection"]
 """An erasure's calibration of one update's tensors (or why the update is refused)."""
+Project = Callable[[Params], Params]
+"""An erasure's projection of a change to the model (``unlearning.calibration_target=applied``)."""
 
 
 def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggregator:
@@ -105,11 +107,17 @@ class CorrectionPipeline:
         norm: float,
         w_base: Params | None,
         calibrate: Calibrate | None = None,
+        project: Project | None = None,
     ) -> FoldResult | Rejection:
         """Correct ``update`` (a validated delta on ``params``' names, of L2 norm ``norm``, sent
         with base weights ``w_base`` when the server still holds them) and fold it into
         ``params``; or the calibration's rejection. What a step did to the update goes into
-        ``update.metrics`` (``clip_factor``); ``update.tensors`` ends as what was folded."""
+        ``update.metrics`` (``clip_factor``); ``update.tensors`` ends as what was folded.
+
+        ``project`` (the calibration of what is applied) replaces the change the fold makes to
+        the model, new − old, by its projection: after every correction and the optimiser, so
+        nothing carried past them escapes it. The result's ``applied`` and contributions are
+        projected with it (exactly, for a linear projection)."""
         raw = update.tensors
         if calibrate is not None:
             calibrated = calibrate(update.tensors)
@@ -127,13 +135,31 @@ class CorrectionPipeline:
             update.tensors, c = clip_by_norm(update.tensors, self.clip_norm, known)
             if c < 1.0:
                 update.metrics["clip_factor"] = c
-        return self.aggregator.fold(params, update, staleness, factor=factor)
+        res = self.aggregator.fold(params, update, staleness, factor=factor)
+        if project is not None and res.params is not None:
+            res = _project_applied(params, res, project)
+        return res
 
-    def flush(self, params: Params) -> FoldResult | None:
-        """Apply what the aggregator holds (sync mode's round end); None when it holds nothing."""
+    def flush(self, params: Params, project: Project | None = None) -> FoldResult | None:
+        """Apply what the aggregator holds (sync mode's round end), projected like ``fold``;
+        None when it holds nothing."""
         if self.aggregator.pending == 0:
             return None
-        return self.aggregator.flush(params)
+        res = self.aggregator.flush(params)
+        if project is not None and res.params is not None:
+            res = _project_applied(params, res, project)
+        return res
+
+    def at_boundary(self, silo: str, project: Project) -> int:
+        """An erasure of ``silo``'s data took effect: drop its buffered deltas and its
+        error-feedback residual (they were made from the erased data), and project every
+        direction the server carries into later folds (the other buffered deltas, the server
+        optimiser's first moment, the other residuals). How many deltas were dropped."""
+        dropped = self.aggregator.drop(silo)
+        self.aggregator.map_state(project)
+        self.ef.drop(silo)
+        self.ef.map_residuals(project)
+        return dropped
 
     def state_dict(self) -> dict[str, Any]:
         """The aggregator (FedBuff's buffer, the server optimiser) and the residuals."""
@@ -143,3 +169,17 @@ class CorrectionPipeline:
         """Restore what ``state_dict`` returned."""
         self.aggregator.load_state_dict(d["aggregator"])
         self.ef.load_state_dict(d["error_feedback"])
+
+
+def _project_applied(params: Params, res: FoldResult, project: Project) -> FoldResult:
+    """``res`` with its change to ``params`` (new − old) replaced by ``project`` of it."""
+    assert res.params is not None
+    new = res.params
+    res.contributions = {s: project(c) for s, c in res.contributions.items()}
+    if res.unattributed is not None:
+        res.unattributed = project(res.unattributed)
+    change = {k: new[k] - v for k, v in params.items() if is_arithmetic(v)}
+    kept = project(change)  # last: the projection's overlap is the change's
+    res.params = {k: (v + kept[k]).to(v.dtype) if k in kept else new[k] for k, v in params.items()}
+    res.applied = kept
+    return res

@@ -90,6 +90,7 @@ if TYPE_CHECKING:
     from server.config import FedAsyncConfig
     from server.erasure.store import ErasureStore
     from server.intake import Intake, Job
+    from server.pipeline import CorrectionPipeline
 
 log = logging.getLogger("fedasync.server")
 
@@ -113,6 +114,7 @@ class Federation(Protocol):
     barrier: bool
     events: EventLog
     intake: Intake
+    pipeline: CorrectionPipeline
     evaluate_fn: Any
 
     @property
@@ -464,8 +466,33 @@ class ErasureCoordinator:
                 RejectReason.CROSSED_BOUNDARY,
                 f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
             )
+        if self.cfg.calibration_target == "applied":
+            return tensors  # what the fold applies is projected instead (``project``)
         self.last_overlap = self.signature.overlap(tensors)
         return self.signature.project_out(tensors, strength=self.cfg.calibration_strength)
+
+    @property
+    def projects_applied(self) -> bool:
+        """Whether folds' changes to the model are projected (``calibration_target=applied``,
+        with a signature to project out of)."""
+        return (
+            self.signature is not None
+            and self.cfg.calibration
+            and self.cfg.calibration_target == "applied"
+        )
+
+    def project(self, change: Params) -> Params:
+        """``change`` (to the model, or a direction the server carries) projected out of the
+        erased data's signature; ``last_overlap`` is the share of it that lay there."""
+        assert self.signature is not None
+        self.last_overlap = self.signature.overlap(change)
+        return self.signature.project_out(change, strength=self.cfg.calibration_strength)
+
+    def compensates(self, job: Job) -> bool:
+        """Whether delay compensation may use ``job``'s base weights: not across an erasure
+        boundary when the applied change is calibrated (w_now − w_base would hold the erasure
+        itself, and compensating would pull the model back toward the pre-erasure one)."""
+        return not (self.cfg.calibration_target == "applied" and job.base_version < self.boundary)
 
     def record(
         self,
@@ -546,6 +573,15 @@ class ErasureCoordinator:
         srv = self.srv
         if sig is not None:
             self.signature = sig if self.signature is None else self.signature.merge(sig)
+        if self.projects_applied:  # what the server carries past the boundary, calibrated
+            dropped = srv.pipeline.at_boundary(str(erasure.silo), self.project)
+            log.info(
+                "erasure %s: %d buffered update(s) of silo %d dropped; the buffer, the server "
+                "optimiser's moment and error-feedback residuals projected",
+                erasure.request_id,
+                dropped,
+                erasure.silo,
+            )
         if erasure.sample_ids:
             self.excluded.setdefault(erasure.silo, []).extend(erasure.sample_ids)
         else:
