@@ -53,6 +53,7 @@ from fedasync.staleness import (
 from fedasync.types import Params, Update
 from fedasync.unlearning import (
     ContributionLedger,
+    ErasureJump,
     GradientSignature,
     UpdateHistory,
     federaser_step,
@@ -66,6 +67,7 @@ from fedasync.versions import FutureVersionError, VersionedSnapshots, staleness
 
 __all__ = [
     "ContributionLedger",
+    "ErasureJump",
     "GradientSignature",
     "UpdateHistory",
     "federaser_step",

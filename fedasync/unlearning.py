@@ -291,6 +291,57 @@ class GradientSignature:
         return sig
 
 
+@dataclass
+class ErasureJump:
+    """The direction an erasure moved the model, ĵ = (w_B − w_pre) / ‖w_B − w_pre‖ over the
+    floating tensors ``names``: what the model must not move back along.
+
+    Paper: the one-sided projection of PCGrad (Yu et al. 2020, arXiv 2001.06782), as FedOSD
+    (arXiv 2412.20200) uses it against unlearned models reverting: of a later change Δ only the
+    component moving back along the jump is removed, Δ − min(0, ⟨Δ, ĵ⟩)·ĵ; moving further
+    along it or across it is kept. Summed over every later change, the model's displacement
+    from the boundary then never has a positive component toward w_pre, so the reversion ratio
+    ρ(t) = ⟨w_t − w_B, w_pre − w_B⟩ / ‖w_pre − w_B‖² stays ≤ 0 (issue 14 §4).
+    """
+
+    direction: torch.Tensor
+    """ĵ, shape ``(d,)``, unit L2 norm, float32."""
+    names: list[str]
+
+    @classmethod
+    def between(cls, before: Params, after: Params) -> ErasureJump | None:
+        """The jump from ``before`` to ``after`` (None when they are equal)."""
+        names = _float_names(after, None)
+        diff = (flatten(after, names) - flatten(before, names)).float()
+        norm = float(torch.linalg.vector_norm(diff))
+        if norm == 0.0 or not math.isfinite(norm):
+            return None
+        return cls((diff / norm).cpu(), names)
+
+    def along(self, change: Params) -> float:
+        """⟨Δ, ĵ⟩: how far ``change`` moves along the jump (negative: back toward w_pre)."""
+        delta = flatten(change, self.names)
+        return float(delta.float() @ self.direction.to(delta.device))
+
+    def block_reversal(self, change: Params) -> Params:
+        """``change`` without its component moving back along the jump (one-sided)."""
+        c = self.along(change)
+        if c >= 0.0:
+            return change
+        delta = flatten(change, self.names)
+        fixed = delta - (c * self.direction.to(device=delta.device)).to(delta.dtype)
+        return unflatten(fixed, change, self.names)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The direction and its tensor names."""
+        return {"direction": self.direction.clone(), "names": list(self.names)}
+
+    @classmethod
+    def from_state(cls, d: dict[str, Any]) -> ErasureJump:
+        """The jump ``state_dict`` described."""
+        return cls(d["direction"].clone(), [str(n) for n in d["names"]])
+
+
 class ContributionLedger:
     """Per silo, the running sum of the contributions the server *applied* to the global model.
 

@@ -62,6 +62,8 @@ PreBoundary = Literal["project", "drop"]
 """``unlearning.pre_boundary``."""
 CalibrationTarget = Literal["reply", "applied"]
 """``unlearning.calibration_target``."""
+Protect = Literal["subspace", "jump", "both"]
+"""``unlearning.protect``."""
 
 
 def choices(tp: Any) -> tuple[Any, ...]:
@@ -81,6 +83,7 @@ ERASURE_METHODS: tuple[str, ...] = choices(ErasureMethod)
 SIGNATURE_DTYPES: tuple[str, ...] = choices(SignatureDtype)
 PRE_BOUNDARIES: tuple[str, ...] = choices(PreBoundary)
 CALIBRATION_TARGETS: tuple[str, ...] = choices(CalibrationTarget)
+PROTECTS: tuple[str, ...] = choices(Protect)
 
 if choices(RadiusScaling) != tuple(SHARE_RULES):  # not an assert: kept under python -O
     raise AssertionError(f"RadiusScaling {choices(RadiusScaling)} != SHARE_RULES {SHARE_RULES}")
@@ -89,8 +92,9 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
     ServerMode, SpeedProfile, FaultKind, ErasureMethod = (
         Annotated[str, t] for t in (ServerMode, SpeedProfile, FaultKind, ErasureMethod)
     )
-    RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget = (
-        Annotated[str, t] for t in (RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget)
+    RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget, Protect = (
+        Annotated[str, t]
+        for t in (RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget, Protect)
     )
     WeightFnName, OptimizerKind = (Annotated[str, t] for t in (WeightFnName, OptimizerKind))
 
@@ -447,6 +451,11 @@ class UnlearningConfig:
     (FedBuff's buffer, the optimiser's first moment, error-feedback residuals) projected at the
     boundary, the erased silo's buffered deltas and residual dropped, and no delay compensation
     across the boundary (its w_now − w_base would hold the erasure itself)."""
+    protect: Protect = "subspace"
+    """With ``calibration_target=applied``, what a change to the model may not do: ``subspace``,
+    move within the erased data's gradient signature (two-sided projection); ``jump``, move
+    back along the erasure's own jump (one-sided: only the component toward the pre-erasure
+    model is removed, PCGrad/FedOSD style); ``both``."""
     pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
     relearn_versions: int = 20
@@ -491,6 +500,11 @@ class UnlearningConfig:
         _check(
             self.calibration_target in CALIBRATION_TARGETS,
             "unlearning.calibration_target must be reply or applied",
+        )
+        _check(self.protect in PROTECTS, "unlearning.protect must be subspace, jump or both")
+        _check(
+            self.protect == "subspace" or self.calibration_target == "applied",
+            "unlearning.protect=jump/both needs unlearning.calibration_target=applied",
         )
         _check(
             (self.tls_certfile is None) == (self.tls_keyfile is None),

@@ -74,6 +74,7 @@ from fedasync import Params, Rejection, RejectReason
 from fedasync.tensors import clip_by_norm, clone, global_norm
 from fedasync.unlearning import (
     ContributionLedger,
+    ErasureJump,
     GradientSignature,
     UpdateHistory,
     federaser_step,
@@ -209,6 +210,8 @@ class ErasureCoordinator:
             self.history.start(srv.params)
         self.rebuild: Rebuild | None = None
         self.signature: GradientSignature | None = None
+        self.jumps: list[ErasureJump] = []
+        """Each applied erasure's jump (``unlearning.protect`` jump or both)."""
         self.boundary = -1
         self.retired: set[int] = set()
         self.excluded: dict[int, list[str]] = {}
@@ -474,19 +477,31 @@ class ErasureCoordinator:
     @property
     def projects_applied(self) -> bool:
         """Whether folds' changes to the model are projected (``calibration_target=applied``,
-        with a signature to project out of)."""
-        return (
-            self.signature is not None
-            and self.cfg.calibration
-            and self.cfg.calibration_target == "applied"
-        )
+        with a signature or an erasure jump to protect)."""
+        if not self.cfg.calibration or self.cfg.calibration_target != "applied":
+            return False
+        return self._subspace is not None or bool(self._jumps)
+
+    @property
+    def _subspace(self) -> GradientSignature | None:
+        return self.signature if self.cfg.protect in ("subspace", "both") else None
+
+    @property
+    def _jumps(self) -> list[ErasureJump]:
+        return self.jumps if self.cfg.protect in ("jump", "both") else []
 
     def project(self, change: Params) -> Params:
-        """``change`` (to the model, or a direction the server carries) projected out of the
-        erased data's signature; ``last_overlap`` is the share of it that lay there."""
-        assert self.signature is not None
-        self.last_overlap = self.signature.overlap(change)
-        return self.signature.project_out(change, strength=self.cfg.calibration_strength)
+        """``change`` (to the model, or a direction the server carries) calibrated by
+        ``unlearning.protect``: projected out of the erased data's signature (``last_overlap``
+        is the share of it that lay there), and/or without its component moving back along
+        each erasure's jump."""
+        sig = self._subspace
+        if sig is not None:
+            self.last_overlap = sig.overlap(change)
+            change = sig.project_out(change, strength=self.cfg.calibration_strength)
+        for jump in self._jumps:
+            change = jump.block_reversal(change)
+        return change
 
     def compensates(self, job: Job) -> bool:
         """Whether delay compensation may use ``job``'s base weights: not across an erasure
@@ -573,6 +588,9 @@ class ErasureCoordinator:
         srv = self.srv
         if sig is not None:
             self.signature = sig if self.signature is None else self.signature.merge(sig)
+        jump = ErasureJump.between(srv.params, new) if self.cfg.protect != "subspace" else None
+        if jump is not None:
+            self.jumps.append(jump)
         if self.projects_applied:  # what the server carries past the boundary, calibrated
             dropped = srv.pipeline.at_boundary(str(erasure.silo), self.project)
             log.info(
@@ -734,6 +752,7 @@ class ErasureCoordinator:
     def state_dict(self) -> dict[str, Any]:
         """The erasures in progress, the ledger, the signatures and the FedEraser history."""
         return {
+            "jumps": [j.state_dict() for j in self.jumps],
             "ledger": self.ledger.state_dict(),
             "history": None if self.history is None else self.history.state_dict(),
             "signature": None if self.signature is None else self.signature.state_dict(),
@@ -761,6 +780,7 @@ class ErasureCoordinator:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
+        self.jumps = [ErasureJump.from_state(j) for j in d.get("jumps", [])]
         self.ledger.load_state_dict(d["ledger"])
         if self.history is not None and d.get("history"):  # (absent: FedEraser was off)
             self.history.load_state_dict(d["history"])

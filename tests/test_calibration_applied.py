@@ -16,7 +16,7 @@ import torch
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
-from fedasync import Update
+from fedasync import ErasureJump, Update
 from fedasync.unlearning import GradientSignature
 from server.app import run_server
 from server.loop import AsyncServer
@@ -133,8 +133,31 @@ def test_applied_contributions_are_the_projected_change(small_cfg):
     assert _along_e1({"w": total}) < 1e-6
 
 
+def test_the_jump_blocks_only_moving_back_along_it():
+    # jump from 0 to (3, 4, 0): unit direction (0.6, 0.8, 0); the int buffer is not a direction
+    before = {"w": torch.zeros(3), "n": torch.tensor(5)}
+    jump = ErasureJump.between(before, {"w": torch.tensor([3.0, 4.0, 0.0]), "n": torch.tensor(6)})
+    assert jump is not None
+    torch.testing.assert_close(jump.direction, torch.tensor([0.6, 0.8, 0.0]))
+    back = {"w": torch.tensor([-3.0, 1.0, 2.0]), "n": torch.tensor(7)}  # <., j> = -1.8 + 0.8
+    assert jump.along(back) == pytest.approx(-1.0)
+    kept = jump.block_reversal(back)
+    torch.testing.assert_close(kept["w"], torch.tensor([-2.4, 1.8, 2.0]))
+    assert int(kept["n"]) == 7 and jump.along(kept) == pytest.approx(0.0, abs=1e-6)
+    onward = {"w": torch.tensor([1.0, 1.0, 0.0]), "n": torch.tensor(7)}  # <., j> = 1.4 > 0
+    assert jump.block_reversal(onward) is onward
+    again = ErasureJump.from_state(jump.state_dict())
+    torch.testing.assert_close(again.direction, jump.direction)
+    assert ErasureJump.between(before, before) is None
+
+
+def test_protecting_the_jump_needs_the_applied_target(small_cfg):
+    with pytest.raises(ValueError, match="calibration_target=applied"):
+        small_cfg("unlearning.protect=jump")
+
+
 # ---------------------------------------------------------------- the whole run
-def _run(small_cfg, monkeypatch, target):
+def _run(small_cfg, monkeypatch, target, protect="subspace"):
     cfg = small_cfg(
         "run.max_versions=24",
         "silos.speed_profile=stragglers",
@@ -151,6 +174,7 @@ def _run(small_cfg, monkeypatch, target):
         "unlearning.relearn_versions=4",
         "unlearning.steps=5",
         f"unlearning.calibration_target={target}",
+        f"unlearning.protect={protect}",
     )
     seen: dict = {"versions": []}
     new_version = AsyncServer._new_version
@@ -190,3 +214,27 @@ def test_after_the_boundary_no_version_moves_along_the_erased_signature(
         assert max(overlaps) < 1e-4, overlaps
     else:  # what the server carried past the boundary still moves along it
         assert max(overlaps) > 1e-3, overlaps
+
+
+@pytest.mark.slow
+def test_with_the_jump_protected_the_model_never_reverts_toward_the_pre_erasure_model(
+    small_cfg, monkeypatch
+):
+    # Execute
+    seen = _run(small_cfg, monkeypatch, "applied", protect="jump")
+
+    # Assert: rho(t) = <w_t - w_B, w_pre - w_B> / |w_pre - w_B|^2 <= 0 after the boundary
+    boundary = seen["srv"].erasure.boundary
+    params = {v: p for v, p, _ in seen["versions"]}
+    names = [k for k, t in params[boundary].items() if t.is_floating_point()]
+
+    def flat(p):
+        return torch.cat([p[k].reshape(-1).double() for k in names])
+
+    w_b, w_pre = flat(params[boundary]), flat(params[boundary - 1])
+    back = w_pre - w_b
+    rhos = [
+        float((flat(p) - w_b) @ back / (back @ back)) for v, p in params.items() if v > boundary
+    ]
+    assert rhos, "no version after the boundary"
+    assert max(rhos) < 1e-4, rhos

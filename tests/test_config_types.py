@@ -52,7 +52,11 @@ SCHEMAS = {"fed": FedAsyncConfig, "rl": RLConfig, "pipeline": PipelineConfig}
 FIELDS = [(name, *row) for name, cls in SCHEMAS.items() for row in _choice_fields(cls)]
 IDS = [f"{name}:{key}" for name, key, *_ in FIELDS]
 
-COMPANIONS = {("rl", "rollout.clock", "wall"): ["rollout.backend=ray"]}
+COMPANIONS = {
+    ("rl", "rollout.clock", "wall"): ["rollout.backend=ray"],
+    ("fed", "unlearning.protect", "jump"): ["unlearning.calibration_target=applied"],
+    ("fed", "unlearning.protect", "both"): ["unlearning.calibration_target=applied"],
+}
 """Other keys a choice needs to load (a cross-key rule, not the choice's own check)."""
 
 
@@ -65,12 +69,25 @@ def _nested(key: str, value: Any) -> dict[str, Any]:
     return {head: inner}
 
 
+def _merge(into: dict[str, Any], more: dict[str, Any]) -> None:
+    """Merge nested dict ``more`` into ``into``."""
+    for k, v in more.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
 def _load(schema: str, key: str, value: str) -> Any:
     """The schema's config with ``key=value``, through the loader a user's input goes
     through (omegaconf builds the dataclasses; FedAsyncConfig without preflight's files)."""
-    if schema == "fed":
-        return from_container(_nested(key, value))
     extra = COMPANIONS.get((schema, key, value), [])
+    if schema == "fed":
+        container = _nested(key, value)
+        for pair in extra:
+            k, _, v = pair.partition("=")
+            _merge(container, _nested(k, v))
+        return from_container(container)
     load = load_rl_config if schema == "rl" else load_pipeline_config
     return load(None, [f"{key}={value}", *extra])
 
