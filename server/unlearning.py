@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 from fedasync import Params, Rejection, RejectReason
+from fedasync.erasure_metrics import reversion_ratio
 from fedasync.tensors import clip_by_norm, clone, global_norm
 from fedasync.unlearning import (
     ContributionLedger,
@@ -180,6 +181,9 @@ class Erasure:
     """unlearning.* values this erasure is sent instead of the config's (its scaled size)."""
     start_report: dict[str, Any] = field(default_factory=dict)
     """What the ``erasing`` event says of the erasure's scope and size."""
+    around_boundary: tuple[Params, Params] | None = None
+    """(w_pre, w_B): the model just before and just after the boundary, for the reversion
+    ratio at verification (not checkpointed: after a restart it is not reported)."""
 
 
 @dataclass
@@ -606,6 +610,7 @@ class ErasureCoordinator:
             self.retired.add(erasure.silo)
             self.ledger.forget(str(erasure.silo))
         before = float(srv.evaluate_fn(srv.params)["score"])  # just before the boundary
+        erasure.around_boundary = (srv.params, new)
         srv.apply_erasure(new)
         erasure.boundary = self.boundary = srv.version
         erasure.applied_t = srv.clock.now
@@ -735,6 +740,10 @@ class ErasureCoordinator:
             if e.boundary is None or srv.version < e.boundary + self.cfg.relearn_versions:
                 continue
             after = self.verify_fn(srv.params, e.silo, e.sample_ids)
+            if e.around_boundary is not None:  # how far the model went back toward w_pre
+                w_pre, w_b = e.around_boundary
+                after["reversion_ratio"] = reversion_ratio(srv.params, w_b, w_pre)
+                e.around_boundary = None
             row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
             self.report.append(row)
             del self.active[rid]

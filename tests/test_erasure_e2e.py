@@ -37,6 +37,9 @@ def test_scheduled_whole_silo_erasure_is_verified(small_cfg):
     boundary = row["boundary_version"]
     for key in ("forget_accuracy", "test_accuracy", "mia_auc", "asr"):
         assert key in row["at_boundary"] and key in row["after_relearn"]
+    # how far the model went back toward the pre-erasure one: a finite ratio, < 1 (it did not
+    # return all the way) after a few versions of the others' training
+    assert row["after_relearn"]["reversion_ratio"] < 1.0
     events = read_events(run_dir / "metrics.jsonl")
     states = [e["state"] for e in events if e["event"] == "erasure"]
     assert states == ["erasing", "calibrating", "verified"]
