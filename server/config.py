@@ -460,6 +460,10 @@ class UnlearningConfig:
     """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
     relearn_versions: int = 20
     """Versions after the boundary at which the erasure is verified (the relearning check)."""
+    watch_every: int = 0
+    """Between the boundary and the verification, verify the erased model every this many
+    versions (an ``erasure_watch`` event with the verification metrics and the reversion
+    ratio): the resurfacing of erased influence over time. 0: only at the two ends."""
     max_attempts: int = 3
     """Times an erasure may be lost by its silo going down mid-erasure (a crash, an error
     reply, no reply within server.reply_timeout_s) before it is failed; being reported offline
@@ -672,6 +676,7 @@ RANGES: dict[str, Range] = {
     "unlearning.signature_rank": AT_LEAST_ONE,
     "unlearning.signature_batches": AT_LEAST_ONE,
     "unlearning.relearn_versions": NON_NEGATIVE,
+    "unlearning.watch_every": NON_NEGATIVE,
     "unlearning.max_attempts": AT_LEAST_ONE,
     "unlearning.federaser_interval": AT_LEAST_ONE,
     "unlearning.federaser_steps_ratio": UNIT_OPEN_LOW,

@@ -737,7 +737,13 @@ class ErasureCoordinator:
         """Verify erasures whose relearning window has passed."""
         srv = self.srv
         for rid, e in list(self.active.items()):
-            if e.boundary is None or srv.version < e.boundary + self.cfg.relearn_versions:
+            if e.boundary is None:
+                continue
+            since = srv.version - e.boundary
+            if since < self.cfg.relearn_versions:
+                every = self.cfg.watch_every
+                if every and since > 0 and since % every == 0:
+                    self._watch(e, since)
                 continue
             after = self.verify_fn(srv.params, e.silo, e.sample_ids)
             if e.around_boundary is not None:  # how far the model went back toward w_pre
@@ -756,6 +762,24 @@ class ErasureCoordinator:
                 detail=f"verified after {self.cfg.relearn_versions} versions",
             )
             self.event(e, "verified", **after)
+
+    def _watch(self, e: Erasure, since: int) -> None:
+        """An ``erasure_watch`` event: the erased model's verification metrics ``since``
+        versions after the boundary, and its reversion ratio (``unlearning.watch_every``)."""
+        srv = self.srv
+        metrics = self.verify_fn(srv.params, e.silo, e.sample_ids)
+        if e.around_boundary is not None:
+            w_pre, w_b = e.around_boundary
+            metrics["reversion_ratio"] = reversion_ratio(srv.params, w_b, w_pre)
+        srv.events.write(
+            "erasure_watch",
+            t=srv.clock.now,
+            version=srv.version,
+            request=e.request_id,
+            silo=e.silo,
+            since_boundary=since,
+            **metrics,
+        )
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -49,6 +49,23 @@ def test_scheduled_whole_silo_erasure_is_verified(small_cfg):
     assert row["updates_from_others_while_erasing"] >= 1
 
 
+def test_watching_an_erasure_reports_its_metrics_between_boundary_and_verification(small_cfg):
+    # Prepare: watch every version of the relearning window (4 versions)
+    cfg = small_cfg(
+        "run.max_versions=30", "erasures=[{silo: 1, at_s: 10}]", *ERASE, "unlearning.watch_every=1"
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    # Execute
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    # Assert: one watch at 1, 2 and 3 versions after the boundary, then the verification
+    (row,) = summary["erasures"]["verified"]
+    watches = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "erasure_watch"]
+    assert [w["since_boundary"] for w in watches] == [1, 2, 3]
+    assert [w["version"] for w in watches] == [row["boundary_version"] + k for k in (1, 2, 3)]
+    for w in watches:
+        assert w["silo"] == 1 and 0.0 <= w["asr"] <= 1.0 and w["reversion_ratio"] < 1.0
+
+
 def test_sample_level_erasure_keeps_the_silo_training(small_cfg):
     """Relabelling, a share of one silo's samples: the silo keeps training without them."""
     cfg = small_cfg(
