@@ -12,7 +12,11 @@ In order, for one validated delta:
    per-silo residuals;
 4. **clip** to ``server.clip_norm`` (last: the corrections change the norm);
 5. **fold** into the global model by the aggregator (FedAsync mixing, or FedBuff's buffer and
-   server optimiser; with central DP, the aggregator's noise).
+   server optimiser; with central DP, the aggregator's noise);
+6. with ``unlearning.calibration_target=applied`` the calibration moves here instead of step 1:
+   the change the fold made to the model (new − old) is projected, after everything above, and
+   ``at_boundary`` calibrates what the pipeline carries past an erasure (FedBuff's buffer, the
+   optimiser's first moment, error-feedback residuals).
 
 No Flower import: the loop hands it tensors and gets back the fold's result. It owns the
 aggregator and the error-feedback residuals, and checkpoints them in its ``state_dict``.
