@@ -18,35 +18,31 @@ from collections.abc import Sequence
 import torch
 
 from fedasync.types import Params
+from fedasync.unlearning import flatten
 
 
-def _flat(p: Params, names: Sequence[str]) -> torch.Tensor:
-    return torch.cat([p[k].detach().reshape(-1).double().cpu() for k in names])
-
-
-def _float_names(p: Params) -> list[str]:
-    return [k for k, v in p.items() if v.is_floating_point()]
+def _flat(p: Params) -> torch.Tensor:
+    """The floating tensors of ``p`` as one float64 vector (sorted names, as ``flatten``)."""
+    return flatten(p).double().cpu()
 
 
 def reversion_ratio(w_t: Params, w_boundary: Params, w_pre: Params) -> float:
     """ρ(t) = ⟨w_t − w_B, w_pre − w_B⟩ / ‖w_pre − w_B‖²: how far the model at time t has gone
     back from the erasure boundary w_B toward the pre-erasure model w_pre (0: not at all; 1:
     all the way; negative: further away). NaN when the erasure did not move the model."""
-    names = _float_names(w_boundary)
-    back = _flat(w_pre, names) - _flat(w_boundary, names)
+    back = _flat(w_pre) - _flat(w_boundary)
     denom = float(back @ back)
     if denom == 0.0:
         return math.nan
-    return float((_flat(w_t, names) - _flat(w_boundary, names)) @ back) / denom
+    return float((_flat(w_t) - _flat(w_boundary)) @ back) / denom
 
 
 def relative_l2(a: Params, reference: Params) -> float:
     """‖a − reference‖ / ‖reference‖ over the floating tensors: a distance in weights (to the
     retrained model, say) that does not depend on the model's scale."""
-    names = _float_names(reference)
-    ref = _flat(reference, names)
+    ref = _flat(reference)
     norm = float(torch.linalg.vector_norm(ref))
-    diff = float(torch.linalg.vector_norm(_flat(a, names) - ref))
+    diff = float(torch.linalg.vector_norm(_flat(a) - ref))
     return math.inf if norm == 0.0 and diff > 0 else (0.0 if norm == 0.0 else diff / norm)
 
 

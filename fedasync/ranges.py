@@ -1,14 +1,21 @@
 """Allowed values of numeric config keys, and a walk over a config's numeric values.
 
 Paper: none. Shared by every component's config (the federated run, the trainers), so that
-each declares a ``Range`` per numeric key and reports a value outside it the same way.
+each declares a ``Range`` per numeric key and reports a value outside it the same way; also
+the checks every config section runs in its ``__post_init__`` (``check``, ``check_ranges``,
+``choices``) and ``recheck``, which runs them all again.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from fedasync.errors import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,3 +76,48 @@ def numeric_values(cfg: Any, prefix: str = "") -> list[tuple[str, str, Any]]:
             elif isinstance(item, int | float) and not isinstance(item, bool):
                 out.append((rkey, shown, item))
     return out
+
+
+def check(ok: bool, msg: str) -> None:
+    """Raise ConfigError(``msg``) unless ``ok``: ``msg`` names the key."""
+    if not ok:
+        raise ConfigError(msg)
+
+
+def check_ranges(section: Any, prefix: str, ranges: Mapping[str, Range]) -> None:
+    """The numeric keys of the config section ``section`` itself (not of its sub-sections),
+    named ``prefix`` + field, against ``ranges``; ConfigError naming the first outside."""
+    depth = prefix.count(".")
+    for rkey, key, value in numeric_values(section, prefix):
+        if rkey.count(".") == depth:
+            rng = ranges.get(rkey)
+            check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
+
+
+def choices(tp: Any) -> tuple[Any, ...]:
+    """The values the choice type ``tp`` allows: its Literal's, also when ``tp`` is the
+    ``Annotated[str, Literal[...]]`` omegaconf is shown (empty: ``tp`` is no choice)."""
+    for t in (tp, *getattr(tp, "__metadata__", ())):
+        if get_origin(t) is Literal:
+            return get_args(t)
+    return ()
+
+
+def _parts(cfg: Any) -> Iterator[Any]:
+    """``cfg`` and every config dataclass in it, innermost first (the order they are built)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            if is_dataclass(item):
+                yield from _parts(item)
+    yield cfg
+
+
+def recheck(cfg: T) -> T:
+    """Run the checks of ``cfg``'s every section, then of the whole, again, and return it
+    (they ran when it was built; this is for a caller that wants them said)."""
+    for part in _parts(cfg):
+        post_init = getattr(part, "__post_init__", None)
+        if post_init is not None:
+            post_init()
+    return cfg

@@ -25,11 +25,9 @@ test read it); splitting it would scatter the reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fedasync.errors import ConfigError
 from fedasync.optim import OptimizerKind
 from fedasync.ranges import (
     AT_LEAST_ONE,
@@ -38,7 +36,11 @@ from fedasync.ranges import (
     UNIT,
     UNIT_OPEN_LOW,
     Range,
+    check,
+    check_ranges,
+    choices,
     numeric_values,
+    recheck,
 )
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from fedasync.unlearning import SHARE_RULES
@@ -66,15 +68,6 @@ Protect = Literal["subspace", "jump", "both"]
 """``unlearning.protect``."""
 
 
-def choices(tp: Any) -> tuple[Any, ...]:
-    """The values the choice type ``tp`` allows: its Literal's, also when ``tp`` is the
-    ``Annotated[str, Literal[...]]`` omegaconf is shown (empty: ``tp`` is no choice)."""
-    for t in (tp, *getattr(tp, "__metadata__", ())):
-        if get_origin(t) is Literal:
-            return get_args(t)
-    return ()
-
-
 MODES: tuple[str, ...] = choices(ServerMode)
 SPEED_PROFILES: tuple[str, ...] = choices(SpeedProfile)
 FAULT_KINDS: tuple[str, ...] = choices(FaultKind)
@@ -99,21 +92,6 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
     WeightFnName, OptimizerKind = (Annotated[str, t] for t in (WeightFnName, OptimizerKind))
 
 
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
-
-
-def _check_ranges(section: Any, prefix: str) -> None:
-    """The numeric keys of ``section`` itself (not of its sub-sections), named ``prefix`` +
-    field, against RANGES."""
-    depth = prefix.count(".")
-    for rkey, key, value in numeric_values(section, prefix):
-        if rkey.count(".") == depth:
-            rng = RANGES.get(rkey)
-            _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
-
-
 @dataclass
 class StalenessConfig:
     """Staleness weight s(tau) (FedAsync, Xie et al. 2019)."""
@@ -127,8 +105,8 @@ class StalenessConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges and the weight function's name."""
-        _check_ranges(self, "server.staleness.")
-        _check(
+        check_ranges(self, "server.staleness.", RANGES)
+        check(
             self.fn in WEIGHT_FUNCTIONS,
             f"server.staleness.fn must be one of {tuple(WEIGHT_FUNCTIONS)}, got {self.fn!r}",
         )
@@ -147,8 +125,8 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges and the kind."""
-        _check_ranges(self, "server.optimizer.")
-        _check(
+        check_ranges(self, "server.optimizer.", RANGES)
+        check(
             self.kind in OPTIMIZER_KINDS,
             f"server.optimizer.kind must be sgd, momentum or adam, got {self.kind!r}",
         )
@@ -166,7 +144,7 @@ class CorrectionsConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges."""
-        _check_ranges(self, "server.corrections.")
+        check_ranges(self, "server.corrections.", RANGES)
 
 
 @dataclass
@@ -185,7 +163,7 @@ class ServerDPConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges (what needs server.clip_norm is ServerConfig's)."""
-        _check_ranges(self, "server.dp.")
+        check_ranges(self, "server.dp.", RANGES)
 
 
 @dataclass
@@ -236,9 +214,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         """Checked when built: ranges, the mode, and the server keys that must agree (its
         sub-sections have checked themselves)."""
-        _check_ranges(self, "server.")
-        _check(self.mode in MODES, f"server.mode must be one of {MODES}, got {self.mode!r}")
-        _check(
+        check_ranges(self, "server.", RANGES)
+        check(self.mode in MODES, f"server.mode must be one of {MODES}, got {self.mode!r}")
+        check(
             self.max_staleness is None
             or self.soft_staleness is None
             or self.soft_staleness <= self.max_staleness,
@@ -246,12 +224,12 @@ class ServerConfig:
             f"server.max_staleness={self.max_staleness}",
         )
         if self.dp.noise_multiplier is not None:
-            _check(
+            check(
                 self.clip_norm is not None,
                 "server.dp.noise_multiplier needs server.clip_norm: the noise is in units of "
                 "the clipping norm, which bounds each silo's influence",
             )
-            _check(
+            check(
                 self.mode == "fedasync" or not self.sample_weighting,
                 "server.dp with fedbuff/sync needs server.sample_weighting=false: the sample "
                 "counts silos report are their data too, and weighting by them is not noised",
@@ -287,14 +265,14 @@ class SilosConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges, the speed profile, and that excluded silos exist."""
-        _check_ranges(self, "silos.")
-        _check(
+        check_ranges(self, "silos.", RANGES)
+        check(
             self.speed_profile in SPEED_PROFILES,
             f"silos.speed_profile must be one of {SPEED_PROFILES}, got {self.speed_profile!r}",
         )
         n = self.count
         for i, silo in enumerate(self.exclude):
-            _check(silo < n, f"silos.exclude[{i}]={silo} is not a silo (0..{n - 1})")
+            check(silo < n, f"silos.exclude[{i}]={silo} is not a silo (0..{n - 1})")
 
 
 @dataclass
@@ -322,7 +300,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges."""
-        _check_ranges(self, "run.")
+        check_ranges(self, "run.", RANGES)
 
 
 @dataclass
@@ -343,18 +321,18 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges, and the engine keys that must agree."""
-        _check_ranges(self, "engine.")
-        _check(
+        check_ranges(self, "engine.", RANGES)
+        check(
             self.ray_address is None or self.num_cpus is None,
             "engine.num_cpus cannot be set with engine.ray_address: a running cluster's CPUs "
             "are fixed by `ray start --num-cpus` on its nodes",
         )
-        _check(
+        check(
             self.num_cpus is None or self.num_cpus >= self.client_cpus,
             f"engine.num_cpus={self.num_cpus} must be >= engine.client_cpus="
             f"{self.client_cpus}, or no silo could ever run",
         )
-        _check(
+        check(
             self.ray_address is None or "://" not in self.ray_address,
             "engine.ray_address must be host:port or auto (Ray Client ray:// is not supported)",
         )
@@ -409,7 +387,7 @@ class BackdoorConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges (which silos and labels exist, FedAsyncConfig)."""
-        _check_ranges(self, "backdoor.")
+        check_ranges(self, "backdoor.", RANGES)
 
 
 @dataclass
@@ -491,30 +469,30 @@ class UnlearningConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: ranges, the choices, and the TLS files' pairing."""
-        _check_ranges(self, "unlearning.")
-        _check(self.method in ERASURE_METHODS, "unlearning.method must be pga or relabel")
-        _check(
+        check_ranges(self, "unlearning.", RANGES)
+        check(self.method in ERASURE_METHODS, "unlearning.method must be pga or relabel")
+        check(
             self.radius_scaling in SHARE_RULES,
             f"unlearning.radius_scaling must be one of {SHARE_RULES}, got {self.radius_scaling!r}",
         )
-        _check(
+        check(
             self.pre_boundary in PRE_BOUNDARIES,
             "unlearning.pre_boundary must be project or drop",
         )
-        _check(
+        check(
             self.calibration_target in CALIBRATION_TARGETS,
             "unlearning.calibration_target must be reply or applied",
         )
-        _check(self.protect in PROTECTS, "unlearning.protect must be subspace, jump or both")
-        _check(
+        check(self.protect in PROTECTS, "unlearning.protect must be subspace, jump or both")
+        check(
             self.protect == "subspace" or self.calibration_target == "applied",
             "unlearning.protect=jump/both needs unlearning.calibration_target=applied",
         )
-        _check(
+        check(
             (self.tls_certfile is None) == (self.tls_keyfile is None),
             "unlearning.tls_certfile and unlearning.tls_keyfile go together",
         )
-        _check(
+        check(
             self.signature_dtype in SIGNATURE_DTYPES,
             "unlearning.signature_dtype must be float32 or float16",
         )
@@ -545,56 +523,56 @@ class FedAsyncConfig:
         for rkey, key, value in numeric_values(self):
             if rkey.startswith(("client.", "data.", "faults[", "erasures[")):
                 rng = RANGES.get(rkey)
-                _check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
+                check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
         s, u, d, n = self.server, self.unlearning, self.data, self.silos.count
-        _check(
+        check(
             d.benchmark in BENCHMARKS,
             f"data.benchmark must be one of {tuple(BENCHMARKS)}, got {d.benchmark!r}",
         )
         spec = BENCHMARKS[d.benchmark]
-        _check(
+        check(
             d.partition in PARTITIONS,
             f"data.partition must be one of {PARTITIONS}, got {d.partition!r}",
         )
-        _check(
+        check(
             not (d.partition == "natural" and spec.natural_split.startswith("none")),
             f"data.partition=natural: {d.benchmark} has no natural split; use dirichlet or iid",
         )
-        _check(
+        check(
             spec.offline or d.data_dir is not None,
             f"data.data_dir must name the file or folder you downloaded for {d.benchmark}",
         )
         if d.network is not None:
             from medical_data.networks import NETWORKS
 
-            _check(
+            check(
                 d.network in NETWORKS, f"data.network must be one of {NETWORKS}, got {d.network!r}"
             )
-        _check(
+        check(
             d.max_samples is None or d.max_samples >= 2 * n,
             f"data.max_samples={d.max_samples} is too small for silos.count={n} (at least {2 * n})",
         )
-        _check(
+        check(
             not u.federaser or (u.halt and s.mode == "sync"),
             "unlearning.federaser needs unlearning.halt=true and server.mode=sync",
         )
         for i, e in enumerate(self.erasures):
-            _check(e.silo < n, f"erasures[{i}].silo={e.silo} is not a silo (0..{n - 1})")
+            check(e.silo < n, f"erasures[{i}].silo={e.silo} is not a silo (0..{n - 1})")
         for i, f in enumerate(self.faults):
-            _check(
+            check(
                 f.kind in FAULT_KINDS,
                 f"faults[{i}].kind must be one of {FAULT_KINDS}, got {f.kind!r}",
             )
-            _check(f.silo < n, f"faults[{i}].silo={f.silo} is not a silo (0..{n - 1})")
+            check(f.silo < n, f"faults[{i}].silo={f.silo} is not a silo (0..{n - 1})")
         b = self.backdoor
         if b.enabled:
-            _check(b.silo < n, f"backdoor.silo={b.silo} is not a silo (0..{n - 1})")
-            _check(
+            check(b.silo < n, f"backdoor.silo={b.silo} is not a silo (0..{n - 1})")
+            check(
                 not spec.offline or b.target_label < spec.num_classes,
                 f"backdoor.target_label={b.target_label} is not a class of {d.benchmark} "
                 f"(0..{spec.num_classes - 1})",
             )
-        _check(
+        check(
             b.relearn_silo is None or b.relearn_silo < n,
             f"backdoor.relearn_silo={b.relearn_silo} is not a silo (0..{n - 1})",
         )
@@ -692,16 +670,6 @@ RANGES: dict[str, Range] = {
 allows it, means off. tests/test_config.py checks that no numeric key is missing here."""
 
 
-def _parts(cfg: Any) -> Iterator[Any]:
-    """``cfg`` and every config dataclass in it, innermost first (the order they are built)."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        for item in value if isinstance(value, list) else [value]:
-            if is_dataclass(item):
-                yield from _parts(item)
-    yield cfg
-
-
 def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
     """Check ``cfg`` again, every section then the whole, and return it; raise ConfigError
     naming the key. A config is checked when it is built (each ``__post_init__``), so this
@@ -711,11 +679,7 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
     weight functions, benchmarks, partitions, networks), and the keys that must agree. What
     needs files (the data, a checkpoint to resume) is checked by simulations.config.preflight.
     """
-    for part in _parts(cfg):
-        check = getattr(part, "__post_init__", None)
-        if check is not None:
-            check()
-    return cfg
+    return recheck(cfg)
 
 
 def from_container(data: dict[str, Any]) -> FedAsyncConfig:

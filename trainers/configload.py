@@ -16,13 +16,13 @@ changing the messages. `choices` reads the allowed values from either form.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, TypeVar
 
 from fedasync.errors import ConfigError, UserError
-from fedasync.ranges import Range, numeric_values
+from fedasync.ranges import check, check_ranges, choices, recheck
+
+__all__ = ["check", "check_ranges", "choices", "load_structured", "recheck", "to_container"]
 
 T = TypeVar("T")
 
@@ -77,48 +77,3 @@ def to_container(cfg: Any) -> dict[str, Any]:
     out = OmegaConf.to_container(OmegaConf.structured(cfg))
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
-
-
-def choices(tp: Any) -> tuple[Any, ...]:
-    """The values the choice type ``tp`` allows: its Literal's, also when ``tp`` is the
-    ``Annotated[str, Literal[...]]`` omegaconf is shown (empty: ``tp`` is no choice)."""
-    for t in (tp, *getattr(tp, "__metadata__", ())):
-        if get_origin(t) is Literal:
-            return get_args(t)
-    return ()
-
-
-def check(ok: bool, msg: str) -> None:
-    """Raise ConfigError(``msg``) unless ``ok``: ``msg`` names the key."""
-    if not ok:
-        raise ConfigError(msg)
-
-
-def check_ranges(section: Any, prefix: str, ranges: Mapping[str, Range]) -> None:
-    """The numeric keys of the config section ``section`` itself (not of its sub-sections),
-    named ``prefix`` + field, against ``ranges``; ConfigError naming the first outside."""
-    depth = prefix.count(".")
-    for rkey, key, value in numeric_values(section, prefix):
-        if rkey.count(".") == depth:
-            rng = ranges.get(rkey)
-            check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
-
-
-def _parts(cfg: Any) -> Iterator[Any]:
-    """``cfg`` and every config dataclass in it, innermost first (the order they are built)."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        for item in value if isinstance(value, list) else [value]:
-            if is_dataclass(item):
-                yield from _parts(item)
-    yield cfg
-
-
-def recheck(cfg: T) -> T:
-    """Run the checks of ``cfg``'s every section, then of the whole, again, and return it
-    (they ran when it was built; this is for a caller that wants them said)."""
-    for part in _parts(cfg):
-        post_init = getattr(part, "__post_init__", None)
-        if post_init is not None:
-            post_init()
-    return cfg
