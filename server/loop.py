@@ -468,12 +468,10 @@ class AsyncServer:
 
     def _budget_refuses(self, silo: int, job_id: int | None = None) -> bool:
         """True when central DP's budget stops ``silo`` (now, or earlier in this run)."""
-        stop = self.privacy.budget_stop(silo, job_id)
-        if stop is None:
-            return False
-        if stop.reason:  # newly stopped
+        refuses, stop = self.privacy.over_budget(silo, job_id)
+        if stop is not None:  # newly stopped
             self._stopped(stop)
-        return True
+        return refuses
 
     def _down_s(self, job: Job, reply: Message) -> float:
         """How long a failed silo waits before it is sent work again."""

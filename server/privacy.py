@@ -201,19 +201,19 @@ class ServerPrivacy:
         extra = {"dp_epsilon": eps[0]} if eps is not None else {}
         return PrivacyNote(epsilon, Stop(silo, job, reason, detail, extra))
 
-    def budget_stop(self, silo: int, job: int | None = None) -> Stop | None:
-        """A ``Stop`` when one more release of ``silo``'s data would take it past the central
-        budget (the silo is then stopped: never folded or sent work again in this run). Asked
-        before each fold (the update of ``job`` is then discarded) and, for a ledger that
-        outlives runs, before the first dispatch. Not a fault: nothing is counted as rejected.
-        A silo stopped already answers a ``Stop`` with reason ``""`` (no new event)."""
+    def over_budget(self, silo: int, job: int | None = None) -> tuple[bool, Stop | None]:
+        """Whether central DP's budget refuses ``silo`` one more release, and the ``Stop`` when
+        this call stopped it (None when it was stopped before, or is not refused). A refused
+        silo is never folded or sent work again in this run. Asked before each fold (the update
+        of ``job`` is then discarded) and, for a ledger that outlives runs, before the first
+        dispatch. Not a fault: nothing is counted as rejected."""
         if self.ledger is None or self.budget is None:
-            return None
+            return False, None
         if silo in self.stopped:
-            return Stop(silo, job, "", "", {})
+            return True, None
         would_be = self.ledger.epsilon(silo, {self.ledger.noise_multiplier: 1})
         if would_be <= self.budget:
-            return None
+            return False, None
         spent = self.ledger.epsilon(silo)
         detail = (
             f"central epsilon {spent:.4g} spent of {self.budget:.4g} (delta {self.delta:g}); "
@@ -229,7 +229,7 @@ class ServerPrivacy:
             CENTRAL_BUDGET,
             detail,
         )
-        return Stop(silo, job, CENTRAL_BUDGET, detail, {"central_epsilon": spent})
+        return True, Stop(silo, job, CENTRAL_BUDGET, detail, {"central_epsilon": spent})
 
     def record_release(self, silos: list[str], version: int, noise_std: float) -> None:
         """Account the new global ``version`` that releases ``silos``' data, durably, before
