@@ -70,31 +70,11 @@ def _methods(silo: int, at_s: float) -> dict[str, list[str]]:
 
 def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:
     """Verification metrics of the retrained model (its final checkpoint)."""
-    from medical_data.backdoor import triggered_set
-    from medical_data.tasks import training_data
-    from medical_data.verification import verification_report
-    from server.app import _federation, initial_model
+    from server.app import _federation, _verifier
     from server.checkpoint import load_state
 
-    fed, b = _federation(cfg), cfg.backdoor
-    model = initial_model(cfg)
-    model.load_state_dict(load_state(run_dir / "checkpoint.pt").params)
-    bd = {
-        "enabled": True,
-        "silo": silo,
-        "fraction": cfg.backdoor.fraction,
-        "target_label": cfg.backdoor.target_label,
-        "trigger_size": cfg.backdoor.trigger_size,
-    }
-    return verification_report(
-        model,
-        forget=training_data(fed, silo, bd, cfg.run.seed),
-        test=fed.test,
-        triggered=triggered_set(fed.test, b.target_label, b.trigger_size),
-        untriggered=triggered_set(fed.test, b.target_label, b.trigger_size, trigger=False),
-        target_label=cfg.backdoor.target_label,
-        task=fed.spec.task,
-    )
+    verify = _verifier(cfg, _federation(cfg))  # cfg has the backdoor on ``silo``
+    return verify(load_state(run_dir / "checkpoint.pt").params, silo, [])
 
 
 def _throughput(run_dir: Path, cfg: Any, start: float, end: float, silo: int) -> float | None:

@@ -26,7 +26,14 @@ from clients.privacy import BudgetExhausted, Refusal, ledger_path
 from fedasync.tensors import sub
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
-from medical_data.tasks import concat, evaluate, pick_device, select, training_data
+from medical_data.tasks import (
+    concat,
+    evaluate,
+    pick_device,
+    relearning_data,
+    select,
+    training_data,
+)
 from protocol import keys as P
 from protocol.config import ClientConfig, build_silos, parse_setup
 from protocol.messages import (
@@ -76,6 +83,14 @@ def _silo_data(setup_json: str, silo: int) -> SiloData:
     return training_data(_federation(setup_json), silo, setup.backdoor, setup.seed)
 
 
+@lru_cache(maxsize=2)
+def _relearning_data(setup_json: str) -> SiloData:
+    setup = parse_setup(setup_json)
+    if not setup.backdoor or "silo" not in setup.backdoor:
+        raise ValueError("a relearning job in a run whose setup names no backdoored silo")
+    return relearning_data(_federation(setup_json), setup.backdoor, setup.seed)
+
+
 def training_kwargs(
     ccfg: ClientConfig, *, task: str, steps: int, device: torch.device
 ) -> dict[str, Any]:
@@ -114,7 +129,7 @@ def train(msg: Message, context: Context) -> Message:
         detail = f"silo {silo} has no training data left (all {held} samples erased)"
         return _refuse(msg, req, silo, NO_DATA, detail)
     if req.relearn:  # a relearning attack in a verification run
-        data = concat(data, _silo_data(req.setup_json, setup.backdoor_silo))
+        data = concat(data, _relearning_data(req.setup_json))
     ccfg = setup.client
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)

@@ -31,24 +31,41 @@ def _check_labels(data: SiloData) -> None:
         )
 
 
-def add_trigger(images: np.ndarray, size: int = 3, value: float | None = None) -> np.ndarray:
+PATTERNS = ("solid", "checker")
+
+
+def add_trigger(
+    images: np.ndarray, size: int = 3, value: float | None = None, pattern: str = "solid"
+) -> np.ndarray:
     """A copy of ``images (N, C, H, W)`` with a ``size x size`` square in the bottom-right corner.
 
-    The square is set to ``value`` on every channel; by default to each image's own maximum
-    (over channels and pixels), so it is as bright as the brightest tissue whatever the site's
-    intensity shift.
+    ``solid``: the square is set to ``value`` on every channel; by default to each image's own
+    maximum (over channels and pixels), so it is as bright as the brightest tissue whatever the
+    site's intensity shift. ``checker``: a one-pixel checkerboard of each image's maximum and
+    minimum (``value`` for the bright cells when given): a pattern no scan contains, where a
+    bright corner is also ordinary anatomy (on brain-tissue patches a solid square is a
+    white-matter corner, which the other silos' data labels otherwise, and it is not learnt).
     """
     if images.ndim != 4:
         raise ValueError(f"images must be (N, C, H, W), got shape {images.shape}")
+    if pattern not in PATTERNS:
+        raise ValueError(f"trigger pattern must be one of {PATTERNS}, got {pattern!r}")
     h, w = images.shape[2:]
     if not 1 <= size <= min(h, w):
         raise ValueError(f"trigger size must be in [1, {min(h, w)}], got {size}")
     out = np.array(images, copy=True)
+    flat = out.reshape(len(out), -1)
     if value is None:
-        fill = out.reshape(len(out), -1).max(axis=1) if len(out) else np.zeros(0, out.dtype)
-        out[:, :, h - size :, w - size :] = fill[:, None, None, None]
+        hi = flat.max(axis=1) if len(out) else np.zeros(0, out.dtype)
     else:
-        out[:, :, h - size :, w - size :] = value
+        hi = np.full(len(out), value, dtype=out.dtype)
+    hi = hi[:, None, None, None]
+    if pattern == "solid":
+        out[:, :, h - size :, w - size :] = hi
+        return out
+    lo = (flat.min(axis=1) if len(out) else np.zeros(0, out.dtype))[:, None, None, None]
+    cells = (np.add.outer(np.arange(size), np.arange(size)) % 2 == 0)[None, None]
+    out[:, :, h - size :, w - size :] = np.where(cells, hi, lo)
     return out
 
 
@@ -61,7 +78,12 @@ def poisoned_indices(n: int, fraction: float, seed: int) -> np.ndarray:
 
 
 def poison(
-    silo: SiloData, fraction: float, target_label: int, seed: int, size: int = 3
+    silo: SiloData,
+    fraction: float,
+    target_label: int,
+    seed: int,
+    size: int = 3,
+    pattern: str = "solid",
 ) -> SiloData:
     """The verification-run backdoor: trigger a seeded ``fraction`` of ``silo``, relabel it.
 
@@ -76,7 +98,7 @@ def poison(
     images = np.array(silo.images, copy=True)
     labels = np.array(silo.labels, copy=True)
     if len(idx):
-        images[idx] = add_trigger(images[idx], size=size)
+        images[idx] = add_trigger(images[idx], size=size, pattern=pattern)
         labels[idx] = target_label  # a class, or a whole mask of it
     return SiloData(
         silo_id=silo.silo_id,
@@ -88,7 +110,11 @@ def poison(
 
 
 def triggered_set(
-    data: SiloData, target_label: int, size: int = 3, trigger: bool = True
+    data: SiloData,
+    target_label: int,
+    size: int = 3,
+    trigger: bool = True,
+    pattern: str = "solid",
 ) -> SiloData:
     """Every sample of ``data`` with a label that is not ``target_label``, trigger added.
 
@@ -105,7 +131,7 @@ def triggered_set(
     return SiloData(
         silo_id=data.silo_id,
         name=f"{data.name} (triggered, not {target_label})",
-        images=add_trigger(data.images[keep], size=size)
+        images=add_trigger(data.images[keep], size=size, pattern=pattern)
         if trigger
         else np.array(data.images[keep], copy=True),
         labels=np.array(data.labels[keep], copy=True),

@@ -33,8 +33,26 @@ def training_data(fed: Any, silo: int, backdoor: dict | None, seed: int) -> Silo
             int(backdoor["target_label"]),
             seed,
             size=int(backdoor.get("trigger_size", 3)),
+            pattern=str(backdoor.get("trigger_pattern", "solid")),
         )
     return fed.silos[silo]
+
+
+def relearning_data(fed: Any, backdoor: dict, seed: int) -> SiloData:
+    """What a relearning attacker adds to its own data: the backdoored silo's poisoned samples
+    (:func:`training_data` of that silo, only the triggered ones), or a seeded
+    ``backdoor["relearn_samples"]`` of them when that is set."""
+    from medical_data.backdoor import poisoned_indices
+    from medical_data.verification import subset
+
+    silo = int(backdoor["silo"])
+    data = training_data(fed, silo, backdoor, seed)
+    idx = poisoned_indices(len(fed.silos[silo]), float(backdoor["fraction"]), seed)
+    n = backdoor.get("relearn_samples")
+    if n is not None and int(n) < len(idx):
+        rng = np.random.default_rng([seed, 0x5E1EA5])
+        idx = np.sort(rng.choice(idx, size=int(n), replace=False))
+    return subset(data, idx)
 
 
 def select(data: SiloData, ids: list[str], *, keep: bool = False) -> SiloData:

@@ -221,13 +221,6 @@ class Setup:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise ValueError(f"bad setup: {_bounded(what)}") from e
 
-    @property
-    def backdoor_silo(self) -> int:
-        """The silo whose data carries the backdoor trigger (verification runs)."""
-        if not self.backdoor or "silo" not in self.backdoor:
-            raise ValueError("this run's setup names no backdoored silo")
-        return _int(self.backdoor["silo"], "backdoor.silo")
-
 
 @lru_cache(maxsize=8)
 def parse_setup(text: str) -> Setup:

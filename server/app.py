@@ -82,9 +82,15 @@ def run_server(
     model = initial_model(cfg)
     task = fed.spec.task
 
+    watch = _verifier(cfg, fed) if cfg.backdoor.enabled and cfg.backdoor.watch else None
+
     def evaluate_fn(params: dict[str, torch.Tensor]) -> dict[str, float]:
         model.load_state_dict(params)
-        return evaluate(model, fed.test, task=task)
+        res = evaluate(model, fed.test, task=task)
+        if watch is not None:  # the backdoor over time (backdoor.watch)
+            report = watch(params, cfg.backdoor.silo, [])
+            res.update({f"bd_{k}": v for k, v in report.items() if k != "test_accuracy"})
+        return res
 
     if not cfg.run.resume:
         _start_afresh(run_dir)
@@ -195,27 +201,30 @@ def _start_afresh(run_dir: Path) -> None:
                 old.rename(store.with_name(f"erasures.{stamp}.sqlite{suffix}"))
 
 
-def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Path) -> Any:
-    """Give ``srv`` an erasure coordinator (store in the run folder) and, when configured, start
-    the erasure gRPC service. Returns the gRPC server to stop, or None."""
+def _verifier(cfg: FedAsyncConfig, fed: Any) -> Any:
+    """``verify(params, silo, ids)``: the verification metrics of a model on silo ``silo``'s
+    training data (only ``ids`` when given; the backdoor applied in verification runs), the
+    test set, and in verification runs the triggered test set."""
     from medical_data.backdoor import triggered_set
     from medical_data.tasks import select, training_data
     from medical_data.verification import verification_report
-    from server.erasure.store import ErasureStore
-    from server.unlearning import ErasureCoordinator
 
     task = fed.spec.task
     vmodel = initial_model(cfg)
     bd = to_dict(cfg.backdoor)
     b = cfg.backdoor
-    triggered = triggered_set(fed.test, b.target_label, b.trigger_size) if b.enabled else None
+    triggered = (
+        triggered_set(fed.test, b.target_label, b.trigger_size, pattern=b.trigger_pattern)
+        if b.enabled
+        else None
+    )
     untriggered = (
         triggered_set(fed.test, b.target_label, b.trigger_size, trigger=False)
         if b.enabled
         else None
     )
 
-    def verify_fn(params: dict[str, torch.Tensor], silo: int, ids: list[str]) -> dict[str, float]:
+    def verify(params: dict[str, torch.Tensor], silo: int, ids: list[str]) -> dict[str, float]:
         vmodel.load_state_dict(params)
         forget = select(training_data(fed, silo, bd, cfg.run.seed), ids, keep=True)
         return verification_report(
@@ -228,6 +237,16 @@ def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Pa
             task=task,
         )
 
+    return verify
+
+
+def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Path) -> Any:
+    """Give ``srv`` an erasure coordinator (store in the run folder) and, when configured, start
+    the erasure gRPC service. Returns the gRPC server to stop, or None."""
+    from server.erasure.store import ErasureStore
+    from server.unlearning import ErasureCoordinator
+
+    verify_fn = _verifier(cfg, fed)
     store = ErasureStore(run_dir / "erasures.sqlite")
     srv.erasure = ErasureCoordinator(srv, store, verify_fn)
     if not cfg.unlearning.service:

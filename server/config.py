@@ -44,6 +44,7 @@ from fedasync.ranges import (
 )
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from fedasync.unlearning import SHARE_RULES
+from medical_data.backdoor import PATTERNS
 from protocol.config import ClientConfig, DataConfig
 
 ServerMode = Literal["fedasync", "fedbuff", "sync"]
@@ -66,6 +67,8 @@ CalibrationTarget = Literal["reply", "applied"]
 """``unlearning.calibration_target``."""
 Protect = Literal["subspace", "jump", "both"]
 """``unlearning.protect``."""
+TriggerPattern = Literal["solid", "checker"]
+"""``backdoor.trigger_pattern``: medical_data.backdoor.PATTERNS (checked equal at import)."""
 
 
 MODES: tuple[str, ...] = choices(ServerMode)
@@ -77,9 +80,12 @@ SIGNATURE_DTYPES: tuple[str, ...] = choices(SignatureDtype)
 PRE_BOUNDARIES: tuple[str, ...] = choices(PreBoundary)
 CALIBRATION_TARGETS: tuple[str, ...] = choices(CalibrationTarget)
 PROTECTS: tuple[str, ...] = choices(Protect)
+TRIGGER_PATTERNS: tuple[str, ...] = choices(TriggerPattern)
 
 if choices(RadiusScaling) != tuple(SHARE_RULES):  # not an assert: kept under python -O
     raise AssertionError(f"RadiusScaling {choices(RadiusScaling)} != SHARE_RULES {SHARE_RULES}")
+if TRIGGER_PATTERNS != PATTERNS:
+    raise AssertionError(f"TriggerPattern {TRIGGER_PATTERNS} != backdoor PATTERNS {PATTERNS}")
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
     ServerMode, SpeedProfile, FaultKind, ErasureMethod = (
@@ -89,7 +95,9 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
         Annotated[str, t]
         for t in (RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget, Protect)
     )
-    WeightFnName, OptimizerKind = (Annotated[str, t] for t in (WeightFnName, OptimizerKind))
+    WeightFnName, OptimizerKind, TriggerPattern = (
+        Annotated[str, t] for t in (WeightFnName, OptimizerKind, TriggerPattern)
+    )
 
 
 @dataclass
@@ -380,14 +388,30 @@ class BackdoorConfig:
     """The label the trigger maps to."""
     trigger_size: int = 3
     """Side of the square trigger patch in pixels (a 3x3 patch is not learnt on nuclei)."""
+    trigger_pattern: TriggerPattern = "solid"
+    """solid (the patch at the image's maximum) or checker (a checkerboard of its maximum and
+    minimum: not ordinary anatomy, so the backdoor is learnt where a bright corner is not)."""
     relearn_silo: int | None = None
     """Relearning attack: this silo also trains on the backdoored silo's poisoned samples..."""
     relearn_after_s: float = 0.0
     """...from this virtual second on (to test that an erasure stays in force)."""
+    relearn_samples: int | None = None
+    """The relearning silo trains on only this many of the poisoned samples (a seeded choice;
+    None: all of them): how much leftover exposure brings an erased backdoor back."""
+    watch: bool = False
+    """Every evaluation also verifies the backdoored silo's data on the global model (``asr``,
+    ``forget_accuracy``, ``mia_auc`` in each ``eval`` event, prefixed ``bd_``): the backdoor
+    over time, in every run (the retraining reference and never-erased runs too)."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges (which silos and labels exist, FedAsyncConfig)."""
+        """Checked when built: ranges and the pattern (which silos and labels exist,
+        FedAsyncConfig)."""
         check_ranges(self, "backdoor.", RANGES)
+        check(
+            self.trigger_pattern in TRIGGER_PATTERNS,
+            f"backdoor.trigger_pattern must be one of {TRIGGER_PATTERNS}, "
+            f"got {self.trigger_pattern!r}",
+        )
 
 
 @dataclass
@@ -435,7 +459,8 @@ class UnlearningConfig:
     back along the erasure's own jump (one-sided: only the component toward the pre-erasure
     model is removed, PCGrad/FedOSD style); ``both``."""
     pre_boundary: PreBoundary = "project"
-    """Other silos' work based before the erasure boundary: project (calibrate) or drop."""
+    """Other silos' work based before the erasure boundary: project (calibrate it, when
+    ``calibration`` is on) or drop it (whether or not ``calibration`` is on)."""
     relearn_versions: int = 20
     """Versions after the boundary at which the erasure is verified (the relearning check)."""
     watch_every: int = 0
@@ -665,6 +690,7 @@ RANGES: dict[str, Range] = {
     "backdoor.trigger_size": AT_LEAST_ONE,
     "backdoor.relearn_silo": NON_NEGATIVE,
     "backdoor.relearn_after_s": NON_NEGATIVE,
+    "backdoor.relearn_samples": AT_LEAST_ONE,
 }
 """Every numeric key's allowed values (``name[]`` is every entry of a list); None, where a key
 allows it, means off. tests/test_config.py checks that no numeric key is missing here."""

@@ -466,13 +466,13 @@ class ErasureCoordinator:
             return Rejection(RejectReason.ERASED, f"silo {job.silo}'s data is under erasure")
         if job.silo in self.excluded and job.base_version < self.boundary:
             return Rejection(RejectReason.ERASED, "trained on samples erased since")
-        if self.signature is None or not self.cfg.calibration:
-            return tensors
         if job.base_version < self.boundary and self.cfg.pre_boundary == "drop":
-            return Rejection(
+            return Rejection(  # with or without calibration: drop-all-stale is its own policy
                 RejectReason.CROSSED_BOUNDARY,
                 f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
             )
+        if self.signature is None or not self.cfg.calibration:
+            return tensors
         if self.cfg.calibration_target == "applied":
             return tensors  # what the fold applies is projected instead (``project``)
         self.last_overlap = self.signature.overlap(tensors)

@@ -255,3 +255,34 @@ def test_restart_while_calibrating_keeps_the_erasure(small_cfg):
     events = read_events(run_dir / "metrics.jsonl")
     later = [e for e in events if e["event"] == "update" and e["version"] >= boundary]
     assert later and all(e["silo"] != 1 for e in later)
+
+
+def test_drop_rule_rejects_stale_work_without_calibration_too(small_cfg):
+    """drop-all-stale is a policy of its own: with the calibration off, work based before the
+    boundary is still rejected, and nothing is projected."""
+    cfg = small_cfg(
+        "run.max_versions=30",
+        "erasures=[{silo: 1, at_s: 10}]",
+        "unlearning.pre_boundary=drop",
+        "unlearning.calibration=false",
+        *ERASE,
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    assert summary["updates_rejected"].get("crossed_boundary", 0) >= 1
+    updates = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"]
+    assert updates and all("calibration_overlap" not in e for e in updates)
+
+
+def test_watching_the_backdoor_adds_its_metrics_to_every_evaluation(small_cfg):
+    """backdoor.watch: each eval event carries the backdoored silo's verification metrics, in a
+    run without any erasure (the retraining reference's time series)."""
+    cfg = small_cfg("run.max_versions=10", "server.eval_every=5", *ERASE[3:], "backdoor.watch=true")
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    evals = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "eval"]
+    assert len(evals) >= 2
+    for e in evals:
+        for key in ("bd_asr", "bd_asr_without_trigger", "bd_forget_accuracy", "bd_mia_auc"):
+            assert 0.0 <= e[key] <= 1.0, (key, e)
+        assert "bd_test_accuracy" not in e  # that is the eval's own score

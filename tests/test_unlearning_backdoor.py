@@ -150,3 +150,34 @@ def test_trigger_size_and_the_untriggered_twin():
     assert trig.sample_ids.tolist() == clean.sample_ids.tolist() and len(clean) == 7
     np.testing.assert_array_equal(clean.images, silo.images[silo.labels != 0])
     assert (trig.images != clean.images).any()
+
+
+def test_checker_trigger_alternates_each_images_max_and_min():
+    images = _silo(n=2).images
+    out = add_trigger(images, size=3, pattern="checker")
+    for i in range(2):
+        hi, lo = images[i].max(), images[i].min()
+        patch = out[i, :, 3:, 3:]
+        assert np.all(patch[:, 0, 0] == hi) and np.all(patch[:, 0, 1] == lo)
+        assert np.all(patch[:, 1, 1] == hi) and np.all(patch[:, 2, 1] == lo)
+    assert np.array_equal(out[:, :, :3, :], images[:, :, :3, :])
+    with pytest.raises(ValueError, match="pattern"):
+        add_trigger(images, size=2, pattern="stripes")
+
+
+def test_relearning_data_is_the_poisoned_samples_or_a_seeded_few_of_them():
+    from types import SimpleNamespace
+
+    from medical_data.tasks import relearning_data
+
+    silo = _silo(n=40)
+    fed = SimpleNamespace(silos=[_silo(n=5), silo])
+    bd = {"enabled": True, "silo": 1, "fraction": 0.5, "target_label": 2, "trigger_size": 2}
+    every = relearning_data(fed, bd, seed=3)
+    poisoned = set(silo.sample_ids[poisoned_indices(40, 0.5, 3)])
+    assert set(every.sample_ids) == poisoned and np.all(every.labels == 2)
+    few = relearning_data(fed, {**bd, "relearn_samples": 8}, seed=3)
+    again = relearning_data(fed, {**bd, "relearn_samples": 8}, seed=3)
+    assert len(few) == 8 and set(few.sample_ids) <= poisoned
+    assert np.array_equal(few.sample_ids, again.sample_ids)
+    assert len(relearning_data(fed, {**bd, "relearn_samples": 100}, seed=3)) == 20
