@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.nn import functional as F
 
+from fedasync.erasure_metrics import rank_auc
 from medical_data.federation import SiloData
 from medical_data.tasks import evaluate
 
@@ -125,14 +125,13 @@ def mia_auc(
 
     The membership score is ``−loss``: members (label 1) vs non-members (label 0). 0.5 means
     the attack cannot tell them apart (no leakage); 1.0 means every member has a lower loss
-    than every non-member.
+    than every non-member. Ties count one half (`fedasync.erasure_metrics.rank_auc`).
     """
     if len(members) == 0 or len(non_members) == 0:
         raise ValueError("mia_auc needs at least one member and one non-member")
     lm = predict_losses(model, members, task, device=device)
     ln = predict_losses(model, non_members, task, device=device)
-    y = np.concatenate([np.ones(len(lm)), np.zeros(len(ln))])
-    return float(roc_auc_score(y, -np.concatenate([lm, ln])))
+    return rank_auc(-lm, -ln)
 
 
 def subset(data: SiloData, idx: np.ndarray) -> SiloData:
