@@ -17,6 +17,12 @@ Papers:
   its forget set, never the data) and the server projects every later update out of that
   subspace (:meth:`GradientSignature.project_out`), so neither other silos nor stale work can
   move the model back along the erased data's directions.
+- Li et al. 2023, SFU, "Subspace-based Federated Unlearning" (arXiv:2302.12448): updates kept
+  orthogonal to the other clients' subspace. Adapted here: the *signature* loses the span of
+  the other silos' recent updates (:meth:`GradientSignature.without_span`).
+- PCGrad (Yu et al. 2020, arXiv:2001.06782) and FedOSD (arXiv:2412.20200): one-sided
+  projections (:class:`OneSided`: the erasure's jump, :class:`ErasureJump`, and the forget
+  set's mean loss gradient, :class:`ForgetGradient`; several at once, :func:`block_one_sided`).
 
 Conventions follow ``fedasync.tensors``: functions return new tensors and never mutate their
 inputs; only floating-point tensors take part (integer buffers are copied unchanged). A flat
@@ -33,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -152,6 +158,27 @@ def forget_share_scale(
         return 1.0
     share = max(n_forget, 0) / n_held
     return max(share if rule == "linear" else math.sqrt(share), floor)
+
+
+def span_basis(vectors: Sequence[torch.Tensor], dim: int, tol: float = 1e-6) -> torch.Tensor:
+    """Orthonormal basis ``(dim, r)`` (float64, CPU) of the span of ``vectors`` (each ``(dim,)``).
+
+    SVD of the stacked vectors (each scaled to unit norm first, so a small update counts as
+    much as a large one); directions with a singular value below ``tol`` of the largest are
+    dropped, and zero or non-finite vectors are left out. No vectors: ``(dim, 0)``.
+    """
+    rows = []
+    for v in vectors:
+        if v.dim() != 1 or v.numel() != dim:
+            raise ValueError(f"vector has shape {tuple(v.shape)}, expected ({dim},)")
+        x = v.detach().cpu().double()
+        n = float(torch.linalg.vector_norm(x))
+        if n > 0.0 and math.isfinite(n):
+            rows.append(x / n)
+    if not rows:
+        return torch.zeros(dim, 0, dtype=torch.float64)
+    _, s, vh = torch.linalg.svd(torch.stack(rows), full_matrices=False)
+    return vh[s > tol * float(s[0])].T.contiguous()
 
 
 @dataclass
@@ -274,6 +301,46 @@ class GradientSignature:
         new = q[:, s > 1e-4]
         return GradientSignature(torch.cat([u1, new], dim=1).float(), list(self.names))
 
+    def span_share(self, vectors: Sequence[torch.Tensor], tol: float = 1e-6) -> float:
+        """``‖QᵀU‖²_F / k`` in [0, 1]: the share of the signature's directions (on average,
+        by squared norm) that lies in the span ``Q`` of ``vectors`` (each ``(d,)`` in this
+        signature's coordinates; see :func:`span_basis`). 0 for an empty signature."""
+        if self.rank == 0:
+            return 0.0
+        q = span_basis(vectors, self.basis.shape[0], tol)
+        if q.shape[1] == 0:
+            return 0.0
+        inside = float((q.T @ self.basis.double()).pow(2).sum())
+        return min(1.0, max(0.0, inside / self.rank))
+
+    def without_span(
+        self, vectors: Sequence[torch.Tensor], tol: float = 1e-6
+    ) -> GradientSignature | None:
+        """The part of the signature unique to the erased data: the basis projected out of the
+        span of ``vectors`` (e.g. other silos' recent updates, each ``(d,)`` in this
+        signature's coordinates), re-orthonormalised; None when nothing is left.
+
+        Our adaptation of SFU (Li et al. 2023, "Subspace-based Federated Unlearning",
+        arXiv:2302.12448), which keeps an update in the orthogonal complement of the other
+        clients' input subspace: here the *signature* loses the directions the others' data
+        moves the model along too, so that the calibration stops only what is unique to the
+        erased data. ``U − Q(QᵀU)`` (twice, in float64), then an SVD keeps the directions with
+        singular value above ``tol`` (the columns of ``U`` have norm 1, so ``tol`` is
+        relative). No ``vectors`` (or only zero ones): a copy of this signature.
+        """
+        d = self.basis.shape[0]
+        q = span_basis(vectors, d, tol)
+        if q.shape[1] == 0 or self.rank == 0:
+            return None if self.rank == 0 else GradientSignature(self.basis.clone(), self.names)
+        u = self.basis.double()
+        resid = u - q @ (q.T @ u)
+        resid = resid - q @ (q.T @ resid)  # second pass: orthogonal to rounding error
+        left, s, _ = torch.linalg.svd(resid, full_matrices=False)
+        keep = left[:, s > tol]
+        if keep.shape[1] == 0:
+            return None
+        return GradientSignature(keep.float().contiguous(), list(self.names))
+
     def state_dict(self) -> dict[str, Any]:
         """The basis and the tensor names (copies)."""
         return {"basis": self.basis.clone(), "names": list(self.names)}
@@ -292,39 +359,26 @@ class GradientSignature:
 
 
 @dataclass
-class ErasureJump:
-    """The direction an erasure moved the model, ĵ = (w_B − w_pre) / ‖w_B − w_pre‖ over the
-    floating tensors ``names``: what the model must not move back along.
-
-    Paper: the one-sided projection of PCGrad (Yu et al. 2020, arXiv 2001.06782), as FedOSD
-    (arXiv 2412.20200) uses it against unlearned models reverting: of a later change Δ only the
-    component moving back along the jump is removed, Δ − min(0, ⟨Δ, ĵ⟩)·ĵ; moving further
-    along it or across it is kept. Summed over every later change, the model's displacement
-    from the boundary then never has a positive component toward w_pre, so the reversion ratio
-    ρ(t) = ⟨w_t − w_B, w_pre − w_B⟩ / ‖w_pre − w_B‖² stays ≤ 0 (issue 14 §4).
-    """
+class OneSided:
+    """A unit direction ``a`` over the floating tensors ``names`` that a later change Δ may not
+    move against: of Δ only the component with ⟨Δ, a⟩ < 0 is removed, Δ − min(0, ⟨Δ, a⟩)·a;
+    moving along ``a`` or across it is kept (the one-sided projection of PCGrad, Yu et al.
+    2020, arXiv 2001.06782, as FedOSD, arXiv 2412.20200, uses it in federated unlearning).
+    Several at once: :func:`block_one_sided`."""
 
     direction: torch.Tensor
-    """ĵ, shape ``(d,)``, unit L2 norm, float32."""
+    """``a``, shape ``(d,)``, unit L2 norm, float32."""
     names: list[str]
-
-    @classmethod
-    def between(cls, before: Params, after: Params) -> ErasureJump | None:
-        """The jump from ``before`` to ``after`` (None when they are equal)."""
-        names = _float_names(after, None)
-        diff = (flatten(after, names) - flatten(before, names)).float()
-        norm = float(torch.linalg.vector_norm(diff))
-        if norm == 0.0 or not math.isfinite(norm):
-            return None
-        return cls((diff / norm).cpu(), names)
+    """Tensor names the entries of ``direction`` run over, in flattening order."""
 
     def along(self, change: Params) -> float:
-        """⟨Δ, ĵ⟩: how far ``change`` moves along the jump (negative: back toward w_pre)."""
+        """⟨Δ, a⟩: how far ``change`` moves along the direction (negative: against it)."""
         delta = flatten(change, self.names)
         return float(delta.float() @ self.direction.to(delta.device))
 
-    def block_reversal(self, change: Params) -> Params:
-        """``change`` without its component moving back along the jump (one-sided)."""
+    def block(self, change: Params) -> Params:
+        """``change`` without its component against the direction (``change`` itself when it
+        has none)."""
         c = self.along(change)
         if c >= 0.0:
             return change
@@ -337,9 +391,102 @@ class ErasureJump:
         return {"direction": self.direction.clone(), "names": list(self.names)}
 
     @classmethod
-    def from_state(cls, d: dict[str, Any]) -> ErasureJump:
-        """The jump ``state_dict`` described."""
+    def from_state(cls, d: dict[str, Any]) -> Self:
+        """The direction ``state_dict`` described."""
         return cls(d["direction"].clone(), [str(n) for n in d["names"]])
+
+    @classmethod
+    def unit(cls, vector: torch.Tensor, names: Sequence[str]) -> Self | None:
+        """``vector / ‖vector‖`` (float32, CPU) over ``names``; None when it is zero or not
+        finite."""
+        v = vector.detach().reshape(-1).cpu().float()
+        norm = float(torch.linalg.vector_norm(v))
+        if norm == 0.0 or not math.isfinite(norm):
+            return None
+        return cls(v / norm, list(names))
+
+
+@dataclass
+class ErasureJump(OneSided):
+    """The direction an erasure moved the model, ĵ = (w_B − w_pre) / ‖w_B − w_pre‖ over the
+    floating tensors ``names``: what the model must not move back along.
+
+    Paper: the one-sided projection of PCGrad (Yu et al. 2020, arXiv 2001.06782), as FedOSD
+    (arXiv 2412.20200) uses it against unlearned models reverting: of a later change Δ only the
+    component moving back along the jump is removed, Δ − min(0, ⟨Δ, ĵ⟩)·ĵ; moving further
+    along it or across it is kept. Summed over every later change, the model's displacement
+    from the boundary then never has a positive component toward w_pre, so the reversion ratio
+    ρ(t) = ⟨w_t − w_B, w_pre − w_B⟩ / ‖w_pre − w_B‖² stays ≤ 0 (issue 14 §4).
+    """
+
+    @classmethod
+    def between(cls, before: Params, after: Params) -> ErasureJump | None:
+        """The jump from ``before`` to ``after`` (None when they are equal)."""
+        names = _float_names(after, None)
+        return cls.unit(flatten(after, names) - flatten(before, names), names)
+
+    def block_reversal(self, change: Params) -> Params:
+        """``change`` without its component moving back along the jump (one-sided)."""
+        return self.block(change)
+
+
+@dataclass
+class ForgetGradient(OneSided):
+    """The erased data's mean loss gradient ĝ_f = g_f / ‖g_f‖ at the erased model, over the
+    tensors ``names`` (the signature's): what the model must not descend along.
+
+    A later change Δ with ⟨Δ, g_f⟩ < 0 lowers the forget loss to first order, i.e. relearns
+    the erased data; it loses that component, Δ − min(0, ⟨Δ, ĝ_f⟩)·ĝ_f, and nothing else is
+    touched (PCGrad's one-sided projection, arXiv 2001.06782, against the forget objective
+    as in FedOSD, arXiv 2412.20200). Unlike the signature's two-sided projection it leaves
+    every change that does not lower the forget loss as it is.
+    """
+
+    def block_descent(self, change: Params) -> Params:
+        """``change`` without its component lowering the forget loss (one-sided)."""
+        return self.block(change)
+
+
+def block_one_sided(change: Params, directions: Sequence[OneSided], sweeps: int = 200) -> Params:
+    """The nearest change to ``change`` that moves against none of ``directions`` (⟨Δ', a⟩ ≥ 0
+    for each), on its floating tensors; ``change`` itself when it already does.
+
+    One direction: :meth:`OneSided.block`. Several (jumps and forget gradients of one or more
+    erasures, each over its own tensor names): removing them one after another can bring back
+    an earlier one's violation when they are not orthogonal, so the projection onto the cone
+    is solved instead: Δ' = Δ + Aᵀλ with λ ≥ 0 minimising ½λᵀ(AAᵀ)λ + λᵀ(AΔ) (its dual, a
+    tiny nonnegative quadratic programme in one variable per direction), by exact coordinate
+    descent for at most ``sweeps`` sweeps (to 1e-12).
+    """
+    if not directions:
+        return change
+    if len(directions) == 1:
+        return directions[0].block(change)
+    names = _float_names(change, None)
+    delta = flatten(change, names).double()
+    zeros = {k: torch.zeros_like(v) for k, v in change.items()}
+    rows = [
+        flatten(unflatten(d.direction, zeros, d.names), names).double().to(delta.device)
+        for d in directions
+    ]
+    a = torch.stack(rows)  # (n, d)
+    c = a @ delta
+    if bool((c >= 0).all()):
+        return change
+    g = a @ a.T
+    lam = torch.zeros_like(c)
+    for _ in range(sweeps):
+        moved = 0.0
+        for i in range(len(rows)):
+            if float(g[i, i]) <= 0.0:
+                continue
+            new = max(0.0, float(lam[i]) - float(c[i] + g[i] @ lam) / float(g[i, i]))
+            moved = max(moved, abs(new - float(lam[i])))
+            lam[i] = new
+        if moved < 1e-12:
+            break
+    fixed = delta + a.T @ lam
+    return unflatten(fixed.to(flatten(change, names).dtype), change, names)
 
 
 class ContributionLedger:
