@@ -9,6 +9,8 @@ literature (e.g. Graves et al. 2021, "Amnesiac Machine Learning").
 Every method modifies ``model`` in place and returns scalar metrics. The erasing silo runs one
 of them, then sends the server the erased model (or its delta) and
 ``forget_signature(model, forget, ...)``; the server projects later updates out of it.
+``forget_signature_with_gradient`` also returns the forget set's mean loss gradient, for the
+server's one-sided protection (``unlearning.protect=gradient/onesided``).
 
     reference = ledger.without(global_params, silo)   # server side
     model.load_state_dict(global_params)
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from fedasync.types import Params
-from fedasync.unlearning import GradientSignature
+from fedasync.unlearning import GradientSignature, flatten
 from medical_data.federation import SiloData
 from medical_data.tasks import evaluate, targets
 from medical_data.tasks import loss_fn as task_loss
@@ -215,6 +217,37 @@ def forget_signature(
     erased model these are the directions along which later training would lower the forget
     loss again, i.e. relearn; the server projects them out of every later update.
     """
+    sig, _ = forget_signature_with_gradient(
+        model,
+        forget,
+        task=task,
+        batches=batches,
+        batch_size=batch_size,
+        rank=rank,
+        energy=energy,
+        seed=seed,
+        device=device,
+    )
+    return sig
+
+
+def forget_signature_with_gradient(
+    model: nn.Module,
+    forget: SiloData,
+    *,
+    task: str,
+    batches: int = 8,
+    batch_size: int = 32,
+    rank: int = 8,
+    energy: float = 0.99,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> tuple[GradientSignature, torch.Tensor]:
+    """:func:`forget_signature` and, from the same batches at no extra cost, the forget set's
+    mean loss gradient g_f: ``(d,)`` float32 over the signature's tensor names (in its
+    order), the batch gradients weighted by their batch sizes. A later change with
+    ⟨Δ, g_f⟩ < 0 would lower the forget loss (``unlearning.protect=gradient/onesided``
+    blocks that component, `fedasync.unlearning.ForgetGradient`)."""
     if len(forget) == 0:
         raise ValueError("forget set is empty")
     device = device or torch.device("cpu")
@@ -241,4 +274,8 @@ def forget_signature(
             }
         )
     model.zero_grad(set_to_none=True)
-    return GradientSignature.from_gradients(grads, rank=rank, energy=energy, names=names)
+    sizes = torch.tensor([float(len(c)) for c in chunks])
+    stacked = torch.stack([flatten(g, names).float() for g in grads])
+    mean = (sizes / sizes.sum()) @ stacked
+    sig = GradientSignature.from_gradients(grads, rank=rank, energy=energy, names=names)
+    return sig, mean

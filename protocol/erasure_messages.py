@@ -3,7 +3,9 @@
 The request carries the model to erase from (and optionally the reference model of projected
 gradient ascent), the sample ids to forget (none: the whole silo) and a ``SiloErasure`` config.
 The reply carries the erasure delta (relative to the model sent), the forget data's gradient
-signature basis ``(d, k)`` with the names of the tensors it spans, and the silo's metrics.
+signature basis ``(d, k)`` with the names of the tensors it spans, optionally the forget data's
+mean loss gradient ``(d,)`` over the same tensors (``unlearning.protect=gradient/onesided``
+reads it; a reply without it, as older silos send, still parses), and the silo's metrics.
 Errors as in ``protocol.messages`` (``ErrorReply``, ``Malformed``).
 """
 
@@ -89,8 +91,9 @@ class UnlearnRequest:
 @dataclass(frozen=True, eq=False)
 class UnlearnReply:
     """The erasure's result: ``delta`` (erased model - model sent), the signature ``basis``
-    (d, k) over the tensors ``names`` (in order), and metrics (``metrics``: every one but the
-    four keyed ones, e.g. ``signature_rank`` and the erasure's statistics)."""
+    (d, k) over the tensors ``names`` (in order), metrics (``metrics``: every one but the
+    four keyed ones, e.g. ``signature_rank`` and the erasure's statistics), and optionally
+    ``gradient`` (d,), the forget set's mean loss gradient over the same tensors."""
 
     silo: int
     job_id: int
@@ -101,6 +104,8 @@ class UnlearnReply:
     basis: torch.Tensor
     names: tuple[str, ...]
     metrics: dict[str, float] = field(default_factory=dict)
+    gradient: torch.Tensor | None = None
+    """The forget data's mean loss gradient at the erased model, ``(d,)`` (None: not sent)."""
 
     def __post_init__(self) -> None:
         """``metrics`` may not repeat a keyed metric."""
@@ -111,7 +116,8 @@ class UnlearnReply:
         return {P.NUM_SAMPLES: float(self.num_samples), **self.metrics}
 
     def to_message(self, reply_to: Message) -> Message:
-        """The reply to ``reply_to`` (the basis travels in the dtype it has)."""
+        """The reply to ``reply_to`` (the basis and the gradient travel in the dtype they
+        have; no gradient: no ``forget-gradient`` record, as older silos sent)."""
         metrics = MetricRecord(
             {
                 P.SILO: self.silo,
@@ -129,12 +135,15 @@ class UnlearnReply:
                 P.CONFIG: ConfigRecord({P.SIGNATURE_NAMES: list(self.names)}),
             }
         )
+        if self.gradient is not None:
+            content[P.FORGET_GRADIENT] = wire.encode({"gradient": self.gradient})
         return Message(content, reply_to=reply_to)
 
     @classmethod
     def from_message(cls, msg: Message) -> UnlearnReply:
         """The reply ``msg`` holds (ErrorReply, Malformed otherwise; the basis must be a
-        finite floating (d, k) matrix)."""
+        finite floating (d, k) matrix, the gradient, when there is one, a finite floating
+        (d,) vector)."""
         ErrorReply.check(msg)
         with fields():
             m = record(msg.content, P.METRICS, MetricRecord)
@@ -151,4 +160,19 @@ class UnlearnReply:
         basis = signature["basis"]
         if basis.dim() != 2 or not basis.is_floating_point() or not bool(basis.isfinite().all()):
             raise Malformed("the gradient signature is not a finite (d, k) matrix")
-        return cls(silo, job, base, n, delta, basis, names, metrics)
+        gradient = None
+        if P.FORGET_GRADIENT in msg.content:
+            got, _ = arrays(msg.content, P.FORGET_GRADIENT)
+            if set(got) != {"gradient"}:
+                raise Malformed("the forget-gradient arrays must hold exactly 'gradient'")
+            gradient = got["gradient"]
+            if (
+                gradient.shape != (basis.shape[0],)
+                or not gradient.is_floating_point()
+                or not bool(gradient.isfinite().all())
+            ):
+                raise Malformed(
+                    f"the forget gradient is not a finite ({basis.shape[0]},) vector, "
+                    f"got shape {tuple(gradient.shape)}"
+                )
+        return cls(silo, job, base, n, delta, basis, names, metrics, gradient)

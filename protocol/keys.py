@@ -8,7 +8,7 @@ Messages (Flower routes them by type, ``@app.train()`` etc.):
   (local model - global model) and metrics (silo, base-version, job-id, num-samples, losses).
 - ``evaluate``: arrays = a model; reply metrics = loss and score on the silo's own data.
 - ``train.unlearn``: arrays = the model to erase from; reply = the erasure delta, the forget
-  data's gradient signature and metrics.
+  data's gradient signature (and, optionally, its mean loss gradient) and metrics.
 
 The dataclass of each message (built and validated in one place) is in ``protocol.messages``.
 """
@@ -36,6 +36,9 @@ REFERENCE = "reference"
 """Unlearn: the reference model of projected gradient ascent (arrays)."""
 SIGNATURE = "signature"
 """Unlearn reply: the forget data's gradient signature basis, shape (d, k) (arrays)."""
+FORGET_GRADIENT = "forget-gradient"
+"""Unlearn reply, optional: the forget data's mean loss gradient at the erased model, shape (d,)
+over the signature's tensors, as the one array ``gradient`` (arrays; absent in older replies)."""
 
 # config keys (server -> silo)
 JOB_ID = "job-id"
