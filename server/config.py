@@ -65,7 +65,7 @@ PreBoundary = Literal["project", "drop"]
 """``unlearning.pre_boundary``."""
 CalibrationTarget = Literal["reply", "applied"]
 """``unlearning.calibration_target``."""
-Protect = Literal["subspace", "jump", "both"]
+Protect = Literal["subspace", "jump", "both", "gradient", "onesided"]
 """``unlearning.protect``."""
 TriggerPattern = Literal["solid", "checker"]
 """``backdoor.trigger_pattern``: medical_data.backdoor.PATTERNS (checked equal at import)."""
@@ -457,7 +457,18 @@ class UnlearningConfig:
     """With ``calibration_target=applied``, what a change to the model may not do: ``subspace``,
     move within the erased data's gradient signature (two-sided projection); ``jump``, move
     back along the erasure's own jump (one-sided: only the component toward the pre-erasure
-    model is removed, PCGrad/FedOSD style); ``both``."""
+    model is removed, PCGrad/FedOSD style); ``both``; ``gradient``, lower the erased data's
+    loss (one-sided: only the component along minus its mean loss gradient at the erased
+    model, which the erasing silo sends, is removed); ``onesided``, jump and gradient together
+    (both one-sided, projected onto their intersection)."""
+    signature_unique: bool = False
+    """At the boundary, remove from the erased data's signature the span of the other silos'
+    last ``unique_window`` accepted updates, keeping only directions unique to the erased data
+    (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event. Costs
+    ``unique_window`` x the model's size in memory and in checkpoints."""
+    unique_window: int = 8
+    """signature_unique: how many of the latest accepted updates are kept (the erasing silo's
+    own are left out at the boundary)."""
     pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate it, when
     ``calibration`` is on) or drop it (whether or not ``calibration`` is on)."""
@@ -508,10 +519,13 @@ class UnlearningConfig:
             self.calibration_target in CALIBRATION_TARGETS,
             "unlearning.calibration_target must be reply or applied",
         )
-        check(self.protect in PROTECTS, "unlearning.protect must be subspace, jump or both")
+        check(
+            self.protect in PROTECTS,
+            "unlearning.protect must be subspace, jump, both, gradient or onesided",
+        )
         check(
             self.protect == "subspace" or self.calibration_target == "applied",
-            "unlearning.protect=jump/both needs unlearning.calibration_target=applied",
+            f"unlearning.protect={self.protect} needs unlearning.calibration_target=applied",
         )
         check(
             (self.tls_certfile is None) == (self.tls_keyfile is None),
@@ -678,6 +692,7 @@ RANGES: dict[str, Range] = {
     "unlearning.calibration_strength": UNIT,
     "unlearning.signature_rank": AT_LEAST_ONE,
     "unlearning.signature_batches": AT_LEAST_ONE,
+    "unlearning.unique_window": AT_LEAST_ONE,
     "unlearning.relearn_versions": NON_NEGATIVE,
     "unlearning.watch_every": NON_NEGATIVE,
     "unlearning.max_attempts": AT_LEAST_ONE,

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -76,9 +77,13 @@ from fedasync.tensors import clip_by_norm, clone, global_norm
 from fedasync.unlearning import (
     ContributionLedger,
     ErasureJump,
+    ForgetGradient,
     GradientSignature,
+    OneSided,
     UpdateHistory,
+    block_one_sided,
     federaser_step,
+    flatten,
     forget_share_scale,
 )
 from protocol.config import SiloErasure
@@ -215,7 +220,15 @@ class ErasureCoordinator:
         self.rebuild: Rebuild | None = None
         self.signature: GradientSignature | None = None
         self.jumps: list[ErasureJump] = []
-        """Each applied erasure's jump (``unlearning.protect`` jump or both)."""
+        """Each applied erasure's jump (``unlearning.protect`` jump, both or onesided)."""
+        self.gradients: list[ForgetGradient] = []
+        """Each applied erasure's mean forget gradient, as its silo sent it
+        (``unlearning.protect`` gradient or onesided)."""
+        self.recent: deque[tuple[int, Params]] = deque(maxlen=int(self.cfg.unique_window))
+        """``unlearning.signature_unique``: the latest accepted updates as received (silo,
+        float32 copies of the floating tensors), at most ``unique_window``: what the other
+        silos' data moves the model along. Checkpointed (``state_dict``), so a resumed server
+        has the same window as before the restart."""
         self.boundary = -1
         self.retired: set[int] = set()
         self.excluded: dict[int, list[str]] = {}
@@ -471,6 +484,13 @@ class ErasureCoordinator:
                 RejectReason.CROSSED_BOUNDARY,
                 f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
             )
+        if self.cfg.signature_unique:  # accepted: the pipeline folds it after this
+            floats = {
+                k: v.detach().cpu().float().clone()
+                for k, v in tensors.items()
+                if v.is_floating_point()
+            }
+            self.recent.append((job.silo, floats))
         if self.signature is None or not self.cfg.calibration:
             return tensors
         if self.cfg.calibration_target == "applied":
@@ -484,28 +504,32 @@ class ErasureCoordinator:
         with a signature or an erasure jump to protect)."""
         if not self.cfg.calibration or self.cfg.calibration_target != "applied":
             return False
-        return self._subspace is not None or bool(self._jumps)
+        return self._subspace is not None or bool(self._one_sided)
 
     @property
     def _subspace(self) -> GradientSignature | None:
         return self.signature if self.cfg.protect in ("subspace", "both") else None
 
     @property
-    def _jumps(self) -> list[ErasureJump]:
-        return self.jumps if self.cfg.protect in ("jump", "both") else []
+    def _one_sided(self) -> list[OneSided]:
+        """The one-sided directions ``unlearning.protect`` holds changes to: the erasures'
+        jumps (jump, both, onesided) and forget gradients (gradient, onesided)."""
+        protect = self.cfg.protect
+        jumps = self.jumps if protect in ("jump", "both", "onesided") else []
+        grads = self.gradients if protect in ("gradient", "onesided") else []
+        return [*jumps, *grads]
 
     def project(self, change: Params) -> Params:
         """``change`` (to the model, or a direction the server carries) calibrated by
         ``unlearning.protect``: projected out of the erased data's signature (``last_overlap``
         is the share of it that lay there), and/or without its component moving back along
-        each erasure's jump."""
+        each erasure's jump or lowering its forget loss (one-sided; with several directions
+        the nearest change that goes against none, `fedasync.unlearning.block_one_sided`)."""
         sig = self._subspace
         if sig is not None:
             self.last_overlap = sig.overlap(change)
             change = sig.project_out(change, strength=self.cfg.calibration_strength)
-        for jump in self._jumps:
-            change = jump.block_reversal(change)
-        return change
+        return block_one_sided(change, self._one_sided)
 
     def compensates(self, job: Job) -> bool:
         """Whether delay compensation may use ``job``'s base weights: not across an erasure
@@ -534,12 +558,15 @@ class ErasureCoordinator:
         if self.active.get(erasure.request_id) is not erasure:
             log.warning("ignored a reply to erasure %s: not in progress", erasure.request_id)
             return  # requeued or finished meanwhile: only the attempt in progress is applied
-        delta, basis, names, metrics = decoded
+        delta, basis, names, metrics = decoded[:4]
+        gradient = decoded[4] if len(decoded) > 4 else None  # (older readers: no gradient)
         delta, bounds = self.bound_delta(erasure, delta)
         new = _add(srv.params, delta)
         if erasure.removal is not None:
             new = _add(new, erasure.removal)
-        self._apply(erasure, new, GradientSignature.from_basis(basis, names), metrics, bounds)
+        sig = GradientSignature.from_basis(basis, names)
+        grad = None if gradient is None else ForgetGradient.unit(gradient, names)
+        self._apply(erasure, new, sig, metrics, bounds, grad)
 
     def bound_delta(self, erasure: Erasure, delta: Params) -> tuple[Params, dict[str, float]]:
         """``delta`` clipped to the erasure bound, and what was done (``delta_norm``: its L2
@@ -587,14 +614,34 @@ class ErasureCoordinator:
         sig: GradientSignature | None,
         metrics: dict[str, float],
         bounds: dict[str, float] | None = None,
+        gradient: ForgetGradient | None = None,
     ) -> None:
         """Put the erased model in force: the erasure boundary, verification, durability."""
-        srv = self.srv
+        srv, protect = self.srv, self.cfg.protect
+        kept: dict[str, float] = {}  # what the calibrating event says of what is protected
+        if sig is not None and self.cfg.signature_unique:
+            sig, kept = self._unique(erasure, sig)
         if sig is not None:
             self.signature = sig if self.signature is None else self.signature.merge(sig)
-        jump = ErasureJump.between(srv.params, new) if self.cfg.protect != "subspace" else None
+        jump = (
+            ErasureJump.between(srv.params, new)
+            if protect in ("jump", "both", "onesided")
+            else None
+        )
         if jump is not None:
             self.jumps.append(jump)
+        if protect in ("gradient", "onesided"):
+            kept["forget_gradient"] = float(gradient is not None)
+            if gradient is not None:
+                self.gradients.append(gradient)
+            else:
+                log.warning(
+                    "erasure %s: unlearning.protect=%s but silo %d sent no forget gradient "
+                    "(an older silo, or FedEraser): it is not protected against",
+                    erasure.request_id,
+                    protect,
+                    erasure.silo,
+                )
         if self.projects_applied:  # what the server carries past the boundary, calibrated
             dropped = srv.pipeline.at_boundary(str(erasure.silo), self.project)
             log.info(
@@ -619,6 +666,7 @@ class ErasureCoordinator:
             **self.verify_fn(srv.params, erasure.silo, erasure.sample_ids),
             **{f"silo_{k}": v for k, v in metrics.items()},  # what the silo reported
             **(bounds or {}),  # the server's bound on the silo's delta (bound_delta)
+            **kept,  # signature_unique's share removed; whether a forget gradient came
             "score_before": before,
             "score_after": after,
             "boundary_dip": before - after,
@@ -639,6 +687,38 @@ class ErasureCoordinator:
         if self.cfg.halt and not srv.barrier:  # (a sync round restarts everyone by itself)
             for silo in self.halted_silos():
                 srv.dispatch(silo)  # the halted federation resumes
+
+    def _unique(
+        self, erasure: Erasure, sig: GradientSignature
+    ) -> tuple[GradientSignature | None, dict[str, float]]:
+        """``unlearning.signature_unique``: ``sig`` without the span of the other silos'
+        latest accepted updates (`GradientSignature.without_span`; None: nothing of it is
+        unique), and what that did: ``signature_shared``, the share of the signature in that
+        span (`GradientSignature.span_share`), the ranks before and after, and how many
+        updates spanned it."""
+        vectors = [
+            flatten(p, sig.names)
+            for silo, p in self.recent
+            if silo != erasure.silo and all(n in p for n in sig.names)
+        ]
+        shared = sig.span_share(vectors)
+        unique = sig.without_span(vectors)
+        report = {
+            "signature_shared": shared,
+            "signature_rank_sent": float(sig.rank),
+            "signature_rank_unique": float(0 if unique is None else unique.rank),
+            "unique_updates": float(len(vectors)),
+        }
+        log.info(
+            "erasure %s: %.1f%% of its signature lies in the span of %d update(s) of other "
+            "silos; rank %d -> %d",
+            erasure.request_id,
+            100 * shared,
+            len(vectors),
+            sig.rank,
+            0 if unique is None else unique.rank,
+        )
+        return unique, report
 
     def failed(self, erasure: Erasure, why: str) -> None:
         """The erasure cannot be carried out: ``failed`` with ``why`` (a silo that went down
@@ -783,9 +863,12 @@ class ErasureCoordinator:
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The erasures in progress, the ledger, the signatures and the FedEraser history."""
+        """The erasures in progress, the ledger, the signatures, the one-sided directions, the
+        window of recent updates (``signature_unique``) and the FedEraser history."""
         return {
             "jumps": [j.state_dict() for j in self.jumps],
+            "gradients": [g.state_dict() for g in self.gradients],
+            "recent": [{"silo": silo, "tensors": clone(p)} for silo, p in self.recent],
             "ledger": self.ledger.state_dict(),
             "history": None if self.history is None else self.history.state_dict(),
             "signature": None if self.signature is None else self.signature.state_dict(),
@@ -814,6 +897,10 @@ class ErasureCoordinator:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.jumps = [ErasureJump.from_state(j) for j in d.get("jumps", [])]
+        self.gradients = [ForgetGradient.from_state(g) for g in d.get("gradients", [])]
+        self.recent.clear()  # (absent in older checkpoints: the window starts empty)
+        for r in d.get("recent", []):
+            self.recent.append((int(r["silo"]), clone(r["tensors"])))
         self.ledger.load_state_dict(d["ledger"])
         if self.history is not None and d.get("history"):  # (absent: FedEraser was off)
             self.history.load_state_dict(d["history"])
