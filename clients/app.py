@@ -212,7 +212,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
 def unlearn(msg: Message, context: Context) -> Message:
     """Erase the forget set from the received model on this silo; reply with the delta and the
     forget data's gradient signature (an orthonormal basis, never the data)."""
-    from clients.unlearn import erase_pga, erase_relabel, forget_signature
+    from clients.unlearn import erase_pga, erase_relabel, forget_signature_with_gradient
 
     req = UnlearnRequest.from_message(msg)
     erase = req.erasure
@@ -257,7 +257,7 @@ def unlearn(msg: Message, context: Context) -> Message:
             lr=erase.lr,
             batch_size=ccfg.batch_size,
         )
-    signature = forget_signature(
+    signature, gradient = forget_signature_with_gradient(
         model,
         forget,
         task=fed.spec.task,
@@ -277,5 +277,6 @@ def unlearn(msg: Message, context: Context) -> Message:
         basis=signature.basis.to(getattr(torch, erase.signature_dtype)),
         names=tuple(signature.names),
         metrics={"signature_rank": signature.rank, **{k: float(v) for k, v in stats.items()}},
+        gradient=gradient.to(getattr(torch, erase.signature_dtype)),
     )
     return reply.to_message(reply_to=msg)

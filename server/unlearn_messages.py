@@ -48,8 +48,9 @@ def check_unlearn_reply(reply: UnlearnReply, reference: Params) -> str | None:
 
 def read_unlearn_reply(
     reply: Message, reference: Params
-) -> tuple[Params, torch.Tensor, list[str], dict[str, float]] | str:
-    """(delta, signature basis, basis tensor names, metrics), or why the reply is unusable:
+) -> tuple[Params, torch.Tensor, list[str], dict[str, float], torch.Tensor | None] | str:
+    """(delta, signature basis, basis tensor names, metrics, forget gradient or None), or why
+    the reply is unusable:
     a ``SiloLost`` for an error reply (the silo went down; the request is retried), a plain
     ``str`` for a reply that came back malformed (the request fails). ``metrics``: every
     metric but silo, job and base version, as floats."""
@@ -62,4 +63,4 @@ def read_unlearn_reply(
     bad = check_unlearn_reply(got, reference)
     if bad is not None:
         return bad
-    return got.delta, got.basis, list(got.names), got.report()
+    return got.delta, got.basis, list(got.names), got.report(), got.gradient

@@ -18,7 +18,6 @@ from inprocess import InProcessGrid, set_task_identity
 
 import clients.app
 import clients.unlearn
-import server.loop
 from clients.app import app as client_app
 from fedasync.events import read_events
 from fedasync.unlearning import (
@@ -208,33 +207,17 @@ def test_without_signature_unique_no_window_is_kept(small_cfg):
 # ---------------------------------------------------------------- the whole run
 @pytest.fixture
 def gradient_glue(monkeypatch):
-    """The silo sends its mean forget gradient and the server reads it: what clients/app.py and
-    server/unlearn_messages.py pass on (patched in here where they do not yet; a no-op where
-    they do)."""
+    """Records the mean forget gradient the silo computes and sends (``last``: the gradient
+    and its tensor names), for the arm whose server does not keep it."""
     sent: dict = {}
     with_gradient = clients.unlearn.forget_signature_with_gradient
 
-    def signature(*args, **kwargs):
-        sig, sent["gradient"] = with_gradient(*args, **kwargs)
-        sent["last"] = (sent["gradient"], sig.names)
-        return sig
+    def recording(*args, **kwargs):
+        sig, grad = with_gradient(*args, **kwargs)
+        sent["last"] = (grad, sig.names)
+        return sig, grad
 
-    def reply(*args, **kwargs):
-        if kwargs.get("gradient") is None and "gradient" in sent:
-            kwargs["gradient"] = sent.pop("gradient")
-        return UnlearnReply(*args, **kwargs)
-
-    read = server.loop.read_unlearn_reply
-
-    def read_with_gradient(msg, reference):
-        got = read(msg, reference)
-        if isinstance(got, tuple) and len(got) == 4:
-            got = (*got, UnlearnReply.from_message(msg).gradient)
-        return got
-
-    monkeypatch.setattr(clients.unlearn, "forget_signature", signature)
-    monkeypatch.setattr(clients.app, "UnlearnReply", reply)
-    monkeypatch.setattr(server.loop, "read_unlearn_reply", read_with_gradient)
+    monkeypatch.setattr(clients.unlearn, "forget_signature_with_gradient", recording)
     return sent
 
 
@@ -354,6 +337,10 @@ def test_with_the_forget_gradient_protected_no_version_lowers_the_forget_loss(
 
 def test_onesided_without_a_gradient_from_the_silo_is_verified_and_says_so(small_cfg, monkeypatch):
     # a silo that sends no forget gradient (older): only the jump is protected
+    def older(*args, **kwargs):
+        return UnlearnReply(*args, **{**kwargs, "gradient": None})
+
+    monkeypatch.setattr(clients.app, "UnlearnReply", older)
     seen = _run(
         small_cfg, monkeypatch, "unlearning.calibration_target=applied",
         "unlearning.protect=onesided",
