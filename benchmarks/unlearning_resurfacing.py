@@ -119,6 +119,8 @@ BENCHMARKS: dict[str, list[str]] = {
 FORGETTING = METRICS = ("bd_asr", "bd_mia_auc", "bd_forget_accuracy")
 """Forgetting metrics read from the ``eval`` events (``backdoor.watch``)."""
 LATENCY_GAP = 0.01
+EFFECTIVE_MARGIN = 0.1
+"""An erasure is effective when its ASR at the boundary is at most retraining's + this."""
 """The latency's accuracy condition: within 1 point of the pre-request test accuracy."""
 
 
@@ -270,6 +272,7 @@ def read(run: Run) -> dict[str, Any]:
         a = applied[0]
         out["request_t"] = a["submitted_t"]
         out["boundary_t"] = a["submitted_t"] + a["erasure_latency_s"]
+        out["asr_at_boundary"] = a.get("at_boundary", {}).get("asr")
     return out
 
 
@@ -297,6 +300,14 @@ def measure(run: Run, ref: Run, floors: dict[str, float]) -> dict[str, Any]:
     pre = sv[st <= r["request_t"]][-5:]
     row["pre_request_accuracy"] = float(pre.mean()) if len(pre) else math.nan
     row["asr_at_request"] = float(_series(r["evals"], "bd_asr")[1][st <= r["request_t"]][-1])
+    row["asr_at_boundary"] = r.get("asr_at_boundary")
+    # effective: the erasure itself took the backdoor down to retraining's level (+0.1) at the
+    # boundary; where it did not, the gap is the erasure's failure, the same in every arm
+    rt, rv = _series(g["evals"], "bd_asr")
+    at_b = float(np.interp(r["boundary_t"], rt, rv))
+    row["effective"] = r.get("asr_at_boundary") is not None and (
+        r["asr_at_boundary"] <= at_b + EFFECTIVE_MARGIN
+    )
     row["latency_s"] = latency_within_floor(
         r["evals"], g["evals"], floors, r["request_t"], r["boundary_t"], row["pre_request_accuracy"]
     )
@@ -440,6 +451,9 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
             gaps = [m["gap_bd_asr"] for m in ms]
             for seed, m in by_seed.items():
                 pooled.setdefault(arm, {})[(scen, variant, seed)] = m["gap_bd_asr"]
+                if m["effective"]:
+                    eff_key = f"{arm}@effective"
+                    pooled.setdefault(eff_key, {})[(scen, variant, seed)] = m["gap_bd_asr"]
             s: dict[str, Any] = {
                 "scenario": scen,
                 "variant": variant,
@@ -460,12 +474,19 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
                 "latency_s_median": _median(m["latency_s"] for m in ms),
                 "retrain_latency_s_median": _median(m["retrain_latency_s"] for m in ms),
             }
+            s["effective"] = sum(bool(m["effective"]) for m in ms)
             paired = sorted(set(by_seed) & set(none))
             if arm != "none" and paired:
                 s["reduction"] = bootstrap_reduction(
                     [none[k]["gap_bd_asr"] for k in paired],
                     [by_seed[k]["gap_bd_asr"] for k in paired],
                 )
+                eff = [k for k in paired if none[k]["effective"]]
+                if eff:
+                    s["reduction_effective"] = bootstrap_reduction(
+                        [none[k]["gap_bd_asr"] for k in eff],
+                        [by_seed[k]["gap_bd_asr"] for k in eff],
+                    )
             summary.append(s)
     out = Path(args.out) / args.benchmark
     _write(out / "runs.csv", rows)
@@ -481,6 +502,16 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
         f"default calibration: {default}; its reduction of the uncalibrated ASR gap, pooled "
         f"over scenarios: {red[0]:.2f} (95% CI {red[1]:.2f} .. {red[2]:.2f})"
     )
+    for arm in sorted(a for a in pooled if "@" not in a and a != "none"):
+        mine = pooled[arm]
+        k = sorted(set(none) & set(mine))
+        r = bootstrap_reduction([none[x] for x in k], [mine[x] for x in k])
+        ke = sorted(set(pooled.get("none@effective", {})) & set(mine))
+        re_ = bootstrap_reduction([none[x] for x in ke], [mine[x] for x in ke])
+        print(
+            f"  {arm:16s} reduction of the uncalibrated gap, pooled: {_fmt(r)} over {len(k)} "
+            f"runs; where the erasure was effective: {_fmt(re_)} over {len(ke)}"
+        )
     print(f"resurfacing_gap_reduction={red[0]:.3f}")
 
 
@@ -521,11 +552,13 @@ def _fmt(v: Any) -> str:
 def _print(summary: list[dict[str, Any]]) -> None:
     cols = [
         "seeds",
+        "effective",
         "asr_at_request",
         "gap_asr",
         "gap_asr_sd",
         "gap_asr_ci",
         "reduction",
+        "reduction_effective",
         "gap_mia",
         "rho_end_median",
         "test_end",
