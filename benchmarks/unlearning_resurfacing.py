@@ -376,10 +376,16 @@ def bootstrap_mean_ci(values: list[float], n: int = 4000, seed: int = 0) -> tupl
     return float(lo), float(hi)
 
 
-def _default_target() -> str:
+def default_arm() -> str:
+    """The arm that is the packaged config's calibration (its target and what it protects)."""
     from simulations.config import load_config
 
-    return str(load_config(None, []).unlearning.calibration_target)
+    u = load_config(None, []).unlearning
+    if u.calibration_target == "reply":
+        return "reply"
+    return {"both": "applied", "subspace": "applied-subspace", "jump": "applied-jump"}.get(
+        str(u.protect), "applied"
+    )
 
 
 def main() -> None:
@@ -494,7 +500,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
     _print(summary)
     _plot(groups, out / "resurfacing.png", args)
     print(f"results: {out / 'runs.csv'}, {out / 'summary.csv'}, {out / 'resurfacing.png'}")
-    default = "applied" if _default_target() == "applied" else "reply"
+    default = default_arm()
     none, ours = pooled.get("none", {}), pooled.get(default, {})
     keys = sorted(set(none) & set(ours))
     red = bootstrap_reduction([none[k] for k in keys], [ours[k] for k in keys])

@@ -446,21 +446,24 @@ class UnlearningConfig:
     signature_dtype: SignatureDtype = "float32"
     """Precision the signature crosses the wire in: float32, or float16 (half the bytes; the
     server re-orthonormalises it)."""
-    calibration_target: CalibrationTarget = "reply"
+    calibration_target: CalibrationTarget = "applied"
     """What the invariance calibration projects: ``reply``, each accepted update as it arrives,
     before delay compensation, error feedback and the server optimiser; or ``applied``, the
     change each fold makes to the model, after all of them, with the server's carried state
     (FedBuff's buffer, the optimiser's first moment, error-feedback residuals) projected at the
     boundary, the erased silo's buffered deltas and residual dropped, and no delay compensation
-    across the boundary (its w_now − w_base would hold the erasure itself)."""
-    protect: Protect = "subspace"
+    across the boundary (its w_now − w_base would hold the erasure itself). Default applied
+    (with protect=jump): on benchmarks/unlearning_resurfacing.py it removed more of the
+    uncalibrated arm's resurfacing than reply did, without over-erasing (docs/measured.md)."""
+    protect: Protect = "jump"
     """With ``calibration_target=applied``, what a change to the model may not do: ``subspace``,
     move within the erased data's gradient signature (two-sided projection); ``jump``, move
     back along the erasure's own jump (one-sided: only the component toward the pre-erasure
     model is removed, PCGrad/FedOSD style); ``both``; ``gradient``, lower the erased data's
     loss (one-sided: only the component along minus its mean loss gradient at the erased
     model, which the erasing silo sends, is removed); ``onesided``, jump and gradient together
-    (both one-sided, projected onto their intersection)."""
+    (both one-sided, projected onto their intersection). With ``calibration_target=reply`` it
+    is not used: each reply is projected out of the signature."""
     signature_unique: bool = False
     """At the boundary, remove from the erased data's signature the span of the other silos'
     last ``unique_window`` accepted updates, keeping only directions unique to the erased data
@@ -522,10 +525,6 @@ class UnlearningConfig:
         check(
             self.protect in PROTECTS,
             "unlearning.protect must be subspace, jump, both, gradient or onesided",
-        )
-        check(
-            self.protect == "subspace" or self.calibration_target == "applied",
-            f"unlearning.protect={self.protect} needs unlearning.calibration_target=applied",
         )
         check(
             (self.tls_certfile is None) == (self.tls_keyfile is None),

@@ -535,7 +535,8 @@ class ErasureCoordinator:
         """Whether delay compensation may use ``job``'s base weights: not across an erasure
         boundary when the applied change is calibrated (w_now − w_base would hold the erasure
         itself, and compensating would pull the model back toward the pre-erasure one)."""
-        return not (self.cfg.calibration_target == "applied" and job.base_version < self.boundary)
+        applied = self.cfg.calibration and self.cfg.calibration_target == "applied"
+        return not (applied and job.base_version < self.boundary)
 
     def record(
         self,
@@ -618,6 +619,8 @@ class ErasureCoordinator:
     ) -> None:
         """Put the erased model in force: the erasure boundary, verification, durability."""
         srv, protect = self.srv, self.cfg.protect
+        if self.cfg.calibration_target != "applied":
+            protect = "subspace"  # a reply is projected out of the signature, nothing else
         kept: dict[str, float] = {}  # what the calibrating event says of what is protected
         if sig is not None and self.cfg.signature_unique:
             sig, kept = self._unique(erasure, sig)

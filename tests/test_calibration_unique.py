@@ -146,13 +146,11 @@ def test_a_bad_forget_gradient_is_malformed(arrays):
 
 
 # ---------------------------------------------------------------- the config
-def test_defaults_are_unchanged_and_the_gradient_needs_the_applied_target(small_cfg):
+def test_defaults_and_the_new_choices_load(small_cfg):
     u = small_cfg().unlearning
-    assert (u.signature_unique, u.unique_window, u.protect) == (False, 8, "subspace")
+    assert (u.signature_unique, u.unique_window, u.protect) == (False, 8, "jump")
     for protect in ("gradient", "onesided"):
-        with pytest.raises(ValueError, match="calibration_target=applied"):
-            small_cfg(f"unlearning.protect={protect}")
-        assert small_cfg(f"unlearning.protect={protect}", "unlearning.calibration_target=applied")
+        assert small_cfg(f"unlearning.protect={protect}").unlearning.protect == protect
     with pytest.raises(ValueError, match="unique_window"):
         small_cfg("unlearning.unique_window=0")
 

@@ -54,10 +54,6 @@ IDS = [f"{name}:{key}" for name, key, *_ in FIELDS]
 
 COMPANIONS = {
     ("rl", "rollout.clock", "wall"): ["rollout.backend=ray"],
-    ("fed", "unlearning.protect", "jump"): ["unlearning.calibration_target=applied"],
-    ("fed", "unlearning.protect", "both"): ["unlearning.calibration_target=applied"],
-    ("fed", "unlearning.protect", "gradient"): ["unlearning.calibration_target=applied"],
-    ("fed", "unlearning.protect", "onesided"): ["unlearning.calibration_target=applied"],
 }
 """Other keys a choice needs to load (a cross-key rule, not the choice's own check)."""
 

@@ -207,6 +207,7 @@ def test_calibration_projects_later_updates_and_drop_rule_counts(small_cfg):
         "run.max_versions=30",
         "erasures=[{silo: 1, at_s: 10}]",
         "unlearning.pre_boundary=drop",
+        "unlearning.calibration_target=reply",  # each reply projected: its overlap logged
         *ERASE,
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
