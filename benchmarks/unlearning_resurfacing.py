@@ -31,7 +31,10 @@ evaluations of max(0, ASR_arm(t) − ASR_retrain(t)) (retraining's series interp
 arm's times), the same for MIA AUC; the reversion ratio ρ at the end (``erasure_watch``);
 final test accuracy (mean of the last 3 evaluations) and forget accuracy against retraining
 and its noise floor (retrain vs retrain over seeds: landing below it is over-erasure); and
-the latency: request → first evaluation within the noise floor of retraining on ASR,
+the distances to the retrained model of the same seed at the end, in outputs (mean
+Jensen–Shannon divergence of test-set predictions, beside retraining's own floor: retrain vs
+retrain over seeds) and in weights (relative L2; same initialisation, so no floor across
+seeds); the latency: request → first evaluation within the noise floor of retraining on ASR,
 forget accuracy and MIA and within 1 point of the pre-request test accuracy. Over seeds:
 mean, spread, and a paired bootstrap 95% CI of each arm's reduction of the uncalibrated
 gap. Writes ``runs.csv``, ``summary.csv`` and ``resurfacing.png``; the last line is
@@ -68,7 +71,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fedasync.erasure_metrics import noise_floor, resurfacing_gap  # noqa: E402
+from fedasync.erasure_metrics import (  # noqa: E402
+    noise_floor,
+    output_divergence,
+    relative_l2,
+    resurfacing_gap,
+)
 
 ARMS: dict[str, list[str]] = {
     "none": ["unlearning.calibration=false"],
@@ -294,6 +302,9 @@ def measure(run: Run, ref: Run, floors: dict[str, float]) -> dict[str, Any]:
         row[f"gap_{key}"] = resurfacing_gap(av.tolist(), ret.tolist())
         row[f"end_{key}"] = float(av[-3:].mean()) if len(av) else math.nan
         row[f"end_{key}_retrain"] = float(rv[-3:].mean())
+    if "logits" in r and "logits" in g:  # distances to the retrained model, same seed
+        row["js_to_retrain"] = output_divergence(r["logits"], g["logits"])["js"]
+        row["l2_to_retrain"] = relative_l2(r["params"], g["params"])
     st, sv = _series(r["evals"], "score")
     row["test_end"] = float(sv[-3:].mean())
     row["test_end_retrain"] = float(_series(g["evals"], "score")[1][-3:].mean())
@@ -316,6 +327,40 @@ def measure(run: Run, ref: Run, floors: dict[str, float]) -> dict[str, Any]:
     hit = gt[gv >= row["pre_request_accuracy"] - LATENCY_GAP]
     row["retrain_latency_s"] = float(hit[0]) if len(hit) else math.nan
     return row
+
+
+def final_outputs(runs: list[Run]) -> None:
+    """Each run's final model (``checkpoint.pt``): its parameters and its logits on the test
+    set, into ``run.result`` (``params``, ``logits``), for the distances to retraining."""
+    import torch
+
+    from server.app import _federation, initial_model
+    from server.checkpoint import load_state
+    from simulations.config import load_config
+
+    test_images: dict[str, torch.Tensor] = {}
+    for run in runs:
+        cfg = load_config(None, run.overrides)
+        if cfg.data.benchmark not in test_images:
+            test_images[cfg.data.benchmark] = torch.as_tensor(_federation(cfg).test.images)
+        model = initial_model(cfg)
+        params = load_state(run.folder / "checkpoint.pt").params
+        model.load_state_dict(params)
+        model.eval()
+        with torch.no_grad():
+            run.result["logits"] = model(test_images[cfg.data.benchmark].float())
+        run.result["params"] = params
+
+
+def output_floor(retrains: list[Run]) -> float:
+    """Retraining's noise floor in outputs: the mean Jensen–Shannon divergence between the
+    test-set predictions of retrained models on different seeds."""
+    js = [
+        output_divergence(a.result["logits"], b.result["logits"])["js"]
+        for i, a in enumerate(retrains)
+        for b in retrains[i + 1 :]
+    ]
+    return float(np.mean(js)) if js else math.nan
 
 
 def retrain_floors(retrains: list[list[dict[str, Any]]]) -> dict[str, float]:
@@ -407,6 +452,12 @@ def main() -> None:
     ap.add_argument("--slowdown", default="10", help="async-state: straggler slowdowns, e.g. 10,30")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time")
     ap.add_argument("--fresh", action="store_true", help="run again even where results exist")
+    ap.add_argument(
+        "--no-distances",
+        dest="distances",
+        action="store_false",
+        help="skip the distances to retraining in outputs and weights (final checkpoints)",
+    )
     ap.add_argument("--out", default="runs/bench-resurfacing")
     args = ap.parse_args()
     runs = plan(args)
@@ -427,6 +478,8 @@ def main() -> None:
         list(pool.map(one, runs))
     for run in runs:
         run.result = read(run)
+    if args.distances:
+        final_outputs(runs)
     report(runs, args)
 
 
@@ -441,6 +494,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
     for (scen, variant), group in groups.items():
         refs = {r.seed: r for r in group if r.arm == "retrain"}
         floors = retrain_floors([r.result["evals"] for r in refs.values()])
+        js_floor = output_floor(list(refs.values())) if args.distances else math.nan
         per_arm: dict[str, dict[int, dict[str, Any]]] = {}
         for run in group:
             if run.arm == "retrain":
@@ -477,6 +531,9 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
                 "forget_end": _mean(m["end_bd_forget_accuracy"] for m in ms),
                 "forget_end_retrain": _mean(m["end_bd_forget_accuracy_retrain"] for m in ms),
                 "forget_floor": floors["bd_forget_accuracy"],
+                "js_to_retrain": _mean(m.get("js_to_retrain") for m in ms),
+                "js_floor": js_floor,
+                "l2_to_retrain": _mean(m.get("l2_to_retrain") for m in ms),
                 "latency_s_median": _median(m["latency_s"] for m in ms),
                 "retrain_latency_s_median": _median(m["retrain_latency_s"] for m in ms),
             }
@@ -572,6 +629,9 @@ def _print(summary: list[dict[str, Any]]) -> None:
         "forget_end",
         "forget_end_retrain",
         "forget_floor",
+        "js_to_retrain",
+        "js_floor",
+        "l2_to_retrain",
         "latency_s_median",
         "retrain_latency_s_median",
     ]
