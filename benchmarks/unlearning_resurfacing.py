@@ -124,7 +124,7 @@ BENCHMARKS: dict[str, list[str]] = {
 }
 """Per benchmark: the federation and a backdoor strong enough to resurface."""
 
-FORGETTING = METRICS = ("bd_asr", "bd_mia_auc", "bd_forget_accuracy")
+FORGETTING = ("bd_asr", "bd_mia_auc", "bd_forget_accuracy")
 """Forgetting metrics read from the ``eval`` events (``backdoor.watch``)."""
 LATENCY_GAP = 0.01
 EFFECTIVE_MARGIN = 0.1
@@ -295,7 +295,7 @@ def measure(run: Run, ref: Run, floors: dict[str, float]) -> dict[str, Any]:
         return {"applied": False}
     after = [e for e in r["evals"] if e["t"] >= r["boundary_t"]]
     row: dict[str, Any] = {"applied": True, "rho_end": r["rho"]}
-    for key in METRICS:
+    for key in FORGETTING:
         rt, rv = _series(g["evals"], key)
         at, av = _series(after, key)
         ret = np.interp(at, rt, rv)

@@ -101,6 +101,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedasync.server")
 
+PROTECTS: dict[str, frozenset[str]] = {
+    "subspace": frozenset({"subspace"}),
+    "jump": frozenset({"jump"}),
+    "both": frozenset({"subspace", "jump"}),
+    "gradient": frozenset({"gradient"}),
+    "onesided": frozenset({"jump", "gradient"}),
+}
+"""What each ``unlearning.protect`` holds a change to (server.config.Protect's choices)."""
+
 WENT_DOWN = "silo went down mid-erasure"
 """Audit detail of an erasing -> queued that counts against ``unlearning.max_attempts``."""
 WENT_OFFLINE = "silo went offline mid-erasure"
@@ -507,16 +516,25 @@ class ErasureCoordinator:
         return self._subspace is not None or bool(self._one_sided)
 
     @property
+    def _protects(self) -> frozenset[str]:
+        """What the calibration holds changes to: ``subspace``, ``jump``, ``gradient`` (by
+        ``unlearning.protect``; a reply, ``calibration_target=reply``, is only ever projected
+        out of the signature)."""
+        if self.cfg.calibration_target != "applied":
+            return frozenset({"subspace"})
+        return PROTECTS[self.cfg.protect]
+
+    @property
     def _subspace(self) -> GradientSignature | None:
-        return self.signature if self.cfg.protect in ("subspace", "both") else None
+        return self.signature if "subspace" in self._protects else None
 
     @property
     def _one_sided(self) -> list[OneSided]:
-        """The one-sided directions ``unlearning.protect`` holds changes to: the erasures'
-        jumps (jump, both, onesided) and forget gradients (gradient, onesided)."""
-        protect = self.cfg.protect
-        jumps = self.jumps if protect in ("jump", "both", "onesided") else []
-        grads = self.gradients if protect in ("gradient", "onesided") else []
+        """The one-sided directions the calibration holds changes to: the erasures' jumps and
+        forget gradients, as ``_protects`` says."""
+        protects = self._protects
+        jumps = self.jumps if "jump" in protects else []
+        grads = self.gradients if "gradient" in protects else []
         return [*jumps, *grads]
 
     def project(self, change: Params) -> Params:
@@ -559,8 +577,7 @@ class ErasureCoordinator:
         if self.active.get(erasure.request_id) is not erasure:
             log.warning("ignored a reply to erasure %s: not in progress", erasure.request_id)
             return  # requeued or finished meanwhile: only the attempt in progress is applied
-        delta, basis, names, metrics = decoded[:4]
-        gradient = decoded[4] if len(decoded) > 4 else None  # (older readers: no gradient)
+        delta, basis, names, metrics, gradient = decoded
         delta, bounds = self.bound_delta(erasure, delta)
         new = _add(srv.params, delta)
         if erasure.removal is not None:
@@ -618,22 +635,16 @@ class ErasureCoordinator:
         gradient: ForgetGradient | None = None,
     ) -> None:
         """Put the erased model in force: the erasure boundary, verification, durability."""
-        srv, protect = self.srv, self.cfg.protect
-        if self.cfg.calibration_target != "applied":
-            protect = "subspace"  # a reply is projected out of the signature, nothing else
+        srv, protects = self.srv, self._protects
         kept: dict[str, float] = {}  # what the calibrating event says of what is protected
         if sig is not None and self.cfg.signature_unique:
             sig, kept = self._unique(erasure, sig)
         if sig is not None:
             self.signature = sig if self.signature is None else self.signature.merge(sig)
-        jump = (
-            ErasureJump.between(srv.params, new)
-            if protect in ("jump", "both", "onesided")
-            else None
-        )
+        jump = ErasureJump.between(srv.params, new) if "jump" in protects else None
         if jump is not None:
             self.jumps.append(jump)
-        if protect in ("gradient", "onesided"):
+        if "gradient" in protects:
             kept["forget_gradient"] = float(gradient is not None)
             if gradient is not None:
                 self.gradients.append(gradient)
@@ -642,7 +653,7 @@ class ErasureCoordinator:
                     "erasure %s: unlearning.protect=%s but silo %d sent no forget gradient "
                     "(an older silo, or FedEraser): it is not protected against",
                     erasure.request_id,
-                    protect,
+                    self.cfg.protect,
                     erasure.silo,
                 )
         if self.projects_applied:  # what the server carries past the boundary, calibrated
@@ -828,11 +839,8 @@ class ErasureCoordinator:
                 if every and since > 0 and since % every == 0:
                     self._watch(e, since)
                 continue
-            after = self.verify_fn(srv.params, e.silo, e.sample_ids)
-            if e.around_boundary is not None:  # how far the model went back toward w_pre
-                w_pre, w_b = e.around_boundary
-                after["reversion_ratio"] = reversion_ratio(srv.params, w_b, w_pre)
-                e.around_boundary = None
+            after = self._verify(e)
+            e.around_boundary = None
             row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
             self.report.append(row)
             del self.active[rid]
@@ -846,14 +854,21 @@ class ErasureCoordinator:
             )
             self.event(e, "verified", **after)
 
-    def _watch(self, e: Erasure, since: int) -> None:
-        """An ``erasure_watch`` event: the erased model's verification metrics ``since``
-        versions after the boundary, and its reversion ratio (``unlearning.watch_every``)."""
+    def _verify(self, e: Erasure) -> dict[str, float]:
+        """The verification metrics of the current model for ``e``, with how far it went back
+        toward the pre-erasure model (``reversion_ratio``; not after a restart)."""
         srv = self.srv
         metrics = self.verify_fn(srv.params, e.silo, e.sample_ids)
         if e.around_boundary is not None:
             w_pre, w_b = e.around_boundary
             metrics["reversion_ratio"] = reversion_ratio(srv.params, w_b, w_pre)
+        return metrics
+
+    def _watch(self, e: Erasure, since: int) -> None:
+        """An ``erasure_watch`` event: the erased model's verification metrics ``since``
+        versions after the boundary, and its reversion ratio (``unlearning.watch_every``)."""
+        srv = self.srv
+        metrics = self._verify(e)
         srv.events.write(
             "erasure_watch",
             t=srv.clock.now,
