@@ -8,16 +8,22 @@ On the *virtual clock* every worker has a relative speed, a job's duration follo
 work units (units x unit time / speed, times seeded jitter, plus latency), and work is taken
 in order of virtual finish time. A run is therefore reproducible for a seed, however the real
 computation is parallelised. On the *wall clock* work is taken in the order it arrives.
+
+A loop keeps its jobs in flight in an ``InFlight`` mapping, which also keeps them in order of
+finish time: the virtual clock then finds the next finish without a scan over every job in
+flight (thousands, with thousands of silos). Any other mapping works too, scanned.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import ItemsView, Iterator, Mapping, MutableMapping, Sequence, ValuesView
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -27,6 +33,86 @@ class Timed(Protocol):
 
     dispatched_at: float
     finishes_at: float
+
+
+T = TypeVar("T", bound=Timed)
+
+
+def _same_event(t: float, first: float) -> bool:
+    """Whether a finish at ``t`` is part of the event at ``first`` (simultaneous finishes)."""
+    return math.isclose(t, first, rel_tol=0, abs_tol=1e-9)
+
+
+class InFlight(MutableMapping[str, T], Generic[T]):
+    """Jobs in flight by id, also kept in order of finish time: a heap of (``finishes_at``,
+    insertion count, id, job) whose entries for removed jobs are dropped lazily (when they
+    reach the top, or when they outnumber the jobs). A job's ``finishes_at`` must not change
+    while it is in flight. Iteration is in insertion order, as a dict's.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, T] = {}
+        self._heap: list[tuple[float, int, str, T]] = []
+        self._count = 0
+
+    def __getitem__(self, key: str) -> T:
+        return self._jobs[key]
+
+    def __setitem__(self, key: str, job: T) -> None:
+        if self._jobs.get(key) is job:
+            return
+        self._jobs[key] = job  # a job it replaces leaves a stale heap entry
+        heapq.heappush(self._heap, (job.finishes_at, self._count, key, job))
+        self._count += 1
+
+    def __delitem__(self, key: str) -> None:
+        del self._jobs[key]
+        if len(self._heap) > 2 * len(self._jobs) + 64:
+            self._heap = [e for e in self._heap if self._live(e)]
+            heapq.heapify(self._heap)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._jobs
+
+    def values(self) -> ValuesView[T]:
+        """The jobs, in insertion order (the dict's own view)."""
+        return self._jobs.values()
+
+    def items(self) -> ItemsView[str, T]:
+        """(id, job) pairs, in insertion order (the dict's own view)."""
+        return self._jobs.items()
+
+    def _live(self, entry: tuple[float, int, str, T]) -> bool:
+        return self._jobs.get(entry[2]) is entry[3]
+
+    def earliest(self) -> float:
+        """The earliest finish time (inf: none in flight)."""
+        heap = self._heap
+        while heap and not self._live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
+
+    def first_event(self) -> list[str]:
+        """Ids of the jobs that finish at the earliest time (within 1e-9 s), sorted; visits
+        only those heap entries and their children."""
+        first = self.earliest()
+        heap, out = self._heap, []
+        stack = [0] if heap else []
+        while stack:
+            i = stack.pop()
+            t, _, key, _job = heap[i]
+            if not _same_event(t, first):
+                continue  # nor any entry below it (they finish later)
+            if self._live(heap[i]):
+                out.append(key)
+            stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(heap))
+        return sorted(out)
 
 
 @dataclass
@@ -69,8 +155,8 @@ class Clock(Protocol):
         """Timing of a job of ``units`` work units sent to ``worker`` now."""
         ...
 
-    def select(self, inflight: Mapping[str, Timed], arrived: set[str]) -> list[str] | None:
-        """Job ids to take now, or None to wait."""
+    def select(self, inflight: Mapping[str, Timed], arrived: AbstractSet[str]) -> list[str] | None:
+        """Job ids to take now, or None to wait (``arrived``: ids whose reply is there)."""
         ...
 
     def next(self, t_reply: float, t_retry: float, t_timer: float) -> tuple[Next, float]:
@@ -148,20 +234,20 @@ class VirtualClock:
             return Next.RETRY, t_retry
         return Next.REPLY, t_reply
 
-    def select(self, inflight: Mapping[str, Timed], arrived: set[str]) -> list[str] | None:
+    def select(self, inflight: Mapping[str, Timed], arrived: AbstractSet[str]) -> list[str] | None:
         """Job ids to take now (all that finish at the earliest time), or None to wait.
 
         Simultaneous finishes are taken together, as one discrete event, so that equal
-        speeds reproduce synchronous rounds exactly.
+        speeds reproduce synchronous rounds exactly. An ``InFlight`` answers from its heap;
+        another mapping is scanned.
         """
         if not inflight:
             return None
-        first = min(t.finishes_at for t in inflight.values())
-        due = sorted(
-            m
-            for m, t in inflight.items()
-            if math.isclose(t.finishes_at, first, rel_tol=0, abs_tol=1e-9)
-        )
+        if isinstance(inflight, InFlight):
+            due = inflight.first_event()
+        else:
+            first = min(t.finishes_at for t in inflight.values())
+            due = sorted(m for m, t in inflight.items() if _same_event(t.finishes_at, first))
         if all(m in arrived for m in due):
             return due
         return None
@@ -172,6 +258,8 @@ class VirtualClock:
 
     def next_event_time(self, inflight: Mapping[str, Timed]) -> float:
         """The earliest finish time of the jobs in flight (inf: none)."""
+        if isinstance(inflight, InFlight):
+            return inflight.earliest()
         return min((t.finishes_at for t in inflight.values()), default=math.inf)
 
     def state_dict(self) -> dict:
@@ -203,7 +291,7 @@ class WallClock:
         """Sent now; when it finishes is not known (inf) until its reply arrives."""
         return JobTiming(self.now, math.inf)
 
-    def select(self, inflight: Mapping[str, Timed], arrived: set[str]) -> list[str] | None:
+    def select(self, inflight: Mapping[str, Timed], arrived: AbstractSet[str]) -> list[str] | None:
         """Every arrived reply, in the order its job was sent; None when none has arrived."""
         due = sorted((m for m in arrived if m in inflight), key=lambda m: inflight[m].dispatched_at)
         return due or None

@@ -149,6 +149,12 @@ class CorrectionsConfig:
     error_feedback_topk: float = 1.0
     """Fraction of entries of each update folded in (top-k); the rest is kept per silo as an
     error-feedback residual and added to its next update. 1.0 disables."""
+    max_snapshots: int = 64
+    """Versions of the model the server keeps the weights of, as sent to the jobs in flight
+    (DC-ASGD's w_base, and what a checkpoint re-sends); past it the oldest is dropped. A stale
+    update whose base was dropped is folded without delay compensation (``dc_skipped`` in
+    summary.json), and a checkpoint re-sends its job the model current at the checkpoint.
+    Bounds the server's memory with thousands of silos; 0 keeps none."""
 
     def __post_init__(self) -> None:
         """Checked when built: ranges."""
@@ -634,6 +640,7 @@ RANGES: dict[str, Range] = {
     "server.optimizer.momentum": Range(0, 1, hi_open=True),
     "server.corrections.delay_compensation": NON_NEGATIVE,
     "server.corrections.error_feedback_topk": UNIT_OPEN_LOW,
+    "server.corrections.max_snapshots": NON_NEGATIVE,
     "server.norm_outlier_factor": AT_LEAST_ONE,
     "server.clip_norm": POSITIVE,
     "server.dp.noise_multiplier": POSITIVE,

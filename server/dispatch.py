@@ -23,7 +23,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fedasync import Params
-from fedasync.clock import Clock
+from fedasync.clock import Clock, InFlight
 from fedasync.events import EventLog
 from server.intake import Job, JobKind
 
@@ -31,20 +31,44 @@ log = logging.getLogger("fedasync.server")
 
 
 class Dispatcher:
-    """The jobs in flight on ``grid``, keyed by message id, and the silos due a retry."""
+    """The jobs in flight on ``grid``, keyed by message id, and the silos due a retry.
 
-    def __init__(self, grid: Grid, clock: Clock, events: EventLog):
+    ``inflight`` is changed only through ``send`` and ``take``, ``retries`` only through
+    ``retry_after``, ``next_retry`` and ``clear_retries``: they keep the indexes that answer
+    ``holding``, ``is_down`` and ``prune_sent`` without a scan over every job in flight (a
+    loop with thousands of silos asks them for every update).
+
+    ``sent`` keeps the weights of at most ``max_snapshots`` base versions (None: every
+    version a job in flight was sent): past that, the oldest is dropped. A job whose base
+    was dropped gets no delay compensation (the loop counts it), and a checkpoint re-sends it
+    from the model current at the checkpoint (``state_dict``).
+    """
+
+    def __init__(
+        self, grid: Grid, clock: Clock, events: EventLog, max_snapshots: int | None = None
+    ):
         self.grid = grid
         self.clock = clock
         self.events = events
-        self.inflight: dict[str, Job] = {}
+        self.inflight: InFlight[Job] = InFlight()
+        """The jobs in flight by message id (the clock's ``InFlight``: kept in finish order)."""
+        self.unanswered: dict[str, None] = {}
+        """Message ids in flight whose reply has not been pulled (``answered``), in send order."""
         self.retries: list[tuple[float, int]] = []
         """(clock time, silo): a heap of silos to send work again."""
         self.sent: dict[int, Params] = {}
-        """The weights in-flight jobs were sent, by version; pruned when no job refers to them."""
+        """The weights in-flight jobs were sent, by version; pruned when no job refers to them,
+        and to the newest ``max_snapshots`` versions."""
+        self.max_snapshots = max_snapshots
+        self.snapshots_dropped = 0
+        """Versions dropped from ``sent`` by ``max_snapshots`` while a job still referred to them."""
         self.next_job_id = 0
         self.refused = 0
         """Second jobs for a busy or down silo (0 unless a bug asked)."""
+        self._by_silo: dict[int, Job] = {}
+        self._down: dict[int, list[float]] = {}  # silo -> its retry times
+        self._refs: dict[int, int] = {}  # base version -> jobs in flight sent it
+        self._unreferenced: set[int] = set()  # versions in sent that may have no job left
 
     def new_job_id(self) -> int:
         """A job id never used in this run (resumed runs continue the count)."""
@@ -55,17 +79,16 @@ class Dispatcher:
     def holding(self, silo: int) -> str | None:
         """Why ``silo`` may not be sent work now (None: it is idle): a job in flight, or a
         failure it waits out (its retry entry is taken off before it is re-sent)."""
-        for j in self.inflight.values():
-            if j.silo == silo:
-                return f"its {j.kind} job {j.job_id} is in flight"
-        for t, s in self.retries:
-            if s == silo:
-                return f"it is down until t={t:.1f}"
+        j = self._by_silo.get(silo)
+        if j is not None:
+            return f"its {j.kind} job {j.job_id} is in flight"
+        if silo in self._down:
+            return f"it is down until t={self._down[silo][0]:.1f}"
         return None
 
     def is_down(self, silo: int) -> bool:
         """A silo whose work failed and that waits to be sent work again (offline)."""
-        return any(s == silo for _, s in self.retries)
+        return silo in self._down
 
     def refuse(self, silo: int, kind: str, why: str, job_id: int | None, version: int) -> None:
         """Count, log and write a refused second job for ``silo``."""
@@ -92,21 +115,67 @@ class Dispatcher:
         job.msg_id = mid
         job.wall_sent = time.monotonic()
         self.inflight[mid] = job
+        self.unanswered[mid] = None
+        self._by_silo[job.silo] = job
+        self._refs[job.base_version] = self._refs.get(job.base_version, 0) + 1
         return True
+
+    def answered(self, mid: str) -> None:
+        """The reply to message ``mid`` was pulled (it waits in the loop to be taken)."""
+        self.unanswered.pop(mid, None)
+
+    def take(self, mid: str) -> Job:
+        """Take message ``mid``'s job out of flight (its reply is taken, or it is abandoned)."""
+        job = self.inflight.pop(mid)
+        self.unanswered.pop(mid, None)
+        if self._by_silo.get(job.silo) is job:
+            del self._by_silo[job.silo]
+        v = job.base_version
+        self._refs[v] -= 1
+        if self._refs[v] == 0:
+            del self._refs[v]
+            self._unreferenced.add(v)
+        return job
 
     def retry_after(self, silo: int, down_s: float) -> None:
         """Send ``silo`` work again ``down_s`` clock seconds from now."""
-        heapq.heappush(self.retries, (self.clock.now + down_s, silo))
+        t = self.clock.now + down_s
+        heapq.heappush(self.retries, (t, silo))
+        self._down.setdefault(silo, []).append(t)
 
     def next_retry(self) -> tuple[float, int]:
         """Take the earliest retry off the heap: (its time, its silo)."""
-        return heapq.heappop(self.retries)
+        t, silo = heapq.heappop(self.retries)
+        times = self._down[silo]
+        times.remove(t)
+        if not times:
+            del self._down[silo]
+        return t, silo
 
-    def prune_sent(self) -> None:
-        """Forget the weights no job in flight was sent."""
-        live = {j.base_version for j in self.inflight.values()}
-        for v in [v for v in self.sent if v not in live]:
-            del self.sent[v]
+    def clear_retries(self) -> None:
+        """Forget every retry (sync mode: the silos that were down rejoin the next round)."""
+        self.retries = []
+        self._down = {}
+
+    def keep_sent(self, version: int, params: Params) -> None:
+        """Keep ``params`` as the weights jobs of base ``version`` are sent; past
+        ``max_snapshots`` versions, those no job refers to go first, then the oldest."""
+        self.sent[version] = params
+        self._unreferenced.add(version)
+        cap = self.max_snapshots
+        if cap is None or len(self.sent) <= cap:
+            return
+        self.prune_sent(keep=version)
+        while len(self.sent) > cap:
+            del self.sent[min(self.sent)]
+            self.snapshots_dropped += 1
+
+    def prune_sent(self, keep: int | None = None) -> None:
+        """Forget the weights no job in flight was sent (but those of version ``keep``)."""
+        for v in self._unreferenced:
+            if v != keep and v not in self._refs:
+                self.sent.pop(v, None)
+        self._unreferenced = {keep} if keep is not None and keep in self.sent else set()
 
     def train_jobs(self) -> list[Job]:
         """The regular train jobs in flight, in job order (what a checkpoint re-sends; erasure
@@ -117,17 +186,21 @@ class Dispatcher:
 
     def state_dict(self, params: Params, version: int) -> dict[str, Any]:
         """Job ids, retries, the refusal count, and the weights the train jobs in flight were
-        sent (``params`` is the model at the current ``version``)."""
+        sent (``params`` is the model at the current ``version``). A job whose weights were
+        dropped (``max_snapshots``) has none here: resumed, it is re-sent the model current at
+        the checkpoint, at its version (the loop's ``dispatch``), rather than the checkpoint
+        keeping a copy per version in flight, which is what the bound is there to avoid."""
         bases: dict[int, Params] = {}
         for j in self.train_jobs():
-            if j.base_version not in bases:
-                v = j.base_version
+            v = j.base_version
+            if v not in bases and (v == version or v in self.sent):
                 bases[v] = params if v == version else self.sent[v]
         return {
             "next_job_id": self.next_job_id,
             "retries": list(self.retries),
             "base_params": bases,
             "refused": self.refused,
+            "snapshots_dropped": self.snapshots_dropped,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -135,8 +208,13 @@ class Dispatcher:
         self.next_job_id = int(d["next_job_id"])
         self.retries = [(float(t), int(s)) for t, s in d["retries"]]
         heapq.heapify(self.retries)
+        self._down = {}
+        for t, s in self.retries:
+            self._down.setdefault(s, []).append(t)
         self.sent = {int(v): p for v, p in d["base_params"].items()}
+        self._unreferenced = set(self.sent)
         self.refused = int(d["refused"])
+        self.snapshots_dropped = int(d.get("snapshots_dropped", 0))
 
 
 class FaultSchedule:

@@ -45,7 +45,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fedasync import Params, Rejection, RejectReason
-from fedasync.clock import Clock, Next, VirtualClock, WallClock
+from fedasync.clock import Clock, InFlight, Next, VirtualClock, WallClock
 from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
 from fedasync.tensors import is_finite
@@ -106,10 +106,11 @@ class AsyncServer:
             )
         )
         self.events = EventLog(run_dir / "metrics.jsonl")
-        self.jobs = Dispatcher(grid, self.clock, self.events)
+        self.jobs = Dispatcher(grid, self.clock, self.events, cfg.server.corrections.max_snapshots)
         self.faults = FaultSchedule([to_dict(f) for f in cfg.faults])
         self.intake = Intake(cfg.server)
         self.pipeline = CorrectionPipeline(cfg)
+        self.dc_lambda = cfg.server.corrections.delay_compensation
         self.privacy = ServerPrivacy.for_run(cfg.server.dp, run_dir)
         self.stats = RunStats()
         self.setup_json = client_setup(cfg).to_json()
@@ -123,7 +124,7 @@ class AsyncServer:
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
 
     @property
-    def inflight(self) -> dict[str, Job]:
+    def inflight(self) -> InFlight[Job]:
         """The jobs in flight, by message id (the dispatcher's)."""
         return self.jobs.inflight
 
@@ -167,8 +168,13 @@ class AsyncServer:
         if job_id is None:
             job_id = self.jobs.new_job_id()
         base_version = self.version if base_version is None else base_version
+        if base_version not in self.jobs.sent and base_version != self.version:
+            # a resumed job whose weights were dropped (server.corrections.max_snapshots): it
+            # is sent the current model instead, as of the current version
+            log.info("job %d of silo %d re-sent at version %d", job_id, silo, self.version)
+            base_version = self.version
         params = self.params if base_version == self.version else self.jobs.sent[base_version]
-        self.jobs.sent[base_version] = params
+        self.jobs.keep_sent(base_version, params)
         if fault is None:
             f = self.faults.take(silo, self.version, self.clock.now)
             if f is not None:
@@ -290,23 +296,29 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- the loop
     def _poll(self) -> None:
-        waiting = [m for m in self.inflight if m not in self.arrived]
+        waiting = list(self.jobs.unanswered)  # in send order
         if waiting:
             for reply in self.grid.pull_messages(waiting):
-                self.arrived[reply.metadata.reply_to_message_id] = reply
+                mid = reply.metadata.reply_to_message_id
+                self.arrived[mid] = reply
+                self.jobs.answered(mid)
 
     def _abandon_timed_out(self) -> None:
         limit = self.cfg.server.reply_timeout_s
-        for mid, job in list(self.inflight.items()):
-            if mid not in self.arrived and time.monotonic() - job.wall_sent > limit:
-                del self.jobs.inflight[mid]
-                detail = f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
-                self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
-                self._after_failure(job, down_s=0.0)
-                if job.kind is JobKind.UNLEARN:
-                    self.erasure.requeue(job.erasure, SiloLost(detail))
-                elif job.kind is JobKind.CALIBRATE:  # a FedEraser rebuild goes on without it
-                    self.erasure.take_calibration(job, None)
+        expired = []
+        for mid in self.jobs.unanswered:  # sent in order, so the oldest first
+            if time.monotonic() - self.inflight[mid].wall_sent <= limit:
+                break
+            expired.append(mid)
+        for mid in expired:
+            job = self.jobs.take(mid)
+            detail = f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
+            self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
+            self._after_failure(job, down_s=0.0)
+            if job.kind is JobKind.UNLEARN:
+                self.erasure.requeue(job.erasure, SiloLost(detail))
+            elif job.kind is JobKind.CALIBRATE:  # a FedEraser rebuild goes on without it
+                self.erasure.take_calibration(job, None)
 
     @property
     def deadline(self) -> float:
@@ -355,7 +367,7 @@ class AsyncServer:
             # simultaneous replies in job order: message ids are random (uuid4), and folding
             # in their order made a seed's run differ in the last bits from one run to the next
             for mid in sorted(due, key=lambda m: self.inflight[m].job_id):
-                job = self.jobs.inflight.pop(mid)
+                job = self.jobs.take(mid)
                 if self._take(job, self.arrived.pop(mid)):
                     ready.append(job.silo)
             if self.barrier:
@@ -371,7 +383,7 @@ class AsyncServer:
         entered = time.monotonic()
         while True:
             self._poll()
-            due = self.clock.select(self.inflight, set(self.arrived))
+            due = self.clock.select(self.inflight, self.arrived.keys())
             if due is not None:
                 return due
             self._abandon_timed_out()
@@ -406,7 +418,7 @@ class AsyncServer:
                 self.erasure.record(None, res.contributions, self.version)
             self._publish(res.params, "round")
         # silos that were down rejoin at the start of the next round
-        self.jobs.retries = []
+        self.jobs.clear_retries()
         for silo in sorted(self.roster):
             self.dispatch(silo)
 
@@ -509,6 +521,8 @@ class AsyncServer:
         update = acc.update
         calibrate = project = None
         w_base = self.jobs.sent.get(job.base_version)
+        # its base weights dropped (server.corrections.max_snapshots): no delay compensation
+        dc_skipped = w_base is None and acc.staleness > 0 and self.dc_lambda > 0
         if self.erasure is not None:
             erasure = self.erasure
 
@@ -518,7 +532,7 @@ class AsyncServer:
             if erasure.projects_applied:
                 project = erasure.project
             if not erasure.compensates(job):
-                w_base = None
+                w_base, dc_skipped = None, False
 
         res = self.pipeline.fold(
             self.params,
@@ -539,6 +553,8 @@ class AsyncServer:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)
             update.metrics["central_epsilon"] = self.privacy.central_epsilon[job.silo]
         self.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.clock.now)
+        if dc_skipped:
+            self.stats.dc_skipped += 1
         if self.erasure is not None:  # the silos' exact shares of what this fold applied
             self.erasure.record(job.silo, res.contributions, self.version, acc.norm)
         self.events.write(
@@ -552,6 +568,7 @@ class AsyncServer:
             action=acc.decision.action,
             norm=acc.norm,
             **update.metrics,
+            **({"dc_skipped": True} if dc_skipped else {}),
         )
         if res.params is not None:
             self._publish(res.params, f"update of silo {job.silo} (job {job.job_id})")

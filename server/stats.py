@@ -37,6 +37,9 @@ class RunStats:
         self.updates_applied = 0
         self.versions_refused = 0
         """Folds whose model was not finite (the loop's publish guard)."""
+        self.dc_skipped = 0
+        """Stale updates folded without delay compensation because their base weights had been
+        dropped (``server.corrections.max_snapshots``)."""
 
     def reject(self, silo: int, reason: RejectReason) -> None:
         """Count one rejected reply of ``silo``."""
@@ -69,6 +72,7 @@ class RunStats:
             "updates_applied": self.updates_applied,
             "updates_accepted": self.updates_accepted,
             "versions_refused": self.versions_refused,
+            "dc_skipped": self.dc_skipped,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -81,3 +85,4 @@ class RunStats:
         self.updates_applied = int(d["updates_applied"])
         self.updates_accepted = int(d["updates_accepted"])
         self.versions_refused = int(d["versions_refused"])
+        self.dc_skipped = int(d.get("dc_skipped", 0))  # (checkpoints from before it was counted)

@@ -69,6 +69,9 @@ def build_summary(
         "dispatches_refused": srv.jobs.refused,
         # folds whose model was not finite, refused (the model stayed; 0 unless a bug)
         "versions_refused": stats.versions_refused,
+        # stale updates folded without delay compensation: their base weights had been dropped
+        # (server.corrections.max_snapshots; 0 while fewer versions than that are in flight)
+        "dc_skipped": stats.dc_skipped,
         "staleness_mean": float(np.mean(st)) if st else 0.0,
         "staleness_max": int(max(st)) if st else 0,
         "per_silo": per_silo,

@@ -65,6 +65,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -134,7 +135,7 @@ class Federation(Protocol):
     evaluate_fn: Any
 
     @property
-    def inflight(self) -> dict[str, Job]:
+    def inflight(self) -> Mapping[str, Job]:
         """The jobs in flight, by message id."""
         ...
 

@@ -1,10 +1,11 @@
 """The core clocks (fedasync.clock), by hand: durations, event order, ties, wall order."""
 
 import math
+import random
 
 import pytest
 
-from fedasync.clock import JobTiming, VirtualClock, WallClock
+from fedasync.clock import InFlight, JobTiming, VirtualClock, WallClock
 
 
 def test_duration_is_units_times_unit_time_over_speed_plus_latency():
@@ -63,3 +64,36 @@ def test_state_round_trip_keeps_virtual_time():
     b.load_state_dict(a.state_dict())
 
     assert b.now == 12.5
+
+
+def test_in_flight_answers_as_a_scan_of_a_dict_would():
+    # Prepare: jobs finishing on a coarse grid (many ties, some within 1e-9), sent and taken
+    rng = random.Random(0)
+    clock = VirtualClock([1.0], 1.0)
+    heap: InFlight[JobTiming] = InFlight()
+    plain: dict[str, JobTiming] = {}
+    for i in range(2000):
+        # Execute
+        if plain and rng.random() < 0.45:
+            key = rng.choice(sorted(plain))
+            del heap[key], plain[key]
+        else:
+            t = rng.randrange(40) * 0.5 + rng.choice([0.0, 0.0, 1e-10, 1e-6])
+            heap[f"m{i}"] = plain[f"m{i}"] = JobTiming(0.0, t)
+        arrived = {k for k in plain if rng.random() < 0.9}
+        # Assert
+        assert clock.next_event_time(heap) == clock.next_event_time(plain)
+        assert clock.select(heap, arrived) == clock.select(plain, arrived)
+        assert clock.select(heap, set(plain)) == clock.select(plain, set(plain))
+    assert list(heap) == list(plain) and len(heap) == len(plain)
+
+
+def test_in_flight_drops_the_entries_of_taken_jobs():
+    heap: InFlight[JobTiming] = InFlight()
+    for i in range(1000):
+        heap[f"m{i}"] = JobTiming(0.0, math.inf)  # the wall clock: never taken from the top
+        if i >= 10:
+            del heap[f"m{i - 10}"]
+
+    assert len(heap) == 10 and len(heap._heap) <= 2 * 10 + 64
+    assert heap.earliest() == math.inf and len(heap.first_event()) == 10
