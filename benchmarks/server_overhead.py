@@ -1,19 +1,28 @@
-"""Server cost of taking one update, and server throughput with 100 silos.
+"""Server cost of taking one update, across model sizes, and server throughput with 100 silos.
 
-1. For the default network, the time the server spends on one reply (decode the packed arrays,
-   validate names/shapes/finiteness/staleness/norm, correct, fold into the global model) as a
-   multiple of one copy of the model's parameters (``clone()`` of every tensor), medians of
-   many repetitions. Goal <= 3x. Also with delay compensation and error feedback switched on.
+1. For three sizes (cnn-small, 24k parameters, the default network; MONAI DenseNet121, 7.0M;
+   a stack of 25 2000x2000 linear layers, 100M), the time the server spends on one reply as a
+   multiple of one copy of the model's parameters (``clone()`` of every tensor, the issue's
+   baseline; also against ``memcpy``, a copy of one flat buffer into a preallocated one: the
+   memory-bandwidth floor). Taking a reply is what the server loop does with it: decode the
+   packed arrays, validate (names, shapes, dtypes, staleness, norm, finiteness), correct,
+   fold into the global model, check the new model finite. Four settings: plain, with delay
+   compensation (DC-ASGD), with error feedback (global top-10%), with both. Each is run on
+   the reference path (per-tensor arithmetic on a dict of tensors, the per-tensor top-k
+   compressor) and the flat path (fedasync/flat.py: one buffer per dtype, fused and chunked
+   passes, zero-copy decoding), side by side. Medians of repetitions. Goals: plain <= 2x a
+   copy, with DC and error feedback <= 6x.
 2. Updates per second of the whole server loop (dispatch with encoding, poll, intake, fold,
    version bump) with 100 silos on a small network, the silos answering at once with a
    precomputed delta so that only the server's work is timed.
 
-    .venv/bin/python benchmarks/server_overhead.py
-Last line: ``server_overhead_x_copy=<float>``.
+    .venv/bin/python benchmarks/server_overhead.py [--sizes cnn-small,densenet121,mlp-100m]
+Last line: ``server_overhead_x_copy=<float>`` (flat path, plain, cnn-small).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import tempfile
@@ -27,18 +36,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 
-from fedasync import (  # noqa: E402
-    ErrorFeedback,
-    FedAsyncAggregator,
-    NormOutlierDetector,
-    StalenessBound,
-    delay_compensate_delta,
-    make_weight_fn,
-)
+from fedasync import NormOutlierDetector, Rejection, StalenessBound  # noqa: E402
+from fedasync.corrections import topk  # noqa: E402
+from fedasync.flat import flatten  # noqa: E402
+from fedasync.tensors import is_finite  # noqa: E402
 from medical_data.networks import build_network  # noqa: E402
 from protocol import keys as P  # noqa: E402
 from protocol import wire  # noqa: E402
 from server.intake import Accepted, Job, take_reply  # noqa: E402
+from server.pipeline import CorrectionPipeline  # noqa: E402
+from simulations.config import load_config  # noqa: E402
+
+SIZES = {
+    "cnn-small": 200,  # repetitions
+    "densenet121": 20,
+    "mlp-100m": 3,
+}
+SETTINGS = {
+    "plain": [],
+    "DC": ["server.corrections.delay_compensation=0.1"],
+    "EF": ["server.corrections.error_feedback_topk=0.1"],
+    "DC+EF": [
+        "server.corrections.delay_compensation=0.1",
+        "server.corrections.error_feedback_topk=0.1",
+    ],
+}
 
 
 def _median_time(fn, reps: int) -> float:
@@ -70,51 +92,91 @@ def _reply(delta: dict[str, torch.Tensor], job: Job) -> Message:
     )
 
 
-def take_cost(name: str, shape: tuple[int, int], reps: int = 200) -> float:
-    torch.manual_seed(0)
-    model = build_network(name, 1, 3, shape)
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    n = sum(v.numel() for v in params.values())
-    delta = {
-        k: torch.randn_like(v) * 1e-3 if v.is_floating_point() else v for k, v in params.items()
-    }
-    job = Job(
-        "m",
-        silo=0,
-        node_id=1,
-        job_id=0,
-        base_version=3,
-        dispatched_at=0,
-        finishes_at=1,
-        wall_sent=0,
-    )
-    reply = _reply(delta, job)
+def _model(name: str) -> torch.nn.Module:
+    if name == "mlp-100m":
+        return torch.nn.Sequential(*[torch.nn.Linear(2000, 2000) for _ in range(25)])
+    shape = (28, 28) if name == "cnn-small" else (64, 64)
+    return build_network(name, 1, 3, shape)
+
+
+def _intake(params, reply: Message, job: Job):
+    """Only the intake of one reply (decode, validate, the norm)."""
     norms = NormOutlierDetector()
     for _ in range(5):
         norms.observe(1.0)
     bound = StalenessBound(max_staleness=20)
-    agg = FedAsyncAggregator(0.6, make_weight_fn("polynomial", 0.5))
-    ef = ErrorFeedback(0.1)
-    w_base = {k: v + 0.01 if v.is_floating_point() else v for k, v in params.items()}
 
-    def take(correct: bool) -> None:
+    def intake() -> Accepted:
         res = take_reply(
             reply, job, version=5, reference=params, roster={0: 1}, bound=bound, norms=norms
         )
         assert isinstance(res, Accepted), res
-        t = res.update.tensors
-        if correct:
-            res.update.tensors = ef.apply("0", delay_compensate_delta(t, params, w_base, 0.1, 0.05))
-        agg.fold(params, res.update, res.staleness)
+        return res
 
-    copy = _median_time(lambda: {k: v.clone() for k, v in params.items()}, reps)
-    plain = _median_time(lambda: take(False), reps)
-    corrected = _median_time(lambda: take(True), max(20, reps // 5))
+    return intake
+
+
+def _taker(pipe: CorrectionPipeline, params, w_base, reply: Message, job: Job):
+    """What the loop does with one reply: intake, corrections and fold, the finiteness check."""
+    intake = _intake(params, reply, job)
+
+    def take() -> None:
+        res = intake()
+        fold = pipe.fold(
+            params, res.update, staleness=res.staleness, factor=1.0, norm=res.norm, w_base=w_base
+        )
+        assert not isinstance(fold, Rejection) and fold.params is not None
+        assert is_finite(fold.params)
+
+    return take
+
+
+def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
+    """Median seconds per reply for every (setting, path); prints a row per setting."""
+    torch.manual_seed(0)
+    plain = {k: v.detach().clone() for k, v in _model(name).state_dict().items()}
+    n = sum(v.numel() for v in plain.values())
+    delta = {
+        k: torch.randn_like(v) * 1e-3 if v.is_floating_point() else v for k, v in plain.items()
+    }
+    job = Job("m", 0, 1, 0, 3, 0, 1, 0)
+    reply = _reply(delta, job)
+    base = {k: v + 0.01 if v.is_floating_point() else v for k, v in plain.items()}
+    copy = _median_time(lambda: {k: v.clone() for k, v in plain.items()}, reps)
+    buf = flatten(plain).buffers[0]
+    dst = torch.empty_like(buf)
+    memcpy = _median_time(lambda: dst.copy_(buf), reps)
     print(
-        f"{name}: {n / 1e6:.3f} M parameters, copy {copy * 1e3:.3f} ms, take {plain * 1e3:.3f} ms "
-        f"({plain / copy:.2f}x), with DC + error feedback {corrected * 1e3:.3f} ms ({corrected / copy:.2f}x)"
+        f"\n{name}: {n / 1e6:.3f} M parameters, {len(plain)} tensors; copy {copy * 1e3:.3f} ms, "
+        f"memcpy {memcpy * 1e3:.3f} ms"
     )
-    return plain / copy
+    intake = _median_time(_intake(flatten(plain), reply, job), reps)
+    print(
+        f"intake alone (decode and validate, no arithmetic but the norm): {intake * 1e3:.3f} ms "
+        f"({intake / copy:.2f}x copy)"
+    )
+    print("| setting | reference (ms) | x copy | flat (ms) | x copy | x memcpy | flat speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    out: dict[tuple[str, str], float] = {}
+    for setting, overrides in SETTINGS.items():
+        row = {}
+        for path in ("reference", "flat"):
+            cfg = load_config(None, ["server.alpha=0.6", *overrides])
+            pipe = CorrectionPipeline(cfg)
+            if path == "reference" and pipe.error_feedback:
+                pipe.ef.compress = topk  # the per-tensor compressor (the old default)
+            conv = flatten if path == "flat" else (lambda p: {k: v.clone() for k, v in p.items()})
+            take = _taker(pipe, conv(plain), conv(base), reply, job)
+            take()  # warm-up (first-touch allocations, the residual's first step)
+            row[path] = out[(setting, path)] = _median_time(take, reps)
+        ref, fl = row["reference"], row["flat"]
+        print(
+            f"| {setting} | {ref * 1e3:.3f} | {ref / copy:.2f} | {fl * 1e3:.3f} | {fl / copy:.2f} "
+            f"| {fl / memcpy:.2f} | {ref / fl:.2f}x |"
+        )
+    out[("copy", "")] = copy
+    out[("intake", "")] = intake
+    return out
 
 
 def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
@@ -196,16 +258,21 @@ def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
 def main() -> None:
     from flwr.supercore.task_identity import TaskIdentity
 
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = (
-        1,
-        1,
-        1,
-    )  # as Flower's runtimes do
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default=",".join(SIZES), help="networks, of " + ", ".join(SIZES))
+    ap.add_argument("--no-loop", action="store_true", help="skip the 100-silo loop")
+    args = ap.parse_args()
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = (1, 1, 1)  # as Flower's
     torch.set_num_threads(1)
-    ratio = take_cost("cnn-small", (28, 28))
-    take_cost("densenet121", (64, 64), reps=30)
-    loop_throughput()
-    print(f"server_overhead_x_copy={ratio:.2f}")
+    ratio = None
+    for name in args.sizes.split(","):
+        got = take_cost(name, SIZES[name])
+        if name == "cnn-small":
+            ratio = got[("plain", "flat")] / got[("copy", "")]
+    if not args.no_loop:
+        loop_throughput()
+    if ratio is not None:
+        print(f"server_overhead_x_copy={ratio:.2f}")
 
 
 if __name__ == "__main__":

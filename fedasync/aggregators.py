@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from fedasync import flat
 from fedasync.contributions import MomentShares, applied_change
 from fedasync.optim import ServerOptimizer
 from fedasync.privacy import GaussianMechanism, largest_share
@@ -122,7 +123,7 @@ def fedavg(updates: Sequence[Update], weight_by_samples: bool = True) -> Params:
 
 
 def _check_names(params: Params, update: Update) -> None:
-    if params.keys() != update.tensors.keys():
+    if not flat.same(params, update.tensors) and params.keys() != update.tensors.keys():
         raise KeyError(
             f"update from {update.silo!r} has tensor names that differ from the global params"
         )
@@ -182,6 +183,9 @@ class FedAsyncAggregator:
             released, noise_std = [update.silo], s * std
         if update.kind == "model":
             new = weighted_sum([params, tensors], [1.0 - s, s])
+        elif update.kind == "delta" and flat.same(tensors, params):
+            # one pass over the flat buffers; integer buffers stay the params' own
+            new = flat.axpy(s, tensors, params, loose_from=params)  # type: ignore[arg-type]
         elif update.kind == "delta":
             new = axpy(s, tensors, params)
             # axpy takes integer buffers from its first argument (the delta): restore ours.

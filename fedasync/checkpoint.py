@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from fedasync.errors import CheckpointError
+from fedasync.flat import FlatParams
 
 ENVELOPE = "fedasync_checkpoint"
 """Key marking a verified checkpoint file; its value is the envelope's format number."""
@@ -88,10 +89,23 @@ def _non_finite_key(x: Any, prefix: str = "") -> str | None:
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-    """Atomically write ``state`` with its digest to ``path`` (creating the parent directory)."""
+    """Atomically write ``state`` with its digest to ``path`` (creating the parent directory).
+    Flat parameters (:class:`fedasync.flat.FlatParams`) are written as plain dicts."""
+    state = _plain(state)
     _write(
         os.fspath(path), {ENVELOPE: ENVELOPE_FORMAT, "sha256": state_digest(state), "state": state}
     )
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with every FlatParams in it a plain dict (``weights_only`` loads no subclass)."""
+    if isinstance(obj, FlatParams):
+        return dict(obj)
+    if type(obj) is dict:
+        return {k: _plain(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
 
 
 def _write(path: str, obj: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fedasync import flat
 from fedasync.optim import ServerOptimizer
 from fedasync.tensors import clone, is_arithmetic
 from fedasync.types import Params
@@ -36,6 +37,8 @@ from fedasync.types import Params
 
 def applied_change(old: Params, new: Params) -> Params:
     """``new − old`` for the arithmetic tensors (integer buffers are never aggregated)."""
+    if flat.same(old, new):
+        return flat.arithmetic_diff(new, old)  # type: ignore[arg-type]
     return {k: new[k].detach() - v.detach() for k, v in old.items() if is_arithmetic(v)}
 
 

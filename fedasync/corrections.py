@@ -26,18 +26,21 @@ Only floating tensors are transformed; integer buffers pass through unchanged.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from fedasync import flat
+from fedasync.flat import FlatParams
 from fedasync.tensors import is_arithmetic, zeros_like
 from fedasync.types import Params
 
 
 def _check_names(*ps: Params) -> None:
     for p in ps[1:]:
-        if p.keys() != ps[0].keys():
+        if not flat.same(p, ps[0]) and p.keys() != ps[0].keys():
             raise KeyError("tensor names differ between arguments")
 
 
@@ -68,6 +71,8 @@ def delay_compensate_delta(
     """
     if lr <= 0:
         raise ValueError(f"lr must be > 0, got {lr}")
+    if flat.same(delta, w_now, w_base):  # one chunked pass over the flat buffers
+        return flat.delay_compensate_delta(delta, w_now, w_base, lam / lr)  # type: ignore[arg-type]
     _check_names(delta, w_now, w_base)
     out: Params = {}
     for k, d in delta.items():
@@ -114,57 +119,155 @@ def topk(t: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 class ErrorFeedback:
-    """Compression with error feedback, one residual per key (top-k unless ``compress`` is
-    given: any ``compress(t, ratio)`` returning a tensor of ``t``'s shape).
+    """Compression with error feedback, one residual per key.
 
     ``apply(key, x)`` returns C(x + e_key) and sets e_key ← x + e_key − C(x + e_key).
     ``ratio = 1.0`` means no compression (the residual stays exactly zero).
+
+    The compressor is top-k over the whole update: the ceil(ratio·n) largest magnitudes among
+    all n floating entries of every tensor together (Stich et al. 2018 compress the whole
+    vector; a per-tensor top-k would keep the same fraction of a layer of noise as of the layer
+    that moved). It runs on flat buffers (:func:`fedasync.flat.compress_topk`): exact up to
+    :data:`fedasync.flat.EXACT_TOPK_MAX` entries, above that with a threshold estimated from a
+    fixed sample (k within ~1%; what is not sent stays in the residual, so nothing is lost).
+    ``compress`` (any ``compress(t, ratio)`` returning a tensor of ``t``'s shape, e.g.
+    :func:`topk`) replaces it by a per-tensor compressor.
+
+    **Bounded memory** (``budget_bytes``): one residual per key is a model per silo, which for
+    thousands of silos of a large network does not fit. When the residuals pass the budget,
+    the least recently used ones are merged into one shared *pool* (their sum) and the pool is
+    added to the next ``apply`` of any key: the mass error feedback holds back is conserved,
+    only its sender changes, and memory stays within the budget plus one model. What each
+    residual may carry from other keys is tracked, so ``drop(key)`` (an erasure) also drops
+    every residual, and the pool, that may hold the key's mass.
     """
 
     def __init__(
         self,
         ratio: float,
         compress: Callable[[torch.Tensor, float], torch.Tensor] | None = None,
+        budget_bytes: int | None = None,
     ) -> None:
         topk_count(1, ratio)  # validates ratio
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.ratio = ratio
-        self.compress = compress if compress is not None else topk
-        """``compress(t, ratio)``: the compressor (top-k by default); not in the state dict."""
-        self._residuals: dict[str, Params] = {}
+        self.compress = compress
+        """``compress(t, ratio)``: a per-tensor compressor replacing the global top-k (None);
+        not in the state dict."""
+        self.budget_bytes = budget_bytes
+        self._residuals: OrderedDict[str, Params] = OrderedDict()
+        """Least recently used first."""
+        self._pool: Params | None = None
+        self._origins: dict[str, set[str]] = {}
+        """Key -> the other keys whose mass its residual may hold (absent: none)."""
+        self._pool_origins: set[str] = set()
+        self.merged = 0
+        """Residuals merged into the pool so far (the budget's doing)."""
 
-    def _compress(self, t: torch.Tensor) -> torch.Tensor:
-        return identity(t) if self.ratio >= 1.0 else self.compress(t, self.ratio)
+    def apply(
+        self,
+        key: str,
+        tensors: Params,
+        *,
+        owned: bool = False,
+        compensate: tuple[Params, Params, float] | None = None,
+    ) -> Params:
+        """Compressed ``tensors + residual[key]`` (+ the pool); updates the residual.
+        ``tensors`` is not mutated unless ``owned`` (the caller's to overwrite).
 
-    def apply(self, key: str, tensors: Params) -> Params:
-        """Compressed ``tensors + residual[key]``; updates the residual. Inputs not mutated."""
-        residual = self._residuals.get(key)
+        ``compensate`` = (w_now, w_base, λ/lr): delay-compensate ``tensors`` first
+        (:func:`delay_compensate_delta`); on flat buffers both run in one fused pass."""
+        if compensate is not None and not (
+            self.compress is None and self.ratio < 1.0 and flat.same(tensors, *compensate[:2])
+        ):
+            w_now, w_base, coef = compensate
+            tensors, owned, compensate = _dc(tensors, w_now, w_base, coef), True, None
+        residual = self._residuals.pop(key, None)
+        if self._pool is not None:  # the merged residuals ride with this update
+            residual = self._pool if residual is None else _add(residual, self._pool)
+            self._origins.setdefault(key, set()).update(self._pool_origins)
+            self._pool, self._pool_origins = None, set()
+        if self.ratio >= 1.0:
+            sent = tensors if owned else _copy(tensors)
+            if residual is not None:
+                sent = _add(sent, residual)
+            self._residuals[key] = zeros_like(tensors)
+            self._enforce_budget(key)
+            return sent
+        if self.compress is not None:
+            sent, kept = self._per_tensor(tensors, residual)
+        else:
+            x = tensors if isinstance(tensors, FlatParams) else flat.flatten(tensors)
+            owned = owned or x is not tensors
+            # the residual is ours (popped above, or a sum made here): overwritten in place
+            r = None if residual is None else flat.as_flat(residual, like=x)
+            k = topk_count(x.layout.numel, self.ratio)
+            dc = None if compensate is None else (compensate[0], compensate[1], compensate[2])
+            sent, kept = flat.compress_topk(x, r, k, owned=owned, compensate=dc)  # type: ignore[arg-type]
+        self._residuals[key] = kept
+        self._enforce_budget(key)
+        return sent
+
+    def _per_tensor(self, tensors: Params, residual: Params | None) -> tuple[Params, Params]:
+        """The reference path, tensor by tensor with ``self.compress``."""
+        assert self.compress is not None
         if residual is None:
             residual = zeros_like(tensors)
         _check_names(tensors, residual)
         sent: Params = {}
-        new_residual: Params = {}
+        kept: Params = {}
         for k, x in tensors.items():
             if not is_arithmetic(x):
                 sent[k] = x.detach().clone()
-                new_residual[k] = x.detach().clone()
+                kept[k] = x.detach().clone()
                 continue
             corrected = x.detach() + residual[k]
-            compressed = self._compress(corrected)
+            compressed = self.compress(corrected, self.ratio)
             sent[k] = compressed
-            new_residual[k] = corrected - compressed
-        self._residuals[key] = new_residual
-        return sent
+            kept[k] = corrected - compressed
+        return sent, kept
+
+    def _enforce_budget(self, current: str) -> None:
+        if self.budget_bytes is None:
+            return
+        while len(self._residuals) > 1 and self.nbytes() > self.budget_bytes:
+            key, r = next(iter(self._residuals.items()))
+            if key == current:
+                break
+            del self._residuals[key]
+            self._pool = r if self._pool is None else _add(self._pool, r)
+            self._pool_origins |= {key} | self._origins.pop(key, set())
+            self.merged += 1
+
+    def nbytes(self) -> int:
+        """Bytes the residuals and the pool hold."""
+        total = sum(_nbytes(r) for r in self._residuals.values())
+        return total + (_nbytes(self._pool) if self._pool is not None else 0)
 
     def drop(self, key: str) -> None:
-        """Forget ``key``'s residual (its sender's data was erased)."""
+        """Forget ``key``'s residual (its sender's data was erased), and every residual (and
+        the pool) that may hold mass of ``key`` merged into it under the budget."""
         self._residuals.pop(key, None)
+        self._origins.pop(key, None)
+        for other in [k for k, o in self._origins.items() if key in o]:
+            self._residuals.pop(other, None)
+            del self._origins[other]
+        if key in self._pool_origins:
+            self._pool, self._pool_origins = None, set()
 
     def map_residuals(self, fn: Callable[[Params], Params]) -> None:
-        """Replace every residual by ``fn`` of it (e.g. a projection out of an erased
-        subspace); integer tensors pass through unchanged."""
-        for key, r in self._residuals.items():
+        """Replace every residual (and the pool) by ``fn`` of it (e.g. a projection out of an
+        erased subspace); integer tensors pass through unchanged."""
+
+        def mapped(r: Params) -> Params:
             out = fn(r)
-            self._residuals[key] = {k: (out[k] if is_arithmetic(v) else v) for k, v in r.items()}
+            return {k: (out[k] if is_arithmetic(v) else v) for k, v in r.items()}
+
+        for key, r in self._residuals.items():
+            self._residuals[key] = mapped(r)
+        if self._pool is not None:
+            self._pool = mapped(self._pool)
 
     def residual(self, key: str) -> Params | None:
         """The residual kept for ``key`` (a copy), or ``None`` before the first ``apply``."""
@@ -174,28 +277,64 @@ class ErrorFeedback:
     def reset(self, key: str) -> None:
         """Forget the residual for ``key`` (no-op when absent)."""
         self._residuals.pop(key, None)
+        self._origins.pop(key, None)
 
     def keys(self) -> list[str]:
         """Keys that hold a residual, sorted."""
         return sorted(self._residuals)
 
     def state_dict(self) -> dict[str, Any]:
-        """The ratio and a copy of every key's residual."""
+        """The ratio, a copy of every key's residual (least recently used first), the pool."""
         return {
             "ratio": self.ratio,
             "residuals": {
                 key: {k: v.clone() for k, v in r.items()} for key, r in self._residuals.items()
             },
+            "pool": None if self._pool is None else {k: v.clone() for k, v in self._pool.items()},
+            "origins": {k: sorted(o) for k, o in self._origins.items()},
+            "pool_origins": sorted(self._pool_origins),
+            "merged": self.merged,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (the ratio checked as the constructor does)."""
         topk_count(1, float(d["ratio"]))
         self.ratio = float(d["ratio"])
-        self._residuals = {
-            str(key): {k: v.detach().clone() for k, v in r.items()}
+        self._residuals = OrderedDict(
+            (str(key), {k: v.detach().clone() for k, v in r.items()})
             for key, r in d["residuals"].items()
-        }
+        )
+        pool = d.get("pool")
+        self._pool = None if pool is None else {k: v.detach().clone() for k, v in pool.items()}
+        self._origins = {str(k): set(o) for k, o in d.get("origins", {}).items()}
+        self._pool_origins = set(d.get("pool_origins", []))
+        self.merged = int(d.get("merged", 0))
+
+
+def _dc(delta: Params, w_now: Params, w_base: Params, coef: float) -> Params:
+    """:func:`delay_compensate_delta` with λ/lr given as one coefficient."""
+    return delay_compensate_delta(delta, w_now, w_base, coef, 1.0)
+
+
+def _copy(p: Params) -> Params:
+    return (
+        flat.clone(p)
+        if isinstance(p, FlatParams)
+        else {k: v.detach().clone() for k, v in p.items()}
+    )
+
+
+def _add(a: Params, b: Params) -> Params:
+    """``a + b`` over the arithmetic tensors (integer ones from ``a``)."""
+    if flat.same(a, b):
+        return flat.add(a, b)  # type: ignore[arg-type]
+    return {k: (v + b[k] if is_arithmetic(v) else v) for k, v in a.items()}
+
+
+def _nbytes(p: Params) -> int:
+    if isinstance(p, FlatParams):
+        return p.nbytes
+    return sum(v.nbytes for v in p.values())
 
 
 class DelayErrorFeedback:

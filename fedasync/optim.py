@@ -23,8 +23,16 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from fedasync import flat
+from fedasync.flat import FlatParams
 from fedasync.tensors import is_arithmetic
 from fedasync.types import Params
+
+
+def _flat_or_empty(m: Params, params: Params) -> bool:
+    """No moment yet, or one on ``params``' flat layout (the fused step may run)."""
+    return not m or (isinstance(m, FlatParams) and flat.same(m, params))
+
 
 OptimizerKind = Literal["sgd", "momentum", "adam"]
 """The update rules (see module docstring): the type of ``server.optimizer.kind``."""
@@ -72,8 +80,12 @@ class ServerOptimizer:
 
     def step(self, params: Params, delta: Params) -> Params:
         """Return the new params after one step along ``delta`` (same names as ``params``)."""
-        if params.keys() != delta.keys():
+        if not flat.same(params, delta) and params.keys() != delta.keys():
             raise KeyError("params and delta have different tensor names")
+        if self.kind != "adam" and flat.same(params, delta) and _flat_or_empty(self._m, params):
+            return self._flat_step(params, delta)  # type: ignore[arg-type]
+        if isinstance(self._m, FlatParams):  # per tensor from here on: a dict of its own
+            self._m = {k: v for k, v in self._m.items() if is_arithmetic(v)}
         out: Params = {}
         b1, b2 = self.betas
         for k, x in params.items():
@@ -98,13 +110,29 @@ class ServerOptimizer:
         self._steps += 1
         return out
 
+    def _flat_step(self, params: FlatParams, delta: FlatParams) -> FlatParams:
+        """sgd and momentum on flat buffers (the same arithmetic as the loop in ``step``)."""
+        if self.kind == "momentum":
+            m = self._m
+            if not m:
+                m = flat.clone(delta)
+            else:
+                m = flat.axpy(self.momentum, m, delta)  # type: ignore[arg-type]
+            self._m = m
+            delta = m  # type: ignore[assignment]
+        self._steps += 1
+        return flat.axpy(self.lr, delta, params, loose_from=params)
+
     def map_first_moment(self, fn: Callable[[Params], Params]) -> None:
         """Replace the first moment m (momentum's velocity, Adam's m) by ``fn(m)``, e.g. a
         projection out of an erased subspace. Adam's second moment v holds squared magnitudes,
         no direction, and is kept."""
         if self._m:
-            out = fn(dict(self._m))
-            self._m = {k: out[k].detach() for k in self._m}
+            out = fn(self._m if isinstance(self._m, FlatParams) else dict(self._m))
+            if isinstance(out, FlatParams) and flat.same(out, self._m):
+                self._m = out
+            else:
+                self._m = {k: out[k].detach() if k in out else v for k, v in self._m.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Settings, step count and the moments (copies)."""
@@ -115,7 +143,7 @@ class ServerOptimizer:
             "betas": list(self.betas),
             "eps": self.eps,
             "steps": self._steps,
-            "m": {k: v.detach().clone() for k, v in self._m.items()},
+            "m": {k: v.detach().clone() for k, v in self._m.items() if is_arithmetic(v)},
             "v": {k: v.detach().clone() for k, v in self._v.items()},
         }
 

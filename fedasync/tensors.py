@@ -12,6 +12,10 @@ Conventions:
   the *first* ``Params`` argument. So ``add(a, b)["num_batches_tracked"]`` equals
   ``a["num_batches_tracked"]``, and ``weighted_sum(ps, w)`` takes them from ``ps[0]``.
 - Binary operations require the same set of names; a mismatch raises ``KeyError``.
+- Fused path: when every argument is a :class:`fedasync.flat.FlatParams` of one layout, the
+  operation runs on their flat buffers (one vector operation per dtype instead of one per
+  tensor) and returns a ``FlatParams``; otherwise per tensor, as written here (the reference
+  the fused path is tested against).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fedasync import flat
+from fedasync.flat import FlatParams
 from fedasync.types import Params
 
 
@@ -30,7 +36,7 @@ def is_arithmetic(t: torch.Tensor) -> bool:
 
 
 def _check_keys(a: Params, b: Params) -> None:
-    if a.keys() != b.keys():
+    if not flat.same(a, b) and a.keys() != b.keys():
         missing = sorted(set(a) - set(b))
         extra = sorted(set(b) - set(a))
         raise KeyError(f"tensor names differ: only in first {missing}, only in second {extra}")
@@ -38,11 +44,15 @@ def _check_keys(a: Params, b: Params) -> None:
 
 def clone(p: Params) -> Params:
     """Detached copy of every tensor (same device and dtype)."""
+    if isinstance(p, FlatParams):
+        return flat.clone(p)
     return {k: v.detach().clone() for k, v in p.items()}
 
 
 def zeros_like(p: Params) -> Params:
     """Zeros for floating tensors; non-floating tensors are copied unchanged."""
+    if isinstance(p, FlatParams):
+        return flat.zeros_like(p)
     return {
         k: torch.zeros_like(v) if is_arithmetic(v) else v.detach().clone() for k, v in p.items()
     }
@@ -50,23 +60,31 @@ def zeros_like(p: Params) -> Params:
 
 def add(a: Params, b: Params) -> Params:
     """``a + b`` per tensor."""
+    if flat.same(a, b):
+        return flat.add(a, b)  # type: ignore[arg-type]
     _check_keys(a, b)
     return {k: a[k] + b[k] if is_arithmetic(a[k]) else a[k].detach().clone() for k in a}
 
 
 def sub(a: Params, b: Params) -> Params:
     """``a − b`` per tensor (e.g. ``sub(local, base)`` is a delta)."""
+    if flat.same(a, b):
+        return flat.sub(a, b)  # type: ignore[arg-type]
     _check_keys(a, b)
     return {k: a[k] - b[k] if is_arithmetic(a[k]) else a[k].detach().clone() for k in a}
 
 
 def scale(p: Params, c: float) -> Params:
     """``c · p`` per tensor."""
+    if isinstance(p, FlatParams):
+        return flat.scale(p, c)
     return {k: v * c if is_arithmetic(v) else v.detach().clone() for k, v in p.items()}
 
 
 def axpy(a: float, x: Params, y: Params) -> Params:
     """``a · x + y`` per tensor; non-floating tensors come from ``x``."""
+    if flat.same(x, y):
+        return flat.axpy(a, x, y)  # type: ignore[arg-type]
     _check_keys(x, y)
     names = [k for k in x if is_arithmetic(x[k])]
     # one fused call over all tensors (as torch's own optimisers do) instead of one per tensor
@@ -85,6 +103,8 @@ def weighted_sum(ps: Sequence[Params], weights: Sequence[float]) -> Params:
         raise ValueError("weighted_sum needs at least one Params")
     if len(ps) != len(weights):
         raise ValueError(f"{len(ps)} Params but {len(weights)} weights")
+    if flat.same(*ps):
+        return flat.weighted_sum(ps, weights)  # type: ignore[arg-type]
     for p in ps[1:]:
         _check_keys(ps[0], p)
     out: Params = {}
@@ -106,6 +126,8 @@ def global_norm(p: Params) -> float:
     runs once per update on the server's hot path) and only redone in float64 when it
     overflowed; the squares are summed in float64. NaN or inf anywhere gives a non-finite result.
     """
+    if isinstance(p, FlatParams):
+        return flat.global_norm(p)
     vs = [v.detach() for v in p.values() if is_arithmetic(v)]
     if not vs:
         return 0.0
@@ -139,6 +161,8 @@ def clip_by_norm(p: Params, max_norm: float, norm: float | None = None) -> tuple
 
 def is_finite(p: Params) -> bool:
     """True when no floating tensor holds a NaN or ±inf."""
+    if isinstance(p, FlatParams):
+        return flat.is_finite(p)
     return all(bool(torch.isfinite(v).all()) for v in p.values() if is_arithmetic(v))
 
 

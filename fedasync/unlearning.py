@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
 
+from fedasync import flat as _flat
+from fedasync.flat import FlatParams, Layout
 from fedasync.tensors import add, clone, global_norm, sub
 from fedasync.types import Params
 
@@ -194,6 +196,10 @@ class GradientSignature:
     """``(d, k)``, orthonormal columns (float32, CPU)."""
     names: list[str]
     """Tensor names the rows of ``basis`` run over, in flattening order."""
+    _in_layout: dict[Layout, torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """The basis with its rows in a flat layout's buffer order, per layout (made once)."""
 
     @classmethod
     def from_gradients(
@@ -257,7 +263,36 @@ class GradientSignature:
         """Size of the basis in bytes (what crosses the wire)."""
         return self.basis.numel() * self.basis.element_size()
 
+    def _layout_basis(self, update: Params) -> torch.Tensor | None:
+        """The basis in ``update``'s buffer order, when ``update`` is flat parameters of one
+        float32 buffer over exactly ``names`` (the projection then reads the buffer itself:
+        no gather of the tensors into a vector, no split back)."""
+        if not isinstance(update, FlatParams) or len(update.layout.groups) != 1:
+            return None
+        g = update.layout.groups[0]
+        if g.dtype != torch.float32 or len(g.names) != len(self.names):
+            return None
+        u = self._in_layout.get(update.layout)
+        if u is None:
+            if set(g.names) != set(self.names) or g.numel != self.basis.shape[0]:
+                return None
+            start, at = {}, 0
+            for name in self.names:
+                start[name] = at
+                at += g.numels[g.names.index(name)]
+            rows = torch.cat(
+                [torch.arange(start[n], start[n] + k) for n, k in zip(g.names, g.numels)]
+            )
+            u = self.basis.index_select(0, rows).to(g.device)
+            if len(self._in_layout) >= 4:
+                self._in_layout.clear()
+            self._in_layout[update.layout] = u
+        return u
+
     def _coords(self, update: Params) -> tuple[torch.Tensor, torch.Tensor]:
+        u = self._layout_basis(update)
+        if u is not None:
+            return update.buffers[0], u  # type: ignore[attr-defined]
         delta = flatten(update, self.names)
         if delta.numel() != self.basis.shape[0]:
             raise ValueError(f"update has {delta.numel()} elements, basis {self.basis.shape[0]}")
@@ -273,7 +308,10 @@ class GradientSignature:
         if self.rank == 0 or strength == 0.0:
             return clone(update)
         delta, u = self._coords(update)
-        return unflatten(delta - strength * (u @ (u.T @ delta)), update, self.names)
+        out = torch.addmv(delta, u, u.T @ delta, alpha=-strength)
+        if isinstance(update, FlatParams) and delta is update.buffers[0]:
+            return _flat.from_buffers(update.layout, [out], update.loose)
+        return unflatten(out, update, self.names)
 
     def overlap(self, update: Params) -> float:
         """``||Uᵀ Δ|| / ||Δ||`` in [0, 1]: how much of the update lies in the erased subspace."""

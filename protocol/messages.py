@@ -243,7 +243,7 @@ class TrainReply:
             ids = [P.as_int(m[k]) for k in (*_TRAIN_IDS, P.NUM_SAMPLES)]
             # a train_* metric Flower allows but nobody can read (a list) is malformed too
             metrics = scalars(m, (*_TRAIN_IDS, P.NUM_SAMPLES))
-        delta, flat = arrays(msg.content, P.ARRAYS)
+        delta, flat = arrays(msg.content, P.ARRAYS, shared=True)  # read-only: never written
         silo, base, job, n = ids
         return cls(silo, job, base, n, delta, metrics, flat)
 

@@ -90,12 +90,15 @@ def record(content: RecordDict, key: str, kind: type[_R]) -> _R:
     return rec
 
 
-def arrays(content: RecordDict, key: str) -> tuple[Params, torch.Tensor | None]:
-    """``wire.decode_with_flat(content[key])``; Malformed when absent or not decodable."""
+def arrays(
+    content: RecordDict, key: str, *, shared: bool = False
+) -> tuple[Params, torch.Tensor | None]:
+    """``wire.decode_with_flat(content[key], shared=shared)``; Malformed when absent or not
+    decodable."""
     with fields():
         rec = record(content, key, ArrayRecord)
     try:
-        return wire.decode_with_flat(rec)
+        return wire.decode_with_flat(rec, shared=shared)
     except Exception as e:  # noqa: BLE001 - any decoding failure is a malformed message
         what = "arrays" if key == P.ARRAYS else f"{key} arrays"
         raise Malformed(f"{what} do not decode: {e}") from e

@@ -147,8 +147,13 @@ class CorrectionsConfig:
     delay_compensation: float = 0.0
     """DC-ASGD lambda (Zheng et al. 2017); 0 disables."""
     error_feedback_topk: float = 1.0
-    """Fraction of entries of each update folded in (top-k); the rest is kept per silo as an
-    error-feedback residual and added to its next update. 1.0 disables."""
+    """Fraction of entries of each update folded in (top-k over the whole update); the rest is
+    kept per silo as an error-feedback residual and added to its next update. 1.0 disables."""
+    residual_budget_mb: float | None = None
+    """Memory the error-feedback residuals may hold (MiB; None: unbounded, one model per
+    silo). Past it the least recently used residuals are merged into one shared residual that
+    rides with the next update (fedasync.corrections.ErrorFeedback): the mass is kept, only its
+    sender changes."""
     max_snapshots: int = 64
     """Versions of the model the server keeps the weights of, as sent to the jobs in flight
     (DC-ASGD's w_base, and what a checkpoint re-sends); past it the oldest is dropped. A stale
@@ -641,6 +646,7 @@ RANGES: dict[str, Range] = {
     "server.corrections.delay_compensation": NON_NEGATIVE,
     "server.corrections.error_feedback_topk": UNIT_OPEN_LOW,
     "server.corrections.max_snapshots": NON_NEGATIVE,
+    "server.corrections.residual_budget_mb": NON_NEGATIVE,
     "server.norm_outlier_factor": AT_LEAST_ONE,
     "server.clip_norm": POSITIVE,
     "server.dp.noise_multiplier": POSITIVE,

@@ -29,6 +29,8 @@ from fedasync import (
     check_tensors,
     staleness,
 )
+from fedasync.flat import FlatParams, as_flat
+from fedasync.flat import same as same_layout
 from fedasync.tensors import global_norm
 from protocol.messages import TrainRefusal, TrainReply, read_train_reply
 from protocol.reading import ErrorReply, Malformed
@@ -37,8 +39,8 @@ from server.config import ServerConfig
 
 def _norm(tensors: Params, flat: torch.Tensor | None) -> float:
     """L2 norm of the update's floating tensors; one pass over the packed buffer if any."""
-    if flat is None:
-        return global_norm(tensors)
+    if flat is None or isinstance(tensors, FlatParams):
+        return global_norm(tensors)  # (a FlatParams: one pass per buffer)
     packed = float(torch.linalg.vector_norm(flat))
     if not math.isfinite(packed):
         return global_norm(tensors)  # names the overflow / NaN case precisely
@@ -167,9 +169,10 @@ def check_reply(
     if num_samples < 1:
         return Rejection(RejectReason.MALFORMED, f"num-samples {num_samples} < 1")
     tensors, flat = reply.delta, reply.flat
-    bad = check_tensors(tensors, reference, check_finite=False)
-    if bad is not None:
-        return bad
+    if not same_layout(tensors, reference):  # (same layout: same names, shapes and dtypes)
+        bad = check_tensors(tensors, reference, check_finite=False)
+        if bad is not None:
+            return bad
     tau = staleness(version, job.base_version)
     decision = bound.check(tau)
     if decision.action == "reject":
@@ -183,6 +186,8 @@ def check_reply(
     if outlier is not None:
         return outlier
     norms.observe(norm)
+    if isinstance(reference, FlatParams):  # e.g. bf16 from a silo, or not packed: the
+        tensors = as_flat(tensors, like=reference)  # corrections run on the server's layout
     update = Update(
         silo=str(job.silo),
         base_version=job.base_version,

@@ -48,6 +48,8 @@ from fedasync import Params, Rejection, RejectReason
 from fedasync.clock import Clock, InFlight, Next, VirtualClock, WallClock
 from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
+from fedasync.flat import flatten
+from fedasync.flat import same as flat_same
 from fedasync.tensors import is_finite
 from protocol.config import SiloErasure, to_dict
 from protocol.erasure_messages import UnlearnRequest
@@ -89,7 +91,8 @@ class AsyncServer:
         self.cfg = cfg
         self.grid = grid
         self.run_dir = run_dir
-        self.params = {k: v.detach().cpu().clone() for k, v in initial_params.items()}
+        # one flat buffer per dtype (fedasync/flat.py): every fold and correction is fused
+        self.params: Params = flatten(initial_params, device="cpu")
         self.evaluate_fn = evaluate_fn
         self.version = 0
         self.barrier = cfg.server.mode == "sync"
@@ -597,6 +600,8 @@ class AsyncServer:
         self._new_version(params)
 
     def _new_version(self, params: Params) -> None:
+        if not flat_same(params, self.params):
+            params = flatten(params)  # (an erasure's model, a restored checkpoint: rare)
         self.params = params
         self.version += 1
         self.events.write("version", t=self.clock.now, version=self.version)
@@ -663,7 +668,7 @@ class AsyncServer:
     def load_state_dict(self, state: dict[str, Any]) -> list[dict[str, Any]]:
         """Restore what ``state_dict`` returned; the train jobs to re-send."""
         self.version = int(state["version"])
-        self.params = state["params"]
+        self.params = flatten(state["params"])  # (saved as a plain dict)
         loop, parts = state["loop"], state["parts"]
         self.clock.load_state_dict(loop["clock"])
         started = loop["started_at"]

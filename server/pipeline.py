@@ -99,7 +99,11 @@ class CorrectionPipeline:
         self.clip_norm = s.clip_norm
         self.client_lr = cfg.client.lr
         self.aggregator: Aggregator = build_aggregator(cfg)
-        self.ef = ErrorFeedback(s.corrections.error_feedback_topk)
+        budget = s.corrections.residual_budget_mb
+        self.ef = ErrorFeedback(
+            s.corrections.error_feedback_topk,
+            budget_bytes=None if budget is None else int(budget * 2**20),
+        )
 
     def fold(
         self,
@@ -128,12 +132,13 @@ class CorrectionPipeline:
             if isinstance(calibrated, Rejection):
                 return calibrated
             update.tensors = calibrated
+        dc = None
         if self.delay_compensation > 0 and staleness > 0 and w_base is not None:
-            update.tensors = delay_compensate_delta(
-                update.tensors, params, w_base, self.delay_compensation, self.client_lr
-            )
-        if self.error_feedback:
-            update.tensors = self.ef.apply(update.silo, update.tensors)
+            dc = (params, w_base, self.delay_compensation / self.client_lr)
+        if self.error_feedback:  # (with delay compensation: one fused pass on flat buffers)
+            update.tensors = self.ef.apply(update.silo, update.tensors, compensate=dc)
+        elif dc is not None:
+            update.tensors = delay_compensate_delta(update.tensors, dc[0], dc[1], dc[2], 1.0)
         if self.clip_norm is not None:
             known = norm if update.tensors is raw else None
             update.tensors, c = clip_by_norm(update.tensors, self.clip_norm, known)

@@ -29,7 +29,9 @@ def test_a_non_finite_fold_is_refused_and_no_silo_is_blamed(small_cfg, monkeypat
         calls.append(len(calls))
         if len(calls) == 3 and res.params is not None:
             name = next(k for k, v in res.params.items() if v.is_floating_point())
-            res.params[name].view(-1)[0] = math.nan
+            bad = res.params[name].clone()
+            bad.view(-1)[0] = math.nan
+            res.params = {**res.params, name: bad}  # (a new model: models are read-only)
         return res
 
     monkeypatch.setattr(FedAsyncAggregator, "fold", poisoned)
