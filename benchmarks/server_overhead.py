@@ -179,6 +179,67 @@ def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
     return out
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def residual_budget(silos: int = 1000, budget_mb: float = 512.0) -> None:
+    """Error feedback for ``silos`` silos of DenseNet121 within ``budget_mb`` of residuals.
+
+    One residual per silo would be ``silos`` models (28 MB each); with the budget the least
+    recently used are merged into the shared pool. Each silo sends one update, in turn (the
+    worst case for a budget: no silo comes back before every other has sent)."""
+    from fedasync.corrections import ErrorFeedback
+
+    torch.manual_seed(0)
+    plain = {k: v.detach().clone() for k, v in _model("densenet121").state_dict().items()}
+    pool = [
+        flatten(
+            {
+                k: torch.randn_like(v) * 1e-3 if v.is_floating_point() else v
+                for k, v in plain.items()
+            }
+        )
+        for _ in range(4)
+    ]
+    one = pool[0].nbytes / 2**20
+    ef = ErrorFeedback(0.1, budget_bytes=int(budget_mb * 2**20))
+    rss0, peak, times = _rss_mb(), 0.0, []
+    given = torch.zeros(pool[0].layout.numel, dtype=torch.float64)
+    sent_total = torch.zeros_like(given)
+    for i in range(silos):
+        x = pool[i % len(pool)]
+        t0 = time.perf_counter()
+        sent = ef.apply(str(i), x)
+        times.append(time.perf_counter() - t0)
+        given += x.buffers[0]
+        sent_total += sent.buffers[0]
+        peak = max(peak, ef.nbytes() / 2**20)
+        if i % 100 == 0:
+            print(f"  residual budget: {i}/{silos} silos", file=sys.stderr, flush=True)
+    held = torch.zeros_like(given)
+    for key in ef.keys():
+        r = ef.residual(key)
+        assert r is not None
+        held += flatten(r).buffers[0]
+    pool_state = ef.state_dict()["pool"]
+    if pool_state is not None:
+        held += flatten(pool_state).buffers[0]
+    lost = float((given - sent_total - held).abs().max())
+    print(
+        f"\nerror feedback, {silos} silos of densenet121 ({one:.1f} MB a residual), budget "
+        f"{budget_mb:.0f} MB: residuals held at most {peak:.0f} MB (unbounded: "
+        f"{silos * one / 1024:.1f} GB), {ef.merged} merged into the shared residual, "
+        f"{len(ef.keys())} kept; apply median {statistics.median(times) * 1e3:.1f} ms; RSS "
+        f"{rss0:.0f} -> {_rss_mb():.0f} MB; mass not accounted for {lost:.1e} (float64 sums "
+        "of float32 parts)"
+    )
+
+
 def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
     """Updates per wall second of AsyncServer with ``silos`` instantly answering silos."""
     from server.loop import AsyncServer
@@ -261,6 +322,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=",".join(SIZES), help="networks, of " + ", ".join(SIZES))
     ap.add_argument("--no-loop", action="store_true", help="skip the 100-silo loop")
+    ap.add_argument(
+        "--budget", action="store_true", help="also error feedback for 1,000 DenseNet121 silos"
+    )
     args = ap.parse_args()
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = (1, 1, 1)  # as Flower's
     torch.set_num_threads(1)
@@ -271,6 +335,8 @@ def main() -> None:
             ratio = got[("plain", "flat")] / got[("copy", "")]
     if not args.no_loop:
         loop_throughput()
+    if args.budget:
+        residual_budget()
     if ratio is not None:
         print(f"server_overhead_x_copy={ratio:.2f}")
 

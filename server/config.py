@@ -149,11 +149,11 @@ class CorrectionsConfig:
     error_feedback_topk: float = 1.0
     """Fraction of entries of each update folded in (top-k over the whole update); the rest is
     kept per silo as an error-feedback residual and added to its next update. 1.0 disables."""
-    residual_budget_mb: float | None = None
+    residual_budget_mb: float | None = 2048.0
     """Memory the error-feedback residuals may hold (MiB; None: unbounded, one model per
-    silo). Past it the least recently used residuals are merged into one shared residual that
-    rides with the next update (fedasync.corrections.ErrorFeedback): the mass is kept, only its
-    sender changes."""
+    silo: 10,000 silos of DenseNet121 would need 280 GB). Past it the least recently used
+    residuals are merged into one shared residual that rides with the next update
+    (fedasync.corrections.ErrorFeedback): the mass is kept, only its sender changes."""
     max_snapshots: int = 64
     """Versions of the model the server keeps the weights of, as sent to the jobs in flight
     (DC-ASGD's w_base, and what a checkpoint re-sends); past it the oldest is dropped. A stale
