@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 
@@ -242,51 +243,14 @@ def residual_budget(silos: int = 1000, budget_mb: float = 512.0) -> None:
 
 def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
     """Updates per wall second of AsyncServer with ``silos`` instantly answering silos."""
+    from server_scale import InstantGrid  # (benchmarks/, beside this file)
+
     from server.loop import AsyncServer
     from simulations.config import load_config
 
     torch.manual_seed(0)
     params = build_network("cnn-small", 1, 3, (28, 28)).state_dict()
     pool = [{k: torch.randn_like(v) * 1e-3 for k, v in params.items()} for _ in range(8)]
-
-    class InstantGrid:
-        def __init__(self) -> None:
-            self.nodes = list(range(1, silos + 1))
-            self.replies: dict[str, Message] = {}
-
-        def get_node_ids(self):
-            return self.nodes
-
-        def push_messages(self, msgs):
-            ids = []
-            for m in msgs:
-                mid = str(uuid.uuid4())
-                m.metadata.__dict__["_message_id"] = mid
-                silo = m.metadata.dst_node_id - 1
-                if m.metadata.message_type == P.QUERY:
-                    rec = RecordDict({P.METRICS: MetricRecord({P.SILO: silo, P.NUM_SAMPLES: 100})})
-                else:
-                    c = m.content[P.CONFIG]
-                    metrics = MetricRecord(
-                        {
-                            P.SILO: silo,
-                            P.JOB_ID: int(c[P.JOB_ID]),
-                            P.BASE_VERSION: int(c[P.BASE_VERSION]),
-                            P.NUM_SAMPLES: 100,
-                        }
-                    )
-                    rec = RecordDict(
-                        {
-                            P.ARRAYS: wire.encode(pool[silo % len(pool)]),
-                            P.METRICS: metrics,
-                        }
-                    )
-                self.replies[mid] = Message(rec, reply_to=m)
-                ids.append(mid)
-            return ids
-
-        def pull_messages(self, ids):
-            return [self.replies.pop(i) for i in list(ids) if i in self.replies]
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(
@@ -302,7 +266,8 @@ def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
                 "server.max_staleness=null",
             ],
         )
-        srv = AsyncServer(cfg, InstantGrid(), Path(tmp), params, evaluate_fn=None)  # type: ignore[arg-type]
+        grid = InstantGrid(silos, pool)
+        srv = AsyncServer(cfg, grid, Path(tmp), params, evaluate_fn=None)  # type: ignore[arg-type]
         srv.connect()
         t0 = time.perf_counter()
         srv.run()

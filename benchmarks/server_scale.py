@@ -60,8 +60,8 @@ CORRECTIONS = [
 
 class InstantGrid:
     """A fake Flower Grid: ``silos`` nodes (node id = silo + 1) that answer every message at
-    once, a train message with ``pool[silo % len(pool)]`` as their delta (a copy of
-    benchmarks/server_overhead.py's)."""
+    once, a train message with ``pool[silo % len(pool)]`` as their delta (also used by
+    benchmarks/server_overhead.py)."""
 
     def __init__(self, silos: int, pool: list[dict[str, torch.Tensor]]) -> None:
         self.nodes = list(range(1, silos + 1))
@@ -200,7 +200,7 @@ def run_one(silos: int, versions: int, corrections: bool) -> dict[str, Any]:
         srv.events.close()
         n = srv.stats.updates_applied
         ef = srv.pipeline.ef
-        ef_bytes = int(ef.nbytes()) if hasattr(ef, "nbytes") else tensor_bytes(ef._residuals)[0]
+        ef_bytes = ef.nbytes()  # the residuals and the shared pool (residual_budget_mb)
         snap_bytes, snap_versions = tensor_bytes(srv.jobs.sent)
         jobs = srv.jobs
         indexes = [getattr(jobs, k, None) for k in ("unanswered", "_by_silo", "_down", "_refs")]
