@@ -180,14 +180,6 @@ def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
     return out
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def residual_budget(silos: int = 1000, budget_mb: float = 512.0) -> None:
     """Error feedback for ``silos`` silos of DenseNet121 within ``budget_mb`` of residuals.
 
@@ -209,7 +201,7 @@ def residual_budget(silos: int = 1000, budget_mb: float = 512.0) -> None:
     ]
     one = pool[0].nbytes / 2**20
     ef = ErrorFeedback(0.1, budget_bytes=int(budget_mb * 2**20))
-    rss0, peak, times = _rss_mb(), 0.0, []
+    peak, times = 0.0, []
     given = torch.zeros(pool[0].layout.numel, dtype=torch.float64)
     sent_total = torch.zeros_like(given)
     for i in range(silos):
@@ -235,9 +227,8 @@ def residual_budget(silos: int = 1000, budget_mb: float = 512.0) -> None:
         f"\nerror feedback, {silos} silos of densenet121 ({one:.1f} MB a residual), budget "
         f"{budget_mb:.0f} MB: residuals held at most {peak:.0f} MB (unbounded: "
         f"{silos * one / 1024:.1f} GB), {ef.merged} merged into the shared residual, "
-        f"{len(ef.keys())} kept; apply median {statistics.median(times) * 1e3:.1f} ms; RSS "
-        f"{rss0:.0f} -> {_rss_mb():.0f} MB; mass not accounted for {lost:.1e} (float64 sums "
-        "of float32 parts)"
+        f"{len(ef.keys())} kept; apply median {statistics.median(times) * 1e3:.1f} ms; mass not "
+        f"accounted for {lost:.1e} (float64 sums of float32 parts)"
     )
 
 

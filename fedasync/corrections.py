@@ -158,6 +158,8 @@ class ErrorFeedback:
         self.budget_bytes = budget_bytes
         self._residuals: OrderedDict[str, Params] = OrderedDict()
         """Least recently used first."""
+        self._held = 0
+        """Bytes in ``_residuals``."""
         self._pool: Params | None = None
         self._origins: dict[str, set[str]] = {}
         """Key -> the other keys whose mass its residual may hold (absent: none)."""
@@ -183,7 +185,7 @@ class ErrorFeedback:
         ):
             w_now, w_base, coef = compensate
             tensors, owned, compensate = _dc(tensors, w_now, w_base, coef), True, None
-        residual = self._residuals.pop(key, None)
+        residual = self._pop(key)
         if self._pool is not None:  # the merged residuals ride with this update
             residual = self._pool if residual is None else _add(residual, self._pool)
             self._origins.setdefault(key, set()).update(self._pool_origins)
@@ -192,7 +194,7 @@ class ErrorFeedback:
             sent = tensors if owned else _copy(tensors)
             if residual is not None:
                 sent = _add(sent, residual)
-            self._residuals[key] = zeros_like(tensors)
+            self._put(key, zeros_like(tensors))
             self._enforce_budget(key)
             return sent
         if self.compress is not None:
@@ -205,7 +207,7 @@ class ErrorFeedback:
             k = topk_count(x.layout.numel, self.ratio)
             dc = None if compensate is None else (compensate[0], compensate[1], compensate[2])
             sent, kept = flat.compress_topk(x, r, k, owned=owned, compensate=dc)  # type: ignore[arg-type]
-        self._residuals[key] = kept
+        self._put(key, kept)
         self._enforce_budget(key)
         return sent
 
@@ -235,23 +237,33 @@ class ErrorFeedback:
             key, r = next(iter(self._residuals.items()))
             if key == current:
                 break
-            del self._residuals[key]
+            self._pop(key)
             self._pool = r if self._pool is None else _add(self._pool, r)
             self._pool_origins |= {key} | self._origins.pop(key, set())
             self.merged += 1
 
     def nbytes(self) -> int:
-        """Bytes the residuals and the pool hold."""
-        total = sum(_nbytes(r) for r in self._residuals.values())
-        return total + (_nbytes(self._pool) if self._pool is not None else 0)
+        """Bytes the residuals and the pool hold (kept as a running total: O(1))."""
+        return self._held + (_nbytes(self._pool) if self._pool is not None else 0)
+
+    def _put(self, key: str, r: Params) -> None:
+        self._pop(key)
+        self._residuals[key] = r
+        self._held += _nbytes(r)
+
+    def _pop(self, key: str) -> Params | None:
+        r = self._residuals.pop(key, None)
+        if r is not None:
+            self._held -= _nbytes(r)
+        return r
 
     def drop(self, key: str) -> None:
         """Forget ``key``'s residual (its sender's data was erased), and every residual (and
         the pool) that may hold mass of ``key`` merged into it under the budget."""
-        self._residuals.pop(key, None)
+        self._pop(key)
         self._origins.pop(key, None)
         for other in [k for k, o in self._origins.items() if key in o]:
-            self._residuals.pop(other, None)
+            self._pop(other)
             del self._origins[other]
         if key in self._pool_origins:
             self._pool, self._pool_origins = None, set()
@@ -268,6 +280,7 @@ class ErrorFeedback:
             self._residuals[key] = mapped(r)
         if self._pool is not None:
             self._pool = mapped(self._pool)
+        self._held = sum(_nbytes(r) for r in self._residuals.values())
 
     def residual(self, key: str) -> Params | None:
         """The residual kept for ``key`` (a copy), or ``None`` before the first ``apply``."""
@@ -276,7 +289,7 @@ class ErrorFeedback:
 
     def reset(self, key: str) -> None:
         """Forget the residual for ``key`` (no-op when absent)."""
-        self._residuals.pop(key, None)
+        self._pop(key)
         self._origins.pop(key, None)
 
     def keys(self) -> list[str]:
@@ -304,6 +317,7 @@ class ErrorFeedback:
             (str(key), {k: v.detach().clone() for k, v in r.items()})
             for key, r in d["residuals"].items()
         )
+        self._held = sum(_nbytes(r) for r in self._residuals.values())
         pool = d.get("pool")
         self._pool = None if pool is None else {k: v.detach().clone() for k, v in pool.items()}
         self._origins = {str(k): set(o) for k, o in d.get("origins", {}).items()}

@@ -251,6 +251,9 @@ def test_error_feedback_within_a_budget_conserves_the_mass_and_drops_what_an_era
     pool = ef.state_dict()["pool"]
     held = held + (pool["w"] if pool is not None else 0)
     assert torch.equal(sum(s["w"] for s in sent) + held, sum(x["w"] for x in xs))
+    # the running byte count is the bytes actually held
+    actual = sum(flatten(ef.residual(k)).nbytes for k in ef.keys())
+    assert ef.nbytes() == actual + (flatten(pool).nbytes if pool is not None else 0)
     # an erasure of a merged key drops the pool that may hold its mass
     merged_key = ef.state_dict()["pool_origins"][0]
     ef.drop(merged_key)
