@@ -94,6 +94,7 @@ class Run:
             "FLWR_HOME": str(tmp / "flwr-home"),
             "FLWR_TELEMETRY_ENABLED": "0",
             "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",  # a hang's stacks, on SIGABRT (wait's diagnosis)
             TEST_ENV: self.marker,
         }
         args = argv or ["simulate", f"run.out_dir={tmp}", *BASE, *overrides]
@@ -128,8 +129,22 @@ class Run:
         self.left()
 
     def wait(self, timeout_s: float = 120.0) -> int:
-        """Its exit code (the timeout only guards against a hang)."""
-        return self.popen.wait(timeout=timeout_s)
+        """Its exit code (the timeout only guards against a hang). A hang fails with every
+        thread's Python stack (SIGABRT makes faulthandler print them) and the run log's end."""
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(self.popen.pid, signal.SIGABRT)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            log = self.run_dir / "run.log"
+            tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no run.log)"
+            pytest.fail(
+                f"no exit within {timeout_s:g} s; stderr:\n{self.stderr()[-12000:]}\n"
+                f"run.log:\n{tail}"
+            )
 
     def stderr(self) -> str:
         return self.err.read_text(errors="replace")
