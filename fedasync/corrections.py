@@ -34,7 +34,7 @@ import torch
 
 from fedasync import flat
 from fedasync.flat import FlatParams
-from fedasync.tensors import is_arithmetic, zeros_like
+from fedasync.tensors import add, clone, is_arithmetic, zeros_like
 from fedasync.types import Params
 
 
@@ -187,13 +187,13 @@ class ErrorFeedback:
             tensors, owned, compensate = _dc(tensors, w_now, w_base, coef), True, None
         residual = self._pop(key)
         if self._pool is not None:  # the merged residuals ride with this update
-            residual = self._pool if residual is None else _add(residual, self._pool)
+            residual = self._pool if residual is None else add(residual, self._pool)
             self._origins.setdefault(key, set()).update(self._pool_origins)
             self._pool, self._pool_origins = None, set()
         if self.ratio >= 1.0:
-            sent = tensors if owned else _copy(tensors)
+            sent = tensors if owned else clone(tensors)
             if residual is not None:
-                sent = _add(sent, residual)
+                sent = add(sent, residual)
             self._put(key, zeros_like(tensors))
             self._enforce_budget(key)
             return sent
@@ -205,8 +205,7 @@ class ErrorFeedback:
             # the residual is ours (popped above, or a sum made here): overwritten in place
             r = None if residual is None else flat.as_flat(residual, like=x)
             k = topk_count(x.layout.numel, self.ratio)
-            dc = None if compensate is None else (compensate[0], compensate[1], compensate[2])
-            sent, kept = flat.compress_topk(x, r, k, owned=owned, compensate=dc)  # type: ignore[arg-type]
+            sent, kept = flat.compress_topk(x, r, k, owned=owned, compensate=compensate)  # type: ignore[arg-type]
         self._put(key, kept)
         self._enforce_budget(key)
         return sent
@@ -238,7 +237,7 @@ class ErrorFeedback:
             if key == current:
                 break
             self._pop(key)
-            self._pool = r if self._pool is None else _add(self._pool, r)
+            self._pool = r if self._pool is None else add(self._pool, r)
             self._pool_origins |= {key} | self._origins.pop(key, set())
             self.merged += 1
 
@@ -328,21 +327,6 @@ class ErrorFeedback:
 def _dc(delta: Params, w_now: Params, w_base: Params, coef: float) -> Params:
     """:func:`delay_compensate_delta` with λ/lr given as one coefficient."""
     return delay_compensate_delta(delta, w_now, w_base, coef, 1.0)
-
-
-def _copy(p: Params) -> Params:
-    return (
-        flat.clone(p)
-        if isinstance(p, FlatParams)
-        else {k: v.detach().clone() for k, v in p.items()}
-    )
-
-
-def _add(a: Params, b: Params) -> Params:
-    """``a + b`` over the arithmetic tensors (integer ones from ``a``)."""
-    if flat.same(a, b):
-        return flat.add(a, b)  # type: ignore[arg-type]
-    return {k: (v + b[k] if is_arithmetic(v) else v) for k, v in a.items()}
 
 
 def _nbytes(p: Params) -> int:

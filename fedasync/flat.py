@@ -45,7 +45,7 @@ CHUNK = 1 << 18
 
 EXACT_TOPK_MAX = 1 << 18
 """Up to this many elements the top-k threshold is exact (``torch.kthvalue``); above it, it is
-estimated from a fixed sample (:func:`topk_threshold`)."""
+estimated from a fixed sample (:func:`compress_topk`)."""
 
 TOPK_SAMPLE = 1 << 16
 """Sample size of the estimated top-k threshold."""
@@ -413,9 +413,8 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     :data:`POOL_PER_SIZE` buffers of each size of at least :data:`POOL_MIN_BYTES` and hands
     one out again once nothing references its memory (its storage's use count, which counts
     every tensor and view of it: a buffer still referenced anywhere is never handed out).
-    What it returns is an alias, never the pool's own tensor. :func:`clear_pool` frees it."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize < POOL_MIN_BYTES:
+    What it returns is an alias, never the pool's own tensor."""
+    if numel * dtype.itemsize < POOL_MIN_BYTES:
         return torch.empty(numel, dtype=dtype, device=device)
     key = (numel, dtype, torch.device(device))
     with _LOCK:
@@ -435,37 +434,25 @@ def empty_like(b: torch.Tensor) -> torch.Tensor:
     return empty(b.numel(), b.dtype, b.device)
 
 
-def clear_pool() -> int:
-    """Drop the pool's buffers (those in use stay alive with their users); bytes dropped."""
-    with _LOCK:
-        total = sum(b.nbytes for bufs in _POOL.values() for b in bufs)
-        _POOL.clear()
-    return total
-
-
 # ------------------------------------------------------------------ fused operations
 # Every function takes FlatParams of one layout (the caller checks ``same``) and returns a new
 # FlatParams; loose tensors come from the first argument unless said otherwise.
 
 
-def _loose(p: FlatParams) -> Params:
-    return p.loose
-
-
 def new(layout: Layout, buffers: Iterable[torch.Tensor], loose_from: FlatParams) -> FlatParams:
     """:func:`from_buffers` with ``loose_from``'s loose tensors."""
-    return from_buffers(layout, list(buffers), _loose(loose_from))
+    return from_buffers(layout, list(buffers), loose_from.loose)
 
 
 def clone(p: FlatParams) -> FlatParams:
     """A copy of the buffers (loose tensors cloned too)."""
-    loose = {k: v.clone() for k, v in _loose(p).items()}
+    loose = {k: v.clone() for k, v in p.loose.items()}
     return from_buffers(p.layout, [empty_like(b).copy_(b) for b in p.buffers], loose)
 
 
 def zeros_like(p: FlatParams) -> FlatParams:
     """Zero buffers; loose tensors cloned."""
-    loose = {k: v.clone() for k, v in _loose(p).items()}
+    loose = {k: v.clone() for k, v in p.loose.items()}
     return from_buffers(p.layout, [torch.zeros_like(b) for b in p.buffers], loose)
 
 
@@ -645,12 +632,12 @@ def _sample_magnitudes(
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def topk_threshold(bufs: Sequence[torch.Tensor], k: int) -> torch.Tensor:
-    """The k-th largest magnitude over the 1-D tensors ``bufs`` taken together, exact
+def _kth_largest(mags: Sequence[torch.Tensor], k: int) -> torch.Tensor:
+    """The k-th largest value over the 1-D tensors ``mags`` taken together, exact
     (``torch.kthvalue``: an O(n) selection, no sort)."""
-    n = sum(t.numel() for t in bufs)
-    mag = torch.cat([t.abs() for t in bufs]) if len(bufs) > 1 else bufs[0].abs()
-    return torch.kthvalue(mag, n - k + 1).values
+    n = sum(t.numel() for t in mags)
+    flat = torch.cat(list(mags)) if len(mags) > 1 else mags[0]
+    return torch.kthvalue(flat, n - k + 1).values
 
 
 def compress_topk(
@@ -730,8 +717,8 @@ def _compress_exact(
     res_bufs = (
         [torch.empty_like(c) for c in corrected] if residual is None else list(residual.buffers)
     )
-    thr = topk_threshold(corrected, k)
     mags = [c.abs() for c in corrected]
+    thr = _kth_largest(mags, k)
     keeps = [m > thr for m in mags]
     need = k - sum(int(kp.sum()) for kp in keeps)
     for kp, m in zip(keeps, mags):

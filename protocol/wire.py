@@ -118,13 +118,9 @@ def decode_with_flat(
 
 
 def _one_float_group(layout: fedasync_flat.Layout) -> bool:
+    """One floating buffer of several tensors (loose tensors are never floating)."""
     groups = layout.groups
-    return (
-        len(groups) == 1
-        and groups[0].dtype.is_floating_point
-        and len(groups[0].names) > 1
-        and not any(dtype.is_floating_point or dtype.is_complex for _, _, dtype, _ in layout.loose)
-    )
+    return len(groups) == 1 and groups[0].dtype.is_floating_point and len(groups[0].names) > 1
 
 
 _MANIFEST_ARRAYS: dict[tuple, np.ndarray] = {}

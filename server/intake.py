@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import torch
 from flwr.app import Message
 
 from fedasync import (
@@ -35,22 +34,6 @@ from fedasync.tensors import global_norm
 from protocol.messages import TrainRefusal, TrainReply, read_train_reply
 from protocol.reading import ErrorReply, Malformed
 from server.config import ServerConfig
-
-
-def _norm(tensors: Params, flat: torch.Tensor | None) -> float:
-    """L2 norm of the update's floating tensors; one pass over the packed buffer if any."""
-    if flat is None or isinstance(tensors, FlatParams):
-        return global_norm(tensors)  # (a FlatParams: one pass per buffer)
-    packed = float(torch.linalg.vector_norm(flat))
-    if not math.isfinite(packed):
-        return global_norm(tensors)  # names the overflow / NaN case precisely
-    buf = flat.untyped_storage().data_ptr()
-    rest = {
-        k: v
-        for k, v in tensors.items()
-        if v.is_floating_point() and v.untyped_storage().data_ptr() != buf
-    }
-    return packed if not rest else math.hypot(packed, global_norm(rest))
 
 
 class JobKind(StrEnum):
@@ -168,7 +151,7 @@ def check_reply(
         )
     if num_samples < 1:
         return Rejection(RejectReason.MALFORMED, f"num-samples {num_samples} < 1")
-    tensors, flat = reply.delta, reply.flat
+    tensors = reply.delta
     if not same_layout(tensors, reference):  # (same layout: same names, shapes and dtypes)
         bad = check_tensors(tensors, reference, check_finite=False)
         if bad is not None:
@@ -177,8 +160,9 @@ def check_reply(
     decision = bound.check(tau)
     if decision.action == "reject":
         return Rejection(RejectReason.TOO_STALE, decision.reason)
-    # one pass over the update: the norm is non-finite iff some entry is (or it overflowed)
-    norm = _norm(tensors, flat)
+    # one pass over the update (per buffer of a decoded FlatParams): the norm is non-finite
+    # iff some entry is (or it overflowed)
+    norm = global_norm(tensors)
     if not math.isfinite(norm):
         bad = check_tensors(tensors, reference)
         return bad or Rejection(RejectReason.NORM_OUTLIER, f"update norm {norm} overflows")
