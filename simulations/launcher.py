@@ -360,8 +360,12 @@ def run(
         name = e.args[0] if isinstance(e, Interrupted) else "SIGINT"
         print(f"fedasync: stopped by {name} {_where(stopped)}; {_resume(run_dir)}", file=sys.stderr)
         code = e.exit_code if isinstance(e, Interrupted) else 130
-        if isinstance(e, Interrupted) and e.server_left_running:
-            # Flower's ServerApp thread is no daemon: exiting normally would wait for it
+        if isinstance(e, Interrupted):
+            # Everything the run started is stopped by now (run_engine's finally: the ServerApp
+            # asked to stop, Ray's processes by pid, the checkpoint written). A normal exit
+            # would still join every non-daemon thread left in this process: Flower's ServerApp
+            # thread when it did not stop in time, and, seen twice in full test suites, some
+            # other thread after a clean stop, which held the exit for minutes after this line.
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
