@@ -56,6 +56,7 @@ BASELINE_DIR = "baseline-sync"
 
 def _quiet_environment() -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

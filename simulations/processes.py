@@ -23,6 +23,14 @@ from typing import NamedTuple
 
 log = logging.getLogger("fedasync")
 
+FLOWER_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}
+"""Set in every process a deployment starts: no telemetry (a POST that can hold a process 4 s
+at exit), no update check (a request to flower.ai), no installs of the app's dependencies."""
+
 MARKER_ENV = "FEDASYNC_DEPLOY"
 """Environment variable whose value marks every process of one deployment."""
 
@@ -60,9 +68,11 @@ class Processes:
         home: Path,
         *,
         pipe: bool = False,
+        env: dict[str, str] | None = None,
     ) -> Proc:
         """Start ``cmd`` in ``home`` (its FLWR_HOME, cwd and, under tmp/, its TMPDIR); output to
-        ``home/<name>.log``, or to a pipe read by the caller when ``pipe``."""
+        ``home/<name>.log``, or to a pipe read by the caller when ``pipe``; ``env`` adds to the
+        environment (``FLOWER_ENV`` and the marker are always set)."""
         tmp = home / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         bin_dir = str(Path(cmd[0]).parent)
@@ -71,9 +81,9 @@ class Processes:
             "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
             "FLWR_HOME": str(home),
             "TMPDIR": str(tmp),
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            **FLOWER_ENV,
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
             MARKER_ENV: self.marker,
         }
         log_path = home / f"{name}.log"
@@ -96,6 +106,15 @@ class Processes:
         self.procs.append(proc)
         self.seen.add(popen.pid)
         return proc
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each live started process has used so far, by name
+        (its own, not its children's; Linux /proc)."""
+        out = {}
+        for p in self.procs:
+            if p.popen.poll() is None and (cpu := cpu_seconds(p.popen.pid)) is not None:
+                out[p.name] = cpu
+        return out
 
     def scan(self) -> list[int]:
         """Live processes carrying the marker (zombies excluded); remembered in ``seen``."""
@@ -180,6 +199,16 @@ def pids_with_env(name: str, value: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` (None: gone, or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def alive(pid: int) -> bool:
