@@ -18,8 +18,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fedasync.errors import ConfigError, UserError
-from server.config import FedAsyncConfig
+from fedasync.errors import ConfigError
+from server.config import FedAsyncConfig, bounded, build
 
 DEFAULT_CONFIG = "default.yaml"
 
@@ -35,7 +35,6 @@ def load_config(
     """The validated config of a run, its inputs checked by `preflight`; ``path`` None means
     the packaged default. Raises ConfigError, DataError or CheckpointError naming the key or
     file."""
-    schema = OmegaConf.structured(FedAsyncConfig)
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (--config)")
@@ -51,18 +50,12 @@ def load_config(
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. server.mode=fedbuff)")
     try:
-        merged = OmegaConf.merge(schema, loaded, OmegaConf.from_dotlist(list(overrides or [])))
-        cfg = OmegaConf.to_object(merged)
+        dotlist = OmegaConf.from_dotlist(list(overrides or []))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
-        first = str(e).splitlines()[0]
+        first = bounded(str(e).splitlines()[0] if str(e) else type(e).__name__)
         raise ConfigError(f"bad configuration key {key}: {first} (config: {path})") from e
-    except ValueError as e:  # a config dataclass's own check (ConfigError), or a plain one
-        if isinstance(e, UserError):
-            raise
-        raise ConfigError(str(e)) from e
-    assert isinstance(cfg, FedAsyncConfig)
-    return preflight(cfg)
+    return preflight(build(loaded, dotlist, source=f"config: {path}"))
 
 
 def checkpoint_path(cfg: FedAsyncConfig) -> Path:
