@@ -1,19 +1,34 @@
 """The fedasync ClientApp: one per silo (a SuperNode in deployment, a virtual node in simulation).
 
-It holds no state between messages except caches (the silo's data and the network object,
-keyed by the run's setup JSON) and, only when a replay fault is injected, its last reply
-(``clients.faults``, a Flower mod on the train handler). Every handler reads its request with
-the protocol's ``from_message`` (validated once) and answers with its reply's ``to_message``. Its silo id is the SuperNode's
-``partition-id`` node config; everything else (benchmark, split, training settings) arrives
-with every message, so the same app runs unchanged under Flower's simulation and deployment
-engines.
+It holds no state between messages except caches (the silo's data and a template of the
+network, keyed by what they are built from) and, only when a replay fault is injected, its last
+reply (``clients.faults``, a Flower mod on the train handler). Every message works on a fresh
+copy of the network template (``copy.deepcopy``) into which the received weights are loaded,
+so nothing of one message (training state, opacus's hooks and per-sample attributes, a DP
+wrapper) can reach the next; opacus's engine, optimiser and loader are made per message
+(``clients.dp``). Every handler reads its request with the protocol's ``from_message``
+(validated once) and answers with its reply's ``to_message``.
+
+Which data a silo holds comes from its SuperNode's node config:
+- ``datalist`` (deployment): the hospital's own data, a Decathlon-format datalist read only
+  here (``medical_data.datalist``); the task, network, channels, classes and image size are the
+  run's benchmark's (``medical_data.registry``), never the coordinator's data. Its
+  ``validation`` list, when there is one, is what the silo evaluates on.
+- otherwise ``partition-id`` of the run's benchmark, split as in simulation (the demo and the
+  simulation engine).
+``partition-id`` is always the silo's id. Everything else (benchmark, split, training settings)
+arrives with every message, so the same app runs unchanged under Flower's simulation and
+deployment engines.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
+from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +41,9 @@ from clients.privacy import BudgetExhausted, Refusal, ledger_path
 from fedasync.tensors import sub
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
+from medical_data.registry import BenchmarkSpec, get_spec
 from medical_data.tasks import (
+    backdoored,
     concat,
     evaluate,
     pick_device,
@@ -36,6 +53,7 @@ from medical_data.tasks import (
 )
 from protocol import keys as P
 from protocol.config import ClientConfig, build_silos, parse_setup
+from protocol.ids import digest_all
 from protocol.messages import (
     EvaluateReply,
     EvaluateRequest,
@@ -63,18 +81,64 @@ def _federation(setup_json: str) -> Federation:
     return build_silos(setup.data, setup.num_silos, setup.seed)
 
 
-@lru_cache(maxsize=4)
-def _network(setup_json: str) -> torch.nn.Module:
-    spec = _federation(setup_json).spec
-    name = parse_setup(setup_json).data.network or spec.network
-    return build_network(name, spec.in_channels, spec.num_classes, spec.image_size)
+@dataclass(frozen=True)
+class Silo:
+    """What this node works with: its silo id, the run's benchmark spec (task, shapes), the
+    data it trains on (with the trigger in backdoor verification runs) and what it evaluates
+    on (its datalist's ``validation`` list, else its training data)."""
+
+    id: int
+    spec: BenchmarkSpec
+    data: SiloData
+    heldout: SiloData
+    own: bool
+    """Its own datalist (deployment), not a partition of the benchmark."""
 
 
-def _silo(context: Context, setup_json: str) -> tuple[int, SiloData]:
+def _silo(context: Context, setup_json: str) -> Silo:
+    """This node's silo, from its node config (``partition-id``, ``datalist``)."""
     if "partition-id" not in context.node_config:
         raise ValueError("this SuperNode has no 'partition-id' in its node config")
     silo = int(context.node_config["partition-id"])
-    return silo, _silo_data(setup_json, silo)
+    setup = parse_setup(setup_json)
+    path = str(context.node_config.get(P.DATALIST, ""))
+    if not path:
+        fed = _federation(setup_json)
+        data = _silo_data(setup_json, silo)
+        return Silo(silo, fed.spec, data, data, own=False)
+    spec = get_spec(setup.data.benchmark)
+    try:
+        stamp = Path(path).expanduser().stat().st_mtime_ns  # an edited datalist is read again
+    except OSError:
+        stamp = 0  # (load_datalist says what is missing)
+    train, held = _datalist(path, spec.name, stamp)
+    data = backdoored(train, silo, setup.backdoor, setup.seed)
+    return Silo(silo, spec, data, data if held is None else held, own=True)
+
+
+@lru_cache(maxsize=4)
+def _datalist(path: str, benchmark: str, stamp: int) -> tuple[SiloData, SiloData | None]:
+    """The silo's ``training`` and (when present) ``validation`` lists, read once per
+    datalist version (``stamp``: its modification time)."""
+    from medical_data.datalist import has_list, load_datalist
+
+    spec = get_spec(benchmark)
+    train = load_datalist(path, spec, "training")
+    held = load_datalist(path, spec, "validation") if has_list(path, "validation") else None
+    return train, held
+
+
+@lru_cache(maxsize=4)
+def _template(name: str, channels: int, classes: int, size: tuple[int, int]) -> torch.nn.Module:
+    """The network, built once per shape: a template that is never trained itself."""
+    return build_network(name, channels, classes, size)
+
+
+def _network(setup_json: str, spec: BenchmarkSpec) -> torch.nn.Module:
+    """A fresh copy of the run's network, for one message."""
+    name = parse_setup(setup_json).data.network or spec.network
+    template = _template(name, spec.in_channels, spec.num_classes, tuple(spec.image_size))
+    return copy.deepcopy(template)
 
 
 @lru_cache(maxsize=8)
@@ -83,8 +147,14 @@ def _silo_data(setup_json: str, silo: int) -> SiloData:
     return training_data(_federation(setup_json), silo, setup.backdoor, setup.seed)
 
 
+def _relearning_data(setup_json: str, silo: Silo) -> SiloData:
+    if silo.own:
+        raise ValueError("a relearning attack trains on another silo's data: benchmark silos only")
+    return _benchmark_relearning_data(setup_json)
+
+
 @lru_cache(maxsize=2)
-def _relearning_data(setup_json: str) -> SiloData:
+def _benchmark_relearning_data(setup_json: str) -> SiloData:
     setup = parse_setup(setup_json)
     if not setup.backdoor or "silo" not in setup.backdoor:
         raise ValueError("a relearning job in a run whose setup names no backdoored silo")
@@ -110,10 +180,15 @@ def training_kwargs(
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Say which silo this node is and how many samples it holds."""
+    """Say which silo this node is, how many samples it trains on and of which classes, and
+    (when the query brings a salt) the salted digests of their ids (``protocol.ids``)."""
+    from medical_data.datalist import class_counts
+
     req = QueryRequest.from_message(msg)
-    silo, data = _silo(context, req.setup_json)
-    return QueryReply(silo, len(data)).to_message(reply_to=msg)
+    silo = _silo(context, req.setup_json)
+    counts = tuple(class_counts(silo.data, silo.spec.num_classes))
+    digests = digest_all(req.salt, silo.data.sample_ids.tolist()) if req.salt else b""
+    return QueryReply(silo.id, len(silo.data), counts, digests).to_message(reply_to=msg)
 
 
 @app.train(mods=[inject_fault])
@@ -121,23 +196,23 @@ def train(msg: Message, context: Context) -> Message:
     """Train the received global model locally and reply with the delta (faults: the mod)."""
     req = TrainRequest.from_message(msg)
     setup = req.setup
-    fed = _federation(req.setup_json)
-    silo, data = _silo(context, req.setup_json)
+    here = _silo(context, req.setup_json)
+    silo, data = here.id, here.data
     held = len(data)
     data = select(data, list(req.exclude))
     if len(data) == 0:
         detail = f"silo {silo} has no training data left (all {held} samples erased)"
         return _refuse(msg, req, silo, NO_DATA, detail)
     if req.relearn:  # a relearning attack in a verification run
-        data = concat(data, _relearning_data(req.setup_json))
+        data = concat(data, _relearning_data(req.setup_json, here))
     ccfg = setup.client
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)
-    model = _network(req.setup_json)
+    model = _network(req.setup_json, here.spec)
     base = req.params
     model.load_state_dict(base)
     steps = ccfg.local_steps if req.local_steps is None else req.local_steps
-    common = training_kwargs(ccfg, task=fed.spec.task, steps=steps, device=device)
+    common = training_kwargs(ccfg, task=here.spec.task, steps=steps, device=device)
     t_train = time.perf_counter()
     if ccfg.dp.enabled:
         from clients.dp import train_private  # opacus only when DP is on
@@ -194,17 +269,18 @@ def _refuse(
 
 @app.evaluate()
 def evaluate_handler(msg: Message, context: Context) -> Message:
-    """Evaluate the received model on this silo's own data."""
+    """Evaluate the received model on this silo's own data: its datalist's ``validation``
+    list when it has one, else the data it trains on."""
     req = EvaluateRequest.from_message(msg)
-    fed = _federation(req.setup_json)
-    silo, data = _silo(context, req.setup_json)
+    here = _silo(context, req.setup_json)
+    data = here.heldout
     ccfg = req.setup.client
     torch.set_num_threads(ccfg.num_threads)
-    model = _network(req.setup_json)
+    model = _network(req.setup_json, here.spec)
     model.load_state_dict(req.params)
-    res = evaluate(model, data, task=fed.spec.task, device=pick_device(ccfg.device))
+    res = evaluate(model, data, task=here.spec.task, device=pick_device(ccfg.device))
     rest = {k: v for k, v in res.items() if k not in ("loss", "score")}
-    reply = EvaluateReply(silo, len(data), res["loss"], res["score"], rest)
+    reply = EvaluateReply(here.id, len(data), res["loss"], res["score"], rest)
     return reply.to_message(reply_to=msg)
 
 
@@ -216,16 +292,22 @@ def unlearn(msg: Message, context: Context) -> Message:
 
     req = UnlearnRequest.from_message(msg)
     erase = req.erasure
-    fed = _federation(req.setup_json)
-    silo, data = _silo(context, req.setup_json)
+    here = _silo(context, req.setup_json)
+    silo, data, spec = here.id, here.data, here.spec
     forget_ids = list(req.forget)
+    unknown = sorted(set(forget_ids) - set(data.sample_ids.tolist()))
+    if unknown:  # checked against the silo's own ids (the coordinator holds digests only)
+        raise ValueError(
+            f"{len(unknown)} of the {len(forget_ids)} sample ids to erase are not held by "
+            f"silo {silo}, e.g. {unknown[0][:80]!r}"
+        )
     forget = select(data, forget_ids, keep=True)
     if len(forget) == 0:
         raise ValueError("none of the sample ids to erase is held by this silo")
     ccfg = req.setup.client
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)
-    model = _network(req.setup_json)
+    model = _network(req.setup_json, spec)
     base = req.params
     model.load_state_dict(base)
     reference = base if req.reference is None else req.reference
@@ -236,7 +318,7 @@ def unlearn(msg: Message, context: Context) -> Message:
             forget,
             reference=reference,
             radius=erase.radius,
-            task=fed.spec.task,
+            task=spec.task,
             seed=seed,
             device=device,
             steps=erase.steps,
@@ -249,8 +331,8 @@ def unlearn(msg: Message, context: Context) -> Message:
             model,
             forget,
             retain=retain,
-            num_classes=fed.spec.num_classes,
-            task=fed.spec.task,
+            num_classes=spec.num_classes,
+            task=spec.task,
             seed=seed,
             device=device,
             steps=erase.steps,
@@ -260,7 +342,7 @@ def unlearn(msg: Message, context: Context) -> Message:
     signature, gradient = forget_signature_with_gradient(
         model,
         forget,
-        task=fed.spec.task,
+        task=spec.task,
         batches=erase.signature_batches,
         batch_size=ccfg.batch_size,
         rank=erase.signature_rank,

@@ -24,18 +24,23 @@ def training_data(fed: Any, silo: int, backdoor: dict | None, seed: int) -> Silo
     """Silo ``silo``'s training data; in backdoor verification runs, with the trigger applied."""
     if not 0 <= silo < len(fed.silos):
         raise ValueError(f"silo {silo} is not a silo of this federation (0..{len(fed.silos) - 1})")
+    return backdoored(fed.silos[silo], silo, backdoor, seed)
+
+
+def backdoored(data: SiloData, silo: int, backdoor: dict | None, seed: int) -> SiloData:
+    """``data`` (silo ``silo``'s), poisoned when ``backdoor`` is on and names that silo."""
     if backdoor and backdoor.get("enabled") and int(backdoor["silo"]) == silo:
         from medical_data.backdoor import poison
 
         return poison(
-            fed.silos[silo],
+            data,
             float(backdoor["fraction"]),
             int(backdoor["target_label"]),
             seed,
             size=int(backdoor.get("trigger_size", 3)),
             pattern=str(backdoor.get("trigger_pattern", "solid")),
         )
-    return fed.silos[silo]
+    return data
 
 
 def relearning_data(fed: Any, backdoor: dict, seed: int) -> SiloData:

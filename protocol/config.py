@@ -112,6 +112,11 @@ class DataConfig:
     """Where fetched data lives (default $FEDASYNC_DATA or ~/.cache/fedasync/data)."""
     network: str | None = None
     """Override the benchmark's default network (cnn-small, densenet121, resnet18, unet-small)."""
+    server_test: str | None = None
+    """Deployment: the coordinator's own held-out set, a Decathlon datalist on its machine
+    (its ``test`` list, else ``validation``, else ``training``; medical_data.datalist), which
+    the global model is evaluated on during the run. None: the silos evaluate it on their own
+    data at the end (federated, weighted by sample count). Simulation ignores it."""
 
 
 def to_dict(cfg: object) -> dict:

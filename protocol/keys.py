@@ -3,7 +3,8 @@
 Defined once here and imported by both sides, so a key is never spelled twice.
 
 Messages (Flower routes them by type, ``@app.train()`` etc.):
-- ``query``: the server asks a SuperNode which silo it is; reply metrics: silo, num-samples.
+- ``query``: the server asks a SuperNode which silo it is (config: a salt for the id digests);
+  reply metrics: silo, num-samples, class-counts; reply config: the salted id digests.
 - ``train``: arrays = the global model at ``base-version``; reply arrays = the local *delta*
   (local model - global model) and metrics (silo, base-version, job-id, num-samples, losses).
 - ``evaluate``: arrays = a model; reply metrics = loss and score on the silo's own data.
@@ -62,9 +63,21 @@ LOCAL_STEPS = "local-steps"
 KEEP_REPLY = "keep-reply"
 """Keep a copy of this reply in the node state (only needed to inject a replay)."""
 
+ID_SALT = "id-salt"
+"""Query: the run's salt for the silo's sample id digests (``protocol.ids``); absent: none."""
+
 # metric keys (silo -> server)
 SILO = "silo"
 NUM_SAMPLES = "num-samples"
+CLASS_COUNTS = "class-counts"
+"""Query reply metric, list[int]: per class, the silo's samples with that label (segmentation:
+that contain it)."""
+ID_DIGESTS = "id-digests"
+"""Query reply config, bytes: the salted digests of the silo's sample ids, concatenated."""
+# node config (SuperNode)
+DATALIST = "datalist"
+"""Node config: the path of the silo's own data, a Decathlon-format datalist
+(``medical_data.datalist``); absent: the silo is partition ``partition-id`` of the benchmark."""
 # privacy (DP-SGD on the silos; the ledger is clients/privacy.py)
 PRIVACY_DB = "privacy-db"
 """Node config (SuperNode): the path of this silo's ledger file."""

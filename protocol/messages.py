@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from protocol import ids, wire
 from protocol import keys as P
-from protocol import wire
 from protocol.config import Setup, parse_setup
 from protocol.erasure_messages import UnlearnReply, UnlearnRequest
 from protocol.reading import (
@@ -73,35 +73,73 @@ _TRAIN_IDS = (P.SILO, P.BASE_VERSION, P.JOB_ID)
 
 @dataclass(frozen=True)
 class QueryRequest:
-    """``query``: the server asks a node which silo it is."""
+    """``query``: the server asks a node which silo it is and what it holds; with ``salt``,
+    also the salted digests of its sample ids (``protocol.ids``)."""
 
     setup_json: str
+    salt: str = ""
+    """The run's salt for the id digests ('' = the silo reports none)."""
 
     def to_message(self, dst_node_id: int, *, ttl: float | None = None) -> Message:
         """The query message to node ``dst_node_id``."""
-        content = RecordDict({P.CONFIG: ConfigRecord({P.SETUP: self.setup_json})})
+        config = ConfigRecord({P.SETUP: self.setup_json})
+        if self.salt:
+            config[P.ID_SALT] = self.salt
+        content = RecordDict({P.CONFIG: config})
         return Message(content, dst_node_id=dst_node_id, message_type=P.QUERY, ttl=ttl)
 
     @classmethod
     def from_message(cls, msg: Message) -> QueryRequest:
         """The request ``msg`` holds (Malformed otherwise)."""
         with fields():
-            setup = text(record(msg.content, P.CONFIG, ConfigRecord), P.SETUP)
+            cfg = record(msg.content, P.CONFIG, ConfigRecord)
+            setup, salt = text(cfg, P.SETUP), text(cfg, P.ID_SALT, "")
+            if len(salt) > MAX_SALT_CHARS:
+                raise ValueError(f"{P.ID_SALT!r} is longer than {MAX_SALT_CHARS} characters")
         check_setup(setup)
-        return cls(setup)
+        return cls(setup, salt)
+
+
+MAX_SALT_CHARS = 128
+"""The longest salt a query may carry."""
+MAX_CLASSES = 4096
+"""The most class counts a query reply may carry."""
 
 
 @dataclass(frozen=True)
 class QueryReply:
-    """The node's answer: its silo and how many samples that silo holds."""
+    """The node's answer: its silo, how many samples that silo trains on, how many of them
+    are of each class (``class_counts``; empty from an older silo) and, when the query sent a
+    salt, one salted digest per sample (``id_digests``, ``protocol.ids``; concatenated)."""
 
     silo: int
     num_samples: int
+    class_counts: tuple[int, ...] = ()
+    id_digests: bytes = b""
+
+    def __post_init__(self) -> None:
+        """Counts and digests in bounds (ValueError otherwise)."""
+        if self.num_samples < 0 or self.silo < 0:
+            raise ValueError("silo and num-samples must be >= 0")
+        if len(self.class_counts) > MAX_CLASSES:
+            raise ValueError(f"{len(self.class_counts)} class counts (at most {MAX_CLASSES})")
+        if any(c < 0 or c > self.num_samples for c in self.class_counts):
+            raise ValueError("a class count is negative or above num-samples")
+        if self.id_digests and len(ids.split(self.id_digests)) != self.num_samples:
+            raise ValueError(
+                f"{len(self.id_digests) // ids.DIGEST_BYTES} id digests for "
+                f"{self.num_samples} samples"
+            )
 
     def to_message(self, reply_to: Message) -> Message:
         """The reply to ``reply_to``."""
         metrics = MetricRecord({P.SILO: self.silo, P.NUM_SAMPLES: self.num_samples})
-        return Message(RecordDict({P.METRICS: metrics}), reply_to=reply_to)
+        if self.class_counts:
+            metrics[P.CLASS_COUNTS] = list(self.class_counts)
+        content = RecordDict({P.METRICS: metrics})
+        if self.id_digests:
+            content[P.CONFIG] = ConfigRecord({P.ID_DIGESTS: self.id_digests})
+        return Message(content, reply_to=reply_to)
 
     @classmethod
     def from_message(cls, msg: Message) -> QueryReply:
@@ -109,7 +147,19 @@ class QueryReply:
         ErrorReply.check(msg)
         with fields():
             m = record(msg.content, P.METRICS, MetricRecord)
-            return cls(P.as_int(m[P.SILO]), P.as_int(m[P.NUM_SAMPLES]))
+            raw = m.get(P.CLASS_COUNTS, [])
+            if not isinstance(raw, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in raw
+            ):
+                raise TypeError(f"{P.CLASS_COUNTS!r} must be a list of integers")
+            counts = tuple(int(c) for c in raw)
+            blob = b""
+            if P.CONFIG in msg.content:
+                found = record(msg.content, P.CONFIG, ConfigRecord).get(P.ID_DIGESTS, b"")
+                if not isinstance(found, bytes):
+                    raise TypeError(f"{P.ID_DIGESTS!r} must be bytes")
+                blob = found
+            return cls(P.as_int(m[P.SILO]), P.as_int(m[P.NUM_SAMPLES]), counts, blob)
 
 
 @dataclass(frozen=True, eq=False)

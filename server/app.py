@@ -1,21 +1,35 @@
 """The fedasync ServerApp: builds the global model and runs the asynchronous loop.
 
 ``make_server_app(cfg, run_dir)`` is what the simulation launcher hands to Flower's simulation
-engine. The module-level ``app`` is the same ServerApp for Flower's deployment engine
-(``flwr run``), which reads the whole config as JSON from the run config key ``config-json``
-and runs on the wall clock.
+engine: everything runs on one machine, so the server builds the benchmark's federation too
+(its pooled test set to evaluate on, the silos' sample ids to check erasures against). The
+module-level ``app`` is the ServerApp for Flower's deployment engine (``flwr run``): it reads
+the whole config as JSON from the run config key ``config-json``, runs on the wall clock and
+holds no silo's data (``run_server(..., data_here=False)``):
 
-A little over 400 lines because it also holds what a run does around the loop: the
-erasure coordinator's and the service's set-up, silo evaluation, and the run's end
-(summary, checkpoint, stop on a signal).
+- the network comes from the benchmark's spec in the registry (no data is read);
+- what it knows of the silos' data is what they report at the roster query: sample and class
+  counts, and the salted digests of their sample ids (``protocol.ids``), against which the
+  erasure service checks requests (each silo checks them again against its own ids);
+- the global model is evaluated on the coordinator's own held-out set (``data.server_test``, a
+  Decathlon datalist) during the run, or, without one, by the silos on their own data at the
+  end (federated: their mean weighted by sample count; ``FederatedEvaluation``).
+
+A little over 500 lines because it also holds what a run does around the loop: the
+erasure coordinator's and the service's set-up, evaluation (central or federated), and the
+run's end (summary, checkpoint, stop on a signal).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +37,12 @@ import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from medical_data.federation import Federation
+from fedasync.errors import ConfigError, DataError
+from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
+from medical_data.registry import BenchmarkSpec, get_spec
 from medical_data.tasks import evaluate
+from protocol import ids as digests
 from protocol import keys as P
 from protocol import wire
 from protocol.config import build_silos, to_dict
@@ -38,55 +55,175 @@ from server.summary import build_summary, write_summary
 
 log = logging.getLogger("fedasync.server")
 
+NOT_MEASURED = {"loss": math.nan, "score": math.nan}
+"""What a federated evaluation gives while silos hold jobs: not measured (never delays them)."""
+
 
 def _federation(cfg: FedAsyncConfig) -> Federation:
     return build_silos(cfg.data, cfg.silos.count, cfg.run.seed)
 
 
-def initial_model(cfg: FedAsyncConfig) -> torch.nn.Module:
-    """The benchmark's network, initialised from ``run.seed``."""
-    spec = _federation(cfg).spec
+def initial_model(cfg: FedAsyncConfig, spec: BenchmarkSpec | None = None) -> torch.nn.Module:
+    """The benchmark's network, initialised from ``run.seed``; sized by ``spec`` (default: the
+    federation's, which reads the data: simulation only)."""
+    spec = _federation(cfg).spec if spec is None else spec
     torch.manual_seed(cfg.run.seed)
     return build_network(
         cfg.data.network or spec.network, spec.in_channels, spec.num_classes, spec.image_size
     )
 
 
-def evaluate_silos(srv: AsyncServer, timeout_s: float = 300.0) -> dict[int, dict[str, float]]:
-    """Ask every silo to evaluate the current global model on its own data."""
-    silos = sorted(srv.roster)
-    arrays = wire.encode(srv.params)  # one encoding for every silo's message
-    request = EvaluateRequest(srv.setup_json, srv.params)
-    msgs = [request.to_message(srv.roster[s], arrays=arrays) for s in silos]
+def server_test_set(cfg: FedAsyncConfig, spec: BenchmarkSpec) -> SiloData:
+    """The coordinator's own held-out set, ``data.server_test``: the ``test`` list of that
+    Decathlon datalist, else its ``validation``, else its ``training`` list (each entry with
+    its label). DataError naming the key when the file is missing or holds none."""
+    from medical_data.datalist import has_list, load_datalist
+
+    path = Path(str(cfg.data.server_test)).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.server_test={path}: no such file (the coordinator's test set)")
+    for key in ("test", "validation", "training"):
+        if has_list(path, key):
+            return load_datalist(path, spec, key, silo=-1)
+    raise DataError(f"data.server_test={path}: no test, validation or training list")
+
+
+def write_server_test(cfg: FedAsyncConfig, folder: Path) -> Path:
+    """Write the benchmark's pooled held-out test set (what a simulation evaluates on) to
+    ``folder`` as a Decathlon datalist, for a coordinator to own as ``data.server_test``:
+    ``fedasync deploy local`` does, for its silos that split the benchmark. Reads the data:
+    run where the benchmark is (the demo's one machine), never in the deployment ServerApp."""
+    from medical_data.datalist import write_datalist
+
+    fed = _federation(cfg)
+    return write_datalist(folder, {"test": fed.test}, fed.spec.task)
+
+
+def evaluate_on_nodes(
+    grid: Grid,
+    setup_json: str,
+    nodes: list[int],
+    params: dict[str, torch.Tensor],
+    timeout_s: float = 300.0,
+) -> dict[int, dict[str, float]]:
+    """Ask each of ``nodes`` to evaluate ``params`` on its silo's own data; each answer's
+    ``loss``, ``score`` and ``num_samples`` by the silo it names (a node that did not answer is
+    left out, with a warning)."""
+    arrays = wire.encode(params)  # one encoding for every silo's message
+    request = EvaluateRequest(setup_json, params)
+    msgs = [request.to_message(n, arrays=arrays) for n in nodes]
     out: dict[int, dict[str, float]] = {}
-    for silo, reply in zip(silos, exchange(srv.grid, msgs, timeout_s)):
+    for node, reply in zip(nodes, exchange(grid, msgs, timeout_s)):
         try:
             if reply is None:
                 raise Malformed("no reply")
             got = EvaluateReply.from_message(reply)
         except (ErrorReply, Malformed) as e:
-            log.warning("silo %d did not evaluate the final model: %s", silo, e)
+            log.warning("node %d did not evaluate the model: %s", node, e)
             continue
-        out[silo] = {"loss": got.loss, "score": got.score}
-        srv.events.write("silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **out[silo])
+        out[got.silo] = {"loss": got.loss, "score": got.score, "num_samples": got.num_samples}
     return out
 
 
+def evaluate_silos(
+    srv: AsyncServer, timeout_s: float = 300.0, params: dict[str, torch.Tensor] | None = None
+) -> dict[int, dict[str, float]]:
+    """Every silo's evaluation of ``params`` (default: the current global model) on its own
+    data (``evaluate_on_nodes``), each written as a ``silo_eval`` event."""
+    params = srv.params if params is None else params
+    nodes = [srv.roster[s] for s in sorted(srv.roster)]
+    out = evaluate_on_nodes(srv.grid, srv.setup_json, nodes, params, timeout_s)
+    for silo, res in sorted(out.items()):
+        srv.events.write("silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **res)
+    return out
+
+
+def weighted_mean(per_silo: dict[int, dict[str, float]]) -> dict[str, float]:
+    """The silos' loss and score averaged with their evaluated sample counts as weights, and
+    how many silos and samples that is (``eval_silos``, ``eval_samples``); NOT_MEASURED when
+    no silo evaluated anything."""
+    n = sum(r["num_samples"] for r in per_silo.values())
+    if n <= 0:
+        return dict(NOT_MEASURED)
+    return {
+        "loss": sum(r["loss"] * r["num_samples"] for r in per_silo.values()) / n,
+        "score": sum(r["score"] * r["num_samples"] for r in per_silo.values()) / n,
+        "eval_silos": len(per_silo),
+        "eval_samples": n,
+    }
+
+
+class FederatedEvaluation:
+    """``evaluate_fn`` of a coordinator without a test set: every silo evaluates the model on
+    its own data (``evaluate_silos``) and the result is their mean weighted by sample count.
+
+    It asks the silos only when none holds a job (after a sync round) or once the run is over
+    (``final``): a message to a silo that is training would wait for it, and the loop with it.
+    Otherwise (an erasure boundary mid-run) it answers NOT_MEASURED. ``srv`` is set once the
+    server exists; ``per_silo`` keeps the last answers (the summary's per-silo evaluations)."""
+
+    def __init__(self) -> None:
+        self.srv: AsyncServer | None = None
+        self.final = False
+        self.per_silo: dict[int, dict[str, float]] = {}
+
+    def __call__(self, params: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The federated evaluation of ``params`` (see the class)."""
+        srv = self.srv
+        if srv is None or (not self.final and len(srv.inflight)):
+            return dict(NOT_MEASURED)
+        self.per_silo = evaluate_silos(srv, params=params)
+        return weighted_mean(self.per_silo)
+
+
 def run_server(
-    grid: Grid, cfg: FedAsyncConfig, run_dir: Path, *, wall_clock: bool = False
+    grid: Grid,
+    cfg: FedAsyncConfig,
+    run_dir: Path,
+    *,
+    wall_clock: bool = False,
+    data_here: bool = True,
 ) -> dict[str, Any]:
-    """Run one federated job on ``grid``; write metrics.jsonl, checkpoints and summary.json."""
+    """Run one federated job on ``grid``; write metrics.jsonl, checkpoints and summary.json.
+
+    ``data_here``: the benchmark's federation may be built in this process (simulation, and the
+    tests that play a deployment in-process); False for the deployment ServerApp, which holds
+    no silo's data (module docstring)."""
     t0 = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
-    fed = _federation(cfg)
-    model = initial_model(cfg)
-    task = fed.spec.task
+    fed: Federation | None = _federation(cfg) if data_here else None
+    test: SiloData | None
+    if fed is not None:
+        spec, test, on = fed.spec, fed.test, "benchmark test set"
+    else:
+        spec = get_spec(cfg.data.benchmark)
+        _check_deployable(cfg)
+        test = None if cfg.data.server_test is None else server_test_set(cfg, spec)
+        on = "silos (federated)" if test is None else "coordinator test set (data.server_test)"
+    model = initial_model(cfg, spec)
+    task = spec.task
+    federated = FederatedEvaluation() if test is None else None
+    run_cfg = cfg
+    if federated is not None:
+        log.info(
+            "no coordinator test set (data.server_test): the silos evaluate the model on their "
+            "own data at the end%s (federated, weighted by sample count)",
+            " and after every round" if cfg.server.mode == "sync" else "",
+        )
+        run_cfg = replace(cfg, server=replace(cfg.server, eval_every=2**62))  # never mid-run
 
-    watch = _verifier(cfg, fed) if cfg.backdoor.enabled and cfg.backdoor.watch else None
+    watch = (
+        _verifier(cfg, fed, spec=spec, test=test)
+        if cfg.backdoor.enabled and cfg.backdoor.watch
+        else None
+    )
 
     def evaluate_fn(params: dict[str, torch.Tensor]) -> dict[str, float]:
+        if federated is not None:
+            return federated(params)
+        assert test is not None
         model.load_state_dict(params)
-        res = evaluate(model, fed.test, task=task)
+        res = evaluate(model, test, task=task)
         if watch is not None:  # the backdoor over time (backdoor.watch)
             report = watch(params, cfg.backdoor.silo, [])
             res.update({f"bd_{k}": v for k, v in report.items() if k != "test_accuracy"})
@@ -94,8 +231,15 @@ def run_server(
 
     if not cfg.run.resume:
         _start_afresh(run_dir)
-    srv = AsyncServer(cfg, grid, run_dir, model.state_dict(), evaluate_fn, wall_clock=wall_clock)
-    srv.sample_ids_fn = lambda silo: fed.silos[silo].sample_ids
+    srv = AsyncServer(
+        run_cfg, grid, run_dir, model.state_dict(), evaluate_fn, wall_clock=wall_clock
+    )
+    if federated is not None:
+        federated.srv = srv
+    if fed is not None:
+        srv.sample_ids_fn = lambda silo: fed.silos[silo].sample_ids
+    else:
+        srv.id_salt = digests.new_salt()  # the silos report their ids' digests under it
     service = None
     try:
         srv.events.write(
@@ -106,14 +250,16 @@ def run_server(
             clock=srv.clock.kind,
             benchmark=cfg.data.benchmark,
             silos=cfg.silos.count,
+            evaluation=on,
         )
         srv.connect()
+        _check_reports(srv, spec)
         if cfg.erasures or cfg.unlearning.service:
-            service = _attach_erasure(srv, cfg, fed, run_dir)
+            service = _attach_erasure(srv, cfg, fed, run_dir, spec=spec, test=test)
         resumed = cfg.run.resume and srv.resume()
         if cfg.run.resume and not resumed:
             log.warning("run.resume=true but %s has no checkpoint: starting afresh", run_dir)
-        if not resumed:
+        if not resumed and federated is None:
             srv.evaluate()
         progress = None
         if cfg.run.progress:
@@ -132,17 +278,27 @@ def run_server(
             )
             srv.progress = progress
         srv.run()
+        if federated is not None:
+            federated.final = True  # the run is over: the silos' jobs may be waited for
         evals = srv.stats.evals
         if not evals or evals[-1]["version"] != srv.version:
             srv.evaluate()
         if progress is not None:
             progress.close()
         srv.checkpoint()
-        silo_evals = evaluate_silos(srv) if cfg.server.evaluate_silos else {}
+        if federated is not None:
+            silo_evals = federated.per_silo
+        else:
+            silo_evals = evaluate_silos(srv) if cfg.server.evaluate_silos else {}
         metric = "accuracy" if task == "classification" else "dice"
         summary = build_summary(
             srv, metric=metric, wall_time_s=time.monotonic() - t0, silo_evals=silo_evals
         )
+        summary["evaluation"] = {"on": on, "samples": None if test is None else len(test)}
+        summary["silo_data"] = {
+            str(s): {"num_samples": r.num_samples, "class_counts": list(r.class_counts)}
+            for s, r in sorted(srv.silo_reports.items())
+        }
         srv.events.write(
             "end", t=srv.clock.now, version=srv.version, final_score=summary["final_accuracy"]
         )
@@ -161,6 +317,33 @@ def run_server(
             service.stop(grace=1.0).wait(5.0)
         srv.events.close()
         srv.privacy.close()
+
+
+def _check_deployable(cfg: FedAsyncConfig) -> None:
+    """What a coordinator without the silos' data cannot do, said before anything starts."""
+    for i, e in enumerate(cfg.erasures):
+        if e.fraction < 1.0:
+            raise ConfigError(
+                f"erasures[{i}].fraction={e.fraction}: picking a share of a silo's samples "
+                "needs its ids, which the coordinator does not hold in deployment; submit the "
+                "ids through the erasure service (fedasync erase submit --samples ...)"
+            )
+    if cfg.backdoor.enabled and cfg.backdoor.relearn_silo is not None:
+        raise ConfigError(
+            "backdoor.relearn_silo: a relearning attack trains on another silo's data, which "
+            "only a simulation has"
+        )
+
+
+def _check_reports(srv: AsyncServer, spec: BenchmarkSpec) -> None:
+    """Every silo's class counts fit the benchmark (one per class): a silo that reads its
+    data for another task or class count is a configuration error, said at the start."""
+    for s, r in sorted(srv.silo_reports.items()):
+        if r.class_counts and len(r.class_counts) != spec.num_classes:
+            raise ConfigError(
+                f"silo {s} reports {len(r.class_counts)} classes, {spec.name} has "
+                f"{spec.num_classes}: its data or its version of the app differs"
+            )
 
 
 def central_dp_summary(srv: AsyncServer) -> dict[str, Any]:
@@ -201,52 +384,84 @@ def _start_afresh(run_dir: Path) -> None:
                 old.rename(store.with_name(f"erasures.{stamp}.sqlite{suffix}"))
 
 
-def _verifier(cfg: FedAsyncConfig, fed: Any) -> Any:
+def _verifier(
+    cfg: FedAsyncConfig,
+    fed: Any,
+    *,
+    spec: BenchmarkSpec | None = None,
+    test: SiloData | None = None,
+) -> Any:
     """``verify(params, silo, ids)``: the verification metrics of a model on silo ``silo``'s
     training data (only ``ids`` when given; the backdoor applied in verification runs), the
-    test set, and in verification runs the triggered test set."""
+    test set, and in verification runs the triggered test set.
+
+    Without ``fed`` (a coordinator that holds no silo data) only what ``test``, its own
+    held-out set, shows: ``test_accuracy`` and, in verification runs, the attack success
+    rates; nothing without a test set either."""
     from medical_data.backdoor import triggered_set
     from medical_data.tasks import select, training_data
-    from medical_data.verification import verification_report
+    from medical_data.verification import accuracy, attack_success_rate, verification_report
 
-    task = fed.spec.task
-    vmodel = initial_model(cfg)
+    spec = fed.spec if spec is None else spec
+    test = fed.test if test is None and fed is not None else test
+    task = spec.task
+    vmodel = initial_model(cfg, spec)
     bd = to_dict(cfg.backdoor)
     b = cfg.backdoor
     triggered = (
-        triggered_set(fed.test, b.target_label, b.trigger_size, pattern=b.trigger_pattern)
-        if b.enabled
+        triggered_set(test, b.target_label, b.trigger_size, pattern=b.trigger_pattern)
+        if b.enabled and test is not None
         else None
     )
     untriggered = (
-        triggered_set(fed.test, b.target_label, b.trigger_size, trigger=False)
-        if b.enabled
+        triggered_set(test, b.target_label, b.trigger_size, trigger=False)
+        if b.enabled and test is not None
         else None
     )
+    target = cfg.backdoor.target_label if triggered is not None else None
 
     def verify(params: dict[str, torch.Tensor], silo: int, ids: list[str]) -> dict[str, float]:
+        if test is None:
+            return {}
         vmodel.load_state_dict(params)
+        if fed is None:
+            report = {"test_accuracy": accuracy(vmodel, test, task)}
+            if triggered is not None and untriggered is not None and target is not None:
+                report["asr"] = attack_success_rate(vmodel, triggered, target, task=task)
+                report["asr_without_trigger"] = attack_success_rate(
+                    vmodel, untriggered, target, task=task
+                )
+            return report
         forget = select(training_data(fed, silo, bd, cfg.run.seed), ids, keep=True)
         return verification_report(
             vmodel,
             forget=forget,
-            test=fed.test,
+            test=test,
             triggered=triggered,
             untriggered=untriggered,
-            target_label=cfg.backdoor.target_label if triggered is not None else None,
+            target_label=target,
             task=task,
         )
 
     return verify
 
 
-def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Path) -> Any:
+def _attach_erasure(
+    srv: AsyncServer,
+    cfg: FedAsyncConfig,
+    fed: Any,
+    run_dir: Path,
+    *,
+    spec: BenchmarkSpec | None = None,
+    test: SiloData | None = None,
+) -> Any:
     """Give ``srv`` an erasure coordinator (store in the run folder) and, when configured, start
-    the erasure gRPC service. Returns the gRPC server to stop, or None."""
+    the erasure gRPC service. Returns the gRPC server to stop, or None. Without ``fed`` (no
+    silo data here) requests are checked against the ids' digests the silos reported."""
     from server.erasure.store import ErasureStore
     from server.unlearning import ErasureCoordinator
 
-    verify_fn = _verifier(cfg, fed)
+    verify_fn = _verifier(cfg, fed, spec=spec, test=test)
     store = ErasureStore(run_dir / "erasures.sqlite")
     srv.erasure = ErasureCoordinator(srv, store, verify_fn)
     if not cfg.unlearning.service:
@@ -259,7 +474,7 @@ def _attach_erasure(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Pa
         cred = run_dir / "credentials.json"
         if not cred.exists():
             write_private(run_dir / "tokens.json", generate_credentials(cfg.silos.count, cred))
-    service = ErasureService(store, Authorizer.from_file(cred), _Catalog(srv, fed))
+    service = ErasureService(store, Authorizer.from_file(cred), _Catalog(srv, _known_ids(srv, fed)))
     server, port = serve(service, cfg.unlearning.address, server_credentials=_tls(cfg))
     host = cfg.unlearning.address.rsplit(":", 1)[0]
     tmp = run_dir / "erasure_address.tmp"
@@ -285,17 +500,37 @@ def _tls(cfg: FedAsyncConfig) -> Any:
     return grpc.ssl_server_credentials([pair])
 
 
+def _known_ids(srv: AsyncServer, fed: Any) -> Callable[[int], AbstractSet[str]]:
+    """A silo's sample ids as the erasure service checks them: in the clear from the
+    federation (simulation), else as the salted digests the silo reported (``protocol.ids``;
+    each silo's set built once, on first use)."""
+    if fed is not None:
+        return lambda silo: {str(x) for x in fed.silos[silo].sample_ids}
+    known: dict[int, digests.DigestSet] = {}
+    lock = threading.Lock()  # (the service asks from its gRPC worker threads)
+
+    def of(silo: int) -> AbstractSet[str]:
+        with lock:
+            if silo not in known:
+                report = srv.silo_reports.get(silo)
+                blob = b"" if report is None else report.id_digests
+                known[silo] = digests.DigestSet(srv.id_salt, digests.split(blob))
+            return known[silo]
+
+    return of
+
+
 class _Catalog:
     """What the erasure service may ask the training server."""
 
-    def __init__(self, srv: AsyncServer, fed: Any):
-        self.srv, self.fed = srv, fed
+    def __init__(self, srv: AsyncServer, sample_ids: Callable[[int], AbstractSet[str]]):
+        self.srv, self._sample_ids = srv, sample_ids
 
     def silo_ids(self) -> set[int]:
-        return set(range(len(self.fed.silos)))
+        return set(range(self.srv.cfg.silos.count))
 
-    def sample_ids(self, silo: int) -> set[str]:
-        return {str(x) for x in self.fed.silos[silo].sample_ids}
+    def sample_ids(self, silo: int) -> AbstractSet[str]:
+        return self._sample_ids(silo)
 
     def model_version(self) -> int:
         return self.srv.version
@@ -416,7 +651,8 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Deployment entry point: the config arrives as JSON in run config ``config-json``; the
-    loop runs on the wall clock (replies taken in arrival order)."""
+    loop runs on the wall clock (replies taken in arrival order) and this process reads no
+    silo's data (module docstring)."""
     raw = context.run_config.get("config-json", "{}")
     cfg = from_container(P.loads(str(raw)))
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -426,7 +662,7 @@ def main(grid: Grid, context: Context) -> None:
             "run.compare_sync=true is simulation-only: no sync baseline is run in deployment "
             "(benchmarks/deployment_overhead.py compares with Flower's FedAvg)"
         )
-    run_server(grid, cfg, run_dir, wall_clock=True)
+    run_server(grid, cfg, run_dir, wall_clock=True, data_here=False)
 
 
 def _log_to(path: Path) -> None:

@@ -16,10 +16,12 @@ speak our protocol (``protocol/keys.py``):
   of the local models since all started from ``x``;
 - the run ends after ``run.max_versions`` rounds or, on the wall clock, at the first round that
   would start ``run.budget_s`` seconds after the first dispatch;
-- the global model is evaluated on the held-out test set after every round (no federated
-  evaluation), and the outputs are the ServerApp's usual ones: ``metrics.jsonl`` (events
-  start, eval, update, end; ``t`` in wall seconds since the ServerApp started) and
-  ``summary.json`` with each train message's dispatch, take and training seconds.
+- the global model is evaluated on the held-out test set after every round: the coordinator's
+  own (``data.server_test``) in deployment, which reads no silo data; without one the silos
+  evaluate the final model on their own data (federated, weighted by sample count);
+- the outputs are the ServerApp's usual ones: ``metrics.jsonl`` (events start, eval, update,
+  end; ``t`` in wall seconds since the ServerApp started) and ``summary.json`` with each
+  train message's dispatch, take and training seconds.
 
 Deployment only: ``fedasync deploy local`` with ``serverapp="server.flower_sync:app"``
 (``simulations.deploy.deploy_local``), as the benchmark does.
@@ -42,11 +44,20 @@ from fedasync.aggregators import fedavg
 from fedasync.events import EventLog
 from fedasync.tensors import add
 from fedasync.types import Params, Update
+from medical_data.federation import SiloData
+from medical_data.registry import get_spec
 from medical_data.tasks import evaluate
 from protocol import keys as P
 from protocol import wire
 from protocol.messages import Malformed, TrainReply, TrainRequest
-from server.app import _federation, _log_to, initial_model
+from server.app import (
+    _federation,
+    _log_to,
+    evaluate_on_nodes,
+    initial_model,
+    server_test_set,
+    weighted_mean,
+)
 from server.clock import client_setup
 from server.config import FedAsyncConfig, from_container
 from server.summary import write_summary
@@ -167,24 +178,41 @@ class ProtocolFedAvg(FedAvg):
         return wire.encode(self.params), MetricRecord({"updates": len(deltas)})
 
 
-def run_flower_fedavg(grid: Grid, cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
-    """Run Flower's FedAvg with our protocol on ``grid``; write metrics.jsonl and summary.json."""
+def run_flower_fedavg(
+    grid: Grid, cfg: FedAsyncConfig, run_dir: Path, *, data_here: bool = True
+) -> dict[str, Any]:
+    """Run Flower's FedAvg with our protocol on ``grid``; write metrics.jsonl and summary.json.
+
+    ``data_here`` as for ``server.app.run_server``: False (the deployment ServerApp) reads no
+    silo data; the model is then evaluated after every round on ``data.server_test`` or,
+    without one, by the silos once at the end (federated, weighted by sample count)."""
     t0 = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    fed = _federation(cfg)
-    model = initial_model(cfg)
-    task = fed.spec.task
+    test: SiloData | None
+    if data_here:
+        fed = _federation(cfg)
+        spec, test = fed.spec, fed.test
+    else:
+        spec = get_spec(cfg.data.benchmark)
+        test = None if cfg.data.server_test is None else server_test_set(cfg, spec)
+    model = initial_model(cfg, spec)
+    task = spec.task
     events = EventLog(run_dir / "metrics.jsonl")
     strategy = ProtocolFedAvg(cfg, model.state_dict(), events, t0)
     evals: list[dict[str, float]] = []
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model.load_state_dict(strategy.params)
-        res = evaluate(model, fed.test, task=task)
+    def record(res: dict[str, float]) -> None:
         rec = {"t": strategy.now(), "version": strategy.version, **res}
         evals.append(rec)
         events.write("eval", **rec)
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if test is None:
+            return None  # (federated: once, at the end)
+        model.load_state_dict(strategy.params)
+        res = evaluate(model, test, task=task)
+        record(res)
         return MetricRecord({k: float(v) for k, v in res.items()})
 
     events.write("start", t=0.0, version=0, mode="flower-fedavg", clock="wall")
@@ -198,6 +226,10 @@ def run_flower_fedavg(grid: Grid, cfg: FedAsyncConfig, run_dir: Path) -> dict[st
         )
     except BudgetSpent:
         pass
+    if test is None:
+        nodes = sorted(grid.get_node_ids())
+        params = strategy.params
+        record(weighted_mean(evaluate_on_nodes(grid, strategy.setup_json, nodes, params)))
     metric = "accuracy" if task == "classification" else "dice"
     final = evals[-1] if evals else {"score": float("nan"), "loss": float("nan")}
     per_silo: dict[str, dict[str, float]] = {}
@@ -232,4 +264,4 @@ def main(grid: Grid, context: Context) -> None:
     cfg = from_container(P.loads(str(context.run_config.get("config-json", "{}"))))
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     _log_to(run_dir / "run.log")
-    run_flower_fedavg(grid, cfg, run_dir)
+    run_flower_fedavg(grid, cfg, run_dir, data_here=False)

@@ -124,6 +124,8 @@ class AsyncServer:
         self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
         self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
         self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
+        self.id_salt = ""  # set by the caller: the silos report salted id digests (deployment)
+        self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
 
     @property
@@ -133,16 +135,28 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
-        """Wait for the silos' nodes and learn which node is which silo."""
+        """Wait for the silos' nodes and learn which node is which silo, and what each reports
+        of its data (sample and class counts; with ``id_salt``, its ids' digests)."""
         self.roster, self.num_samples = discover_silos(
-            self.grid, self.setup_json, self.cfg.silos.count, self.cfg.server.wait_for_nodes_s
+            self.grid,
+            self.setup_json,
+            self.cfg.silos.count,
+            self.cfg.server.wait_for_nodes_s,
+            salt=self.id_salt,
+            reports=self.silo_reports,
         )
+        counts = {s: list(r.class_counts) for s, r in self.silo_reports.items() if r.class_counts}
         self.events.write(
             "roster",
             t=self.clock.now,
             version=self.version,
             silos={
-                str(s): {"node": n, "num_samples": self.num_samples[s], "speed": self.speeds[s]}
+                str(s): {
+                    "node": n,
+                    "num_samples": self.num_samples[s],
+                    "speed": self.speeds[s],
+                    **({"class_counts": counts[s]} if s in counts else {}),
+                }
                 for s, n in self.roster.items()
             },
         )

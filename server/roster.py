@@ -42,9 +42,19 @@ def exchange(grid: Grid, messages: Sequence[Message], timeout_s: float) -> list[
 
 
 def discover_silos(
-    grid: Grid, setup_json: str, want: int, wait_s: float
+    grid: Grid,
+    setup_json: str,
+    want: int,
+    wait_s: float,
+    *,
+    salt: str = "",
+    reports: dict[int, QueryReply] | None = None,
 ) -> tuple[dict[int, int], dict[int, int]]:
-    """Wait for ``want`` nodes, ask each its silo; return (silo -> node id, silo -> samples)."""
+    """Wait for ``want`` nodes, ask each its silo; return (silo -> node id, silo -> samples).
+
+    With ``salt`` every silo also reports the salted digests of its sample ids
+    (``protocol.ids``); ``reports``, when given, receives each silo's whole reply (its class
+    counts and digests): what the coordinator learns of the silos' data, and all of it."""
     deadline = time.monotonic() + wait_s
     nodes: list[int] = []
     while time.monotonic() < deadline:
@@ -54,7 +64,7 @@ def discover_silos(
         time.sleep(0.2)
     if len(nodes) < want:
         raise RuntimeError(f"only {len(nodes)} of {want} silos connected within {wait_s:.0f}s")
-    msgs = [QueryRequest(setup_json).to_message(n) for n in nodes]
+    msgs = [QueryRequest(setup_json, salt).to_message(n) for n in nodes]
     roster: dict[int, int] = {}
     samples: dict[int, int] = {}
     for node, reply in zip(nodes, exchange(grid, msgs, timeout_s=max(wait_s, 60.0))):
@@ -70,8 +80,12 @@ def discover_silos(
             raise RuntimeError(f"node {node} sent a malformed roster reply: {e}") from e
         if got.silo in roster:
             raise RuntimeError(f"nodes {roster[got.silo]} and {node} both claim silo {got.silo}")
+        if salt and len(got.id_digests) == 0 and got.num_samples:
+            raise RuntimeError(f"node {node} (silo {got.silo}) reported no id digests")
         roster[got.silo] = node
         samples[got.silo] = got.num_samples
+        if reports is not None:
+            reports[got.silo] = got
     missing = sorted(set(range(want)) - set(roster))
     if missing:
         raise RuntimeError(f"silos {missing} did not answer the roster query")

@@ -8,6 +8,7 @@ one for tests and for running the service on its own.
 from __future__ import annotations
 
 import threading
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -19,8 +20,9 @@ class Catalog(Protocol):
     def silo_ids(self) -> set[int]:
         """Indices of the silos that exist."""
 
-    def sample_ids(self, silo: int) -> set[str]:
-        """Sample ids held by ``silo`` (one of ``silo_ids()``)."""
+    def sample_ids(self, silo: int) -> Set[str]:
+        """Sample ids held by ``silo`` (one of ``silo_ids()``): a set, or what answers ``in``
+        and ``<=`` like one (``protocol.ids.DigestSet``: a deployment's coordinator)."""
 
     def model_version(self) -> int:
         """The global model's current version (kept on a request at submit)."""
