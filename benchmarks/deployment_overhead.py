@@ -1,39 +1,42 @@
 """What Flower's deployment engine costs per message, and async against Flower's own FedAvg.
 
 On loopback with TLS and SuperNode authentication (``simulations.deploy.deploy_local``: one
-SuperLink, one SuperNode per silo, the same ClientApp), for 3 and 8 silos, one deployment at
-a time:
+SuperLink, one SuperNode per silo, the same ClientApp), one deployment at a time. Three parts
+(``--parts``, default all):
 
-- ``fedasync``: fedasync's ServerApp (``server.app:app``, server.mode=fedasync) on the wall
-  clock: a silo is re-sent work as soon as its reply is taken;
-- ``flower-fedavg``: Flower's synchronous ``flwr.serverapp.strategy.FedAvg`` round loop
-  adapted to our protocol (``server.flower_sync:app``): every silo each round, a barrier,
-  ``send_and_receive`` polling every 3 s.
+``overhead``: fedasync's ServerApp at 3 and 8 silos (``--silos``), with warm workers (one
+long-lived ClientApp worker per SuperNode, ``simulations.worker``, the default) and with
+Flower's process per message (``workers=flower``); the SuperNodes' sleeps are capped in both
+(``simulations.supernode``). Light work (cnn-small, 5 local steps) and no evaluation during
+the run, so that what is measured is the message path. Per train message: round trip, the
+time between two takes of the same silo's replies (the silo is re-sent work at once), and
+overhead = round trip - the ClientApp's own training seconds (``train_seconds``); median and
+mean; and the CPU the SuperLink and the SuperNodes used, as a fraction of one core over the
+run (``deploy.json``'s ``cpu_s``: the price of their shorter polls). Goal: overhead median
+under 1 s with warm workers.
 
-Per run: the round trip of a train message, dispatch -> reply taken by the ServerApp (for
-fedasync: the time between two takes of the same silo's replies, as ``deploy.json`` measures
-it, since the silo is re-sent work at once; for FedAvg: exact, from the strategy's records),
-mean and median; Flower's overhead per message = round trip - the ClientApp's own training
-seconds (``train_seconds`` in its reply metrics): a fresh ClientApp process with torch and MONAI
-imports, the SuperNodes' 3 s polls, TLS transport, and for FedAvg the wait at the barrier;
-updates per wall second once training has started: per silo, its updates / (its last take -
-the first dispatch), summed over silos (``upd/s``: the rate at which the deployment delivers
-updates; fedasync stops at the budget with work in flight and FedAvg finishes the round it
-started before it, so neither is charged for the cut), and, coarser with runs this short,
-updates taken within ``--budget-s`` of the first dispatch / ``--budget-s`` (``upd/s_B``,
-counted in whole round trips); the time from the first
-dispatch to a target test accuracy (``--target``, default 95% of the lower of the two runs'
-best scores, so that both reach it); and the 1-minute load average (``/proc/loadavg``)
-before and after each run, since the machine is shared.
+``speedup``: fedasync against ``flower-fedavg`` (Flower's synchronous
+``flwr.serverapp.strategy.FedAvg`` round loop adapted to our protocol,
+``server.flower_sync:app``: every silo each round, a barrier, ``send_and_receive``) on the
+same deployment (warm workers) with 8 silos of which 2 are 4x slower
+(``silos.speed_profile=stragglers``, ``straggler_fraction=0.25``, ``straggler_slowdown=4``,
+``silos.emulate_speed=true``: a slow silo waits after training so that its message takes 4x
+as long), over ``--reps`` seeds (default 3). Per run: updates per wall second once training
+started (per silo, its updates / (its last take - the first dispatch), summed over silos),
+and the time from the first dispatch to a target test score (95% of the lower of the two
+runs' best scores of that seed, on the coordinator's held-out set). The ratio of updates per
+wall second, fedasync / FedAvg, per seed: mean and standard deviation.
 
-The last line, ``deploy_speedup_vs_sync=<x>``, is fedasync's updates per wall second divided by
-Flower FedAvg's at 8 silos: how many more local updates the asynchronous loop gets out of the
-same deployment in the same time (it does not weigh what an update is worth; the time to
-target does).
+``memory``: one warm deployment of 2 silos until 1,000 versions (about 500 messages per
+worker): each worker's resident memory after its 10th, 100th and last message (its log).
 
-    .venv/bin/python benchmarks/deployment_overhead.py                      # 3 and 8 silos
-    .venv/bin/python benchmarks/deployment_overhead.py --silos 3 --budget-s 60 run.seed=1
-    .venv/bin/python benchmarks/deployment_overhead.py --reuse   # the table from finished runs
+The last line, ``deploy_speedup_vs_sync=<x>``, is the mean ratio of the speedup part (how many
+more local updates the asynchronous loop gets out of the same deployment in the same time;
+it does not weigh what an update is worth: the time to target does).
+
+    .venv/bin/python benchmarks/deployment_overhead.py                    # all three parts
+    .venv/bin/python benchmarks/deployment_overhead.py --parts overhead --silos 3
+    .venv/bin/python benchmarks/deployment_overhead.py --reuse   # the tables from finished runs
 
 Every run's processes are stopped by ``deploy_local`` (by process group, pid and an
 environment marker); the script then checks that none of their pids is still alive.
@@ -63,6 +66,17 @@ SERVERAPPS = {
     "fedasync": ("server.app:app", ["server.mode=fedasync"]),
     "flower-fedavg": ("server.flower_sync:app", []),
 }
+
+LIGHT = [
+    "data.max_samples=600",
+    "data.network=cnn-small",
+    "client.num_threads=1",
+    "client.local_steps=5",
+    "silos.speed_profile=uniform",
+    "server.checkpoint_every=0",
+    "server.evaluate_silos=false",
+]
+"""The work of the overhead and memory parts: light, so that the message path shows."""
 
 
 def loadavg() -> float:
@@ -142,7 +156,7 @@ def figures(mode: str, summary: dict[str, Any], run_dir: Path, budget_s: float) 
     }
 
 
-def reuse(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def reuse_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """A finished run's summary (with its deploy.json) and load averages (``--reuse``)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["deployment"] = json.loads((run_dir / "deploy.json").read_text())
@@ -158,99 +172,210 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def run_one(
+    out: Path, name: str, mode: str, workers: str, overrides: list[str], reuse: bool
+) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """One deployment (or, with ``reuse``, its finished outputs): (summary, bench, run dir)."""
+    serverapp, extra = SERVERAPPS[mode]
+    run_dir = out / name
+    if reuse and (run_dir / "bench.json").exists():
+        summary, bench = reuse_run(run_dir)
+        return summary, bench, run_dir
+    cfg = load_config(None, [f"run.out_dir={out}", f"run.name={name}", *extra, *overrides])
+    load_before = loadavg()
+    t0 = time.monotonic()
+    summary = deploy_local(cfg, echo=prefixed(name), serverapp=serverapp, workers=workers)
+    bench = {"load_before": load_before, "load_after": loadavg(), "budget_s": cfg.run.budget_s}
+    (run_dir / "bench.json").write_text(json.dumps(bench) + "\n")
+    print(f"[{name}] done in {time.monotonic() - t0:.0f}s wall", flush=True)
+    left = [p for p in summary["deployment"]["pids"] if alive(p)]
+    assert not left, f"{name}: processes {left} still running"
+    return summary, bench, run_dir
+
+
+def cpu_share(d: dict[str, Any], role: str) -> float | None:
+    """A role's CPU over the run as a fraction of one core (``deploy.json``)."""
+    cpu, wall = d.get("cpu_s", {}).get(role), d.get("cpu_wall_s")
+    return cpu / wall if cpu is not None and wall else None
+
+
+def part_overhead(args: argparse.Namespace, out: Path) -> dict[str, dict[str, Any]]:
+    """Per-message overhead with and without warm workers (see the module docstring)."""
+    rows = {}
+    for n in [int(x) for x in args.silos.split(",")]:
+        for workers in ("warm", "flower"):
+            name = f"overhead-{workers}-{n}"
+            overrides = [
+                *LIGHT,
+                "run.compare_sync=false",
+                f"run.budget_s={args.overhead_budget_s}",
+                f"silos.count={n}",
+                "server.eval_every=1000000",
+                *args.overrides,
+            ]
+            summary, bench, run_dir = run_one(out, name, "fedasync", workers, overrides, args.reuse)
+            d = summary["deployment"]
+            rows[name] = {
+                **figures("fedasync", summary, run_dir, bench["budget_s"]),
+                **bench,
+                "silos": n,
+                "workers": workers,
+                "superlink_cpu": cpu_share(d, "superlink"),
+                "supernodes_cpu": cpu_share(d, "supernodes"),
+                "workers_cpu": cpu_share(d, "workers"),
+            }
+    print(
+        f"\n{'silos':>5s} {'workers':8s} {'load':>9s} {'msgs':>5s} {'rt_med':>6s} {'rt_mean':>7s} "
+        f"{'train':>6s} {'ovh_med':>7s} {'ovh_mean':>8s} {'link_cpu':>8s} {'nodes_cpu':>9s}"
+    )
+    for r in rows.values():
+        print(
+            f"{r['silos']:5d} {r['workers']:8s} {r['load_before']:4.1f}-{r['load_after']:<4.1f} "
+            f"{r['updates']:5d} {fmt(r['rt_median'], '.2f'):>6s} {fmt(r['rt_mean'], '.2f'):>7s} "
+            f"{fmt(r['train_mean'], '.2f'):>6s} {fmt(r['overhead_median'], '.2f'):>7s} "
+            f"{fmt(r['overhead_mean'], '.2f'):>8s} {fmt(r['superlink_cpu'], '.2f'):>8s} "
+            f"{fmt(r['supernodes_cpu'], '.2f'):>9s}"
+        )
+    print(
+        "seconds per train message: rt = between two takes of a silo's replies, train = its "
+        "own training, ovh = rt - train; cpu = cores used on average over the run (SuperLink; "
+        "all SuperNodes together); load = 1-min load average before-after"
+    )
+    return rows
+
+
+def part_speedup(args: argparse.Namespace, out: Path) -> dict[str, dict[str, Any]]:
+    """fedasync against Flower's FedAvg with 2 of 8 silos 4x slower, over seeds."""
+    rows = {}
+    for seed in range(args.reps):
+        pair = {}
+        for mode in ("fedasync", "flower-fedavg"):
+            name = f"speedup-{mode}-s{seed}"
+            overrides = [
+                *LIGHT,
+                f"client.local_steps={args.local_steps}",
+                "run.compare_sync=false",
+                f"run.budget_s={args.budget_s}",
+                f"run.seed={seed}",
+                "silos.count=8",
+                "silos.speed_profile=stragglers",
+                "silos.straggler_fraction=0.25",
+                "silos.straggler_slowdown=4",
+                "silos.emulate_speed=true",
+                "server.eval_every=8",
+                *args.overrides,
+            ]
+            summary, bench, run_dir = run_one(out, name, mode, "warm", overrides, args.reuse)
+            pair[mode] = {
+                **figures(mode, summary, run_dir, bench["budget_s"]),
+                **bench,
+                "mode": mode,
+                "seed": seed,
+            }
+        target = 0.95 * min(r["best"] for r in pair.values())
+        for mode, r in pair.items():
+            r["target"], r["time_to_target_s"] = target, time_to_target(r["evals"], target)
+            rows[f"speedup-{mode}-s{seed}"] = r
+    print(
+        f"\n{'seed':>4s} {'mode':14s} {'load':>9s} {'updates':>7s} {'rt_mean':>7s} {'train':>6s} "
+        f"{'upd/s':>6s} {'best':>6s} {'target':>6s} {'t_target':>8s}"
+    )
+    for r in rows.values():
+        print(
+            f"{r['seed']:4d} {r['mode']:14s} {r['load_before']:4.1f}-{r['load_after']:<4.1f} "
+            f"{r['updates']:7d} {fmt(r['rt_mean']):>7s} {fmt(r['train_mean'], '.2f'):>6s} "
+            f"{fmt(r['updates_per_wall_s'], '.3f'):>6s} {r['best']:6.3f} {r['target']:6.3f} "
+            f"{fmt(r['time_to_target_s'], '.0f'):>8s}"
+        )
+    ratios = []
+    for seed in range(args.reps):
+        a, s = rows[f"speedup-fedasync-s{seed}"], rows[f"speedup-flower-fedavg-s{seed}"]
+        if a["updates_per_wall_s"] and s["updates_per_wall_s"]:
+            ratios.append(a["updates_per_wall_s"] / s["updates_per_wall_s"])
+    spread = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+    mean = statistics.fmean(ratios) if ratios else 0.0
+    print(
+        f"updates per wall second, fedasync / FedAvg, per seed: "
+        f"{', '.join(f'{x:.2f}' for x in ratios)}; mean {mean:.2f} +- {spread:.2f} (sd)"
+    )
+    rows["ratio"] = {"per_seed": ratios, "mean": mean, "sd": spread}
+    return rows
+
+
+def worker_rss(log: Path) -> list[tuple[int, float]]:
+    """(messages served, RSS MiB) after each message, from a warm worker's log."""
+    out = []
+    for line in log.read_text().splitlines():
+        if " in this worker)" in line and "rss " in line:
+            n = int(line.split(" in this worker)")[0].rsplit("(", 1)[1])
+            out.append((n, float(line.rsplit("rss ", 1)[1].split()[0])))
+    return out
+
+
+def part_memory(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Each warm worker's memory over about 500 messages."""
+    overrides = [
+        *LIGHT,
+        "run.compare_sync=false",
+        f"run.budget_s={args.memory_budget_s}",
+        f"run.max_versions={args.memory_versions}",
+        "silos.count=2",
+        "server.eval_every=1000000",
+        *args.overrides,
+    ]
+    _, _, run_dir = run_one(out, "memory-warm-2", "fedasync", "warm", overrides, args.reuse)
+    rows = {}
+    print(f"\n{'silo':>4s} {'messages':>8s} {'rss@10':>7s} {'rss@100':>8s} {'rss@last':>8s}")
+    for silo in range(2):
+        points = worker_rss(run_dir / "deploy" / f"silo-{silo}" / f"worker-{silo}.log")
+        at = dict(points)
+        last = points[-1] if points else (0, None)
+        rows[str(silo)] = {
+            "messages": last[0],
+            "rss_10": at.get(10),
+            "rss_100": at.get(100),
+            "rss_last": last[1],
+        }
+        r = rows[str(silo)]
+        print(
+            f"{silo:4d} {r['messages']:8d} {fmt(r['rss_10'], '.0f'):>7s} "
+            f"{fmt(r['rss_100'], '.0f'):>8s} {fmt(r['rss_last'], '.0f'):>8s}"
+        )
+    print("MiB resident after the worker's 10th, 100th and last message")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--silos", default="3,8", help="silo counts, comma-separated")
-    ap.add_argument("--budget-s", type=float, default=150.0, help="wall seconds of training")
-    ap.add_argument("--modes", default="fedasync,flower-fedavg")
-    ap.add_argument("--target", type=float, help="test score to reach (default: see above)")
+    ap.add_argument("--parts", default="overhead,speedup,memory")
+    ap.add_argument("--silos", default="3,8", help="overhead part: silo counts")
+    ap.add_argument("--overhead-budget-s", type=float, default=60.0)
+    ap.add_argument("--budget-s", type=float, default=150.0, help="speedup part: wall seconds")
+    ap.add_argument("--local-steps", type=int, default=20, help="speedup part: local steps")
+    ap.add_argument("--reps", type=int, default=3, help="speedup part: seeds")
+    ap.add_argument("--memory-versions", type=int, default=1000)
+    ap.add_argument("--memory-budget-s", type=float, default=900.0)
     ap.add_argument("--out", default="runs/bench-deploy")
     ap.add_argument(
         "--reuse", action="store_true", help="take finished runs from --out instead of rerunning"
     )
-    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides (every run)")
     args = ap.parse_args()
     out = Path(args.out)
-    common = [
-        f"run.out_dir={out}",
-        f"run.budget_s={args.budget_s}",
-        "run.compare_sync=false",
-        "data.max_samples=600",
-        "data.network=cnn-small",
-        "client.num_threads=1",
-        "client.local_steps=5",
-        "silos.speed_profile=uniform",
-        "server.eval_every=2",
-        "server.checkpoint_every=0",
-        "server.evaluate_silos=false",
-    ]
-    rows: dict[str, dict[str, Any]] = {}
-    pids: list[int] = []
-    for n in [int(x) for x in args.silos.split(",")]:
-        for mode in args.modes.split(","):
-            serverapp, extra = SERVERAPPS[mode]
-            name = f"{mode}-{n}"
-            cfg = load_config(
-                None, common + extra + [f"silos.count={n}", f"run.name={name}"] + args.overrides
-            )
-            run_dir = out / name
-            if args.reuse and (run_dir / "bench.json").exists():
-                summary, bench = reuse(run_dir)
-            else:
-                load_before = loadavg()
-                t0 = time.monotonic()
-                summary = deploy_local(cfg, echo=prefixed(name), serverapp=serverapp)
-                bench = {"load_before": load_before, "load_after": loadavg()}
-                bench["budget_s"] = cfg.run.budget_s
-                (run_dir / "bench.json").write_text(json.dumps(bench) + "\n")
-                print(f"[{name}] done in {time.monotonic() - t0:.0f}s wall", flush=True)
-                pids += summary["deployment"]["pids"]  # reused runs were checked when they ran
-            rows[name] = {
-                **figures(mode, summary, run_dir, bench["budget_s"]),
-                **bench,
-                "silos": n,
-                "mode": mode,
-            }
-    # the target: given, or 95% of the lower best score per silo count (both reach it)
-    for n in {r["silos"] for r in rows.values()}:
-        same = [r for r in rows.values() if r["silos"] == n]
-        target = args.target or 0.95 * min(r["best"] for r in same)
-        for r in same:
-            r["target"], r["time_to_target_s"] = target, time_to_target(r["evals"], target)
-    print(
-        f"\n{'silos':>5s} {'mode':14s} {'load':>9s} {'updates':>7s} {'rt_mean':>7s} "
-        f"{'rt_med':>7s} {'train':>6s} {'ovh_mean':>8s} {'ovh_med':>7s} {'ready':>6s} "
-        f"{'upd/s':>6s} {'upd/s_B':>7s} {'best':>6s} {'target':>6s} {'t_target':>8s}"
-    )
-    for r in rows.values():
-        print(
-            f"{r['silos']:5d} {r['mode']:14s} {r['load_before']:4.1f}-{r['load_after']:<4.1f} "
-            f"{r['updates_in_budget']:>3d}/{r['updates']:<3d} {fmt(r['rt_mean']):>7s} {fmt(r['rt_median']):>7s} "
-            f"{fmt(r['train_mean'], '.2f'):>6s} {fmt(r['overhead_mean']):>8s} "
-            f"{fmt(r['overhead_median']):>7s} {fmt(r['reply_ready_mean']):>6s} "
-            f"{fmt(r['updates_per_wall_s'], '.3f'):>6s} "
-            f"{fmt(r['updates_per_wall_s_in_budget'], '.3f'):>7s} {r['best']:6.3f} {r['target']:6.3f} "
-            f"{fmt(r['time_to_target_s'], '.0f'):>8s}"
-        )
-    print(
-        "seconds per train message: rt = dispatch -> reply taken, train = the silo's own "
-        "training, ovh = rt - train, ready = dispatch -> reply created (FedAvg); updates = within "
-        "the budget/all; load = 1-min load average before-after"
-    )
-    left = [p for p in sorted(set(pids)) if alive(p)]
-    print(
-        f"processes started by this invocation: {len(set(pids))}; still running after the runs: {left or 'none'}"
-    )
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    a, s = rows.get("fedasync-8"), rows.get("flower-fedavg-8")
-    speedup = (
-        a["updates_per_wall_s"] / s["updates_per_wall_s"]
-        if a and s and a["updates_per_wall_s"] and s["updates_per_wall_s"]
-        else 0.0
-    )
-    print(f"deploy_speedup_vs_sync={speedup:.2f}")
+    out.mkdir(parents=True, exist_ok=True)
+    parts = args.parts.split(",")
+    results: dict[str, Any] = {}
+    if "overhead" in parts:
+        results["overhead"] = part_overhead(args, out)
+    if "memory" in parts:
+        results["memory"] = part_memory(args, out)
+    if "speedup" in parts:
+        results["speedup"] = part_speedup(args, out)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if "speedup" in results:
+        print(f"deploy_speedup_vs_sync={results['speedup']['ratio']['mean']:.2f}")
 
 
 if __name__ == "__main__":

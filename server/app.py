@@ -43,12 +43,12 @@ from medical_data.networks import build_network
 from medical_data.registry import BenchmarkSpec, get_spec
 from medical_data.tasks import evaluate
 from protocol import ids as digests
-from protocol import keys as P
 from protocol import wire
 from protocol.config import build_silos, to_dict
 from protocol.messages import EvaluateReply, EvaluateRequest
 from protocol.reading import ErrorReply, Malformed
-from server.config import FedAsyncConfig, from_container
+from protocol.transport import short_backoff
+from server.config import FedAsyncConfig
 from server.loop import AsyncServer
 from server.roster import exchange
 from server.summary import build_summary, write_summary
@@ -648,21 +648,37 @@ def make_server_app(
 app = ServerApp()
 
 
+def simulated(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's simulation runtime's (``flwr run`` against a local
+    simulation SuperLink: the nodes are Ray actors on this machine), not a deployment's."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Deployment entry point: the config arrives as JSON in run config ``config-json``; the
-    loop runs on the wall clock (replies taken in arrival order) and this process reads no
-    silo's data (module docstring)."""
-    raw = context.run_config.get("config-json", "{}")
-    cfg = from_container(P.loads(str(raw)))
+    """``flwr run``'s entry point: the config arrives as the run config's flat keys
+    (``server.run_config``). On Flower's deployment engine the loop runs on the wall clock
+    (replies taken in arrival order) and the coordinator reads no silo data; on Flower's
+    simulation runtime (a ``:local:`` SuperLink) on the virtual clock, with the benchmark
+    built here, as ``fedasync simulate`` runs it."""
+    from server.run_config import config_from_run_config
+
+    cfg = config_from_run_config(context.run_config)
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     _log_to(run_dir / "run.log")
     if cfg.run.compare_sync and cfg.server.mode != "sync":
         log.warning(
-            "run.compare_sync=true is simulation-only: no sync baseline is run in deployment "
-            "(benchmarks/deployment_overhead.py compares with Flower's FedAvg)"
+            "run.compare_sync=true is run by `fedasync simulate` only, not under `flwr run` "
+            "(benchmarks/deployment_overhead.py compares with Flower's FedAvg in deployment)"
         )
-    run_server(grid, cfg, run_dir, wall_clock=True, data_here=False)
+    in_simulation = simulated(grid)
+    if not in_simulation:  # replies whose content is still arriving: retry in 10 ms, not 1 s
+        from flwr.superlink.grid import http_grid
+
+        short_backoff(http_grid, "pull_objects")
+    run_server(grid, cfg, run_dir, wall_clock=not in_simulation, data_here=in_simulation)
 
 
 def _log_to(path: Path) -> None:

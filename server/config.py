@@ -225,7 +225,7 @@ class ServerConfig:
     """Wall seconds after which an unanswered message is abandoned and its silo re-sent work;
     also every message's Flower TTL (the SuperLink drops it, a SuperNode never starts it, after
     this long)."""
-    poll_interval_s: float = 0.2
+    poll_interval_s: float = 0.05
     """Wall clock (deployment): seconds between polls for replies; each poll is a request to the
     SuperLink. The virtual clock (simulation) polls every 5 ms."""
     offline_retry_s: float = 10.0

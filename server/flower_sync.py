@@ -50,6 +50,7 @@ from medical_data.tasks import evaluate
 from protocol import keys as P
 from protocol import wire
 from protocol.messages import Malformed, TrainReply, TrainRequest
+from protocol.transport import short_backoff
 from server.app import (
     _federation,
     _log_to,
@@ -59,7 +60,7 @@ from server.app import (
     weighted_mean,
 )
 from server.clock import client_setup
-from server.config import FedAsyncConfig, from_container
+from server.config import FedAsyncConfig
 from server.summary import write_summary
 
 log = logging.getLogger("fedasync.server")
@@ -260,8 +261,15 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Deployment entry point: the config arrives as JSON in run config ``config-json``."""
-    cfg = from_container(P.loads(str(context.run_config.get("config-json", "{}"))))
+    """Deployment entry point: the config arrives as the run config's flat keys; object pulls
+    retry as fedasync's ServerApp's do (``protocol.transport.short_backoff``), so that both
+    loops run on the same transport."""
+    from flwr.superlink.grid import http_grid
+
+    from server.run_config import config_from_run_config
+
+    cfg = config_from_run_config(context.run_config)
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     _log_to(run_dir / "run.log")
+    short_backoff(http_grid, "pull_objects")
     run_flower_fedavg(grid, cfg, run_dir, data_here=False)

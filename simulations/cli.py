@@ -6,8 +6,10 @@ fedasync data table [--benchmark B] [--silos N]     print what each silo holds
 fedasync erase submit|status|list|watch|...         erasure requests (simulations/erase_cli.py)
 fedasync certs DIR --silos N [--host H]             CA, SuperLink certificate, SuperNode keys
 fedasync checkpoint seal FILE...                    trust an old checkpoint (no digest): add one
-fedasync deploy local [--silos N] [--config FILE] [key=value ...]
+fedasync deploy local [--silos N] [--config FILE] [--workers warm|flower] [key=value ...]
                                                     SuperLink + SuperNodes here, over TLS
+fedasync node --superlink H:P --root-certificates CA --auth-key KEY [--node-config C]
+                                                    a hospital's SuperNode + warm worker
 fedasync rl [--config FILE] [key=value ...]         asynchronous RL trainer (trainers/rl)
 fedasync pipeline [--config FILE] [key=value ...]   pipeline-parallel trainer (trainers/pipeline)
 
@@ -26,7 +28,7 @@ from typing import Any
 
 from fedasync.errors import UserError
 from server.summary import no_version_reason
-from simulations import certs, deploy
+from simulations import certs, deploy, node
 from simulations.processes import sweep_orphans
 from trainers.pipeline import cli as pipeline_cli
 from trainers.rl import cli as rl_cli
@@ -122,6 +124,7 @@ def _main(argv: list[str] | None = None) -> int:
     seal.add_argument("files", nargs="+", type=Path)
     certs.add_parser(sub)
     deploy.add_parser(sub)
+    node.add_parser(sub)
     rl_cli.add_parser(sub)
     pipeline_cli.add_parser(sub)
     args = parser.parse_args(args_in)
@@ -149,6 +152,8 @@ def _main(argv: list[str] | None = None) -> int:
         return rl_cli.run(args)
     if args.cmd == "deploy":
         return deploy.run(args)
+    if args.cmd == "node":
+        return node.run_node(args)
     if args.cmd == "data" and args.data_cmd == "fetch":
         from medical_data.fetch import fetch_all
 

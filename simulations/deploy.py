@@ -13,8 +13,8 @@ SuperNode authentication. It is the demo and the integration test of deployment.
    per silo, ``<run folder>/privacy/silo-<i>.sqlite`` or ``--privacy-dir DIR/silo-<i>.sqlite``
    (a folder made 0700); the files are kept, so a silo's epsilon adds up across runs;
 5. ``flwr run`` of this project's app (a copy of what the apps import, in the run folder)
-   against that SuperLink, with the whole config as JSON in the run config key
-   ``config-json`` (``server.app:app``: wall clock, replies taken as they arrive);
+   against that SuperLink, with the whole config in the run config's flat keys
+   (``server.run_config``; ``server.app:app``: wall clock, replies taken as they arrive);
 6. progress (from the run's metrics.jsonl) and the ServerApp's log stream on the console;
 7. every process it started is stopped, by process group and pid, when the run ends, on a
    failure and on Ctrl-C / SIGTERM, and the stop is verified: each process carries a marker in
@@ -55,13 +55,22 @@ from pathlib import Path
 from typing import Any
 
 from fedasync.events import json_safe
-from protocol.keys import PRIVACY_DB
+from protocol.keys import DATALIST, PRIVACY_DB
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
+from server.run_config import run_config_toml
 from server.summary import no_version_reason
 from simulations.certs import CertPaths, private_dir, write_certs, write_file
-from simulations.config import to_container, to_yaml
+from simulations.config import to_yaml
 from simulations.deploy_progress import EventTail, measurements, print_result, show
+from simulations.node import (
+    SUPEREXEC_ENV,
+    WORKERS,
+    NodeError,
+    WorkerSupervisor,
+    check_workers,
+    supernode_args,
+)
 from simulations.processes import Proc, Processes, owner_token, sweep_orphans
 
 FEDERATION = "fedasync-local"
@@ -159,12 +168,6 @@ def write_cli_config(home: Path, port: int, ca_cert: Path) -> None:
     )
 
 
-def run_config_toml(cfg: FedAsyncConfig) -> str:
-    """``--run-config`` file content: the config as JSON under ``config-json`` (a JSON string is
-    a valid TOML basic string)."""
-    return "config-json = " + json.dumps(json.dumps(to_container(cfg), sort_keys=True)) + "\n"
-
-
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -214,12 +217,17 @@ def node_config_string(value: str) -> str:
     return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
 
 
-def node_config(silo: int, num_silos: int, privacy_db: Path | None = None) -> str:
+def node_config(
+    silo: int, num_silos: int, privacy_db: Path | None = None, datalist: Path | None = None
+) -> str:
     """A SuperNode's ``--node-config``: its silo, the number of silos and, when given, its
-    privacy ledger (``protocol.keys.PRIVACY_DB``)."""
+    privacy ledger (``protocol.keys.PRIVACY_DB``) and its own data, a Decathlon datalist
+    (``protocol.keys.DATALIST``; without one the silo splits the benchmark)."""
     config = f"partition-id={silo} num-partitions={num_silos}"
     if privacy_db is not None:
         config += f" {PRIVACY_DB}={node_config_string(str(privacy_db))}"
+    if datalist is not None:
+        config += f" {DATALIST}={node_config_string(str(Path(datalist).resolve()))}"
     return config
 
 
@@ -230,17 +238,24 @@ def supernode_command(
     silo: int,
     num_silos: int,
     privacy_db: Path | None = None,
+    *,
+    datalist: Path | None = None,
+    workers: str = "warm",
 ) -> list[str]:
-    """flower-supernode for ``silo``: TLS to the SuperLink, its auth key, its partition and
-    its privacy ledger."""
-    return [
-        tool("flower-supernode"),
-        *("--superlink", f"127.0.0.1:{link_port}"),
-        *("--root-certificates", str(paths.ca_cert)),
-        *("--auth-supernode-private-key", str(paths.node_key(silo))),
-        *("--node-config", node_config(silo, num_silos, privacy_db)),
-        *("--host", "127.0.0.1", "--port", str(port)),
-    ]
+    """The SuperNode of ``silo`` (``simulations.node.supernode_args``: Flower's SuperNode,
+    its sleeps capped): TLS to the SuperLink, its auth key, its partition, its privacy
+    ledger and its own data (``datalist``); ``--isolation process`` with warm workers."""
+    try:
+        return supernode_args(
+            f"127.0.0.1:{link_port}",
+            paths.ca_cert,
+            paths.node_key(silo),
+            node_config(silo, num_silos, privacy_db, datalist),
+            port,
+            workers=workers,
+        )
+    except NodeError as e:
+        raise DeployError(str(e)) from e
 
 
 def privacy_ledgers(folder: Path, num_silos: int) -> dict[int, Path]:
@@ -275,7 +290,7 @@ def write_run_config(cfg: FedAsyncConfig, path: Path) -> None:
     off (the console shows progress from the event log) and no sync-comparison warning of its
     own (``deploy_local`` has said it, once). ``cfg`` itself is left as it was."""
     server_cfg = replace(cfg, run=replace(cfg.run, progress=False, compare_sync=False))
-    path.write_text(run_config_toml(server_cfg))
+    path.write_text(run_config_toml(server_cfg))  # flat keys, as pyproject.toml declares
 
 
 def superlink_command(port: int, paths: CertPaths) -> list[str]:
@@ -345,14 +360,20 @@ def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> FedA
 
 
 def prepare(
-    cfg: FedAsyncConfig, certs: Path | None, privacy_dir: Path | None = None
+    cfg: FedAsyncConfig,
+    certs: Path | None,
+    privacy_dir: Path | None = None,
+    datalists: dict[int, Path] | None = None,
 ) -> tuple[FedAsyncConfig, Path, CertPaths, dict[int, Path]]:
     """The run folder, its deploy/ folder, config.yaml, run-config.toml, certificates and the
     silos' privacy ledgers (in ``privacy_dir``, default ``<run folder>/privacy``).
 
     Returns the config the deployment runs (``run.out_dir`` made absolute, and with the
     erasure service on, its TLS files and credentials; ``cfg`` itself is left as it was), the
-    run folder, the certificates' paths and the ledgers by silo."""
+    run folder, the certificates' paths and the ledgers by silo. Silos without ``datalists``
+    split the benchmark, as in simulation; the coordinator then owns the benchmark's pooled
+    test split, written here to ``deploy/server-test/`` as ``data.server_test`` (unless the
+    config names one): the ServerApp reads no silo data."""
     n = cfg.silos.count
     out_dir = str(Path(cfg.run.out_dir).resolve())  # the ServerApp runs elsewhere
     cfg = replace(cfg, run=replace(cfg.run, out_dir=out_dir))
@@ -366,6 +387,11 @@ def prepare(
         paths = write_certs(paths.root, n, force=True)
     if cfg.unlearning.service:
         cfg = prepare_erasure(cfg, work / "erasure", paths)
+    if cfg.data.server_test is None and not datalists:
+        from server.app import write_server_test
+
+        test = write_server_test(cfg, work / "server-test")
+        cfg = replace(cfg, data=replace(cfg.data, server_test=str(test)))
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     write_run_config(cfg, work / "run-config.toml")
     if not cfg.run.resume:
@@ -382,19 +408,29 @@ def deploy_local(
     echo: Callable[[str], None] = print,
     grace_s: float = 10.0,
     serverapp: str | None = None,
+    workers: str = "warm",
+    datalists: dict[int, Path] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` on a local SuperLink and ``silos.count`` SuperNodes over TLS; return the
     run's summary with ``deployment`` added (measurements, node ids, every pid seen).
     ``serverapp`` (``module:attribute``) runs another ServerApp than ``server.app:app``; it must
     write the run folder's summary.json too. ``privacy_dir`` holds the silos' privacy ledgers
-    (default ``<run folder>/privacy``; see ``privacy_ledgers``).
+    (default ``<run folder>/privacy``; see ``privacy_ledgers``). ``workers``: ``warm`` (one
+    long-lived ClientApp worker per SuperNode, restarted when it exits) or ``flower``
+    (Flower's process per message); see ``WORKERS``. ``datalists``: each silo's own data, a
+    Decathlon datalist (its SuperNode's ``datalist`` node config); without, the silos split the
+    benchmark and the coordinator owns its test split (``prepare``).
 
     Raises DeployError when something did not start or the run did not finish, Interrupted on
     SIGTERM/SIGHUP and KeyboardInterrupt on Ctrl-C; in every case the processes it started
     are stopped first.
     """
+    try:
+        check_workers(workers)
+    except NodeError as e:
+        raise DeployError(str(e)) from e
     sweep_orphans()  # what earlier deployments (or simulations) whose driver was killed left
-    cfg, run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir)
+    cfg, run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir, datalists)
     work = run_dir / "deploy"
     procs = Processes(marker=f"{work}:{owner_token()}")  # whose: see processes.find_orphans
     events = EventTail(run_dir / "metrics.jsonl")
@@ -402,6 +438,9 @@ def deploy_local(
     summary_path = run_dir / "summary.json"
     started_at, t0 = time.time(), time.monotonic()
     link_port = 0
+    supervisor: WorkerSupervisor | None = None
+    cpu: dict[str, float] = {}
+    cpu_wall = 0.0
     sync_warning = sync_comparison_warning(cfg)
     if sync_warning is not None:
         echo(sync_warning)
@@ -415,14 +454,30 @@ def deploy_local(
         ids = register_nodes(procs, cli_home, keys)
         nodes.update({s: ids[f"silo-{s}"] for s in range(cfg.silos.count)})
         echo("registered: " + ", ".join(f"silo {s} = node {v}" for s, v in nodes.items()))
+        ports = dict(enumerate(free_ports(cfg.silos.count)))
         supernodes = [
             procs.start(
                 f"silo-{s}",
-                supernode_command(link_port, port, paths, s, cfg.silos.count, ledgers[s]),
+                supernode_command(
+                    link_port,
+                    port,
+                    paths,
+                    s,
+                    cfg.silos.count,
+                    ledgers[s],
+                    workers=workers,
+                    datalist=None if datalists is None else datalists[s],
+                ),
                 work / f"silo-{s}",
+                env=SUPEREXEC_ENV,
             )
-            for s, port in enumerate(free_ports(cfg.silos.count))
+            for s, port in ports.items()
         ]
+        supervisor = None
+        if workers == "warm":
+            homes = {s: work / f"silo-{s}" for s in ports}
+            supervisor = WorkerSupervisor(procs, homes, ports, echo)
+            supervisor.start()
         flwr_run = procs.start(
             "flwr-run",
             [
@@ -445,10 +500,14 @@ def deploy_local(
                     raise DeployError(
                         f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}"
                     )
+            if supervisor is not None:
+                supervisor.check()
             if time.monotonic() - last_scan > 2.0:
                 procs.scan()  # remember the ServerApp's and ClientApps' pids
                 last_scan = time.monotonic()
             time.sleep(0.3)
+        cpu = procs.cpu_seconds()  # before the stop: what each process used over the run
+        cpu_wall = time.monotonic() - t0
         pump.join(timeout=5.0)
         show(events.poll(), echo, cfg.run.progress)
         fresh = summary_path.exists() and summary_path.stat().st_mtime >= started_at
@@ -477,12 +536,31 @@ def deploy_local(
         "wall_s": time.monotonic() - t0,
         **measurements(events.events),
         "stop_s": stop_s,
+        "workers": workers,
+        "worker_restarts": 0 if supervisor is None else supervisor.restarts,
+        "cpu_s": cpu_by_role(cpu),
+        "cpu_wall_s": cpu_wall,
         "pids": sorted(procs.seen),
         "left_running": left,
     }
     (run_dir / "deploy.json").write_text(json.dumps(json_safe(deployment), indent=2) + "\n")
     summary["deployment"] = deployment
     return summary
+
+
+def cpu_by_role(cpu: dict[str, float]) -> dict[str, float]:
+    """Processes' CPU seconds (``Processes.cpu_seconds``) summed by role: ``superlink``,
+    ``supernodes`` (``silo-<i>``) and ``workers`` (``worker-<i>``, the warm ClientApp
+    workers; Flower's per-message ClientApp processes are not counted)."""
+    roles = {"superlink": 0.0, "supernodes": 0.0, "workers": 0.0}
+    for name, seconds in cpu.items():
+        if name == "superlink":
+            roles["superlink"] += seconds
+        elif name.startswith("silo-"):
+            roles["supernodes"] += seconds
+        elif name.startswith("worker-"):
+            roles["workers"] += seconds
+    return roles
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -501,6 +579,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="folder of the silos' DP privacy ledgers, silo-<i>.sqlite, kept across runs "
         "(default: <run folder>/privacy)",
     )
+    loc.add_argument(
+        "--workers",
+        choices=WORKERS,
+        default="warm",
+        help="warm: one long-lived ClientApp worker per SuperNode (default); flower: Flower's "
+        "own process per message",
+    )
     loc.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.budget_s=120")
 
 
@@ -518,8 +603,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedasync: {e}", file=sys.stderr)
         return 2
     try:
-        summary = deploy_local(cfg, certs=args.certs, privacy_dir=args.privacy_dir)
-    except DeployError as e:
+        summary = deploy_local(
+            cfg, certs=args.certs, privacy_dir=args.privacy_dir, workers=args.workers
+        )
+    except (DeployError, NodeError) as e:
         print(f"fedasync deploy: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

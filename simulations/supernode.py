@@ -4,15 +4,19 @@ Flower 1.42's SuperNode (``flwr.supernode.start_client_internal``) sleeps a hard
 whenever a pull from the SuperLink finds no message, and that happens right after every
 reply (the server sends the silo's next job a few hundred milliseconds later, so the job
 waits up to 3 s); it sleeps 0.5 s per check while waiting for the ClientApp's reply and for
-an object's content. This launcher replaces that one module's ``time`` with a copy whose
-``sleep`` caps the 3 s at ``--idle-s`` (default 0.1) and the 0.5 s at ``--push-s`` (default
-0.02), then runs Flower's own ``flower-supernode`` with the remaining arguments.
+an object's content. This launcher replaces that one module's ``time`` with a copy
+(``CappedTime``) whose idle sleep starts at ``--idle-s`` (default 0.05) and doubles while the
+SuperNode stays idle, up to ``--idle-max-s`` (default 0.5), and whose 0.5 s waits are capped at
+``--push-s`` (default 0.02), then runs Flower's own ``flower-supernode`` with the remaining
+arguments. It also
+shortens the backoff of its object pulls (``short_backoff``): a message the SuperLink hands
+out before its content has arrived was retried after 1 s.
 
-The price: an idle SuperNode asks the SuperLink for work every ``--idle-s`` instead of every
-3 s (one HTTPS request each; ``benchmarks/deployment_overhead.py`` reports the SuperLink's
-and the SuperNodes' CPU).
+The price: an idle SuperNode asks the SuperLink for work every ``--idle-max-s`` instead of
+every 3 s, and more often right after a message (one HTTPS request each;
+``benchmarks/deployment_overhead.py`` reports the SuperLink's and the SuperNodes' CPU).
 
-    python -m simulations.supernode [--idle-s 0.1] [--push-s 0.02] <flower-supernode args>
+    python -m simulations.supernode [--idle-s 0.05] [--idle-max-s 0.5] [--push-s 0.02] <args>
 
 ``check_sleeps`` refuses to start when the sleeps are not where flwr 1.42 has them (an
 upgrade moved them): silently slow would be worse than a clear error.
@@ -26,6 +30,8 @@ import time
 import types
 from typing import Any
 
+from protocol.transport import FlowerInternalsMoved, short_backoff
+
 IDLE_SLEEP_S = 3
 """The SuperNode's sleep after a pull that found no message (flwr 1.42)."""
 PUSH_SLEEP_S = 0.5
@@ -33,12 +39,8 @@ PUSH_SLEEP_S = 0.5
 MODULE = "flwr.supernode.start_client_internal"
 
 
-class SleepsMoved(RuntimeError):
-    """The SuperNode's sleeps are not where flwr 1.42 has them."""
-
-
 def check_sleeps(module: types.ModuleType) -> None:
-    """SleepsMoved unless ``module`` imports ``time`` and calls ``time.sleep(3)`` and
+    """FlowerInternalsMoved unless ``module`` imports ``time`` and calls ``time.sleep(3)`` and
     ``time.sleep(0.5)`` (what ``cap_sleeps`` caps)."""
     try:
         source = inspect.getsource(module)
@@ -53,67 +55,89 @@ def check_sleeps(module: types.ModuleType) -> None:
     if missing:
         from flwr.supercore.version import package_version
 
-        raise SleepsMoved(
+        raise FlowerInternalsMoved(
             f"{module.__name__} of flwr {package_version} no longer has {', '.join(missing)}: "
             "the SuperNode's sleeps moved; simulations.supernode was written for flwr 1.42"
         )
 
 
 class CappedTime(types.ModuleType):
-    """``time`` with ``sleep`` capped: the SuperNode's idle sleep at ``idle_s``, its shorter
-    waits at ``push_s``; every other attribute is ``time``'s own."""
+    """``time`` with the SuperNode's sleeps shortened; every other attribute is ``time``'s own.
 
-    def __init__(self, idle_s: float, push_s: float):
+    Its idle sleep (3 s asked) starts at ``idle_s`` and doubles with every idle pull in a row,
+    up to ``idle_max_s``: a job that follows a reply within a few hundred milliseconds (the
+    asynchronous server's) is found at once, while a SuperNode idle for long (a synchronous
+    barrier, a quiet federation) asks the SuperLink only every ``idle_max_s``. Any other wait
+    (the 0.5 s ones, while a message is handled) is capped at ``push_s`` and ends the streak,
+    as does a gap of more than 0.25 s between two idle sleeps (a message was handled)."""
+
+    def __init__(self, idle_s: float, push_s: float, idle_max_s: float = 1.0):
         super().__init__("time")
-        self.idle_s = idle_s
-        self.push_s = push_s
+        self.idle_s, self.push_s, self.idle_max_s = idle_s, push_s, max(idle_s, idle_max_s)
+        self.streak = 0
+        self.idle_ended = 0.0
 
     def sleep(self, seconds: float) -> None:
-        """Sleep ``seconds``, capped at ``idle_s`` (≥ 1 s asked) or ``push_s`` (less)."""
-        time.sleep(min(seconds, self.idle_s if seconds >= 1.0 else self.push_s))
+        """Sleep ``seconds``, shortened as the class docstring says."""
+        if seconds < 1.0:
+            self.streak = 0
+            time.sleep(min(seconds, self.push_s))
+            return
+        if time.monotonic() - self.idle_ended > 0.25:
+            self.streak = 0
+        wait = min(self.idle_s * 2.0**self.streak, self.idle_max_s, seconds)
+        self.streak = min(self.streak + 1, 30)
+        time.sleep(wait)
+        self.idle_ended = time.monotonic()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
 
 
-def cap_sleeps(idle_s: float = 0.1, push_s: float = 0.02) -> types.ModuleType:
-    """Cap the SuperNode's sleeps in this process (see the module docstring); the module."""
+def cap_sleeps(
+    idle_s: float = 0.05, push_s: float = 0.02, idle_max_s: float = 0.5
+) -> types.ModuleType:
+    """Cap the SuperNode's sleeps and its object-pull backoff in this process (see the module
+    docstring); the module."""
     import importlib
 
     module = importlib.import_module(MODULE)
+    short_backoff(module, "pull_objects")
     if isinstance(module.time, CappedTime):
         module.time.idle_s, module.time.push_s = idle_s, push_s
+        module.time.idle_max_s = max(idle_s, idle_max_s)
         return module
     check_sleeps(module)
-    module.time = CappedTime(idle_s, push_s)  # type: ignore[attr-defined]
+    module.time = CappedTime(idle_s, push_s, idle_max_s)  # type: ignore[attr-defined]
     return module
 
 
-def split_args(argv: list[str]) -> tuple[float, float, list[str]]:
-    """(idle_s, push_s, the rest for flower-supernode) from ``argv``."""
-    idle_s, push_s, rest = 0.1, 0.02, []
+OPTIONS = {"--idle-s": 0.05, "--idle-max-s": 0.5, "--push-s": 0.02}
+"""The launcher's own options and their defaults (seconds)."""
+
+
+def split_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
+    """(this launcher's options, the rest for flower-supernode) from ``argv``."""
+    values, rest = dict(OPTIONS), []
     it = iter(argv)
     for arg in it:
-        if arg in ("--idle-s", "--push-s"):
+        if arg in OPTIONS:
             try:
                 value = float(next(it))
             except (StopIteration, ValueError):
                 raise SystemExit(f"{arg} needs a number of seconds") from None
             if not 0.001 <= value <= 10.0:
                 raise SystemExit(f"{arg} must be within [0.001, 10]")
-            if arg == "--idle-s":
-                idle_s = value
-            else:
-                push_s = value
+            values[arg] = value
         else:
             rest.append(arg)
-    return idle_s, push_s, rest
+    return values, rest
 
 
 def main(argv: list[str] | None = None) -> int:
     """Cap the sleeps, then run Flower's ``flower-supernode`` with the other arguments."""
-    idle_s, push_s, rest = split_args(sys.argv[1:] if argv is None else argv)
-    cap_sleeps(idle_s, push_s)
+    opts, rest = split_args(sys.argv[1:] if argv is None else argv)
+    cap_sleeps(opts["--idle-s"], opts["--push-s"], opts["--idle-max-s"])
     from flwr.supernode.cli import flower_supernode
 
     sys.argv = ["flower-supernode", *rest]

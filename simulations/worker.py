@@ -26,7 +26,9 @@ What persists between messages, and the guards:
   process starts with, and Python's and numpy's global generators are reseeded from the OS,
   as in a fresh process; so a message's result never depends on the messages before it
   (the app seeds its own training from the message in any case);
-- memory: a ``gc.collect()`` after every task; each task's line in the log gives the RSS.
+- memory: what a task made is dropped when it ends (Python's own collector, no forced full
+  collection: one took 0.5-1.2 s per task with torch and MONAI loaded); each task's line in
+  the log gives the RSS (``benchmarks/deployment_overhead.py`` reads it over 500 messages).
 
 A ClientApp that raises becomes an error reply (Flower's ``CLIENT_APP_RAISED_EXCEPTION``),
 as in ``flwr-clientapp``, and the worker goes on. A worker that dies while holding a task
@@ -44,7 +46,6 @@ fails loudly, at start, when they moved.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import random
@@ -56,6 +57,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from protocol.transport import FlowerInternalsMoved, short_backoff
+
 log = logging.getLogger("fedasync.worker")
 
 EXIT_NEW_FAB = 75
@@ -63,10 +66,6 @@ EXIT_NEW_FAB = 75
 
 CLIENT_APP_TASK = "flwr-clientapp"
 """Flower's task type of a ClientApp task (``flwr.supercore.constant.TaskType.CLIENT_APP``)."""
-
-
-class FlowerInternalsMoved(RuntimeError):
-    """The Flower internals this worker relies on are not where flwr 1.42 had them."""
 
 
 def check_flower_internals() -> dict[str, Any]:
@@ -137,15 +136,24 @@ class Worker:
         self,
         runtime_api: str,
         *,
-        root_certificates: bytes | None = None,
-        poll_s: float = 0.02,
+        root_certificates: Path | None = None,
+        poll_s: float = 0.01,
+        poll_max_s: float = 0.1,
         max_tasks: int | None = None,
     ):
         self.f = check_flower_internals()
+        from flwr.supernode.runtime import run_clientapp
+
+        # the task can be acquired while the SuperNode still pulls the message's content:
+        # retry after 10 ms, not 1 s
+        short_backoff(run_clientapp, "pull_and_inflate_object_from_tree")
         self.runtime_api = runtime_api
-        self.root_certificates = root_certificates
+        self.ca_path = root_certificates
+        self.root_certificates = (
+            None if root_certificates is None else root_certificates.read_bytes()
+        )
         self.insecure = root_certificates is None
-        self.poll_s = poll_s
+        self.poll_s, self.poll_max_s = poll_s, max(poll_s, poll_max_s)
         self.max_tasks = max_tasks
         self.fab_hash: str | None = None
         self.app: Any = None
@@ -176,12 +184,15 @@ class Worker:
         log.info(
             "warm worker %d serving %s (rss %.0f MiB)", os.getpid(), self.runtime_api, rss_mb()
         )
+        wait = self.poll_s
         try:
             while not self.stopping:
                 res = superexec.AcquireTask(request)
                 if not (res.HasField("task") and res.token):
-                    time.sleep(self.poll_s)
+                    time.sleep(wait)  # soon after a task the next is near: poll fast, then less
+                    wait = min(wait * 2.0, self.poll_max_s)
                     continue
+                wait = self.poll_s
                 fab = res.task.fab_hash if res.task.HasField("fab_hash") else ""
                 if self.fab_hash is not None and fab and fab != self.fab_hash:
                     log.info("task %d has a new FAB %s: Flower runs it", res.task.task_id, fab[:12])
@@ -198,9 +209,9 @@ class Worker:
         """Flower's own cold path for one task: ``flwr-clientapp`` with the token."""
         exe = Path(sys.executable).parent / "flwr-clientapp"
         cmd = [str(exe), "--runtime-api-address", self.runtime_api, "--token", token]
-        cmd += ["--insecure"] if self.insecure else []
-        if not self.insecure:
-            log.warning("handing a task to flwr-clientapp without the runtime API's CA")
+        cmd += (
+            ["--insecure"] if self.ca_path is None else ["--root-certificates", str(self.ca_path)]
+        )
         subprocess.run(cmd, check=False, timeout=24 * 3600)
 
     def _fresh_state(self) -> None:
@@ -220,18 +231,21 @@ class Worker:
             raise RuntimeError("a task of another FAB reached a warm worker")
         t = time.perf_counter()
         self.f["install_from_fab"](fab.content, skip_prompt=True)
+        app_dir = Path(self.f["get_project_dir"](run.fab_id, run.fab_version, fab.hash_str))
+        dropped = forget_packages(app_dir)
         load = self.f["get_load_client_app_fn"](default_app_ref="", app_path=None, multi_app=True)
         self.app = load(run.fab_id, run.fab_version, fab.hash_str)
         self.fab_hash = fab.hash_str
-        app_dir = Path(self.f["get_project_dir"](run.fab_id, run.fab_version, fab.hash_str))
         from_fab = sorted(n for n, m in list(sys.modules.items()) if _under(m, app_dir))
         log.info(
-            "loaded FAB %s in %.2f s: %d modules from %s (%s)",
+            "loaded FAB %s in %.2f s: %d modules from %s (%s); dropped first, as loaded from "
+            "elsewhere: %s",
             fab.hash_str[:12],
             time.perf_counter() - t,
             len(from_fab),
             app_dir,
-            ", ".join(from_fab[:8]) + (", ..." if len(from_fab) > 8 else ""),
+            ", ".join(from_fab),
+            ", ".join(sorted(dropped)) or "none",
         )
         return self.app
 
@@ -273,9 +287,7 @@ class Worker:
                 client.close()
                 marks["closed"] = time.perf_counter()
         self.tasks += 1
-        del message, reply, context
-        gc.collect()
-        marks["gc"] = time.perf_counter()
+        del message, reply, context  # (no gc.collect(): a full one took 0.5-1.2 s here)
         steps = list(marks.items())
         took = ", ".join(f"{b[0]} {b[1] - a[1]:.3f}" for a, b in zip(steps, steps[1:]))
         log.info(
@@ -287,6 +299,22 @@ class Worker:
             took,
             rss_mb(),
         )
+
+
+def forget_packages(app_dir: Path) -> list[str]:
+    """Drop from ``sys.modules`` every module of a package the FAB in ``app_dir`` ships that
+    was loaded from elsewhere (this worker uses ``protocol.transport`` from the installed
+    project before any FAB arrives): the app then imports all of its packages from the FAB,
+    as a fresh ``flwr-clientapp`` would. The names dropped."""
+    ours = {d.name for d in app_dir.iterdir() if (d / "__init__.py").is_file()}
+    dropped = [
+        name
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] in ours and not _under(module, app_dir)
+    ]
+    for name in dropped:
+        del sys.modules[name]
+    return dropped
 
 
 def _under(module: Any, folder: Path) -> bool:
@@ -315,22 +343,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.worker", description=__doc__)
     parser.add_argument("--runtime-api", required=True, help="the SuperNode's runtime API")
     parser.add_argument("--root-certificates", type=Path, help="CA of a TLS runtime API")
-    parser.add_argument("--poll-s", type=float, default=0.02, help="AcquireTask poll interval")
+    parser.add_argument(
+        "--poll-s", type=float, default=0.01, help="first AcquireTask poll interval after a task"
+    )
+    parser.add_argument(
+        "--poll-max-s", type=float, default=0.1, help="the interval it doubles up to while idle"
+    )
     parser.add_argument("--max-tasks", type=int, help="exit after this many tasks")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
-    if not 0.001 <= args.poll_s <= 10.0:
-        parser.error("--poll-s must be within [0.001, 10]")
+    for name in ("poll_s", "poll_max_s"):
+        if not 0.001 <= getattr(args, name) <= 10.0:
+            parser.error(f"--{name.replace('_', '-')} must be within [0.001, 10]")
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
     took = preload(PRELOAD)
     log.info("imported %s in %.1f s", ", ".join(PRELOAD), took)
-    certs = args.root_certificates.read_bytes() if args.root_certificates else None
     worker = Worker(
-        args.runtime_api, root_certificates=certs, poll_s=args.poll_s, max_tasks=args.max_tasks
+        args.runtime_api,
+        root_certificates=args.root_certificates,
+        poll_s=args.poll_s,
+        poll_max_s=args.poll_max_s,
+        max_tasks=args.max_tasks,
     )
 
     def stop(signum: int, frame: Any) -> None:

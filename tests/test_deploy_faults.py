@@ -143,8 +143,17 @@ class Federation:
         self.app = stage_app(self.work / "app")
 
     def start_supernode(self, silo: int, name: str) -> Proc:
+        # Flower's own process per message (workers=flower): this scenario kills a SuperNode
+        # with its SuperExec and ClientApp; the warm workers' crash and restart are
+        # tests/test_deploy_workers.py's
         cmd = supernode_command(
-            self.port, self.node_ports[silo], self.paths, silo, 2, self.ledgers[silo]
+            self.port,
+            self.node_ports[silo],
+            self.paths,
+            silo,
+            2,
+            self.ledgers[silo],
+            workers="flower",
         )
         return self.procs.start(name, cmd, self.work / f"silo-{silo}")
 

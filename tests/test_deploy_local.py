@@ -55,11 +55,12 @@ def _kill_all(prefix: str) -> None:
 
 
 def test_two_silos_train_over_tls_with_node_authentication(small_cfg, tmp_path):
-    # Prepare: stop at 2 versions (one update per silo), whatever the machine's speed
+    # Prepare: stop at 6 versions, whatever the machine's speed (a warm worker answers in
+    # about a second, so one silo may deliver a few before the other's first)
     cfg = small_cfg(
         "silos.count=2",
         "run.budget_s=150",
-        "run.max_versions=2",
+        "run.max_versions=6",
         "run.progress=true",  # progress lines on echo (the ServerApp itself draws no bar)
         "data.max_samples=300",
     )
@@ -71,7 +72,7 @@ def test_two_silos_train_over_tls_with_node_authentication(small_cfg, tmp_path):
         _kill_all(str(tmp_path))  # only acts if the deployment failed to stop something
     # Assert: the run finished on the wall clock with accepted updates from both silos
     run_dir = tmp_path / "t"
-    assert summary["clock"] == "wall" and summary["versions"] == 2
+    assert summary["clock"] == "wall" and summary["versions"] == 6
     assert summary["per_silo"]["0"]["accepted"] >= 1
     assert summary["per_silo"]["1"]["accepted"] >= 1
     assert summary["updates_rejected_total"] == 0

@@ -17,7 +17,7 @@ import pytest
 import simulations.deploy as deploy
 from clients.privacy import ledger_path
 from protocol.keys import PRIVACY_DB
-from server.config import from_container
+from server.run_config import config_from_run_config
 from simulations.certs import CertPaths
 from simulations.config import to_container
 from simulations.deploy import (
@@ -83,7 +83,7 @@ def test_run_config_file_carries_the_config_through_flowers_parser(small_cfg, tm
     path.write_text(run_config_toml(cfg))
     # Execute
     parsed = parse_config_args([str(path)])
-    back = from_container(json.loads(parsed["config-json"]))
+    back = config_from_run_config(parsed)
     # Assert
     assert to_container(back) == to_container(cfg)
 
@@ -184,7 +184,7 @@ class _FakeProcesses(Processes):
     started: list[tuple[str, list[str]]] = []
     run_dir: Path
 
-    def start(self, name, cmd, home, *, pipe=False):
+    def start(self, name, cmd, home, *, pipe=False, env=None):
         type(self).started.append((name, list(cmd)))
         home.mkdir(parents=True, exist_ok=True)
         if name == "flwr-run":

@@ -1,0 +1,212 @@
+"""``fedasync node``: what a hospital runs, its SuperNode and its warm ClientApp worker.
+
+    fedasync node --superlink HOST:PORT --root-certificates ca.pem --auth-key auth.key \\
+        --node-config 'partition-id=2 num-partitions=6' [--port 9094] [--workers warm|flower]
+
+It starts Flower's SuperNode (through ``simulations.supernode``, its fixed sleeps capped; with
+``--isolation process`` when workers are warm) and, with warm workers, one long-lived
+ClientApp worker (``simulations.worker``) on the SuperNode's local runtime API, which it
+starts again whenever it exits (``WorkerSupervisor``). TLS to the SuperLink and node
+authentication are the SuperNode's, as with ``flower-supernode``. It runs until the SuperNode
+exits (its exit status is this command's: run it under a supervisor such as systemd with
+``Restart=on-failure``, as docs/deployment.md says) or until SIGTERM / Ctrl-C, and stops
+every process it started, by process group and pid, before it exits.
+
+``fedasync deploy local`` starts the same commands, one pair per silo, on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from simulations.processes import Proc, Processes, owner_token
+
+WORKERS = ("warm", "flower")
+"""How a SuperNode runs its ClientApp: ``warm``, one long-lived worker per SuperNode
+(``simulations.worker``, supervised); ``flower``, Flower's own process per message."""
+
+NODE_SLEEPS = ("--idle-s", "0.05", "--idle-max-s", "0.5", "--push-s", "0.02")
+"""The SuperNode's fixed sleeps, shortened (``simulations.supernode``): the 3 s idle sleep
+0.05 s doubling to 0.5 s while idle, the 0.5 s waits 0.02 s."""
+
+SUPEREXEC_ENV = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.05"}
+"""Flower's SuperExec polls for tasks every 1 s by default (``workers=flower``)."""
+
+
+class NodeError(RuntimeError):
+    """A SuperNode or its worker could not run."""
+
+
+def check_workers(workers: str) -> None:
+    """NodeError unless ``workers`` is one of ``WORKERS`` (the message bounded)."""
+    if workers not in WORKERS:
+        raise NodeError(f"workers must be one of {', '.join(WORKERS)}, not {workers[:40]!r}")
+
+
+def supernode_args(
+    superlink: str,
+    root_certificates: Path,
+    auth_key: Path,
+    node_config: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    workers: str = "warm",
+) -> list[str]:
+    """The SuperNode's command: Flower's ``flower-supernode`` options through the launcher
+    that caps its sleeps; ``--isolation process`` for warm workers (the worker takes the
+    SuperExec's place)."""
+    check_workers(workers)
+    return [
+        sys.executable,
+        *("-m", "simulations.supernode", *NODE_SLEEPS),
+        *("--superlink", superlink),
+        *("--root-certificates", str(root_certificates)),
+        *("--auth-supernode-private-key", str(auth_key)),
+        *("--node-config", node_config),
+        *("--host", host, "--port", str(port)),
+        *(("--isolation", "process") if workers == "warm" else ()),
+    ]
+
+
+def worker_command(port: int) -> list[str]:
+    """The warm ClientApp worker of the SuperNode whose runtime API is on ``port``."""
+    return [sys.executable, "-m", "simulations.worker", "--runtime-api", f"127.0.0.1:{port}"]
+
+
+class WorkerSupervisor:
+    """Keep one warm worker per SuperNode running: a worker that exits is started again (after
+    a new FAB at once, as it asked; otherwise with its log's last lines shown), and more than
+    ``max_restarts`` exits of one silo's worker within ``window_s`` raise NodeError (a worker
+    that cannot start, not one that died once)."""
+
+    def __init__(
+        self,
+        procs: Processes,
+        homes: dict[int, Path],
+        ports: dict[int, int],
+        echo: Callable[[str], None],
+        *,
+        max_restarts: int = 5,
+        window_s: float = 60.0,
+    ):
+        self.procs, self.homes, self.ports, self.echo = procs, homes, ports, echo
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.workers: dict[int, Proc] = {}
+        self.exits: dict[int, list[float]] = {s: [] for s in ports}
+        self.restarts = 0
+
+    def start(self) -> None:
+        """Start every silo's worker."""
+        for silo in self.ports:
+            self._start(silo)
+
+    def _start(self, silo: int) -> None:
+        cmd = worker_command(self.ports[silo])
+        self.workers[silo] = self.procs.start(f"worker-{silo}", cmd, self.homes[silo])
+
+    def check(self) -> int:
+        """Start again the workers that exited; how many."""
+        from simulations.worker import EXIT_NEW_FAB
+
+        restarted = 0
+        for silo, proc in list(self.workers.items()):
+            code = proc.popen.poll()
+            if code is None:
+                continue
+            now = time.monotonic()
+            recent = [t for t in self.exits[silo] if now - t < self.window_s] + [now]
+            self.exits[silo] = recent
+            if len(recent) > self.max_restarts:
+                raise NodeError(
+                    f"silo {silo}'s worker exited {len(recent)} times within "
+                    f"{self.window_s:.0f}s (last code {code}):\n{proc.tail()}"
+                )
+            why = "a new FAB" if code == EXIT_NEW_FAB else f"code {code}"
+            self.echo(f"silo {silo}'s worker exited ({why}): started again")
+            if code != EXIT_NEW_FAB:
+                self.echo(proc.tail(5))
+            self._start(silo)
+            restarted += 1
+        self.restarts += restarted
+        return restarted
+
+
+class _Stop(Exception):
+    """SIGTERM arrived."""
+
+
+def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> int:
+    """Run one SuperNode (and its worker) until it exits or a signal; its exit status."""
+    check_workers(args.workers)
+    home = Path(args.home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    procs = Processes(marker=f"{home}:node:{owner_token()}")
+    cmd = supernode_args(
+        args.superlink,
+        Path(args.root_certificates).resolve(),
+        Path(args.auth_key).resolve(),
+        args.node_config,
+        args.port,
+        workers=args.workers,
+    )
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Stop
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    code = 0
+    try:
+        node = procs.start("supernode", cmd, home, env=SUPEREXEC_ENV)
+        echo(f"SuperNode (pid {node.popen.pid}) -> {args.superlink}; log {node.log}")
+        supervisor = None
+        if args.workers == "warm":
+            supervisor = WorkerSupervisor(procs, {0: home}, {0: args.port}, echo)
+            supervisor.start()
+            echo(f"warm worker (pid {supervisor.workers[0].popen.pid}); log {home}/worker-0.log")
+        while node.popen.poll() is None:
+            if supervisor is not None:
+                supervisor.check()
+            time.sleep(0.5)
+        code = int(node.popen.returncode or 0)
+        echo(f"the SuperNode exited with code {code}:\n{node.tail(5)}")
+    except KeyboardInterrupt:
+        code = 130
+    except _Stop:
+        code = 143
+    except NodeError as e:
+        echo(f"fedasync node: {e}")
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        left = procs.stop(grace_s=10.0)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, previous)
+        if left:
+            echo(f"fedasync node: processes {left} are still running")
+    return code
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``fedasync node`` on the CLI's sub-command parser."""
+    p = sub.add_parser("node", help="a hospital's SuperNode and its warm ClientApp worker")
+    p.add_argument("--superlink", required=True, help="the coordinator's SuperLink, HOST:PORT")
+    p.add_argument("--root-certificates", required=True, help="the CA (ca.pem)")
+    p.add_argument("--auth-key", required=True, help="this node's private key (auth.key)")
+    p.add_argument(
+        "--node-config",
+        default="",
+        help="Flower node config, e.g. 'partition-id=2 num-partitions=6' (docs/deployment.md)",
+    )
+    p.add_argument("--port", type=int, default=9094, help="the local runtime API's port")
+    p.add_argument("--workers", choices=WORKERS, default="warm")
+    p.add_argument(
+        "--home", default="fedasync-node", help="its FLWR_HOME, temp folder and logs (made)"
+    )
