@@ -17,8 +17,8 @@ under 1 s with warm workers.
 
 ``speedup``: fedasync against ``flower-fedavg`` (Flower's synchronous
 ``flwr.serverapp.strategy.FedAvg`` round loop adapted to our protocol,
-``server.flower_sync:app``: every silo each round, a barrier, ``send_and_receive``) on the
-same deployment (warm workers) with 8 silos of which 2 are 4x slower
+``server.flower_sync:app``: every silo each round, a barrier, ``send_and_receive``, its 3 s
+wait between polls capped at fedasync's poll, ``server.poll_interval_s``) on the same deployment (warm workers) with 8 silos of which 2 are 4x slower
 (``silos.speed_profile=stragglers``, ``straggler_fraction=0.25``, ``straggler_slowdown=4``,
 ``silos.emulate_speed=true``: a slow silo waits after training so that its message takes 4x
 as long), over ``--reps`` seeds (default 3). Per run: updates per wall second once training
@@ -27,8 +27,8 @@ and the time from the first dispatch to a target test score (95% of the lower of
 runs' best scores of that seed, on the coordinator's held-out set). The ratio of updates per
 wall second, fedasync / FedAvg, per seed: mean and standard deviation.
 
-``memory``: one warm deployment of 2 silos until 1,000 versions (about 500 messages per
-worker): each worker's resident memory after its 10th, 100th and last message (its log).
+``memory``: one warm deployment of 1 silo until 500 versions (500 train messages to one
+worker): its resident memory after its 10th, 100th and last message (its log).
 
 The last line, ``deploy_speedup_vs_sync=<x>``, is the mean ratio of the speedup part (how many
 more local updates the asynchronous loop gets out of the same deployment in the same time;
@@ -319,14 +319,14 @@ def part_memory(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "run.compare_sync=false",
         f"run.budget_s={args.memory_budget_s}",
         f"run.max_versions={args.memory_versions}",
-        "silos.count=2",
+        "silos.count=1",
         "server.eval_every=1000000",
         *args.overrides,
     ]
-    _, _, run_dir = run_one(out, "memory-warm-2", "fedasync", "warm", overrides, args.reuse)
+    _, _, run_dir = run_one(out, "memory-warm-1", "fedasync", "warm", overrides, args.reuse)
     rows = {}
     print(f"\n{'silo':>4s} {'messages':>8s} {'rss@10':>7s} {'rss@100':>8s} {'rss@last':>8s}")
-    for silo in range(2):
+    for silo in range(1):
         points = worker_rss(run_dir / "deploy" / f"silo-{silo}" / f"worker-{silo}.log")
         at = dict(points)
         last = points[-1] if points else (0, None)
@@ -352,10 +352,10 @@ def main() -> None:
     ap.add_argument("--parts", default="overhead,speedup,memory")
     ap.add_argument("--silos", default="3,8", help="overhead part: silo counts")
     ap.add_argument("--overhead-budget-s", type=float, default=60.0)
-    ap.add_argument("--budget-s", type=float, default=150.0, help="speedup part: wall seconds")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="speedup part: wall seconds")
     ap.add_argument("--local-steps", type=int, default=20, help="speedup part: local steps")
     ap.add_argument("--reps", type=int, default=3, help="speedup part: seeds")
-    ap.add_argument("--memory-versions", type=int, default=1000)
+    ap.add_argument("--memory-versions", type=int, default=500)
     ap.add_argument("--memory-budget-s", type=float, default=900.0)
     ap.add_argument("--out", default="runs/bench-deploy")
     ap.add_argument(

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 import types
+from typing import Any
 
 
 class FlowerInternalsMoved(RuntimeError):
@@ -35,3 +37,32 @@ def short_backoff(module: types.ModuleType, name: str, initial_s: float = 0.01) 
     if "initial_backoff" not in params or "backoff_cap" not in params:
         raise FlowerInternalsMoved(f"{module.__name__}.{name} has no initial_backoff/backoff_cap")
     setattr(module, name, functools.partial(fn, initial_backoff=initial_s, backoff_cap=0.2))
+
+
+class CappedSleep(types.ModuleType):
+    """``time`` whose ``sleep`` waits at most ``cap_s``; every other attribute is ``time``'s
+    own. Set as one Flower module's ``time`` (``cap_sleep``) it shortens that module's fixed
+    sleeps only."""
+
+    def __init__(self, cap_s: float):
+        super().__init__("time")
+        self.cap_s = cap_s
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, at most ``cap_s``."""
+        time.sleep(min(seconds, self.cap_s))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def cap_sleep(module: types.ModuleType, cap_s: float) -> None:
+    """Cap ``module``'s ``time.sleep`` at ``cap_s`` (idempotent; adjusts a cap set before).
+    FlowerInternalsMoved unless the module imports ``time`` as ``time``."""
+    current = getattr(module, "time", None)
+    if isinstance(current, CappedSleep):
+        current.cap_s = cap_s
+        return
+    if current is not time:
+        raise FlowerInternalsMoved(f"{module.__name__} does not import time")
+    module.time = CappedSleep(cap_s)  # type: ignore[attr-defined]

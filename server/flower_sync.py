@@ -1,8 +1,9 @@
 """Flower's own synchronous FedAvg strategy driving our ClientApp: the deployment baseline.
 
 FedAvg (McMahan et al. 2017) as Flower 1.42 ships it (``flwr.serverapp.strategy.FedAvg`` and
-its ``Strategy.start`` round loop, ``grid.send_and_receive``: every node each round, a barrier,
-replies polled every 3 s in deployment). ``benchmarks/deployment_overhead.py`` runs it on the
+its ``Strategy.start`` round loop, ``grid.send_and_receive``: every node each round, a barrier;
+in deployment Flower polls for the replies every 3 s, capped here at ``server.poll_interval_s``
+as fedasync's own loop polls). ``benchmarks/deployment_overhead.py`` runs it on the
 same local TLS deployment and ClientApp as fedasync's ServerApp. What the subclass changes to
 speak our protocol (``protocol/keys.py``):
 
@@ -50,7 +51,7 @@ from medical_data.tasks import evaluate
 from protocol import keys as P
 from protocol import wire
 from protocol.messages import Malformed, TrainReply, TrainRequest
-from protocol.transport import short_backoff
+from protocol.transport import cap_sleep, short_backoff
 from server.app import (
     _federation,
     _log_to,
@@ -261,9 +262,11 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Deployment entry point: the config arrives as the run config's flat keys; object pulls
-    retry as fedasync's ServerApp's do (``protocol.transport.short_backoff``), so that both
-    loops run on the same transport."""
+    """Deployment entry point: the config arrives as the run config's flat keys. The transport
+    is tuned as fedasync's ServerApp's is, so that the comparison measures the loops, not
+    Flower's sleeps: object pulls retry after 10 ms (``protocol.transport.short_backoff``), and
+    ``send_and_receive``'s fixed 3 s wait between polls for the round's replies is capped at
+    ``server.poll_interval_s``, the poll of fedasync's loop (``protocol.transport.cap_sleep``)."""
     from flwr.superlink.grid import http_grid
 
     from server.run_config import config_from_run_config
@@ -272,4 +275,5 @@ def main(grid: Grid, context: Context) -> None:
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     _log_to(run_dir / "run.log")
     short_backoff(http_grid, "pull_objects")
+    cap_sleep(http_grid, cfg.server.poll_interval_s)
     run_flower_fedavg(grid, cfg, run_dir, data_here=False)

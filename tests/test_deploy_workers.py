@@ -27,7 +27,7 @@ import simulations.node as node
 import simulations.supernode as supernode
 import simulations.worker as worker
 from fedasync.events import read_events
-from protocol.transport import FlowerInternalsMoved, short_backoff
+from protocol.transport import FlowerInternalsMoved, cap_sleep, short_backoff
 from simulations.processes import MARKER_ENV, Processes, alive
 
 SCI = "flwr.supernode.start_client_internal"
@@ -63,6 +63,21 @@ def test_object_pulls_retry_after_10_ms_where_flower_waits_a_second(monkeypatch,
     patched = getattr(mod, name)
     assert flower_default == 1 and patched.keywords == {"initial_backoff": 0.01, "backoff_cap": 0.2}
     assert not isinstance(patched.func, functools.partial)
+
+
+def test_the_fedavg_baselines_3_s_reply_poll_is_capped_at_the_servers_poll(monkeypatch):
+    # Prepare: Flower's send_and_receive module, restored after the test; sleeps recorded
+    http_grid = importlib.import_module("flwr.superlink.grid.http_grid")
+    assert "time.sleep(3)" in inspect.getsource(http_grid.HttpGrid.send_and_receive)
+    monkeypatch.setattr(http_grid, "time", time)
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    # Execute
+    cap_sleep(http_grid, 0.05)
+    cap_sleep(http_grid, 0.05)  # idempotent
+    http_grid.time.sleep(3)
+    # Assert
+    assert slept == [0.05] and http_grid.time.time is time.time
 
 
 def test_a_moved_internal_fails_at_start_naming_what_is_missing(monkeypatch):
