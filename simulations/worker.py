@@ -371,9 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def stop(signum: int, frame: Any) -> None:
-        if worker.stopping:  # a second signal: stop now
-            raise SystemExit(128 + signum)
-        worker.stopping = True  # the task in hand finishes first
+        # as flwr-clientapp does: stop now; a task in hand ends with its status pushed
+        # (run_task's finally), and the server takes the unanswered job as failed
+        worker.stopping = True
+        raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     return worker.serve()
