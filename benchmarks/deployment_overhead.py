@@ -223,6 +223,7 @@ def part_overhead(args: argparse.Namespace, out: Path) -> dict[str, dict[str, An
                 "superlink_cpu": cpu_share(d, "superlink"),
                 "supernodes_cpu": cpu_share(d, "supernodes"),
                 "workers_cpu": cpu_share(d, "workers"),
+                "split": worker_split(run_dir, n),
             }
     print(
         f"\n{'silos':>5s} {'workers':8s} {'load':>9s} {'msgs':>5s} {'rt_med':>6s} {'rt_mean':>7s} "
@@ -241,6 +242,14 @@ def part_overhead(args: argparse.Namespace, out: Path) -> dict[str, dict[str, An
         "own training, ovh = rt - train; cpu = cores used on average over the run (SuperLink; "
         "all SuperNodes together); load = 1-min load average before-after"
     )
+    for name, r in rows.items():
+        if r["split"]:
+            x = r["split"]
+            print(
+                f"{name}: worker task {x['task']:.2f} s (pull {x['pull']:.2f}, app "
+                f"{x['app']:.2f}, push {x['push']:.2f}), outside the worker {x['gap']:.2f} s "
+                "(medians, from the workers' logs)"
+            )
     return rows
 
 
@@ -302,6 +311,49 @@ def part_speedup(args: argparse.Namespace, out: Path) -> dict[str, dict[str, Any
     return rows
 
 
+def worker_split(run_dir: Path, silos: int) -> dict[str, float] | None:
+    """Where a warm round trip goes, from the workers' logs (medians over every silo's
+    messages): the worker's own task (pulling its input, the ClientApp, pushing the reply)
+    and the gap outside it, from a task's end to the next task's start (SuperNode ->
+    SuperLink -> ServerApp take and dispatch -> SuperLink -> SuperNode -> the worker's
+    AcquireTask). None for Flower's workers (no such log)."""
+    import re
+    from datetime import datetime
+
+    line_re = re.compile(
+        r"(\S+ \S+) INFO fedasync\.worker: task \d+ .* completed in ([0-9.]+) s "
+        r"\(pulled ([0-9.]+), ran ([0-9.]+), pushed ([0-9.]+)"
+    )
+    task, pull, app, push, gap = [], [], [], [], []
+    for silo in range(silos):
+        log = run_dir / "deploy" / f"silo-{silo}" / f"worker-{silo}.log"
+        if not log.exists():
+            return None
+        ends = []
+        for line in log.read_text().splitlines():
+            m = line_re.match(line)
+            if m:
+                end = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                took = float(m.group(2))
+                if ends:
+                    gap.append(end - took - ends[-1])
+                ends.append(end)
+                task.append(took)
+                pull.append(float(m.group(3)))
+                app.append(float(m.group(4)))
+                push.append(float(m.group(5)))
+    if not gap:
+        return None
+    med = statistics.median
+    return {
+        "task": med(task),
+        "pull": med(pull),
+        "app": med(app),
+        "push": med(push),
+        "gap": med(gap),
+    }
+
+
 def worker_rss(log: Path) -> list[tuple[int, float]]:
     """(messages served, RSS MiB) after each message, from a warm worker's log."""
     out = []
@@ -357,12 +409,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="speedup part: seeds")
     ap.add_argument("--memory-versions", type=int, default=500)
     ap.add_argument("--memory-budget-s", type=float, default=900.0)
+    ap.add_argument(
+        "--node-idle-max-s",
+        default="0.5",
+        help="the SuperNodes' longest idle sleep (simulations.node.NODE_SLEEPS; 0.05 = fixed)",
+    )
     ap.add_argument("--out", default="runs/bench-deploy")
     ap.add_argument(
         "--reuse", action="store_true", help="take finished runs from --out instead of rerunning"
     )
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (every run)")
     args = ap.parse_args()
+    import simulations.node as node
+
+    sleeps = list(node.NODE_SLEEPS)
+    sleeps[sleeps.index("--idle-max-s") + 1] = str(float(args.node_idle_max_s))
+    node.NODE_SLEEPS = tuple(sleeps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")
