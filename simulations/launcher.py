@@ -42,6 +42,7 @@ from server.summary import time_to_target, write_summary
 from simulations.config import to_yaml
 from simulations.plots import plot_score_vs_time, plot_silo_contribution, plot_staleness
 from simulations.processes import (
+    FLOWER_ENV,
     RAY_SESSION_ENV,
     RAY_TMP_PREFIX,
     stop_session_processes,
@@ -55,8 +56,8 @@ BASELINE_DIR = "baseline-sync"
 
 
 def _quiet_environment() -> None:
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    for name, value in FLOWER_ENV.items():
+        os.environ.setdefault(name, value)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -28,9 +28,8 @@ import inspect
 import sys
 import time
 import types
-from typing import Any
 
-from protocol.transport import FlowerInternalsMoved, short_backoff
+from protocol.transport import CappedSleep, FlowerInternalsMoved, short_backoff
 
 IDLE_SLEEP_S = 3
 """The SuperNode's sleep after a pull that found no message (flwr 1.42)."""
@@ -61,7 +60,7 @@ def check_sleeps(module: types.ModuleType) -> None:
         )
 
 
-class CappedTime(types.ModuleType):
+class CappedTime(CappedSleep):
     """``time`` with the SuperNode's sleeps shortened; every other attribute is ``time``'s own.
 
     Its idle sleep (3 s asked) starts at ``idle_s`` and doubles with every idle pull in a row,
@@ -72,7 +71,7 @@ class CappedTime(types.ModuleType):
     as does a gap of more than 0.25 s between two idle sleeps (a message was handled)."""
 
     def __init__(self, idle_s: float, push_s: float, idle_max_s: float = 1.0):
-        super().__init__("time")
+        super().__init__(push_s)
         self.idle_s, self.push_s, self.idle_max_s = idle_s, push_s, max(idle_s, idle_max_s)
         self.streak = 0
         self.idle_ended = 0.0
@@ -89,9 +88,6 @@ class CappedTime(types.ModuleType):
         self.streak = min(self.streak + 1, 30)
         time.sleep(wait)
         self.idle_ended = time.monotonic()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
 
 
 def cap_sleeps(

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.transport import FlowerInternalsMoved, short_backoff
+from simulations.processes import FLOWER_ENV
 
 log = logging.getLogger("fedasync.worker")
 
@@ -358,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("poll_s", "poll_max_s"):
         if not 0.001 <= getattr(args, name) <= 10.0:
             parser.error(f"--{name.replace('_', '-')} must be within [0.001, 10]")
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    for name, value in FLOWER_ENV.items():
+        os.environ.setdefault(name, value)
     took = preload(PRELOAD)
     log.info("imported %s in %.1f s", ", ".join(PRELOAD), took)
     worker = Worker(
