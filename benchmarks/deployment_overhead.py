@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -203,7 +204,7 @@ def part_overhead(args: argparse.Namespace, out: Path) -> dict[str, dict[str, An
     """Per-message overhead with and without warm workers (see the module docstring)."""
     rows = {}
     for n in [int(x) for x in args.silos.split(",")]:
-        for workers in ("warm", "flower"):
+        for workers in args.workers.split(","):
             name = f"overhead-{workers}-{n}"
             overrides = [
                 *LIGHT,
@@ -224,6 +225,7 @@ def part_overhead(args: argparse.Namespace, out: Path) -> dict[str, dict[str, An
                 "supernodes_cpu": cpu_share(d, "supernodes"),
                 "workers_cpu": cpu_share(d, "workers"),
                 "split": worker_split(run_dir, n),
+                "node_split": node_split(run_dir, n),
             }
     print(
         f"\n{'silos':>5s} {'workers':8s} {'load':>9s} {'msgs':>5s} {'rt_med':>6s} {'rt_mean':>7s} "
@@ -249,6 +251,14 @@ def part_overhead(args: argparse.Namespace, out: Path) -> dict[str, dict[str, An
                 f"{name}: worker task {x['task']:.2f} s (pull {x['pull']:.2f}, app "
                 f"{x['app']:.2f}, push {x['push']:.2f}), outside the worker {x['gap']:.2f} s "
                 "(medians, from the workers' logs)"
+            )
+        if r["node_split"]:
+            x = r["node_split"]
+            print(
+                f"{name}: the SuperNode pulls a message in {x['pull']:.2f} s, waits "
+                f"{x['reply']:.2f} s more for its reply, pushes it in {x['push']:.2f} s; from "
+                f"then to its next message {x['between']:.2f} s (the ServerApp's take and "
+                "dispatch, the SuperNode's idle sleep; medians, from the SuperNodes' logs)"
             )
     return rows
 
@@ -317,7 +327,6 @@ def worker_split(run_dir: Path, silos: int) -> dict[str, float] | None:
     and the gap outside it, from a task's end to the next task's start (SuperNode ->
     SuperLink -> ServerApp take and dispatch -> SuperLink -> SuperNode -> the worker's
     AcquireTask). None for Flower's workers (no such log)."""
-    import re
     from datetime import datetime
 
     line_re = re.compile(
@@ -352,6 +361,50 @@ def worker_split(run_dir: Path, silos: int) -> dict[str, float] | None:
         "push": med(push),
         "gap": med(gap),
     }
+
+
+NODE_LINE = re.compile(
+    r"INFO (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+):\s+"
+    r"(Receiving|Received successfully|Sending|Sent successfully)"
+)
+NODE_STEPS = {
+    ("Receiving", "Received"): "pull",
+    ("Received", "Sending"): "reply",
+    ("Sending", "Sent"): "push",
+    ("Sent", "Receiving"): "between",
+}
+
+
+def node_split(run_dir: Path, silos: int) -> dict[str, float] | None:
+    """A message's cycle at its SuperNode, from the SuperNodes' timestamped logs (medians over
+    every silo's messages, the first three of each left out: the workers' start): ``pull``
+    (SuperLink -> SuperNode: the message found, then its objects pulled), ``reply`` (from then
+    until the ClientApp's reply is there; the worker's own pull overlaps the SuperNode's),
+    ``push`` (the reply and its objects to the SuperLink) and ``between`` (from that push to
+    the next message found: the ServerApp's poll, take and dispatch, and the SuperNode's idle
+    sleep). None when the logs have no timestamps (runs before they had)."""
+    from datetime import datetime
+
+    steps: dict[str, list[float]] = {v: [] for v in NODE_STEPS.values()}
+    for silo in range(silos):
+        log = run_dir / "deploy" / f"silo-{silo}" / f"silo-{silo}.log"
+        if not log.exists():
+            return None
+        marks = []
+        for line in log.read_text(errors="replace").splitlines():
+            m = NODE_LINE.search(line)
+            if m:
+                at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                marks.append((m.group(2).split()[0], at))
+        per: dict[str, list[float]] = {v: [] for v in NODE_STEPS.values()}
+        for (a, ta), (b, tb) in zip(marks, marks[1:]):
+            if (a, b) in NODE_STEPS:
+                per[NODE_STEPS[a, b]].append(tb - ta)
+        for k, v in per.items():
+            steps[k] += v[3:]
+    if not all(steps.values()):
+        return None
+    return {k: statistics.median(v) for k, v in steps.items()}
 
 
 def worker_rss(log: Path) -> list[tuple[int, float]]:
@@ -404,6 +457,7 @@ def main() -> None:
     ap.add_argument("--parts", default="overhead,speedup,memory")
     ap.add_argument("--silos", default="3,8", help="overhead part: silo counts")
     ap.add_argument("--overhead-budget-s", type=float, default=60.0)
+    ap.add_argument("--workers", default="warm,flower", help="overhead part: worker kinds")
     ap.add_argument("--budget-s", type=float, default=120.0, help="speedup part: wall seconds")
     ap.add_argument("--local-steps", type=int, default=20, help="speedup part: local steps")
     ap.add_argument("--reps", type=int, default=3, help="speedup part: seeds")

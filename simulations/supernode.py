@@ -8,7 +8,7 @@ an object's content. This launcher replaces that one module's ``time`` with a co
 (``CappedTime``) whose idle sleep starts at ``--idle-s`` (default 0.05) and doubles while the
 SuperNode stays idle, up to ``--idle-max-s`` (default 0.5), and whose 0.5 s waits are capped at
 ``--push-s`` (default 0.02), then runs Flower's own ``flower-supernode`` with the remaining
-arguments. It also
+arguments, its log lines timestamped (Flower's own console handler, to the millisecond). It also
 shortens the backoff of its object pulls (``short_backoff``): a message the SuperLink hands
 out before its content has arrived was retried after 1 s.
 
@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     """Cap the sleeps, then run Flower's ``flower-supernode`` with the other arguments."""
     opts, rest = split_args(sys.argv[1:] if argv is None else argv)
     cap_sleeps(opts["--idle-s"], opts["--push-s"], opts["--idle-max-s"])
+    from flwr.common.logger import update_console_handler
     from flwr.supernode.cli import flower_supernode
+
+    # a hospital's log says when each message came and went (colours only on a terminal)
+    update_console_handler(timestamps=True, colored=sys.stderr.isatty())
 
     sys.argv = ["flower-supernode", *rest]
     flower_supernode()
