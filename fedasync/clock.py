@@ -12,6 +12,10 @@ computation is parallelised. On the *wall clock* work is taken in the order it a
 A loop keeps its jobs in flight in an ``InFlight`` mapping, which also keeps them in order of
 finish time: the virtual clock then finds the next finish without a scan over every job in
 flight (thousands, with thousands of silos). Any other mapping works too, scanned.
+
+:class:`PoissonClocks` gives the revision times of agents that act on Poisson clocks, each on
+its own (asynchronous) or all at the events of one common clock (synchronous), as in the
+continuous-time pricing market (after Calvano et al., AER 2020).
 """
 
 from __future__ import annotations
@@ -316,3 +320,49 @@ class WallClock:
     def load_state_dict(self, d: dict) -> None:
         """Continue from the elapsed seconds ``d`` holds."""
         self._t0 = time.monotonic() - float(d["now"])
+
+
+class PoissonClocks:
+    """Revision times of ``n`` agents on Poisson clocks of rate ``rate`` (events per unit time).
+
+    Asynchronous: each agent has its own independent clock. The next event is the earliest
+    of the ``n`` exponential clocks, drawn exactly as one clock of rate ``n * rate`` whose
+    event goes to an agent chosen uniformly (memorylessness). Synchronous: one common clock
+    of rate ``rate``; at each of its events all ``n`` agents revise. Either way each agent
+    revises at rate ``rate``. The times are deterministic for the state of ``rng``.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        rate: float,
+        *,
+        synchronous: bool,
+        rng: np.random.Generator,
+        start: float = 0.0,
+    ) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"rate must be > 0 and finite, got {rate}")
+        if not math.isfinite(start):
+            raise ValueError(f"start must be finite, got {start}")
+        self.n = n
+        self.rate = rate
+        self.synchronous = synchronous
+        self._rng = rng
+        self._now = float(start)
+        self._everyone = tuple(range(n))
+
+    @property
+    def now(self) -> float:
+        """Time of the last event (``start`` before the first)."""
+        return self._now
+
+    def next(self) -> tuple[float, tuple[int, ...]]:
+        """Advance to the next event: (its time, the agents that revise then, sorted)."""
+        if self.synchronous:
+            self._now += float(self._rng.exponential(1.0 / self.rate))
+            return self._now, self._everyone
+        self._now += float(self._rng.exponential(1.0 / (self.n * self.rate)))
+        return self._now, (int(self._rng.integers(self.n)),)

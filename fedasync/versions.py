@@ -8,16 +8,27 @@ as the store of past policies for importance ratios in async RL.
 Departure: the papers assume every base model is available; here the store is bounded
 (``max_versions``), so callers must handle ``get`` returning ``None`` for evicted versions
 (e.g. by skipping delay compensation or rejecting the update as too stale).
+
+:class:`TimedHistory` stamps each version with the (continuous) time it took effect, so
+``as_of(t)`` answers "which version was current at time t". It doubles as a delayed
+observation: a firm that sees a competitor's price ``delta`` late reads
+``as_of(now - delta)``, and ``staleness_at`` counts the changes it has not seen yet (the
+continuous-time pricing market, after Calvano et al., AER 2020). Its store is bounded by a
+time window (``retain``) instead of a count.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from bisect import bisect_right
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from fedasync.tensors import to_cpu
 from fedasync.types import Params
+
+V = TypeVar("V")
 
 
 class FutureVersionError(ValueError):
@@ -103,3 +114,94 @@ class VersionedSnapshots:
         """Restore :meth:`state_dict`'s output; snapshots are copied to this store's device."""
         self.max_versions = int(d["max_versions"])
         self._store = {int(v): self._copy(p) for v, p in d["snapshots"].items()}
+
+
+class TimedHistory(Generic[V]):
+    """Values stamped with the time they took effect, numbered by version 0, 1, 2, ... in
+    recording order; ``as_of(t)`` is the value in effect at time ``t`` (O(log n), bisect).
+
+    ``retain`` bounds memory by time: a query is expected at ``t >= latest_time - retain``,
+    so every entry older than the one in effect at ``latest_time - retain`` is dropped (that
+    one is kept). ``None`` keeps everything. An ``as_of`` that needs a dropped entry raises
+    ``LookupError``; a query further back whose answer is still held is answered.
+    """
+
+    def __init__(self, retain: float | None = None) -> None:
+        if retain is not None and not retain >= 0:
+            raise ValueError(f"retain must be >= 0 or None, got {retain}")
+        self.retain = retain
+        self._times: list[float] = []
+        self._values: list[V] = []
+        self._start = 0  # entries before this index are dropped (compacted lazily)
+        self._base = 0  # version of physical index 0 (entries compacted away so far)
+        self._first_time: float | None = None  # time of the first record ever
+
+    def record(self, t: float, value: V) -> int:
+        """Record ``value`` as in effect from time ``t`` on; returns its version.
+
+        Raises:
+            ValueError: ``t`` is not finite, or earlier than the last record's time.
+        """
+        t = float(t)
+        if not math.isfinite(t):
+            raise ValueError(f"record time must be finite, got {t}")
+        if len(self) and t < self._times[-1]:
+            raise ValueError(
+                f"record at t={t} is earlier than the last record's t={self._times[-1]}"
+            )
+        if self._first_time is None:
+            self._first_time = t
+        self._times.append(t)
+        self._values.append(value)
+        version = self._base + len(self._times) - 1
+        if self.retain is not None:
+            keep = bisect_right(self._times, t - self.retain, lo=self._start) - 1
+            if keep > self._start:
+                self._start = keep
+                if self._start >= 32 and 2 * self._start > len(self._times):
+                    del self._times[: self._start]
+                    del self._values[: self._start]
+                    self._base += self._start
+                    self._start = 0
+        return version
+
+    def as_of(self, t: float) -> tuple[int, V]:
+        """(version, value) of the latest record with time <= ``t`` (several at one time:
+        the last recorded).
+
+        Raises:
+            LookupError: no record at or before ``t``, or its entry was dropped by retention.
+        """
+        if math.isnan(t):
+            raise ValueError("as_of time must not be NaN")
+        i = bisect_right(self._times, t, lo=self._start) - 1
+        if i >= self._start:
+            return self._base + i, self._values[i]
+        if self._first_time is None:
+            raise LookupError(f"no record at or before t={t}: the history is empty")
+        if t < self._first_time:
+            raise LookupError(
+                f"no record at or before t={t} (the first is at t={self._first_time})"
+            )
+        raise LookupError(
+            f"the record in effect at t={t} was dropped by retention (retain={self.retain}; "
+            f"held from t={self._times[self._start]}, latest at t={self._times[-1]})"
+        )
+
+    def latest(self) -> tuple[int, float, V]:
+        """(version, time, value) of the last record.
+
+        Raises:
+            LookupError: nothing recorded yet.
+        """
+        if not self._times:
+            raise LookupError("the history is empty")
+        return self._base + len(self._times) - 1, self._times[-1], self._values[-1]
+
+    def staleness_at(self, t: float) -> int:
+        """How many versions the latest is ahead of the one in effect at ``t``
+        (:func:`staleness`); raises ``LookupError`` as :meth:`as_of` does."""
+        return staleness(self.latest()[0], self.as_of(t)[0])
+
+    def __len__(self) -> int:
+        return len(self._times) - self._start
