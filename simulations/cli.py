@@ -30,6 +30,7 @@ from fedasync.errors import UserError
 from server.summary import no_version_reason
 from simulations import certs, deploy, node
 from simulations.processes import sweep_orphans
+from trainers.market import cli as market_cli
 from trainers.pipeline import cli as pipeline_cli
 from trainers.rl import cli as rl_cli
 
@@ -127,6 +128,7 @@ def _main(argv: list[str] | None = None) -> int:
     node.add_parser(sub)
     rl_cli.add_parser(sub)
     pipeline_cli.add_parser(sub)
+    market_cli.add_parser(sub)
     args = parser.parse_args(args_in)
 
     if args.cmd == "simulate":
@@ -150,6 +152,8 @@ def _main(argv: list[str] | None = None) -> int:
         return pipeline_cli.run(args)
     if args.cmd == "rl":
         return rl_cli.run(args)
+    if args.cmd == "market":
+        return market_cli.run(args)
     if args.cmd == "deploy":
         return deploy.run(args)
     if args.cmd == "node":

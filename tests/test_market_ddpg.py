@@ -367,3 +367,27 @@ def test_state_dict_round_trip_continues_the_same_run():
         assert torch.equal(p, q)
     with pytest.raises(ValueError, match="action range"):
         DDPGAgent(2, 0.0, 1.0, small(), seed=0).load_state_dict(saved)
+
+
+def test_action_reg_keeps_the_actor_out_of_tanh_saturation():
+    """A reward linear in the price drives the actor to an end of the range (seeds 1 and 2 to
+    the wrong end, the critic's early slope being wrong), where it saturates (|pre-tanh| > 8
+    for seeds 0-2); the pre-tanh penalty holds its output where the tanh still has a
+    gradient (|pre-tanh| < 1.2)."""
+
+    def pre_tanh(action_reg: float) -> float:
+        settings = DDPGSettings(
+            hidden=16, batch_size=16, warmup=16, actor_lr=1e-2, action_reg=action_reg
+        )
+        agent = DDPGAgent(2, LOW, HIGH, settings, seed=0)
+        for _ in range(300):
+            a = agent.act(STATE, explore=True)
+            agent.remember(STATE, a, 10.0 * a, 0.0, STATE)
+            agent.update()
+        x = torch.as_tensor(agent.normalise(STATE), dtype=torch.float32)[None]
+        with torch.no_grad():
+            return abs(float(agent.actor(x)[0, 0]))
+
+    free, held = pre_tanh(0.0), pre_tanh(1.0)
+    assert free > 3.0  # saturated: tanh'(3) < 0.01
+    assert held < free / 2

@@ -24,7 +24,8 @@ Departures from the paper's DDPG:
 Known behaviour: the actor's tanh saturates. An actor that overshoots to an end of the range
 can stay there, its gradient vanishing: on a one-state bandit whose best price is a tenth of
 the range from an end, 5 of 10 runs ended at the end after 800 updates with actor_lr 1e-3, and
-none of 10 after 1500 with 1e-4 (Lillicrap et al.'s actor rate).
+none of 10 after 1500 with 1e-4 (Lillicrap et al.'s actor rate). ``action_reg`` > 0 adds a
+penalty on the pre-tanh output to the actor's loss, which keeps it out of saturation.
 
 Each agent owns its randomness: a ``torch.Generator`` (network initialisation) and a numpy
 ``Generator`` (exploration noise, replay sampling), both seeded from ``seed``; building or
@@ -91,6 +92,10 @@ class DDPGSettings:
     against the running second moment; it does not bound the step to lr·clip."""
     target_q_clip: bool = False
     """Clamp TD targets to ±q_bound/2 (module docstring: it can hide a divergence)."""
+    action_reg: float = 0.0
+    """Weight of a penalty on the actor's pre-tanh output squared (mean over the batch),
+    added to the actor's loss: keeps the tanh out of saturation, where an actor that
+    overshot to an end of the range would stay (module docstring); 0: off."""
     q_bound: float = 1e4
     """Divergence: any |Q| of an update's batch above this."""
     loss_bound: float = 1e8
@@ -127,6 +132,7 @@ RANGES: dict[str, Range] = {
     "agent.noise_min": NON_NEGATIVE,
     "agent.noise_decay": NON_NEGATIVE,
     "agent.critic_grad_clip": NON_NEGATIVE,
+    "agent.action_reg": NON_NEGATIVE,
     "agent.q_bound": POSITIVE,
     "agent.loss_bound": POSITIVE,
 }
@@ -388,9 +394,10 @@ class DDPGAgent:
         self.critic_opt.step()
 
         self.critic.requires_grad_(False)
-        actor_loss = -self.critic(
-            torch.cat([b["state"], self._policy(self.actor, b["state"])], 1)
-        ).mean()
+        u = self.actor(b["state"])  # pre-tanh
+        actor_loss = -self.critic(torch.cat([b["state"], u.tanh()], 1)).mean()
+        if s.action_reg > 0:
+            actor_loss = actor_loss + s.action_reg * u.pow(2).mean()
         self.actor_opt.zero_grad(set_to_none=True)
         actor_loss.backward()
         self.actor_opt.step()

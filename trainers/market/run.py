@@ -1,0 +1,504 @@
+"""One pricing-market run per seed, the forced-deviation test, and settings run in parallel.
+
+Paper: the market and the collusion index are Calvano, Calzolari, Denicolò and Pastorello
+(AER 2020); the continuous-time setting (Poisson clocks, observation latency), the DDPG
+agents and the two failure modes are arXiv 2606.09884 (Murthy and Pandey 2026), whose
+benchmark this reimplements from its description (no code of theirs was read).
+
+A run (``run_seed``): the firms' clocks (trainers.market.env.ContinuousMarket) give the next
+revision time and who revises. At an event every mover first observes (its own price, its
+competitors' as of ``latency`` ago) and settles its transition since its previous revision
+(the profit it earned, discounted continuously, and the discount e^(-rho x elapsed)), which
+its agent remembers before it learns (``agent.updates_per_revision`` gradient steps); then
+every mover sets its new price. In the synchronous mode all firms are movers at every event,
+so none sees another's new price before setting its own, as in a simultaneous-move game.
+Training stops at ``run.horizon``. The collusion index is measured on the profit actually
+earned over the last ``run.measure_fraction`` of the horizon: the firms' mean time-average
+profit pi_bar, Delta = (pi_bar - pi_N) / (pi_M - pi_N).
+
+Failure mode 2: a critic whose loss or Q-values leave the detector's bounds (or turn NaN)
+raises ``CriticDiverged``; the run stops there and is *corrupted*: reported, counted, and left
+out of every average.
+
+The forced deviation (``deviation_test``, after training, agents frozen and greedy): the
+market runs for half of ``run.deviation_span`` to settle, then firm 0, at its next revision,
+sets the static best response to the prices it sees (an undercut when prices are above
+Nash) for one revision, then follows its policy again. Reported: the prices before, the
+competitors' lowest price after the deviation (a punishment when it falls below theirs
+before by more than a tolerance), and the recovery time: from the deviation until every
+price is back within the tolerance of its pre-deviation level and stays there to the end of
+the span (None: no recovery within it). Calvano et al.'s signature of collusion is a
+punishment followed by a return.
+
+Settings run in parallel over seeds (``run_settings``): a process pool (spawned workers, one
+torch thread each), one task per (setting, seed); results are the same as one process would
+get, since every run is seeded from its own seed only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedasync.events import EventLog, json_safe
+from trainers.market.config import MarketConfig, to_container
+from trainers.market.ddpg import CriticDiverged, DDPGAgent, DDPGSettings
+from trainers.market.env import ContinuousMarket
+from trainers.market.market import LogitMarket
+
+log = logging.getLogger("fedasync.market")
+
+TOLERANCE = 0.05
+"""The deviation test's tolerance, as a fraction of p_M - p_N."""
+TRACE_MAX = 20_000
+"""At most this many points of a run's price path are kept in trace.npz (evenly thinned)."""
+
+
+def build_market(cfg: MarketConfig) -> LogitMarket:
+    """The logit market of ``cfg.market``."""
+    m = cfg.market
+    return LogitMarket(n=m.firms, a=m.quality, a0=m.outside, mu=m.mu, c=m.cost)
+
+
+def benchmarks(market: LogitMarket) -> dict[str, float]:
+    """The static benchmarks of ``market`` (symmetric prices and per-firm profits)."""
+    return {
+        "p_nash": float(market.nash_prices()[0]),
+        "p_monopoly": float(market.monopoly_prices()[0]),
+        "profit_nash": float(market.nash_profit()),
+        "profit_monopoly": float(market.monopoly_profit()),
+    }
+
+
+def agent_settings(cfg: MarketConfig) -> DDPGSettings:
+    """The DDPG settings of ``cfg.agent`` (every key but updates_per_revision)."""
+    a = cfg.agent
+    return DDPGSettings(
+        hidden=a.hidden,
+        layers=a.layers,
+        actor_lr=a.actor_lr,
+        critic_lr=a.critic_lr,
+        batch_size=a.batch_size,
+        buffer_size=a.buffer_size,
+        tau=a.tau,
+        warmup=a.warmup,
+        noise_sd=a.noise_sd,
+        noise_min=a.noise_min,
+        noise_decay=a.noise_decay,
+        critic_grad_clip=a.critic_grad_clip,
+        target_q_clip=a.target_q_clip,
+        action_reg=a.action_reg,
+        q_bound=a.q_bound,
+        loss_bound=a.loss_bound,
+    )
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch threads (tiny networks: one is fastest), then restore."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def initial_prices(cfg: MarketConfig, market: LogitMarket, rng: np.random.Generator) -> np.ndarray:
+    """The starting prices ``market.init`` asks for."""
+    lo, hi = market.price_bounds(cfg.market.xi)
+    if cfg.market.init == "nash":
+        return np.asarray(market.nash_prices(), dtype=float)
+    if cfg.market.init == "monopoly":
+        return np.asarray(market.monopoly_prices(), dtype=float)
+    return rng.uniform(lo, hi, size=market.n)
+
+
+@dataclass
+class Trace:
+    """A price path: the time of every event and the posted prices after it."""
+
+    times: list[float]
+    prices: list[np.ndarray]
+
+    def arrays(self, limit: int = TRACE_MAX) -> tuple[np.ndarray, np.ndarray]:
+        """(times, prices) as arrays, thinned evenly to at most ``limit`` points."""
+        t = np.asarray(self.times, dtype=float)
+        p = np.asarray(self.prices, dtype=float).reshape(len(self.times), -1)
+        if len(t) > limit:
+            keep = np.linspace(0, len(t) - 1, limit).round().astype(int)
+            t, p = t[keep], p[keep]
+        return t, p
+
+
+class MarketRun:
+    """One seed of one setting: the market, one DDPG agent per firm, and the event loop."""
+
+    def __init__(self, cfg: MarketConfig, seed: int):
+        self.cfg, self.seed = cfg, seed
+        self.market = build_market(cfg)
+        self.bench = benchmarks(self.market)
+        self.lo, self.hi = self.market.price_bounds(cfg.market.xi)
+        rng = np.random.default_rng([seed, 0x3A7E])
+        self.env = ContinuousMarket(
+            self.market,
+            rate=cfg.market.rate,
+            synchronous=cfg.market.clock == "sync",
+            latency=cfg.market.latency,
+            discount_rate=cfg.market.discount_rate,
+            init_prices=initial_prices(cfg, self.market, rng),
+            rng=rng,
+        )
+        settings = agent_settings(cfg)
+        self.agents = [
+            DDPGAgent(self.market.n, self.lo, self.hi, settings, seed=seed * 1009 + i)
+            for i in range(self.market.n)
+        ]
+        self.last: list[tuple[np.ndarray, float] | None] = [None] * self.market.n
+        self.revisions = 0
+
+    def step(
+        self, learn: bool = True, explore: bool = True, forced: dict[int, float] | None = None
+    ) -> tuple[float, tuple[int, ...], list[dict[str, float]]]:
+        """One event: the movers observe, settle and learn, then set prices (``forced``: a
+        price for a firm instead of its policy's). (time, movers, the updates' stats)."""
+        t, movers = self.env.next_revision()
+        seen = {i: self.env.observe(i) for i in movers}
+        stats = []
+        for i in movers:
+            reward, discount, _ = self.env.settle(i)
+            last = self.last[i]
+            if learn and last is not None:
+                agent = self.agents[i]
+                agent.remember(last[0], last[1], reward, discount, seen[i])
+                for _ in range(self.cfg.agent.updates_per_revision):
+                    out = agent.update()
+                    if out is not None:
+                        stats.append(out)
+        for i in movers:
+            price = (forced or {}).get(i)
+            if price is None:
+                price = self.agents[i].act(seen[i], explore=explore)
+            self.env.post(i, price)
+            self.last[i] = (seen[i], price)
+        self.revisions += len(movers)
+        return t, movers, stats
+
+    def train(
+        self, events: EventLog | None, on_time: Callable[[float], None] | None = None
+    ) -> dict[str, Any]:
+        """Train to the horizon (or to a critic's divergence); the run's measures."""
+        cfg, env = self.cfg, self.env
+        horizon = cfg.run.horizon
+        measure_from = horizon * (1.0 - cfg.run.measure_fraction)
+        trace = Trace([0.0], [env.prices])
+        w_t, w_pi = 0.0, env.profit_integral()
+        w_stats: list[dict[str, float]] = []
+        m_t: float | None = None
+        m_pi = None
+        corrupted = None
+        t = 0.0
+        started = time.perf_counter()
+        try:
+            while True:
+                t, _, stats = self.step()
+                if t > horizon:
+                    break
+                trace.times.append(t)
+                trace.prices.append(env.prices)
+                w_stats += stats
+                if m_t is None and t >= measure_from:
+                    m_t, m_pi = t, env.profit_integral()
+                if t - w_t >= cfg.run.window:
+                    pi = env.profit_integral()
+                    self._window(events, w_t, t, (pi - w_pi) / (t - w_t), w_stats)
+                    w_t, w_pi, w_stats = t, pi, []
+                if on_time is not None:
+                    on_time(t)
+        except CriticDiverged as e:
+            corrupted = {"reason": e.reason, "t": t, "step": e.step}
+            log.warning("seed %d: critic diverged at t=%.1f: %s", self.seed, t, e.reason)
+            if events is not None:
+                events.write("diverged", version=self.revisions, **corrupted)
+        # the clock stands at the first event past the horizon (its prices not yet posted):
+        # the profit integral runs to it, under the prices of the last event within
+        end_t = env.now
+        result: dict[str, Any] = {
+            "seed": self.seed,
+            "status": "corrupted" if corrupted else "ok",
+            "corrupted": corrupted,
+            "revisions": self.revisions,
+            "seconds": time.perf_counter() - started,
+            **self.bench,
+        }
+        if corrupted is None and m_t is not None and end_t > m_t:
+            profit = (env.profit_integral() - m_pi) / (end_t - m_t)
+            times, prices = trace.arrays(limit=len(trace.times))
+            sel = times >= m_t
+            result.update(
+                profit=profit.tolist(),
+                delta=float(self.market.collusion_index(float(profit.mean()))),
+                delta_firms=[float(self.market.collusion_index(float(x))) for x in profit],
+                price_mean=_time_average(times[sel], prices[sel], end_t).tolist(),
+                measured=[m_t, end_t],
+            )
+        self.trace = trace
+        return result
+
+    def _window(
+        self,
+        events: EventLog | None,
+        t0: float,
+        t1: float,
+        profit: np.ndarray,
+        stats: list[dict[str, float]],
+    ) -> None:
+        if events is None:
+            return
+        fields: dict[str, Any] = {
+            "t0": t0,
+            "profit": profit.tolist(),
+            "delta": float(self.market.collusion_index(float(profit.mean()))),
+            "prices": self.env.prices.tolist(),
+            "noise": self.agents[0].noise_sd,
+        }
+        if stats:
+            for k in ("critic_loss", "actor_loss", "q_mean"):
+                fields[k] = float(np.mean([s[k] for s in stats]))
+            fields["q_max"] = float(max(s["q_max"] for s in stats))
+        events.write("window", t=t1, version=self.revisions, **fields)
+
+    def best_response(self, i: int, seen: np.ndarray) -> float:
+        """Firm ``i``'s static best response to the prices it sees (a fine grid over the
+        price range, then the best point)."""
+        grid = np.linspace(self.lo, self.hi, 2001)
+        p = np.repeat(seen[None, :], len(grid), axis=0)
+        p[:, i] = grid
+        return float(grid[int(np.argmax(self.market.profits(p)[:, i]))])
+
+    def deviation_test(self, span: float, deviator: int = 0) -> dict[str, Any]:
+        """The forced deviation on the frozen agents (module docstring)."""
+        for a in self.agents:
+            a.freeze()
+        env = self.env
+        start = env.now
+        settle_until = start + span / 2
+        times, paths = [env.now], [env.prices]
+        while env.now < settle_until:
+            t, _, _ = self.step(learn=False, explore=False)
+            times.append(t)
+            paths.append(env.prices)
+        before = env.prices
+        # the deviator's next revision: the static best response to what it sees then
+        while True:
+            t, movers = env.next_revision()
+            seen = {i: env.observe(i) for i in movers}
+            forced = {}
+            if deviator in movers:
+                forced[deviator] = self.best_response(deviator, seen[deviator])
+            for i in movers:
+                env.settle(i)
+                env.post(i, forced.get(i, self.agents[i].act(seen[i], explore=False)))
+            times.append(t)
+            paths.append(env.prices)
+            if forced:
+                break
+        t_dev = times[-1]
+        while env.now < t_dev + span:
+            t, _, _ = self.step(learn=False, explore=False)
+            times.append(t)
+            paths.append(env.prices)
+        tol = TOLERANCE * (self.bench["p_monopoly"] - self.bench["p_nash"])
+        arr = np.asarray(paths)
+        after = np.asarray(times) > t_dev
+        rivals = [j for j in range(self.market.n) if j != deviator]
+        rival_min = arr[after][:, rivals].min(axis=0) if rivals else np.array([])
+        punished = bool(rivals) and bool(np.any(rival_min < before[rivals] - tol))
+        # recovered: from some point after the deviation on, every price within tol of before
+        off = np.nonzero(after & np.any(np.abs(arr - before[None, :]) > tol, axis=1))[0]
+        recovery: float | None = 0.0
+        if len(off):
+            last = int(off.max())
+            recovery = times[last + 1] - t_dev if last < len(times) - 1 else None
+        return {
+            "deviator": deviator,
+            "t_deviation": t_dev,
+            "prices_before": before.tolist(),
+            "deviation_price": float(arr[times.index(t_dev)][deviator]),
+            "rival_min": rival_min.tolist(),
+            "punished": punished,
+            "recovered": recovery is not None,
+            "recovery_time": recovery,
+            "tolerance": tol,
+            "times": [x - t_dev for x in times],
+            "prices": arr.tolist(),
+        }
+
+
+def _time_average(times: np.ndarray, prices: np.ndarray, end: float) -> np.ndarray:
+    """The time average of a piecewise-constant path (``prices[k]`` holds from ``times[k]``)
+    up to ``end``."""
+    if len(times) == 0:
+        return np.full(prices.shape[1] if prices.ndim == 2 else 0, math.nan)
+    dt = np.diff(np.append(times, end))
+    return (prices * dt[:, None]).sum(axis=0) / max(dt.sum(), 1e-12)
+
+
+def run_seed(
+    cfg: MarketConfig,
+    seed: int,
+    run_dir: Path | None = None,
+    on_time: Callable[[float], None] | None = None,
+) -> dict[str, Any]:
+    """Train one seed of ``cfg``'s setting and, when ``run.deviation``, run the deviation
+    test; the result (written with its events and trace under ``run_dir`` when given)."""
+    with torch_threads(1):
+        run = MarketRun(cfg, seed)
+        events = None
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            events = EventLog(run_dir / "metrics.jsonl")
+            events.write(
+                "start", t=0.0, version=0, seed=seed, config=to_container(cfg), **run.bench
+            )
+        try:
+            result = run.train(events, on_time)
+            if cfg.run.deviation and result["status"] == "ok":
+                result["deviation"] = run.deviation_test(cfg.run.deviation_span)
+            if events is not None:
+                summary = {k: v for k, v in result.items() if k != "deviation"}
+                events.write("end", t=run.env.now, version=run.revisions, **json_safe(summary))
+        finally:
+            if events is not None:
+                events.close()
+        if run_dir is not None:
+            t, p = run.trace.arrays()
+            np.savez_compressed(run_dir / "trace.npz", times=t, prices=p)
+        return result
+
+
+def setting_label(cfg: MarketConfig) -> str:
+    """A setting's folder name: clock, rate and latency (e.g. ``async-r1-d0.5``)."""
+    m = cfg.market
+    return f"{m.clock}-r{m.rate:g}-d{m.latency:g}"
+
+
+def confidence_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of the ``level`` Student-t interval); half-width nan for < 2 values."""
+    if not values:
+        return math.nan, math.nan
+    x = np.asarray(values, dtype=float)
+    if len(x) < 2:
+        return float(x.mean()), math.nan
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return float(x.mean()), half
+
+
+def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A setting's seeds summed up: Delta's mean and 95% interval over the uncorrupted seeds,
+    the corrupted ones counted (and why), and the deviation test's outcomes."""
+    ok = [r for r in results if r["status"] == "ok" and "delta" in r]
+    deltas = [r["delta"] for r in ok]
+    mean, half = confidence_interval(deltas)
+    devs = [r["deviation"] for r in ok if "deviation" in r]
+    rec = [d["recovery_time"] for d in devs if d["recovery_time"] is not None]
+    return {
+        "delta": mean,
+        "delta_ci95": half,
+        "delta_sd": float(np.std(deltas, ddof=1)) if len(deltas) > 1 else math.nan,
+        "deltas": deltas,
+        "seeds": [r["seed"] for r in results],
+        "ok": len(ok),
+        "corrupted": len(results) - len(ok),
+        "corrupted_reasons": [r["corrupted"]["reason"] for r in results if r.get("corrupted")],
+        "price_mean": float(np.mean([np.mean(r["price_mean"]) for r in ok])) if ok else math.nan,
+        "punished": sum(d["punished"] for d in devs),
+        "recovered": sum(d["recovered"] for d in devs),
+        "deviations": len(devs),
+        "recovery_time_mean": float(np.mean(rec)) if rec else None,
+        "seconds": float(sum(r["seconds"] for r in results)),
+    }
+
+
+def _task(cfg: MarketConfig, seed: int, run_dir: str) -> dict[str, Any]:
+    """A pool task: one seed (a module-level function, so that it pickles)."""
+    return run_seed(cfg, seed, Path(run_dir))
+
+
+def pool_size(cfg: MarketConfig, tasks: int) -> int:
+    """Worker processes for ``tasks`` runs (``run.workers``, 0: one per core)."""
+    want = cfg.run.workers or (os.cpu_count() or 1)
+    return max(1, min(want, tasks))
+
+
+def run_settings(
+    settings: list[MarketConfig], root: Path, progress_bar: Any = None
+) -> dict[str, dict[str, Any]]:
+    """Run every setting over its seeds (``run.seed`` ..), in parallel when more than one
+    process is asked for; {setting label: aggregate, with the per-seed results}. Each seed's
+    folder is ``root/<label>/seed-<s>``."""
+    tasks = [
+        (cfg, cfg.run.seed + k, root / setting_label(cfg) / f"seed-{cfg.run.seed + k}")
+        for cfg in settings
+        for k in range(cfg.run.seeds)
+    ]
+    by_label: dict[str, list[dict[str, Any]]] = {setting_label(c): [] for c in settings}
+    workers = pool_size(settings[0], len(tasks)) if settings else 1
+
+    def done(cfg: MarketConfig, result: dict[str, Any]) -> None:
+        by_label[setting_label(cfg)].append(result)
+        if progress_bar is not None:
+            progress_bar.update(1)
+            progress_bar.set_postfix_str(
+                f"{setting_label(cfg)} seed {result['seed']}: "
+                + (f"Delta={result['delta']:.2f}" if "delta" in result else result["status"])
+            )
+
+    if workers == 1:
+        for cfg, seed, d in tasks:
+            done(cfg, run_seed(cfg, seed, d))
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_task, cfg, seed, str(d)): cfg for cfg, seed, d in tasks}
+            for f in as_completed(futures):
+                done(futures[f], f.result())
+    out = {}
+    for cfg in settings:
+        label = setting_label(cfg)
+        results = sorted(by_label[label], key=lambda r: r["seed"])
+        out[label] = {
+            "clock": cfg.market.clock,
+            "rate": cfg.market.rate,
+            "latency": cfg.market.latency,
+            **aggregate(results),
+            "runs": results,
+        }
+    return out
+
+
+def sweep_settings(cfg: MarketConfig) -> list[MarketConfig]:
+    """The settings a config asks for: its own, or one per (rate, latency) of its sweep."""
+    if not cfg.sweep.rates:
+        return [cfg]
+    return [
+        replace(cfg, market=replace(cfg.market, rate=r, latency=d))
+        for r in cfg.sweep.rates
+        for d in cfg.sweep.latencies
+    ]
