@@ -17,7 +17,7 @@ observation latency delta (trainers.market; Calvano et al.'s defaults):
 
 Settings (every one over ``--seeds`` seeds, all in one process pool): sync and async at
 lambda = 1, delta = 0; the phase diagram over ``--rates`` x ``--latencies`` (asynchronous);
-the stabiliser on the ``--rates``' largest rate at every latency. Per setting: Delta over the
+the stabiliser on the ``--rates``' largest rate at the ``--fix-latencies``. Per setting: Delta over the
 last 10% of the horizon, its mean and 95% Student-t interval over the uncorrupted seeds, the
 corrupted seeds counted, and the forced-deviation test (punished, back). A verdict per claim
 says whether it reproduces, and when a difference is within the seeds' spread.
@@ -86,7 +86,7 @@ def settings_for(args: argparse.Namespace) -> tuple[list[MarketConfig], dict[str
                 out.append(c)
     if args.fix:
         top = max(floats(args.rates))
-        for d in floats(args.latencies):
+        for d in floats(args.fix_latencies):
             c = at("async", top, d, critic_grad_clip=1.0, target_q_clip=True)
             out.append(c)
             roles["fix:" + setting_label(c)] = "fix"
@@ -277,6 +277,9 @@ def main() -> None:
     ap.add_argument("--rates", default="0.5,1,2,5", help="phase diagram: lambda values")
     ap.add_argument("--latencies", default="0,0.5,1,2", help="phase diagram: delta values")
     ap.add_argument("--no-fix", dest="fix", action="store_false", help="skip the stabiliser")
+    ap.add_argument(
+        "--fix-latencies", default="0,1", help="the stabiliser's cells: these deltas, top rate"
+    )
     ap.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
     ap.add_argument("--out", default="runs/bench-market")
     ap.add_argument("--reuse", action="store_true", help="print from --out's summary.json")

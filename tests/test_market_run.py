@@ -202,6 +202,7 @@ def test_the_pool_gives_what_one_process_gives(tmp_path):
 @pytest.mark.slow
 def test_fedasync_market_cli(tmp_path):
     cmd = [sys.executable, "-m", "simulations.cli", "market", *TINY, "run.plots=true"]
+    cmd += ["run.seeds=1"]
     cmd += [f"run.out_dir={tmp_path}", "run.name=m", "sweep.rates=[1,2]", "sweep.latencies=[0,1]"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -80,7 +80,7 @@ class AgentSection:
     """Width of the actor's and the critic's hidden layers."""
     layers: int = 2
     """Hidden layers of each network."""
-    actor_lr: float = 0.001
+    actor_lr: float = 0.0001
     """Adam learning rate of the actor."""
     critic_lr: float = 0.001
     """Adam learning rate of the critic."""
@@ -96,7 +96,7 @@ class AgentSection:
     """Gaussian exploration noise at the start, as a fraction of the price range's half-width."""
     noise_min: float = 0.01
     """The noise's floor (same units)."""
-    noise_decay: float = 0.0001
+    noise_decay: float = 0.0005
     """Noise sd = max(noise_min, noise_sd exp(-noise_decay x prices set))."""
     updates_per_revision: int = 1
     """Gradient steps the firm's agent takes at each of its revisions."""
@@ -104,7 +104,7 @@ class AgentSection:
     """Clip the critic's gradient norm to this (0: off). A stabiliser against failure mode 2."""
     target_q_clip: bool = False
     """Clip TD targets (trainers.market.ddpg). A stabiliser against failure mode 2."""
-    action_reg: float = 0.0
+    action_reg: float = 0.01
     """Penalty on the actor's pre-tanh output squared (keeps its tanh out of saturation,
     where an actor that overshot to an end of the price range would stay); 0: off."""
     q_bound: float = 10_000.0
