@@ -121,6 +121,15 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Welch's two-sided t-test p-value for a difference of means (nan below 2 each)."""
+    if len(a) < 2 or len(b) < 2:
+        return math.nan
+    from scipy import stats
+
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
 def verdicts(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
     """One line per claim: reproduced or not, with our figures and whether a difference is
     within the seeds' spread (their 95% intervals overlap)."""
@@ -146,11 +155,8 @@ def verdicts(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> li
             f"2. async cut: ours {fmt(100 * cut, '.0f')}% (Delta {fmt(a['delta'])} ± "
             f"{fmt(a['delta_ci95'])} vs sync {fmt(s['delta'])}) vs paper "
             f"{100 * PAPER['async_cut']:.0f}%: "
-            + (
-                "the difference is beyond the seeds' spread"
-                if apart
-                else "within the seeds' spread"
-            )
+            + ("the 95% intervals are disjoint" if apart else "the 95% intervals overlap")
+            + f"; Welch's t-test p = {fmt(welch_p(s['deltas'], a['deltas']))}"
         )
     lat = sorted(
         (v["latency"], v)
@@ -172,6 +178,11 @@ def verdicts(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> li
                 " but the whole range is within one 95% interval"
                 if spread <= widest
                 else " and the range exceeds the widest 95% interval"
+            )
+            + "; against delta=0, Welch's p: "
+            + ", ".join(
+                f"delta={d:g} {fmt(welch_p(lat[0][1]['deltas'], v['deltas']), '.2f')}"
+                for d, v in lat[1:]
             )
         )
     rates = floats(args.rates)

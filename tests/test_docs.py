@@ -34,6 +34,7 @@ def test_every_config_key_is_in_the_configuration_page():
     [
         ("trainers.rl.config", "RLConfig", "rl.md", "Every RL config key"),
         ("trainers.pipeline.config", "PipelineConfig", "pipeline.md", "Every pipeline config key"),
+        ("trainers.market.config", "MarketConfig", "market.md", "Every market config key"),
     ],
 )
 def test_every_trainer_config_key_is_in_its_page(module, cls, page, heading):

@@ -219,3 +219,36 @@ def test_fedasync_market_cli(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and len(bad.stderr) < 2000
+
+
+def test_a_rate_reward_is_the_transitions_mean_profit_per_time_unit():
+    """market.reward=rate gives integral / elapsed (undiscounted, rho = 0 here): compared on
+    the transitions before learning starts (warmup), where both runs take the same prices."""
+
+    def rewards(kind: str) -> list[tuple[float, float]]:
+        run = MarketRun(tiny(f"market.reward={kind}", "market.discount_rate=0"), 5)
+        elapsed = {}
+        settle = run.env.settle
+
+        def spy(i):
+            out = settle(i)
+            elapsed[i] = out[2]
+            return out
+
+        run.env.settle = spy  # type: ignore[method-assign]
+        seen = []
+        remember = run.agents[0].remember
+
+        def keep(state, action, reward, discount, next_state):
+            seen.append((reward, elapsed[0]))
+            remember(state, action, reward, discount, next_state)
+
+        run.agents[0].remember = keep  # type: ignore[method-assign]
+        while len(seen) < 5:
+            run.step()
+        return seen
+
+    integral, rate = rewards("integral"), rewards("rate")
+    for (r_int, elapsed), (r_rate, elapsed_too) in zip(integral, rate):
+        assert elapsed == elapsed_too > 0
+        assert r_rate == pytest.approx(r_int / elapsed, rel=1e-9)

@@ -25,12 +25,17 @@ ClockMode = Literal["async", "sync"]
 """``market.clock``."""
 InitPrices = Literal["random", "nash", "monopoly"]
 """``market.init``."""
+RewardKind = Literal["integral", "rate"]
+"""``market.reward``."""
 
 CLOCK_MODES: tuple[str, ...] = choices(ClockMode)
 INITS: tuple[str, ...] = choices(InitPrices)
+REWARDS: tuple[str, ...] = choices(RewardKind)
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (configload docstring)
-    ClockMode, InitPrices = (Annotated[str, t] for t in (ClockMode, InitPrices))
+    ClockMode, InitPrices, RewardKind = (
+        Annotated[str, t] for t in (ClockMode, InitPrices, RewardKind)
+    )
 
 
 @dataclass
@@ -59,6 +64,10 @@ class MarketSection:
     discount_rate: float = 0.05
     """rho: a profit s time units ahead is worth e^(-rho s) (continuous discounting; each
     transition's discount is e^(-rho x its length))."""
+    reward: RewardKind = "integral"
+    """integral: a transition's reward is the profit earned over it, discounted continuously
+    (Q about pi / rho whatever the rate); rate: its mean profit per time unit (Q about
+    pi x rate / rho: grows with the revision rate, a probe of failure mode 2)."""
     init: InitPrices = "random"
     """Starting prices: uniform in the price range (seeded), or all at Nash or monopoly."""
 
@@ -70,6 +79,10 @@ class MarketSection:
             f"market.clock must be one of {CLOCK_MODES}, got {self.clock!r:.40}",
         )
         check(self.init in INITS, f"market.init must be one of {INITS}, got {self.init!r:.40}")
+        check(
+            self.reward in REWARDS,
+            f"market.reward must be one of {REWARDS}, got {self.reward!r:.40}",
+        )
 
 
 @dataclass

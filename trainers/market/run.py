@@ -167,6 +167,7 @@ class MarketRun:
             for i in range(self.market.n)
         ]
         self.last: list[tuple[np.ndarray, float] | None] = [None] * self.market.n
+        self.earned = np.zeros(self.market.n)  # each firm's profit integral at its last settle
         self.revisions = 0
 
     def step(
@@ -178,7 +179,11 @@ class MarketRun:
         seen = {i: self.env.observe(i) for i in movers}
         stats = []
         for i in movers:
-            reward, discount, _ = self.env.settle(i)
+            reward, discount, elapsed = self.env.settle(i)
+            if self.cfg.market.reward == "rate":  # the transition's mean profit per time unit
+                earned = self.env.profit_integral()[i]
+                reward = (earned - self.earned[i]) / elapsed if elapsed > 0 else 0.0
+                self.earned[i] = earned
             last = self.last[i]
             if learn and last is not None:
                 agent = self.agents[i]
