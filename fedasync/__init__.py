@@ -63,7 +63,7 @@ from fedasync.unlearning import (
     unflatten,
 )
 from fedasync.validation import NormOutlierDetector, Rejection, RejectReason, check_tensors
-from fedasync.versions import FutureVersionError, VersionedSnapshots, staleness
+from fedasync.versions import FutureVersionError, TimedHistory, VersionedSnapshots, staleness
 
 __all__ = [
     "ContributionLedger",
@@ -94,6 +94,7 @@ __all__ = [
     "ServerOptimizer",
     "StalenessBound",
     "Update",
+    "TimedHistory",
     "VersionedSnapshots",
     "WeightFn",
     "WeightFnName",
