@@ -24,6 +24,7 @@ says whether it reproduces, and when a difference is within the seeds' spread.
 
     .venv/bin/python benchmarks/market_collusion.py                  # everything (~30 min, 2 cores)
     .venv/bin/python benchmarks/market_collusion.py --seeds 3 --horizon 1000 --rates 1,5 --latencies 0,1
+    .venv/bin/python benchmarks/market_collusion.py --revisions 2000 --no-fix   # same work per rate
     .venv/bin/python benchmarks/market_collusion.py --reuse          # tables from the last run
 
 Writes ``--out`` (default runs/bench-market): summary.json, phase_diagram.png,
@@ -64,6 +65,7 @@ def settings_for(args: argparse.Namespace) -> tuple[list[MarketConfig], dict[str
         [
             f"run.seeds={args.seeds}",
             f"run.horizon={args.horizon}",
+            f"run.revisions={args.revisions}",
             f"run.workers={args.workers}",
             "run.progress=false",
             *args.overrides,
@@ -285,6 +287,12 @@ def main() -> None:
     )
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--horizon", type=float, default=2000.0, help="time units per run")
+    ap.add_argument(
+        "--revisions",
+        type=int,
+        default=0,
+        help="instead of --horizon: revisions per firm (the same work at every rate)",
+    )
     ap.add_argument("--rates", default="0.5,1,2,5", help="phase diagram: lambda values")
     ap.add_argument("--latencies", default="0,0.5,1,2", help="phase diagram: delta values")
     ap.add_argument("--no-fix", dest="fix", action="store_false", help="skip the stabiliser")

@@ -252,3 +252,14 @@ def test_a_rate_reward_is_the_transitions_mean_profit_per_time_unit():
     for (r_int, elapsed), (r_rate, elapsed_too) in zip(integral, rate):
         assert elapsed == elapsed_too > 0
         assert r_rate == pytest.approx(r_int / elapsed, rel=1e-9)
+
+
+def test_a_horizon_in_revisions_is_the_same_work_at_every_rate():
+    slow = tiny("run.revisions=30", "market.rate=0.5", "run.window=5", "run.deviation=false")
+    fast = tiny("run.revisions=30", "market.rate=3", "run.window=5", "run.deviation=false")
+    assert slow.horizon == 60.0 and fast.horizon == 10.0
+    assert tiny().horizon == 40.0  # run.horizon when no revisions are given
+    a, b = run_seed(slow, 0), run_seed(fast, 0)
+    # two firms, 30 expected revisions each: Poisson counts, seeded (sd about 8)
+    for r in (a, b):
+        assert 30 <= r["revisions"] <= 90

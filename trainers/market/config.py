@@ -144,6 +144,9 @@ class RunSection:
     """Where run folders go (metrics.jsonl per seed, summary.json, PNGs)."""
     horizon: float = 2000.0
     """Training length in time units (each firm revises about rate x horizon times)."""
+    revisions: int = 0
+    """When > 0, the horizon is this many revisions per firm instead: run.horizon is
+    replaced by revisions / market.rate (every rate gets the same number of updates)."""
     measure_fraction: float = 0.1
     """The collusion index is measured over this last fraction of the horizon."""
     window: float = 50.0
@@ -197,15 +200,23 @@ class MarketConfig:
 
     def __post_init__(self) -> None:
         """Checked when built: the keys of different sections that must agree."""
-        events = self.market.rate * self.run.horizon * self.market.firms
+        events = self.market.rate * self.horizon * self.market.firms
         check(
             events <= 5_000_000,
             f"market.rate x run.horizon x market.firms = {events:.0f} revisions: at most 5e6",
         )
         check(
-            self.run.window <= self.run.horizon,
-            f"run.window={self.run.window} exceeds run.horizon={self.run.horizon}",
+            self.run.window <= self.horizon,
+            f"run.window={self.run.window} exceeds the horizon {self.horizon:g}",
         )
+
+    @property
+    def horizon(self) -> float:
+        """The training length in time units: ``run.horizon``, or ``run.revisions`` /
+        ``market.rate`` when revisions are given."""
+        if self.run.revisions > 0:
+            return self.run.revisions / self.market.rate
+        return self.run.horizon
 
 
 RANGES: dict[str, Range] = {
@@ -237,6 +248,7 @@ RANGES: dict[str, Range] = {
     "run.seed": NON_NEGATIVE,
     "run.seeds": Range(1, 1000),
     "run.horizon": Range(0, 1_000_000, lo_open=True),
+    "run.revisions": Range(0, 5_000_000),
     "run.measure_fraction": Range(0, 1, lo_open=True),
     "run.window": POSITIVE,
     "run.deviation_span": POSITIVE,

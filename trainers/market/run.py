@@ -12,7 +12,7 @@ competitors' as of ``latency`` ago) and settles its transition since its previou
 its agent remembers before it learns (``agent.updates_per_revision`` gradient steps); then
 every mover sets its new price. In the synchronous mode all firms are movers at every event,
 so none sees another's new price before setting its own, as in a simultaneous-move game.
-Training stops at ``run.horizon``. The collusion index is measured on the profit actually
+Training stops at the horizon (``run.horizon``, or ``run.revisions`` per firm). The collusion index is measured on the profit actually
 earned over the last ``run.measure_fraction`` of the horizon: the firms' mean time-average
 profit pi_bar, Delta = (pi_bar - pi_N) / (pi_M - pi_N).
 
@@ -206,7 +206,7 @@ class MarketRun:
     ) -> dict[str, Any]:
         """Train to the horizon (or to a critic's divergence); the run's measures."""
         cfg, env = self.cfg, self.env
-        horizon = cfg.run.horizon
+        horizon = cfg.horizon
         measure_from = horizon * (1.0 - cfg.run.measure_fraction)
         trace = Trace([0.0], [env.prices])
         w_t, w_pi = 0.0, env.profit_integral()
