@@ -203,12 +203,12 @@ def test_the_pool_gives_what_one_process_gives(tmp_path):
 def test_fedasync_market_cli(tmp_path):
     cmd = [sys.executable, "-m", "simulations.cli", "market", *TINY, "run.plots=true"]
     cmd += ["run.seeds=1"]
-    cmd += [f"run.out_dir={tmp_path}", "run.name=m", "sweep.rates=[1,2]", "sweep.latencies=[0,1]"]
+    cmd += [f"run.out_dir={tmp_path}", "run.name=m", "sweep.rates=[1]", "sweep.latencies=[0,1]"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.count("Delta") == 4 and "p_N=1.473 p_M=1.925" in p.stdout
+    assert p.stdout.count("Delta") == 2 and "p_N=1.473 p_M=1.925" in p.stdout
     s = json.loads((tmp_path / "m" / "summary.json").read_text())
-    assert set(s["settings"]) == {"async-r1-d0", "async-r1-d1", "async-r2-d0", "async-r2-d1"}
+    assert set(s["settings"]) == {"async-r1-d0", "async-r1-d1"}
     for name in ("prices.png", "deviation.png", "collusion_index.png", "phase_diagram.png"):
         assert (tmp_path / "m" / name).stat().st_size > 1000
     bad = subprocess.run(

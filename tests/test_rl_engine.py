@@ -184,9 +184,18 @@ def test_killed_and_resumed_run_ends_as_the_uninterrupted_one_within_the_bound(t
         ("rollout.nope=3", "rollout.nope"),
     ],
 )
-def test_a_bad_config_is_one_clear_line_and_exit_2(override, words, tmp_path):
+def test_a_bad_config_is_one_clear_line_and_exit_2(override, words, tmp_path, capsys):
+    # the CLI's own entry point in this process (the process exit is checked below, once)
+    from simulations.cli import main
+
+    assert main(["rl", override, f"run.out_dir={tmp_path}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_the_fedasync_process_exits_2_on_a_bad_rl_key(tmp_path):
     out = subprocess.run(
-        [_fedasync(), "rl", override, f"run.out_dir={tmp_path}"],
+        [_fedasync(), "rl", "rollout.nope=3", f"run.out_dir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -194,4 +203,4 @@ def test_a_bad_config_is_one_clear_line_and_exit_2(override, words, tmp_path):
 
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], out.stderr[-500:]
+    assert len(lines) == 1 and "rollout.nope" in lines[0], out.stderr[-500:]
