@@ -23,8 +23,6 @@ from typing import Any
 from fedasync.events import json_safe
 from trainers.market.config import MarketConfig, load_market_config, to_container
 
-log = logging.getLogger("fedasync.market")
-
 
 def run_market(cfg: MarketConfig) -> dict[str, Any]:
     """Run ``cfg`` (one setting or its sweep); the summary, also in

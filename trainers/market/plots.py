@@ -22,11 +22,10 @@ import numpy as np  # noqa: E402
 from fedasync.events import read_events  # noqa: E402
 
 
-def _bands(ax: Any, bench: dict[str, float], what: str = "p") -> None:
-    """Dashed Nash and monopoly lines (prices ``p`` or profits)."""
-    key = "p_" if what == "p" else "profit_"
-    ax.axhline(bench[key + "nash"], color="k", ls="--", lw=0.8, label="Nash")
-    ax.axhline(bench[key + "monopoly"], color="k", ls=":", lw=0.8, label="monopoly")
+def _bands(ax: Any, bench: dict[str, float]) -> None:
+    """Dashed lines at the Nash and the monopoly price."""
+    ax.axhline(bench["p_nash"], color="k", ls="--", lw=0.8, label="Nash")
+    ax.axhline(bench["p_monopoly"], color="k", ls=":", lw=0.8, label="monopoly")
 
 
 def plot_prices(results: dict[str, dict[str, Any]], root: Path, out: Path) -> Path | None:

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,26 +81,9 @@ def benchmarks(market: LogitMarket) -> dict[str, float]:
 
 
 def agent_settings(cfg: MarketConfig) -> DDPGSettings:
-    """The DDPG settings of ``cfg.agent`` (every key but updates_per_revision)."""
-    a = cfg.agent
-    return DDPGSettings(
-        hidden=a.hidden,
-        layers=a.layers,
-        actor_lr=a.actor_lr,
-        critic_lr=a.critic_lr,
-        batch_size=a.batch_size,
-        buffer_size=a.buffer_size,
-        tau=a.tau,
-        warmup=a.warmup,
-        noise_sd=a.noise_sd,
-        noise_min=a.noise_min,
-        noise_decay=a.noise_decay,
-        critic_grad_clip=a.critic_grad_clip,
-        target_q_clip=a.target_q_clip,
-        action_reg=a.action_reg,
-        q_bound=a.q_bound,
-        loss_bound=a.loss_bound,
-    )
+    """The DDPG settings of ``cfg.agent``: every key of it that DDPGSettings has (all but
+    ``updates_per_revision``, the run's)."""
+    return DDPGSettings(**{f.name: getattr(cfg.agent, f.name) for f in fields(DDPGSettings)})
 
 
 @contextmanager
@@ -171,7 +154,10 @@ class MarketRun:
         self.revisions = 0
 
     def step(
-        self, learn: bool = True, explore: bool = True, forced: dict[int, float] | None = None
+        self,
+        learn: bool = True,
+        explore: bool = True,
+        forced: Callable[[int, np.ndarray], float | None] | None = None,
     ) -> tuple[float, tuple[int, ...], list[dict[str, float]]]:
         """One event: the movers observe, settle and learn, then set prices (``forced``: a
         price for a firm instead of its policy's). (time, movers, the updates' stats)."""
@@ -193,7 +179,7 @@ class MarketRun:
                     if out is not None:
                         stats.append(out)
         for i in movers:
-            price = (forced or {}).get(i)
+            price = forced(i, seen[i]) if forced is not None else None
             if price is None:
                 price = self.agents[i].act(seen[i], explore=explore)
             self.env.post(i, price)
@@ -306,19 +292,16 @@ class MarketRun:
             times.append(t)
             paths.append(env.prices)
         before = env.prices
+
         # the deviator's next revision: the static best response to what it sees then
+        def undercut(i: int, seen: np.ndarray) -> float | None:
+            return self.best_response(i, seen) if i == deviator else None
+
         while True:
-            t, movers = env.next_revision()
-            seen = {i: env.observe(i) for i in movers}
-            forced = {}
-            if deviator in movers:
-                forced[deviator] = self.best_response(deviator, seen[deviator])
-            for i in movers:
-                env.settle(i)
-                env.post(i, forced.get(i, self.agents[i].act(seen[i], explore=False)))
+            t, movers, _ = self.step(learn=False, explore=False, forced=undercut)
             times.append(t)
             paths.append(env.prices)
-            if forced:
+            if deviator in movers:
                 break
         t_dev = times[-1]
         while env.now < t_dev + span:
@@ -354,9 +337,7 @@ class MarketRun:
 
 def _time_average(times: np.ndarray, prices: np.ndarray, end: float) -> np.ndarray:
     """The time average of a piecewise-constant path (``prices[k]`` holds from ``times[k]``)
-    up to ``end``."""
-    if len(times) == 0:
-        return np.full(prices.shape[1] if prices.ndim == 2 else 0, math.nan)
+    up to ``end``; at least one point."""
     dt = np.diff(np.append(times, end))
     return (prices * dt[:, None]).sum(axis=0) / max(dt.sum(), 1e-12)
 
