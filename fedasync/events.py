@@ -9,6 +9,11 @@ seconds in simulation, wall seconds in deployment) and the global ``version``.
 
 The log is append-only; a checkpoint records its byte offset so that a resumed run truncates
 what was written after the checkpoint and never reports an event twice.
+
+Each event is one ``write`` of its whole line on a file opened for append, so a reader polling a
+live log (a test waiting for a checkpoint, a dashboard) sees whole lines, except at the end: a
+process killed mid-write, or a write still in flight, leaves a last line without its newline.
+:func:`read_events` leaves that tail out; a malformed line anywhere before it is an error.
 """
 
 from __future__ import annotations
@@ -37,34 +42,57 @@ class EventLog:
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, event: str, **fields: Any) -> None:
-        """Append one event (non-finite floats as null) and flush it."""
-        self._f.write(json.dumps({"event": event, **json_safe(fields)}, sort_keys=False) + "\n")
-        self._f.flush()
+        """Append one event (non-finite floats as null) as one line, in one write."""
+        line = json.dumps({"event": event, **json_safe(fields)}, sort_keys=False) + "\n"
+        data = memoryview(line.encode("utf-8"))
+        while data:  # one write for any line a pipe or disk takes whole; the loop is for the rest
+            data = data[os.write(self._fd, data) :]
 
     def offset(self) -> int:
-        """The log's length in bytes, everything written flushed (a checkpoint keeps it)."""
-        self._f.flush()
-        return self._f.tell()
+        """The log's length in bytes (a checkpoint keeps it)."""
+        return os.fstat(self._fd).st_size
 
     def truncate(self, offset: int) -> None:
         """Drop everything after ``offset`` (events written after the checkpoint resumed from)."""
-        self._f.flush()
-        self._f.close()
-        with open(self.path, "r+b") as f:
-            f.truncate(offset)
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        os.ftruncate(self._fd, offset)
 
     def close(self) -> None:
-        """Flush, fsync and close the file."""
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        """Fsync and close the file."""
+        if self._fd < 0:
+            return
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+
+
+class EventLogError(ValueError):
+    """A metrics.jsonl line that is not an event, before the log's last line."""
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    """All events of a metrics.jsonl file."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All whole events of a metrics.jsonl file.
+
+    A last line without its newline (a write in flight, or a process killed mid-write) is left
+    out. A line before it that is not a JSON object raises :class:`EventLogError` naming the
+    file and the line number (the line itself is not echoed: it may be long).
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    # The piece after the last newline: empty for a whole log, a torn line otherwise.
+    lines.pop()
+    out: list[dict[str, Any]] = []
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            ev = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise EventLogError(f"{path}: line {n} is not a JSON event ({type(e).__name__})") from e
+        if not isinstance(ev, dict):
+            raise EventLogError(f"{path}: line {n} is not a JSON object")
+        out.append(ev)
+    return out

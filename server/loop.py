@@ -384,13 +384,17 @@ class AsyncServer:
             # simultaneous replies in job order: message ids are random (uuid4), and folding
             # in their order made a seed's run differ in the last bits from one run to the next
             for mid in sorted(due, key=lambda m: self.inflight[m].job_id):
+                if max_v is not None and self.version >= max_v:
+                    # the cap is exact: replies that came in the same poll as the one that
+                    # reached it are left, like any reply still out when a run ends
+                    break
                 job = self.jobs.take(mid)
                 if self._take(job, self.arrived.pop(mid)):
                     ready.append(job.silo)
             if self.barrier:
                 if not self.inflight:
                     self._close_round()
-            else:
+            elif max_v is None or self.version < max_v:
                 for silo in sorted(ready):
                     self.dispatch(silo)
             self.jobs.prune_sent()
@@ -721,7 +725,13 @@ class AsyncServer:
         log.info(
             "resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now
         )
-        for j in jobs:
+
+        # jobs whose base weights the checkpoint kept go out first, as they were: re-sending a
+        # job whose weights were dropped stores the current model, which could evict them
+        def dropped(j: dict[str, Any]) -> bool:
+            return j["base_version"] not in self.jobs.sent and j["base_version"] != self.version
+
+        for j in sorted(jobs, key=dropped):
             self.dispatch(
                 j["silo"],
                 job_id=j["job_id"],

@@ -375,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         # as flwr-clientapp does: stop now; a task in hand ends with its status pushed
         # (run_task's finally), and the server takes the unanswered job as failed
         worker.stopping = True
+        if sys.is_finalizing():  # already exiting: raising now only prints a traceback
+            return
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)

@@ -177,3 +177,14 @@ def test_emulated_speed_makes_stragglers_wait(small_cfg):
         else:
             assert e["train_emulated_wait_s"] == 0.0
     assert any(speeds[e["silo"]] < 1.0 for e in ups)
+
+
+def test_max_versions_is_exact_when_replies_arrive_together(small_cfg):
+    # Three equal silos without jitter finish every job at the same instant: the cap falls
+    # inside a batch of simultaneous replies (CI saw 7 versions for a cap of 6 on the wall clock)
+    cfg = small_cfg("run.max_versions=4", "silos.jitter=0", "silos.speed_profile=uniform")
+    summary, run_dir, _ = _run(cfg)
+    assert summary["versions"] == 4
+    events = read_events(run_dir / "metrics.jsonl")
+    assert [e["version"] for e in events if e["event"] == "version"] == [1, 2, 3, 4]
+    assert summary["updates_applied"] == 4

@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from fedasync.events import read_events  # noqa: E402
+from fedasync.events import EventLogError, read_events  # noqa: E402
 
 # Rollout bar colours: done groups by behaviour-version parity, failures distinct.
 DONE_EVEN, DONE_ODD = "tab:blue", "lightskyblue"
@@ -38,7 +38,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
         return []
     try:
         return read_events(path)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except EventLogError:  # a corrupt line: plot what can be read
         out = []
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
