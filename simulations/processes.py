@@ -186,18 +186,20 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def pids_with_env(name: str, value: str) -> list[int]:
-    """Processes (not this one) whose environment has ``name=value``."""
+def pids_with_env(name: str, value: str, *, prefix: bool = False) -> list[int]:
+    """Processes (not this one) whose environment has ``name=value`` (with ``prefix``: a value
+    that starts with ``value``)."""
     needle = f"{name}={value}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
+            env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
+        if any(v.startswith(needle) for v in env) if prefix else needle in env:
+            pids.append(int(entry.name))
     return pids
 
 

@@ -60,7 +60,7 @@ from simulations.deploy import (
 )
 from simulations.deploy_progress import EventTail
 from simulations.erase_cli import main as erase
-from simulations.processes import MARKER_ENV, Proc, Processes, alive
+from simulations.processes import MARKER_ENV, Proc, Processes, alive, pids_with_env
 
 pytestmark = pytest.mark.slow
 
@@ -71,18 +71,8 @@ OFFLINE_RETRY_S = 5.0
 def _node_processes(home: Path) -> list[int]:
     """Live processes a ``fedasync node --home home`` started (its SuperNode and worker carry
     its marker, ``<home>:node:<token>``)."""
-    needle = f"{MARKER_ENV}={home.resolve()}:node:".encode()
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(needle) for v in env) and alive(int(entry.name)):
-            out.append(int(entry.name))
-    return out
+    found = pids_with_env(MARKER_ENV, f"{home.resolve()}:node:", prefix=True)
+    return [p for p in found if alive(p)]
 
 
 def _cmdline(pid: int) -> bytes:

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,25 +24,14 @@ from simulations.deploy import (
     supernode_command,
     write_cli_config,
 )
-from simulations.processes import MARKER_ENV, Processes, alive
+from simulations.processes import MARKER_ENV, Processes, alive, pids_with_env
 
 pytestmark = pytest.mark.slow
 
 
 def _marked(prefix: str) -> list[int]:
     """Live processes whose deployment marker starts with ``prefix``."""
-    needle = f"{MARKER_ENV}={prefix}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(needle) for v in env) and alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+    return [p for p in pids_with_env(MARKER_ENV, prefix, prefix=True) if alive(p)]
 
 
 def _kill_all(prefix: str) -> None:
