@@ -10,7 +10,12 @@ SuperNode stays idle, up to ``--idle-max-s`` (default 0.5), and whose 0.5 s wait
 ``--push-s`` (default 0.02), then runs Flower's own ``flower-supernode`` with the remaining
 arguments, its log lines timestamped (Flower's own console handler, to the millisecond). It also
 shortens the backoff of its object pulls (``short_backoff``): a message the SuperLink hands
-out before its content has arrived was retried after 1 s.
+out before its content has arrived was retried after 1 s. And it makes a message whose run
+stopped while its content was being fetched fail like any other fetch (``fail_stopped_runs``):
+Flower 1.42 then only logs "Ignoring message", leaving the message's objects registered and
+its task claimed, so a warm worker holding the task retried the objects for ~100 s (Flower's
+500 tries) before it could take the next run's work; Flower's own failure path deletes both
+and finishes the task, and the worker's next try finds the objects gone.
 
 The price: an idle SuperNode asks the SuperLink for work every ``--idle-max-s`` instead of
 every 3 s, and more often right after a message (one HTTPS request each;
@@ -24,10 +29,12 @@ upgrade moved them): silently slow would be worse than a clear error.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import time
 import types
+from typing import Any
 
 from protocol.transport import CappedSleep, FlowerInternalsMoved, short_backoff
 
@@ -90,6 +97,48 @@ class CappedTime(CappedSleep):
         self.idle_ended = time.monotonic()
 
 
+class RunStopped(RuntimeError):
+    """The run of a message the SuperNode was fetching stopped (Flower's
+    ``RunNotRunningException``, a BaseException, raised through as this)."""
+
+
+def fail_stopped_runs(module: types.ModuleType) -> None:
+    """Make ``module.pull_objects`` (the SuperNode's fetch of a message's objects) raise
+    :class:`RunStopped` where Flower raises ``RunNotRunningException``, so that
+    ``_pull_and_store_message`` takes its ordinary failure path (delete the message and its
+    objects, finish the task as failed). Idempotent; FlowerInternalsMoved unless that function
+    still has both paths."""
+    current = module.pull_objects
+    if getattr(current, "fails_stopped_runs", False):
+        return
+    fn = getattr(module, "_pull_and_store_message", None)
+    try:
+        source = inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    needed = ("pull_objects(", "except Exception", "state.finish_task(", "except RunNotRunning")
+    missing = [k for k in needed if k not in source]
+    if missing:
+        raise FlowerInternalsMoved(
+            f"{module.__name__}._pull_and_store_message no longer has {', '.join(missing)}: "
+            "simulations.supernode.fail_stopped_runs was written for flwr 1.42"
+        )
+    from flwr.supercore.run import RunNotRunningException
+
+    @functools.wraps(current)
+    def pull_objects(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return current(*args, **kwargs)
+        except RunNotRunningException as e:
+            raise RunStopped(
+                "the run stopped while this message's content was fetched: the message and "
+                "its task are dropped"
+            ) from e
+
+    pull_objects.fails_stopped_runs = True  # type: ignore[attr-defined]
+    module.pull_objects = pull_objects  # type: ignore[attr-defined]
+
+
 def cap_sleeps(
     idle_s: float = 0.05, push_s: float = 0.02, idle_max_s: float = 0.5
 ) -> types.ModuleType:
@@ -98,7 +147,9 @@ def cap_sleeps(
     import importlib
 
     module = importlib.import_module(MODULE)
-    short_backoff(module, "pull_objects")
+    if not getattr(module.pull_objects, "fails_stopped_runs", False):
+        short_backoff(module, "pull_objects")
+        fail_stopped_runs(module)
     if isinstance(module.time, CappedTime):
         module.time.idle_s, module.time.push_s = idle_s, push_s
         module.time.idle_max_s = max(idle_s, idle_max_s)

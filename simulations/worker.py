@@ -282,6 +282,11 @@ class Worker:
                     f["push_message"](client, reply, context)
                 f["push_task_output"](client, context, status, details)
                 marks["pushed"] = time.perf_counter()
+            except Exception as e:  # noqa: BLE001 - the task is over either way
+                # (a task the SuperNode already ended: its run stopped mid-fetch); the worker
+                # goes on, and a SuperNode that is gone ends it at its next AcquireTask
+                log.warning("task %d: its end could not be reported: %s", task_id, str(e)[:300])
+                status = f["SubStatus"].FAILED
             finally:
                 if heartbeat.is_running:
                     heartbeat.stop()

@@ -105,6 +105,7 @@ def test_idle_sleeps_start_short_and_double_while_idle_other_waits_are_capped(mo
     # Prepare: the module restored after the test; every real sleep recorded, not slept
     sci = importlib.import_module(SCI)
     monkeypatch.setattr(sci, "time", time)
+    monkeypatch.setattr(sci, "pull_objects", sci.pull_objects)
     slept: list[float] = []
     monkeypatch.setattr(time, "sleep", slept.append)
     # Execute: five idle pulls in a row, a message handled (a 0.5 s wait), idle again
@@ -121,6 +122,54 @@ def test_idle_sleeps_start_short_and_double_while_idle_other_waits_are_capped(mo
     supernode.cap_sleeps(idle_s=0.01, push_s=0.01, idle_max_s=0.01)  # adjusts, not wraps
     sci.time.sleep(3)
     assert slept[-1] == 0.01
+
+
+def test_a_run_that_stops_mid_fetch_fails_the_fetch_so_flower_drops_message_and_task(monkeypatch):
+    # Prepare: the SuperNode's module restored after the test; its fetch of a message's objects
+    # raising what Flower's fleet connection raises once the run is no longer running
+    from flwr.supercore.run import RunNotRunningException
+
+    sci = importlib.import_module(SCI)
+    monkeypatch.setattr(sci, "time", time)
+    calls: list[tuple] = []
+
+    def fetch(ids, pull_object_fn, initial_backoff=1.0, backoff_cap=10.0):
+        calls.append((ids, {"initial_backoff": initial_backoff, "backoff_cap": backoff_cap}))
+        if ids == ["gone"]:
+            raise RunNotRunningException()
+        return {i: b"x" for i in ids}
+
+    monkeypatch.setattr(sci, "pull_objects", fetch)
+    # Execute (twice: idempotent, one wrapper)
+    supernode.cap_sleeps()
+    wrapped = sci.pull_objects
+    supernode.cap_sleeps()
+    # Assert: still the short backoff; a stopped run is an ordinary error (Flower's
+    # `except Exception` path deletes the message and its objects and finishes the task),
+    # which RunNotRunningException, a BaseException caught apart, was not
+    assert sci.pull_objects is wrapped
+    assert wrapped(["a"], pull_object_fn=None) == {"a": b"x"}
+    assert calls[-1][1] == {"initial_backoff": 0.01, "backoff_cap": 0.2}
+    with pytest.raises(supernode.RunStopped, match="run stopped") as e:
+        wrapped(["gone"], pull_object_fn=None)
+    assert isinstance(e.value, Exception)
+    assert isinstance(e.value.__cause__, RunNotRunningException)
+
+
+def test_a_moved_stopped_run_path_refuses_to_start(tmp_path):
+    # Prepare: a SuperNode module whose fetch no longer finishes the task on failure
+    path = tmp_path / "fake_sci.py"
+    path.write_text(
+        "def pull_objects(ids, pull_object_fn):\n    return {}\n\n\n"
+        "def _pull_and_store_message():\n    try:\n        pull_objects([], None)\n"
+        "    except Exception:\n        pass\n"
+    )
+    spec = importlib.util.spec_from_file_location("fake_sci", path)
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    # Execute / Assert
+    with pytest.raises(FlowerInternalsMoved, match=r"state\.finish_task"):
+        supernode.fail_stopped_runs(fake)
 
 
 @pytest.mark.parametrize("bad", [["--idle-s"], ["--idle-s", "x"], ["--push-s", "0"]])
