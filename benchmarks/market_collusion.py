@@ -85,10 +85,12 @@ def settings_for(args: argparse.Namespace) -> list[MarketConfig]:
         )
 
     out = [at("sync", 1.0, 0.0), at("async", 1.0, 0.0)]
+    labels = {setting_label(c) for c in out}
     for r in floats(args.rates):
         for d in floats(args.latencies):
             c = at("async", r, d)
-            if setting_label(c) not in {setting_label(x) for x in out}:
+            if setting_label(c) not in labels:
+                labels.add(setting_label(c))
                 out.append(c)
     if args.fix:
         top = max(floats(args.rates))

@@ -72,27 +72,37 @@ class EventLogError(ValueError):
     """A metrics.jsonl line that is not an event, before the log's last line."""
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
+def read_events(path: Path, *, skip_bad: bool = False) -> list[dict[str, Any]]:
     """All whole events of a metrics.jsonl file.
 
     A last line without its newline (a write in flight, or a process killed mid-write) is left
     out. A line before it that is not a JSON object raises :class:`EventLogError` naming the
     file and the line number (the line itself is not echoed: it may be long).
+
+    With ``skip_bad`` (a log a crash may have torn anywhere, e.g. appended to after it: plots,
+    the pipeline trainer's resume), every line that reads as a JSON object is an event, the
+    last one too, and any other line is skipped.
     """
     with open(path, "rb") as f:
         data = f.read()
     lines = data.split(b"\n")
     # The piece after the last newline: empty for a whole log, a torn line otherwise.
-    lines.pop()
+    tail = lines.pop()
+    if skip_bad:
+        lines.append(tail)
     out: list[dict[str, Any]] = []
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
-            ev = json.loads(raw.decode("utf-8"))
+            ev = json.loads(raw.decode("utf-8", errors="replace" if skip_bad else "strict"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if skip_bad:
+                continue
             raise EventLogError(f"{path}: line {n} is not a JSON event ({type(e).__name__})") from e
         if not isinstance(ev, dict):
+            if skip_bad:
+                continue
             raise EventLogError(f"{path}: line {n} is not a JSON object")
         out.append(ev)
     return out

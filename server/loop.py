@@ -185,7 +185,7 @@ class AsyncServer:
         if job_id is None:
             job_id = self.jobs.new_job_id()
         base_version = self.version if base_version is None else base_version
-        if base_version not in self.jobs.sent and base_version != self.version:
+        if not self._base_kept(base_version):
             # a resumed job whose weights were dropped (server.corrections.max_snapshots): it
             # is sent the current model instead, as of the current version
             log.info("job %d of silo %d re-sent at version %d", job_id, silo, self.version)
@@ -202,6 +202,11 @@ class AsyncServer:
             timing = (jt.dispatched_at, jt.finishes_at)
         keep = self.faults.replay_pending(silo)
         self._push_train(silo, job_id, base_version, params, timing, fault=fault, keep=keep)
+
+    def _base_kept(self, version: int) -> bool:
+        """Whether jobs of base ``version`` can be sent that version's weights (the current
+        model, or weights kept for jobs sent earlier; see server.corrections.max_snapshots)."""
+        return version == self.version or version in self.jobs.sent
 
     def _push_train(
         self,
@@ -348,14 +353,14 @@ class AsyncServer:
         ``run.max_versions``)."""
         if self.started_at is None:
             self.started_at = self.clock.now  # 0 on the virtual clock
-        budget, max_v = self.deadline, self.cfg.run.max_versions
+        budget = self.deadline
         for silo in sorted(self.roster):
             self._budget_refuses(silo)  # a ledger kept across runs may be spent already
         if not self.inflight:
             for silo in sorted(self.roster):
                 self.dispatch(silo)
         while True:
-            if max_v is not None and self.version >= max_v:
+            if self._at_cap():
                 break
             if self.erasure is not None:
                 self.erasure.poll()
@@ -384,7 +389,7 @@ class AsyncServer:
             # simultaneous replies in job order: message ids are random (uuid4), and folding
             # in their order made a seed's run differ in the last bits from one run to the next
             for mid in sorted(due, key=lambda m: self.inflight[m].job_id):
-                if max_v is not None and self.version >= max_v:
+                if self._at_cap():
                     # the cap is exact: replies that came in the same poll as the one that
                     # reached it are left, like any reply still out when a run ends
                     break
@@ -394,11 +399,16 @@ class AsyncServer:
             if self.barrier:
                 if not self.inflight:
                     self._close_round()
-            elif max_v is None or self.version < max_v:
+            elif not self._at_cap():
                 for silo in sorted(ready):
                     self.dispatch(silo)
             self.jobs.prune_sent()
             self._tick()
+
+    def _at_cap(self) -> bool:
+        """The run made ``run.max_versions`` versions."""
+        cap = self.cfg.run.max_versions
+        return cap is not None and self.version >= cap
 
     def _wait_due(self) -> list[str] | None:
         entered = time.monotonic()
@@ -725,13 +735,9 @@ class AsyncServer:
         log.info(
             "resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now
         )
-
         # jobs whose base weights the checkpoint kept go out first, as they were: re-sending a
         # job whose weights were dropped stores the current model, which could evict them
-        def dropped(j: dict[str, Any]) -> bool:
-            return j["base_version"] not in self.jobs.sent and j["base_version"] != self.version
-
-        for j in sorted(jobs, key=dropped):
+        for j in sorted(jobs, key=lambda j: not self._base_kept(j["base_version"])):
             self.dispatch(
                 j["silo"],
                 job_id=j["job_id"],

@@ -45,13 +45,18 @@ PUSH_SLEEP_S = 0.5
 MODULE = "flwr.supernode.start_client_internal"
 
 
+def _source(obj: Any) -> str:
+    """``obj``'s source; "" when there is none to read (absent, or a compiled-only install)."""
+    try:
+        return inspect.getsource(obj) if obj is not None else ""
+    except (OSError, TypeError):
+        return ""
+
+
 def check_sleeps(module: types.ModuleType) -> None:
     """FlowerInternalsMoved unless ``module`` imports ``time`` and calls ``time.sleep(3)`` and
     ``time.sleep(0.5)`` (what ``cap_sleeps`` caps)."""
-    try:
-        source = inspect.getsource(module)
-    except (OSError, TypeError):  # no source to read (a compiled-only install)
-        source = ""
+    source = _source(module)
     found = {
         "import time": getattr(module, "time", None) is time,
         f"time.sleep({IDLE_SLEEP_S})": f"time.sleep({IDLE_SLEEP_S})" in source,
@@ -111,11 +116,7 @@ def fail_stopped_runs(module: types.ModuleType) -> None:
     current = module.pull_objects
     if getattr(current, "fails_stopped_runs", False):
         return
-    fn = getattr(module, "_pull_and_store_message", None)
-    try:
-        source = inspect.getsource(fn) if fn is not None else ""
-    except (OSError, TypeError):
-        source = ""
+    source = _source(getattr(module, "_pull_and_store_message", None))
     needed = ("pull_objects(", "except Exception", "state.finish_task(", "except RunNotRunning")
     missing = [k for k in needed if k not in source]
     if missing:

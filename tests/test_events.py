@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import time
 from pathlib import Path
 
@@ -108,5 +107,16 @@ def test_a_log_killed_mid_line_reads_back_to_its_last_whole_event(tmp_path: Path
     whole = json.dumps({"event": "update", "version": 1}) + "\n"
     with open(path, "ab") as f:  # what a kill between two pieces of one line leaves
         f.write(whole.encode()[:10])
-    assert os.path.getsize(path) > 0
+    assert not path.read_bytes().endswith(b"\n")  # the torn tail is there
     assert read_events(path) == [{"event": "start", "version": 0}]
+
+
+def test_skip_bad_reads_every_whole_object_around_a_line_torn_in_the_middle(tmp_path: Path) -> None:
+    # A crash tore a line, then the resumed run appended after it (the pipeline trainer's case)
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(
+        b'{"event": "a"}\n{"event": "b", "x\n[1]\n\xff\n{"event": "c"}\n{"event": "d"}'
+    )
+    with pytest.raises(EventLogError, match="line 2"):
+        read_events(path)
+    assert [e["event"] for e in read_events(path, skip_bad=True)] == ["a", "c", "d"]

@@ -37,6 +37,7 @@ import torch
 
 from fedasync.checkpoint import load_checkpoint
 from fedasync.errors import CheckpointError, ConfigError
+from fedasync.events import read_events
 from trainers.pipeline.config import PipelineConfig, to_container
 from trainers.pipeline.dist import (
     BatchSource,
@@ -165,15 +166,8 @@ def _resume_step(cfg: PipelineConfig, run_dir: Path) -> int:
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by a crash
-            continue
-    return out
+    # a line torn by a crash stays in the middle once the resumed run appends: skipped
+    return read_events(path, skip_bad=True) if path.exists() else []
 
 
 def _fresh(run_dir: Path) -> None:

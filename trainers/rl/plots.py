@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from fedasync.events import EventLogError, read_events  # noqa: E402
+from fedasync.events import read_events  # noqa: E402
 
 # Rollout bar colours: done groups by behaviour-version parity, failures distinct.
 DONE_EVEN, DONE_ODD = "tab:blue", "lightskyblue"
@@ -36,18 +36,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
         path = path / "metrics.jsonl"
     if not path.is_file():
         return []
-    try:
-        return read_events(path)
-    except EventLogError:  # a corrupt line: plot what can be read
-        out = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(ev, dict):
-                out.append(ev)
-        return out
+    return read_events(path, skip_bad=True)  # a corrupt line: plot what can be read
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
