@@ -241,10 +241,15 @@ def _run_scenario(fed: Federation) -> None:
     # 3. the ServerApp dies once silo 0 trained again and the erasure was applied
     store = fed.run_dir / "erasures.sqlite"
 
-    def applied() -> bool:  # by the restarted silo 0
-        return any(s in ("calibrating", "failed") for _, s in _audit(store))
+    def applied() -> bool:  # by the restarted silo 0, which then trains again
+        trained = any(
+            e["event"] == "update" and e["t"] > obs["restarted_at"]
+            for e in ev
+            if e.get("silo") == 0
+        )
+        return trained and any(s in ("calibrating", "failed") for _, s in _audit(store))
 
-    fed.wait("the erasure applied", applied, 400, tail)
+    fed.wait("the erasure applied and silo 0 training again", applied, 400, tail)
     serverapps = fed.serverapp_pids()
     assert serverapps, "no flwr-serverapp process found"
     for pid in serverapps:
