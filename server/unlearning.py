@@ -88,7 +88,7 @@ from fedasync.unlearning import (
     forget_share_scale,
 )
 from protocol.config import SiloErasure
-from server.erasure.states import State
+from server.erasure.states import State, is_terminal
 from server.intake import JobKind
 from server.unlearn_messages import SiloLost
 
@@ -953,7 +953,22 @@ class ErasureCoordinator:
         and not applied -> the erasure never reached a checkpoint, run it again (the silo
         is sent train.unlearn anew); queued -> picked up by ``poll`` as usual. A request
         resumed mid-erasure (erasing, calibrating) gets an audit row saying so (``note``).
+
+        The store can also be ahead of the checkpoint: a request verified (or failed) after
+        the last checkpoint and before the server died is restored as calibrating. It is done:
+        it leaves the active set instead of being verified a second time (which the lifecycle
+        forbids: verified -> verified), and its verification stays the store's.
         """
+        for rid in list(self.active):
+            done = self.store.get(rid)
+            if done is not None and is_terminal(done.state):
+                log.info(
+                    "erasure %s was %s after the checkpoint this run resumed from: not verified "
+                    "again",
+                    rid,
+                    done.state,
+                )
+                del self.active[rid]
         for req in self.store.unfinished():
             if req.state is State.CALIBRATING:  # applied; verified after its window
                 self.store.note(

@@ -258,6 +258,37 @@ def test_restart_while_calibrating_keeps_the_erasure(small_cfg):
     assert later and all(e["silo"] != 1 for e in later)
 
 
+def test_a_request_verified_after_the_checkpoint_is_not_verified_again(small_cfg):
+    """The store can be ahead of the checkpoint: the server verified the erasure, then died
+    before its next checkpoint. The resumed run (which restores it as calibrating) leaves it
+    verified, once, instead of failing on verified -> verified (seen in a deployment under
+    load: the resumed ServerApp exited with InvalidTransition)."""
+    from server.erasure.states import State
+    from server.erasure.store import ErasureStore
+
+    # Prepare: a checkpoint with the request calibrating; the store moved on to verified
+    common = ("erasures=[{silo: 1, at_s: 5}]", *ERASE, "unlearning.relearn_versions=15")
+    first = small_cfg("run.max_versions=20", *common)
+    run_dir = Path(first.run.out_dir) / first.run.name
+    summary = run_server(InProcessGrid(client_app, 3), first, run_dir)
+    (req,) = summary["erasures"]["requests"]
+    assert req["state"] == "calibrating"
+    with ErasureStore(run_dir / "erasures.sqlite") as store:
+        store.transition(req["id"], State.VERIFIED, actor="server", model_version=20)
+    # Execute: resume past the point where it would be verified again
+    second = small_cfg("run.max_versions=45", "run.resume=true", *common)
+    summary = run_server(InProcessGrid(client_app, 3), second, run_dir)
+    # Assert: verified, by one transition only
+    assert [r["state"] for r in summary["erasures"]["requests"]] == ["verified"]
+    with ErasureStore(run_dir / "erasures.sqlite") as store:
+        verified = [
+            a
+            for a in store.audit(req["id"])
+            if a.action == "transition" and a.to_state is State.VERIFIED
+        ]
+    assert len(verified) == 1
+
+
 def test_drop_rule_rejects_stale_work_without_calibration_too(small_cfg):
     """drop-all-stale is a policy of its own: with the calibration off, work based before the
     boundary is still rejected, and nothing is projected."""
