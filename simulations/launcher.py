@@ -29,7 +29,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fedasync.errors import UserError
+from fedasync.interrupt import Interrupted, exit_now, restore, set_handlers
 from server.config import EngineConfig, FedAsyncConfig
 from server.summary import time_to_target, write_summary
 from simulations.config import to_yaml
@@ -110,26 +110,6 @@ def setup_logging(run_dir: Path, verbose: bool = False) -> None:
     root.propagate = False
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT (Ctrl-C), SIGTERM or SIGHUP arrived: the run stops, cleans up and says where it stopped.
-
-    A KeyboardInterrupt, so that the code it passes through treats it as Ctrl-C."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.run_dir: Path | None = None
-        """The run folder of the run it stopped (the sync baseline's is a subfolder)."""
-        self.server_left_running = False
-        """The ServerApp's thread did not stop in time (busy outside a poll of the grid)."""
-
-    @property
-    def exit_code(self) -> int:
-        """128 + the signal's number, as a shell reports a process the signal ended: 130 SIGINT,
-        143 SIGTERM, 129 SIGHUP."""
-        return 128 + self.signum
-
-
 def _raise_interrupted(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
@@ -137,14 +117,11 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
 def _set_signals(handler: Any) -> dict[int, Any]:
     """Handle SIGINT, SIGTERM and SIGHUP (the terminal closed) with ``handler``; the handlers
     they had. Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    return set_handlers(handler)
 
 
 def _restore_signals(previous: dict[int, Any]) -> None:
-    for s, h in previous.items():
-        signal.signal(s, h)
+    restore(previous)
 
 
 def _init_ray(init_args: dict[str, Any]) -> None:
@@ -368,10 +345,7 @@ def run(
             # would still join every non-daemon thread left in this process: Flower's ServerApp
             # thread when it did not stop in time, and, seen twice in full test suites, some
             # other thread after a clean stop, which held the exit for minutes after this line.
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            exit_now(code)
         return code
     except UserError:
         raise

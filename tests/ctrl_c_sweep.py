@@ -1,0 +1,383 @@
+"""One Ctrl-C always ends a run: SIGINT at many moments of each command, every outcome checked.
+
+    .venv/bin/python tests/ctrl_c_sweep.py                      # every command, 20 moments each
+    .venv/bin/python tests/ctrl_c_sweep.py simulate rl --moments 5
+
+For each command a tiny but real run is timed once without a signal (the reference). Then the
+command is started again ``--moments`` times and sent SIGINT to its whole process group (as a
+terminal sends Ctrl-C) at moments spread evenly from 2% to 98% of the reference's wall time:
+interpreter start-up and imports, Ray or the SuperLink starting, the data loading, training,
+the baseline run, the plots, shutdown. Each time it checks:
+
+- the process ends within 30 s of the signal, exit code 130 (or 0 when the run had already
+  finished, which it then shows: its outputs are all there and it printed no stop line);
+- stderr and stdout hold no traceback, and exactly one line ``fedasync[ <cmd>]: stopped by
+  SIGINT ...`` saying where it stopped and how to resume;
+- when training had started, a checkpoint the line names, which loads;
+- no process of the run is left: every process carries a marker variable of this script, and
+  anything holding the run's folders counts too (Ray's agents).
+
+``simulate`` alternates the erasure service on and off. The results are printed one line per
+moment and written to ``--out``/sweep.json. Exit code 0 when every moment of every command
+passed. ``tests/test_ctrl_c.py`` runs three moments of each command within ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from simulations.processes import alive, pids_with_env  # noqa: E402
+
+MARKER = "FEDASYNC_SWEEP_RUN"
+STOP_WITHIN_S = 30.0
+TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^\w*(Error|Interrupt)\b", re.M)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    from fedasync.events import read_events
+
+    try:
+        return read_events(path, skip_bad=True)
+    except OSError:
+        return []
+
+
+def _any_event(root: Path, kinds: set[str]) -> bool:
+    return any(e.get("event") in kinds for f in root.rglob("metrics.jsonl") for e in _events(f))
+
+
+def _loads(path: Path) -> bool:
+    from fedasync.checkpoint import load_checkpoint
+
+    try:
+        load_checkpoint(path)
+        return True
+    except Exception:
+        return False
+
+
+@dataclass
+class Command:
+    """One command of the sweep: its arguments in a fresh folder, and how to read its outputs."""
+
+    name: str
+    args: Callable[[Path, int], list[str]]
+    """(output folder, moment index) -> the arguments after ``fedasync``."""
+    trained: Callable[[Path], bool]
+    """Whether training had started (a checkpoint is then due)."""
+    checkpoint_ok: Callable[[Path, str], bool]
+    """(output folder, the stop line) -> whether the checkpoint the line names is usable."""
+    finished: Callable[[Path], bool]
+    """Whether the run finished (its summary is there)."""
+    prefix: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _named_checkpoint(line: str) -> Path | None:
+    m = re.search(r"checkpoint (\S+?\.pt)\b", line)
+    return Path(m.group(1)) if m else None
+
+
+def _checkpoint_file_ok(out: Path, line: str) -> bool:
+    path = _named_checkpoint(line)
+    return path is not None and path.exists() and _loads(path)
+
+
+def _simulate_args(out: Path, k: int) -> list[str]:
+    service = ["unlearning.service=true", "unlearning.address=127.0.0.1:0"] if k % 2 else []
+    return [
+        "simulate",
+        *(f"run.out_dir={out}", "run.name=r", "run.compare_sync=true", "run.progress=false"),
+        *("run.budget_s=60", "silos.count=2", "silos.speed_profile=uniform"),
+        *("client.local_steps=2", "client.batch_size=16", "data.max_samples=300"),
+        *("server.eval_every=2", "server.checkpoint_every=0", "server.evaluate_silos=false"),
+        "engine.num_cpus=2",
+        *service,
+    ]
+
+
+def _rl_args(out: Path, k: int) -> list[str]:
+    return ["rl", f"run.out_dir={out}", "run.name=r", "run.max_steps=12", "run.progress=false"]
+
+
+def _pipeline_args(out: Path, k: int) -> list[str]:
+    return [
+        "pipeline",
+        *(f"run.out_dir={out}", "run.name=r", "run.steps=30", "run.progress=false"),
+        *("run.checkpoint_every=5", "run.plots=true"),
+    ]
+
+
+def _market_args(out: Path, k: int) -> list[str]:
+    return [
+        "market",
+        *(f"run.out_dir={out}", "run.name=r", "run.horizon=200", "run.seeds=4"),
+        *("run.workers=2", "run.progress=false", "run.plots=true"),
+    ]
+
+
+def _deploy_args(out: Path, k: int) -> list[str]:
+    return [
+        "deploy",
+        "local",
+        *("--silos", "2", f"run.out_dir={out}", "run.name=r", "run.budget_s=40"),
+        *("data.max_samples=300", "server.evaluate_silos=false", "client.local_steps=2"),
+        "server.checkpoint_every=2",
+    ]
+
+
+def _summary(out: Path) -> bool:
+    return (out / "r" / "summary.json").exists()
+
+
+COMMANDS: dict[str, Command] = {
+    "simulate": Command(
+        "simulate",
+        _simulate_args,
+        trained=lambda out: _any_event(out / "r", {"update"}),
+        checkpoint_ok=_checkpoint_file_ok,
+        finished=_summary,
+    ),
+    "rl": Command(
+        "rl",
+        _rl_args,
+        trained=lambda out: _any_event(out / "r", {"step"}),
+        checkpoint_ok=_checkpoint_file_ok,
+        finished=_summary,
+        prefix="rl",
+    ),
+    "pipeline": Command(
+        "pipeline",
+        _pipeline_args,
+        trained=lambda out: any((out / "r" / "checkpoints").glob("step*_stage*.pt")),
+        checkpoint_ok=lambda out, line: "no checkpoint" in line or "checkpoint" in line,
+        finished=_summary,
+        prefix="pipeline",
+    ),
+    "market": Command(
+        "market",
+        _market_args,
+        trained=lambda out: any((out / "r").rglob("result.json")),
+        checkpoint_ok=lambda out, line: "resume with" in line,
+        finished=_summary,
+        prefix="market",
+    ),
+    "deploy": Command(
+        "deploy",
+        _deploy_args,
+        trained=lambda out: _any_event(out / "r", {"update"}),
+        checkpoint_ok=_checkpoint_file_ok,
+        finished=_summary,
+        prefix="deploy",
+    ),
+}
+
+
+def _fedasync() -> str:
+    exe = Path(sys.executable).parent / "fedasync"
+    return str(exe) if exe.exists() else str(REPO / ".venv" / "bin" / "fedasync")
+
+
+class Started:
+    """A command started in its own session with a marker; its output in files."""
+
+    def __init__(self, cmd: Command, out: Path, k: int) -> None:
+        self.out, self.marker = out, uuid.uuid4().hex
+        out.mkdir(parents=True, exist_ok=True)
+        self.temp = Path(tempfile.mkdtemp(prefix="fa-sweep-", dir="/tmp"))  # short: Ray sockets
+        env = {
+            **os.environ,
+            **cmd.extra_env,
+            "TMPDIR": str(self.temp),
+            "FLWR_HOME": str(out / "flwr-home"),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",
+            MARKER: self.marker,
+        }
+        self.stdout, self.stderr = out / "stdout", out / "stderr"
+        with open(self.stdout, "wb") as o, open(self.stderr, "wb") as e:
+            self.popen = subprocess.Popen(
+                [_fedasync(), *cmd.args(out, k)],
+                cwd=REPO,
+                env=env,
+                stdout=o,
+                stderr=e,
+                start_new_session=True,
+            )
+        self.t0 = time.monotonic()
+
+    def left(self) -> list[int]:
+        """Live processes of this run: its marker, or anything holding its folders."""
+        pids = set(pids_with_env(MARKER, self.marker))
+        folders = (str(self.out), str(self.temp))
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and _holds(entry, folders):
+                pids.add(int(entry.name))
+        pids.discard(os.getpid())
+        return sorted(p for p in pids if alive(p))
+
+    def gone(self, timeout_s: float = 10.0) -> list[int]:
+        deadline = time.monotonic() + timeout_s
+        while (left := self.left()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in self.left():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _holds(proc: Path, folders: tuple[str, ...]) -> bool:
+    try:
+        if any(f.encode() in (proc / "cmdline").read_bytes() for f in folders):
+            return True
+        return any(os.readlink(fd).startswith(folders) for fd in (proc / "fd").iterdir())
+    except OSError:
+        return False
+
+
+def reference(cmd: Command, out: Path, timeout_s: float = 900.0) -> float:
+    """The wall time of an uninterrupted run (which must succeed)."""
+    run = Started(cmd, out, 0)
+    try:
+        rc = run.popen.wait(timeout=timeout_s)
+        wall = time.monotonic() - run.t0
+        if rc != 0:
+            raise RuntimeError(
+                f"{cmd.name}: the reference run exited {rc}:\n{run.stderr.read_text()[-3000:]}"
+            )
+        return wall
+    finally:
+        run.kill()
+
+
+def one_moment(cmd: Command, out: Path, k: int, at_s: float) -> dict[str, Any]:
+    """Start ``cmd``, SIGINT its process group ``at_s`` seconds in, check how it ended."""
+    run = Started(cmd, out, k)
+    problems: list[str] = []
+    result: dict[str, Any] = {"command": cmd.name, "moment": k, "at_s": round(at_s, 2)}
+    try:
+        while time.monotonic() - run.t0 < at_s and run.popen.poll() is None:
+            time.sleep(0.02)
+        ended_first = run.popen.poll() is not None
+        trained = cmd.trained(out)
+        sent = time.monotonic()
+        if not ended_first:
+            os.killpg(run.popen.pid, signal.SIGINT)
+        try:
+            rc = run.popen.wait(timeout=STOP_WITHIN_S)
+            result["stop_s"] = round(time.monotonic() - sent, 2)
+        except subprocess.TimeoutExpired:
+            os.kill(run.popen.pid, signal.SIGABRT)  # faulthandler prints every thread's stack
+            rc = None
+            problems.append(f"no exit within {STOP_WITHIN_S:g} s")
+        time.sleep(0.2)
+        err = run.stderr.read_text(errors="replace")
+        outs = run.stdout.read_text(errors="replace")
+        lead = f"fedasync {cmd.prefix}: stopped by" if cmd.prefix else "fedasync: stopped by"
+        stops = [ln for ln in err.splitlines() if "stopped by" in ln]
+        result.update(rc=rc, trained=trained, line=stops[0][:300] if stops else None)
+        if rc == 0:
+            if not cmd.finished(out):
+                problems.append("exit 0 without a finished run")
+            if stops:
+                problems.append("exit 0 with a stop line")
+        elif rc is not None:
+            if rc != 130:
+                problems.append(f"exit code {rc}, not 130")
+            if len(stops) != 1:
+                problems.append(f"{len(stops)} stop lines, not one")
+            elif not (stops[0].startswith(lead) or stops[0].startswith("fedasync: stopped by")):
+                problems.append(f"the stop line does not start {lead!r}")
+            elif trained and not cmd.checkpoint_ok(out, stops[0]):
+                problems.append("training had started but the line names no usable checkpoint")
+        if TRACEBACK.search(err) or TRACEBACK.search(outs):
+            problems.append("a traceback or an exception name in the output")
+        left = run.gone()
+        if left:
+            problems.append(f"processes left: {left}")
+        if problems:
+            result["stderr_tail"] = err[-2000:]
+    finally:
+        run.kill()
+    result["problems"] = problems
+    result["ok"] = not problems
+    return result
+
+
+def sweep(name: str, out: Path, moments: int, wall_s: float | None = None) -> list[dict[str, Any]]:
+    """Every moment of one command; ``wall_s``: the reference's wall time (measured if None)."""
+    cmd = COMMANDS[name]
+    if wall_s is None:
+        wall_s = reference(cmd, out / "reference")
+    fractions = [0.02 + 0.96 * i / max(moments - 1, 1) for i in range(moments)]
+    return [one_moment(cmd, out / f"m{k:02d}", k, f * wall_s) for k, f in enumerate(fractions)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; 0 when every moment of every command passed."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("commands", nargs="*", help=f"of {', '.join(COMMANDS)} (default: all)")
+    p.add_argument("--moments", type=int, default=20)
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "ctrl-c-sweep")
+    args = p.parse_args(argv)
+    unknown = [c for c in args.commands if c not in COMMANDS]
+    if unknown:
+        p.error(f"unknown command {unknown[0][:50]!r}; choose from {', '.join(COMMANDS)}")
+    all_results: dict[str, Any] = {}
+    bad = 0
+    for name in args.commands or list(COMMANDS):
+        out = args.out / name
+        shutil.rmtree(out, ignore_errors=True)
+        wall = reference(COMMANDS[name], out / "reference")
+        print(f"{name}: reference run {wall:.1f} s", flush=True)
+        results = sweep(name, out, args.moments, wall)
+        for r in results:
+            state = "ok" if r["ok"] else "FAIL " + "; ".join(r["problems"])
+            print(
+                f"  {name} moment {r['moment']:2d} at {r['at_s']:6.1f} s: exit {r['rc']}, "
+                f"stopped in {r.get('stop_s', float('nan')):.1f} s, trained {r['trained']}: "
+                f"{state}",
+                flush=True,
+            )
+        passed = sum(r["ok"] for r in results)
+        bad += len(results) - passed
+        print(f"{name}: {passed}/{len(results)} moments passed", flush=True)
+        all_results[name] = {"reference_s": wall, "results": results}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sweep.json").write_text(json.dumps(all_results, indent=1) + "\n")
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
