@@ -5,8 +5,11 @@ BIN    := $(VENV)/bin
 # CPU build of torch (takes seconds here, never a CUDA build). GPU users: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers: three on two cores, since most slow tests wait on the processes they
+# start (Flower's SuperLink and SuperNodes, Ray) rather than compute (docs/testing.md)
+WORKERS ?= 3
 
-.PHONY: install data demo test lint unit clean proto
+.PHONY: install data demo test lint unit coverage clean proto
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +32,22 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# `serial` tests make orphaned processes that another test's start-up sweep would take: alone, first
 unit: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "serial and not slow"
+	$(BIN)/python -m pytest -m "not slow and not serial" -n $(WORKERS)
 
 test: data lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m serial
+	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --durations=25
+
+# line coverage of the seven packages, subprocesses included (runs/coverage/)
+coverage: data
+	rm -rf runs/coverage && mkdir -p runs/coverage
+	$(BIN)/python -m coverage run -m pytest -m serial
+	$(BIN)/python -m coverage run -m pytest -m "not serial" -n $(WORKERS)
+	$(BIN)/python -m coverage combine -q
+	$(BIN)/python -m coverage report --precision=2 | tail -1
 
 proto: $(STAMP)
 	$(BIN)/python -m server.erasure.gen_proto

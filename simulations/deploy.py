@@ -43,7 +43,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +53,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fedasync.events import json_safe
+from fedasync.events import json_safe, read_events
+from fedasync.interrupt import (
+    raise_interrupted,
+    restore,
+    resume_command,
+    set_handlers,
+    shielded,
+    signal_of,
+    stop_line,
+)
 from protocol.keys import DATALIST, PRIVACY_DB
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
@@ -79,10 +87,6 @@ FEDERATION = "fedasync-local"
 
 class DeployError(RuntimeError):
     """The deployment could not start or the run did not finish."""
-
-
-class Interrupted(Exception):
-    """SIGTERM (or SIGHUP) arrived: stop like on Ctrl-C."""
 
 
 def free_ports(k: int) -> list[int]:
@@ -312,32 +316,6 @@ def start_superlink(procs: Processes, work: Path, paths: CertPaths) -> tuple[Pro
     return link, port
 
 
-def _trap_signals() -> dict[int, Any]:
-    """SIGTERM and SIGHUP raise Interrupted (SIGINT raises KeyboardInterrupt already), so that
-    the caller's ``finally`` stops the processes. Only possible in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Interrupted(signal.Signals(signum).name)
-
-    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-
-
-def _shield_signals() -> dict[int, Any]:
-    """Ignore SIGINT/SIGTERM/SIGHUP while stopping (a second Ctrl-C must not leave orphans)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {
-        s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    }
-
-
-def _restore_signals(previous: dict[int, Any]) -> None:
-    for s, h in previous.items():
-        signal.signal(s, h)
-
-
 def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> FedAsyncConfig:
     """The erasure service of a deployment: TLS with the SuperLink's certificate (unless the
     config names one), and per-silo credentials made once in ``folder`` and kept for a resumed
@@ -444,7 +422,7 @@ def deploy_local(
     sync_warning = sync_comparison_warning(cfg)
     if sync_warning is not None:
         echo(sync_warning)
-    previous = _trap_signals()
+    previous = set_handlers(raise_interrupted)  # Ctrl-C, SIGTERM, SIGHUP: Interrupted
     try:
         link, link_port = start_superlink(procs, work, paths)
         echo(f"SuperLink on 127.0.0.1:{link_port} (TLS, SuperNode authentication); logs in {work}/")
@@ -517,14 +495,13 @@ def deploy_local(
                 f"see {flwr_run.log} and {run_dir / 'run.log'}"
             )
     finally:
-        shielded = _shield_signals()
         t_stop = time.monotonic()
         try:
-            left = procs.stop(grace_s)
+            with shielded():  # a second Ctrl-C must not leave processes behind
+                left = procs.stop(grace_s)
             stop_s = time.monotonic() - t_stop
         finally:
-            _restore_signals(shielded)
-            _restore_signals(previous)
+            restore(previous)
         if left:
             echo(f"fedasync deploy: processes {left} are still running")
     summary: dict[str, Any] = json.loads(summary_path.read_text())
@@ -546,6 +523,33 @@ def deploy_local(
     (run_dir / "deploy.json").write_text(json.dumps(json_safe(deployment), indent=2) + "\n")
     summary["deployment"] = deployment
     return summary
+
+
+def _where_deploy(cfg: FedAsyncConfig) -> str:
+    from simulations.launcher import where_stopped
+
+    return where_stopped(Path(cfg.run.out_dir).resolve() / cfg.run.name)
+
+
+def _resume_deploy(cfg: FedAsyncConfig, args: argparse.Namespace) -> str:
+    """The checkpoint a resumed deployment starts from (the ServerApp writes one every
+    ``server.checkpoint_every`` versions) and the command; every process was stopped."""
+    run_dir = Path(cfg.run.out_dir).resolve() / cfg.run.name
+    ckpt = run_dir / "checkpoint.pt"
+    if not ckpt.exists():
+        return (
+            "no checkpoint yet: run it again to start afresh; every process it started was stopped"
+        )
+    try:
+        saved = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "checkpoint"]
+    except (OSError, ValueError):
+        saved = []
+    at = f" (version {saved[-1]['version']})" if saved else ""
+    flags = [f"--workers={args.workers}"] if args.workers != "warm" else []
+    flags += [f"--certs={args.certs}"] if args.certs is not None else []
+    flags += [f"--privacy-dir={args.privacy_dir}"] if args.privacy_dir is not None else []
+    command = resume_command("deploy local", str(run_dir / "config.yaml"), flags)
+    return f"checkpoint {ckpt}{at}; resume with: {command}; every process it started was stopped"
 
 
 def cpu_by_role(cpu: dict[str, float]) -> dict[str, float]:
@@ -609,12 +613,11 @@ def run(args: argparse.Namespace) -> int:
     except (DeployError, NodeError) as e:
         print(f"fedasync deploy: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("fedasync deploy: interrupted; every process it started was stopped", file=sys.stderr)
-        return 130
-    except Interrupted as e:
-        print(f"fedasync deploy: {e}; every process it started was stopped", file=sys.stderr)
-        return 143
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: every process was stopped
+        print(
+            stop_line("deploy", e, _where_deploy(cfg), _resume_deploy(cfg, args)), file=sys.stderr
+        )
+        return signal_of(e)[1]
     run_dir = Path(cfg.run.out_dir).resolve() / cfg.run.name  # as deploy_local's prepare has it
     print_result(summary, run_dir)
     why = no_version_reason(summary, run_dir)

@@ -337,7 +337,10 @@ def run(
     except KeyboardInterrupt as e:  # Interrupted, or Ctrl-C before its handler was set
         stopped = e.run_dir if isinstance(e, Interrupted) and e.run_dir else run_dir
         name = e.args[0] if isinstance(e, Interrupted) else "SIGINT"
-        print(f"fedasync: stopped by {name} {_where(stopped)}; {_resume(run_dir)}", file=sys.stderr)
+        print(
+            f"fedasync: stopped by {name} {where_stopped(stopped)}; {_resume(run_dir)}",
+            file=sys.stderr,
+        )
         code = e.exit_code if isinstance(e, Interrupted) else 130
         if isinstance(e, Interrupted):
             # Everything the run started is stopped by now (run_engine's finally: the ServerApp
@@ -354,7 +357,7 @@ def run(
         while e.__cause__ is not None and isinstance(e.__cause__, Exception):
             e = e.__cause__  # Flower wraps what went wrong in RuntimeErrors of its own
         print(
-            f"fedasync: the run failed {_where(run_dir)}: {type(e).__name__}: {e}; "
+            f"fedasync: the run failed {where_stopped(run_dir)}: {type(e).__name__}: {e}; "
             f"traceback in {run_dir / 'run.log'}",
             file=sys.stderr,
         )
@@ -363,8 +366,9 @@ def run(
         _restore_signals(handlers)
 
 
-def _where(run_dir: Path) -> str:
-    """'at version V (t=T s virtual)' from the run's event log, or 'before training'."""
+def where_stopped(run_dir: Path) -> str:
+    """'at version V (t=T s virtual)' from the run's event log, or 'before training' (also
+    what ``deploy local`` says when a signal stopped it, with the wall clock)."""
     from fedasync.events import read_events
 
     try:

@@ -33,3 +33,15 @@ def small_cfg(tmp_path):
         return load_config(None, base + list(overrides))
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """``serial`` tests cannot run beside others (another test's command would sweep their
+    orphaned processes first): under pytest-xdist they are skipped, saying how to run them
+    (``make test`` runs them alone, before the rest)."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    skip = pytest.mark.skip(reason="serial: run alone, `pytest -m serial` (as make test does)")
+    for item in items:
+        if item.get_closest_marker("serial") is not None:
+            item.add_marker(skip)

@@ -281,14 +281,27 @@ def reference(cmd: Command, out: Path, timeout_s: float = 900.0) -> float:
         run.kill()
 
 
-def one_moment(cmd: Command, out: Path, k: int, at_s: float) -> dict[str, Any]:
-    """Start ``cmd``, SIGINT its process group ``at_s`` seconds in, check how it ended."""
+def one_moment(
+    cmd: Command,
+    out: Path,
+    k: int,
+    at_s: float,
+    until: Callable[[Path], bool] | None = None,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Start ``cmd``, SIGINT its process group ``at_s`` seconds in (or, with ``until``, as
+    soon as ``until(out)`` holds), check how it ended."""
     run = Started(cmd, out, k)
     problems: list[str] = []
     result: dict[str, Any] = {"command": cmd.name, "moment": k, "at_s": round(at_s, 2)}
     try:
-        while time.monotonic() - run.t0 < at_s and run.popen.poll() is None:
-            time.sleep(0.02)
+        while run.popen.poll() is None:
+            if until is None and time.monotonic() - run.t0 >= at_s:
+                break
+            if until is not None and (until(out) or time.monotonic() - run.t0 > timeout_s):
+                break
+            time.sleep(0.02 if until is None else 0.2)
+        result["at_s"] = round(time.monotonic() - run.t0, 2)
         ended_first = run.popen.poll() is not None
         trained = cmd.trained(out)
         sent = time.monotonic()
@@ -306,7 +319,7 @@ def one_moment(cmd: Command, out: Path, k: int, at_s: float) -> dict[str, Any]:
         outs = run.stdout.read_text(errors="replace")
         lead = f"fedasync {cmd.prefix}: stopped by" if cmd.prefix else "fedasync: stopped by"
         stops = [ln for ln in err.splitlines() if "stopped by" in ln]
-        result.update(rc=rc, trained=trained, line=stops[0][:300] if stops else None)
+        result.update(rc=rc, trained=trained, line=stops[0][:2000] if stops else None)
         if rc == 0:
             if not cmd.finished(out):
                 problems.append("exit 0 without a finished run")

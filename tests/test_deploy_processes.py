@@ -243,6 +243,7 @@ def test_deploy_local_gives_supernodes_ledgers_and_says_sync_is_not_run(
         assert warned == [] and recorded["compare_sync"] is False
 
 
+@pytest.mark.serial  # another test's command would sweep these orphans first
 def test_what_a_killed_deploy_driver_started_is_swept_by_the_next_command(tmp_path):
     # Prepare: a driver that starts a tree (one part detached, as Flower's SuperExec) and is
     # then killed before it can stop it

@@ -278,6 +278,7 @@ def test_an_exception_in_the_run_is_one_line_and_the_traceback_is_in_the_log(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # another test's run would sweep these orphans first
 def test_a_killed_driver_leaves_orphans_that_the_next_run_stops(tmp_path):
     # Prepare: a run whose driver is killed
     killed = Run(tmp_path / "killed", "run.budget_s=100000")
@@ -325,6 +326,7 @@ def _session(tmp: Path, name: str, owner: str | None) -> Path:
     return session
 
 
+@pytest.mark.serial  # another test's run would sweep the fake orphan first
 def test_the_sweep_stops_only_processes_whose_fedasync_driver_is_gone(tmp_path):
     # Prepare: a driver that is gone (a child that exited), and this live one
     dead = subprocess.Popen(["true"])
@@ -376,6 +378,7 @@ def test_a_recycled_pid_is_not_a_live_owner():
     assert not processes.owner_alive(os.getpid(), 10**9)  # 1970: a process that was long gone
 
 
+@pytest.mark.serial  # another test's run would sweep the fake orphan first
 def test_a_ray_process_that_lost_its_marker_is_found_by_the_files_it_holds(tmp_path):
     # Prepare: a process titled like Ray's agents, without the variable, holding a session log
     dead = subprocess.Popen(["true"])
