@@ -198,7 +198,13 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
                     ending.server_left_running = True
             if ray.is_initialized():
                 ray.shutdown()
-            stop_session_processes(ray_tmp, grace_s=10.0 if sys.exc_info()[0] is None else 3.0)
+            # after a signal or an error Ray had no chance to stop its own: expected, run.log only
+            cut_short = sys.exc_info()[0] is not None
+            stop_session_processes(
+                ray_tmp,
+                grace_s=3.0 if cut_short else 10.0,
+                level=logging.INFO if cut_short else logging.WARNING,
+            )
             if previous is None:
                 os.environ.pop(SESSION_ENV, None)
             else:
@@ -337,10 +343,13 @@ def run(
     except KeyboardInterrupt as e:  # Interrupted, or Ctrl-C before its handler was set
         stopped = e.run_dir if isinstance(e, Interrupted) and e.run_dir else run_dir
         name = e.args[0] if isinstance(e, Interrupted) else "SIGINT"
-        print(
-            f"fedasync: stopped by {name} {where_stopped(stopped)}; {_resume(run_dir)}",
-            file=sys.stderr,
-        )
+        where = where_stopped(stopped)
+        if stopped != run_dir:  # in the sync baseline: the run itself had finished
+            where = (
+                f"in the sync baseline {where}, after the {cfg.server.mode} run finished "
+                f"{where_stopped(run_dir)}"
+            )
+        print(f"fedasync: stopped by {name} {where}; {_resume(run_dir)}", file=sys.stderr)
         code = e.exit_code if isinstance(e, Interrupted) else 130
         if isinstance(e, Interrupted):
             # Everything the run started is stopped by now (run_engine's finally: the ServerApp

@@ -390,15 +390,40 @@ def sweep_orphans(grace_s: float = 2.0) -> dict[int, Orphan]:
     return found
 
 
-def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
+def session_pids(session: str) -> list[int]:
+    """Live processes of the private Ray whose temp folder is ``session``: those that carry its
+    marker variable and Ray's agents that lost it but hold its files (the DashboardAgent and
+    RuntimeEnvAgent that a raylet stopped mid-start leaves behind: seen after a Ctrl-C while
+    Ray was starting)."""
+    found = set(pids_with_env(RAY_SESSION_ENV, session))
+    me, uid, want = os.getpid(), os.getuid(), Path(session)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in found or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if _ray_session_of(pid, _environ(pid)) == want and alive(pid):
+            found.add(pid)
+    return sorted(found)
+
+
+def stop_session_processes(
+    session: str, grace_s: float = 10.0, level: int = logging.WARNING
+) -> None:
     """Stop, by pid, every process of this run's Ray session.
 
     Every process of a private Ray (GCS, raylet, and the workers, which Ray re-parents to
-    init) inherits ``FEDASYNC_RAY_SESSION=<session>`` from this process. An attached cluster's
+    init) inherits ``FEDASYNC_RAY_SESSION=<session>`` from this process; Ray's agents that lost
+    it are found by the files they hold (``session_pids``). An attached cluster's
     processes were started by ``ray start``, not by us, and never carry it: they are left alone.
     ``ray.shutdown()`` asks a private Ray's processes to exit but does not wait for the
     workers; a leftover one could outlive the command and hang CI. Wait ``grace_s``, then
-    SIGTERM, then SIGKILL what is left. Linux only (/proc).
+    SIGTERM, then SIGKILL what is left, logged at ``level`` (INFO after a Ctrl-C, when
+    leftovers are expected). Linux only (/proc).
     """
     if not Path("/proc").is_dir():
         return
@@ -406,7 +431,7 @@ def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
     signals = [signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]
     quiet = 0
     while quiet < 2:  # two scans in a row with nothing left: a worker spawned late is caught
-        left = pids_with_env(RAY_SESSION_ENV, session)
+        left = session_pids(session)
         if not left:
             quiet += 1
             time.sleep(0.3)
@@ -419,7 +444,9 @@ def stop_session_processes(session: str, grace_s: float = 10.0) -> None:
             log.error("Ray processes %s survived SIGKILL", left)
             return
         sig = signals.pop(0)
-        log.warning("stopping %d leftover Ray process(es) with %s: %s", len(left), sig.name, left)
+        log.log(
+            level, "stopping %d leftover Ray process(es) with %s: %s", len(left), sig.name, left
+        )
         for pid in left:
             try:
                 os.kill(pid, sig)

@@ -7,7 +7,9 @@ For each command a tiny but real run is timed once without a signal (the referen
 command is started again ``--moments`` times and sent SIGINT to its whole process group (as a
 terminal sends Ctrl-C) at moments spread evenly from 2% to 98% of the reference's wall time:
 interpreter start-up and imports, Ray or the SuperLink starting, the data loading, training,
-the baseline run, the plots, shutdown. Each time it checks:
+the baseline run, the plots, shutdown; and, for moments a time hits only by luck, as soon as a
+phase begins (``simulate``: its sync baseline starting, training, its plots). Each time it
+checks:
 
 - the process ends within 30 s of the signal, exit code 130 (or 0 when the run had already
   finished, which it then shows: its outputs are all there and it printed no stop line);
@@ -88,6 +90,8 @@ class Command:
     """Whether the run finished (its summary is there)."""
     prefix: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+    phases: dict[str, Callable[[Path], bool]] = field(default_factory=dict)
+    """Late moments a time fraction hits only by luck: a signal as soon as each holds."""
 
 
 def _named_checkpoint(line: str) -> Path | None:
@@ -154,6 +158,11 @@ COMMANDS: dict[str, Command] = {
         trained=lambda out: _any_event(out / "r", {"update"}),
         checkpoint_ok=_checkpoint_file_ok,
         finished=_summary,
+        phases={
+            "baseline starting": lambda out: (out / "r" / "baseline-sync").exists(),
+            "baseline training": lambda out: _any_event(out / "r" / "baseline-sync", {"update"}),
+            "plots": lambda out: (out / "r" / "baseline-sync" / "summary.json").exists(),
+        },
     ),
     "rl": Command(
         "rl",
@@ -257,6 +266,17 @@ class Started:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
+def _names(pids: list[int]) -> dict[int, str]:
+    """What each process is: its command line's start."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:80].decode()
+        except OSError:
+            out[pid] = "(gone)"
+    return out
+
+
 def _holds(proc: Path, folders: tuple[str, ...]) -> bool:
     try:
         if any(f.encode() in (proc / "cmdline").read_bytes() for f in folders):
@@ -338,7 +358,7 @@ def one_moment(
             problems.append("a traceback or an exception name in the output")
         left = run.gone()
         if left:
-            problems.append(f"processes left: {left}")
+            problems.append(f"processes left: {_names(left)}")
         if problems:
             result["stderr_tail"] = err[-2000:]
     finally:
@@ -349,12 +369,20 @@ def one_moment(
 
 
 def sweep(name: str, out: Path, moments: int, wall_s: float | None = None) -> list[dict[str, Any]]:
-    """Every moment of one command; ``wall_s``: the reference's wall time (measured if None)."""
+    """Every moment of one command: its phases (``Command.phases``) and the rest at times
+    spread from 2% to 98% of ``wall_s``, the reference's wall time (measured if None)."""
     cmd = COMMANDS[name]
     if wall_s is None:
         wall_s = reference(cmd, out / "reference")
-    fractions = [0.02 + 0.96 * i / max(moments - 1, 1) for i in range(moments)]
-    return [one_moment(cmd, out / f"m{k:02d}", k, f * wall_s) for k, f in enumerate(fractions)]
+    phases = list(cmd.phases.items())[:moments]
+    timed = moments - len(phases)
+    fractions = [0.02 + 0.96 * i / max(timed - 1, 1) for i in range(timed)]
+    results = [one_moment(cmd, out / f"m{k:02d}", k, f * wall_s) for k, f in enumerate(fractions)]
+    for j, (label, until) in enumerate(phases):
+        k = timed + j
+        r = one_moment(cmd, out / f"m{k:02d}", k, 0.0, until=until)
+        results.append({**r, "phase": label})
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             state = "ok" if r["ok"] else "FAIL " + "; ".join(r["problems"])
             print(
-                f"  {name} moment {r['moment']:2d} at {r['at_s']:6.1f} s: exit {r['rc']}, "
+                f"  {name} moment {r['moment']:2d} at {r['at_s']:6.1f} s"
+                + (f" ({r['phase']})" if "phase" in r else "")
+                + f": exit {r['rc']}, "
                 f"stopped in {r.get('stop_s', float('nan')):.1f} s, trained {r['trained']}: "
                 f"{state}",
                 flush=True,
