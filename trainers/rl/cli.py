@@ -3,16 +3,32 @@
 Prints one line per outcome and writes the run folder: metrics.jsonl (one ``step`` event per
 learner step, ``eval``, ``rollout``, ``drop``, ``reject``, ``checkpoint``), summary.json and,
 with ``run.plots``, PNGs. Config errors are one line, exit 2 (``fedasync.errors.UserError``).
+
+Ctrl-C (SIGINT), SIGTERM or SIGHUP at any moment: the run stops at its next safe point and
+writes ``checkpoint.pt`` (``trainers.rl.engine.RLRun.step_loop``), its backends are closed
+(every Ray process it started is gone), and one line on stderr says where it stopped, the
+checkpoint and the command that resumes from it (or that there is none yet); exit 128 + the
+signal's number (130, 143, 129), without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fedasync.interrupt import (
+    Interrupted,
+    exit_now,
+    interruptible,
+    resume_or_afresh,
+    shielded,
+    signal_of,
+    stop_line,
+)
 from trainers.rl.config import RLConfig, load_rl_config
 
 log = logging.getLogger("fedasync.rl")
@@ -53,21 +69,36 @@ def make_backend(cfg: RLConfig) -> Any:
 
 
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
-    """Run ``cfg`` and return its summary (also in ``<out_dir>/<name>/summary.json``)."""
+    """Run ``cfg`` and return its summary (also in ``<out_dir>/<name>/summary.json``).
+
+    A signal (handled by the caller, e.g. :func:`fedasync.interrupt.interruptible`) ends it
+    with :class:`fedasync.interrupt.Interrupted` once every process it started is stopped;
+    the exception says where it stopped and the checkpoint to resume from."""
     from trainers.rl.engine import RLRun
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     cfg, backend = with_backend(cfg)
     try:
-        summary = RLRun(cfg, run_dir, backend).run()
-    except BaseException:
-        if backend is not None:
-            backend.close()  # idempotent: the run may have closed it already
+        run = RLRun(cfg, run_dir, backend)
+        summary = run.run()
+    except BaseException as e:
+        if backend is not None:  # idempotent: the run may have closed it already
+            if isinstance(e, KeyboardInterrupt):
+                with shielded():
+                    backend.close()
+            else:
+                backend.close()
         raise
     if cfg.run.plots:
         from trainers.rl.plots import plot_run
 
-        summary["plots"] = [str(p) for p in plot_run(run_dir)]
+        try:
+            summary["plots"] = [str(p) for p in plot_run(run_dir)]
+        except KeyboardInterrupt as e:
+            run.phase = "plots"
+            run.save_finished()
+            run.note_stop(e)
+            raise
     return summary
 
 
@@ -80,11 +111,17 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``fedasync rl``; the exit code."""
+    """Run ``fedasync rl``; the exit code. A signal ends the process here (module docstring)."""
     if args.verbose:
         logging.getLogger("fedasync").setLevel(logging.INFO)
-    cfg = load_rl_config(args.config, args.overrides)  # a UserError: one line, exit 2
-    s = run_rl(cfg)
+    cfg: RLConfig | None = None
+    try:
+        with interruptible():
+            cfg = load_rl_config(args.config, args.overrides)  # a UserError: one line, exit 2
+            s = run_rl(cfg)
+    except KeyboardInterrupt as e:
+        print(_stopped(args, cfg, e), file=sys.stderr)
+        exit_now(signal_of(e)[1])
     ttt = s["time_to_target_s"]
     print(
         f"rl {s['mode']} ({s['correction']}, S={s['max_staleness']}, {s['workers']} workers, "
@@ -101,3 +138,13 @@ def run(args: argparse.Namespace) -> int:
         f"{Path(cfg.run.out_dir) / cfg.run.name}"
     )
     return 0
+
+
+def _stopped(args: argparse.Namespace, cfg: RLConfig | None, e: KeyboardInterrupt) -> str:
+    """The stop line: where, the checkpoint and the command that resumes (or that none is)."""
+    where = (e.where if isinstance(e, Interrupted) else "") or "during start-up"
+    ckpt = e.checkpoint if isinstance(e, Interrupted) else None
+    if ckpt is None and cfg is not None and cfg.run.resume:  # stopped before it loaded it
+        path = Path(cfg.run.out_dir) / cfg.run.name / "checkpoint.pt"
+        ckpt = path if path.is_file() else None
+    return stop_line("rl", e, where, resume_or_afresh("rl", args.config, args.overrides, ckpt))

@@ -36,9 +36,13 @@ Time is the core's clock: on the virtual clock a group takes (its generated toke
 ``clock.learn_token_s``; the new version is available when the step ends. On the wall clock
 (Ray actors) both take what they take.
 
-One file (about 1000 lines) because the four schedules, the teacher stage, the two clocks and
-the checkpoint all read and write one scheduling state on :class:`RLRun`, saved and restored
-as a whole; split, each part would reach into that state from another module. The Ray
+A signal (Ctrl-C, SIGTERM, SIGHUP) stops the run at the top of the loop's next pass, where
+the scheduling state is whole, with a checkpoint of it (:meth:`RLRun.step_loop`); the
+:class:`fedasync.interrupt.Interrupted` it raises says where and names the checkpoint.
+
+One file (about 1100 lines) because the four schedules, the teacher stage, the two clocks, the
+checkpoint and the stop all read and write one scheduling state on :class:`RLRun`, saved and
+restored as a whole; split, each part would reach into that state from another module. The Ray
 backends are apart (:mod:`trainers.rl.ray_backend`).
 """
 
@@ -60,6 +64,7 @@ from fedasync.checkpoint import load_checkpoint, save_checkpoint
 from fedasync.clock import VirtualClock, WallClock
 from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
+from fedasync.interrupt import DeferredStop, Interrupted, shielded
 from fedasync.staleness import StalenessBound
 from fedasync.tensors import to_cpu
 from fedasync.versions import VersionedSnapshots, staleness
@@ -74,6 +79,10 @@ log = logging.getLogger("fedasync.rl")
 
 MAX_ATTEMPTS = 2
 """A group whose worker dies this many times is dropped."""
+
+STOP_GRACE_S = 10.0
+"""After a first SIGINT/SIGTERM/SIGHUP the loop stops (and saves) at the top of its next pass;
+if no pass ends within this many seconds, the signal stops it where it is (no new checkpoint)."""
 
 
 @dataclass
@@ -334,6 +343,11 @@ class RLRun:
         self.nan = set(cfg.faults.nan_on_groups)
         self.events: EventLog | None = None
         self.warm: dict[str, float] = {}
+        self.phase = "start-up"
+        """start-up, training, finishing or plots (the stop line says where it stopped)."""
+        self.checkpoint: Path | None = None
+        """The checkpoint a stop can resume from: the last one written or the one resumed."""
+        self.checkpoint_version: int | None = None
 
     # ----------------------------------------------------------------- set-up
     def _measure_costs(self) -> None:
@@ -398,7 +412,9 @@ class RLRun:
         if cfg.run.resume:
             if not ckpt.is_file():
                 raise CheckpointError(f"run.resume=true but {ckpt} does not exist")
+            self.checkpoint = ckpt  # a stop while it loads leaves it as it was
             self._load(ckpt)
+            self.checkpoint_version = self.version
             return
         for name in ("metrics.jsonl", "summary.json", "checkpoint.pt"):
             (self.run_dir / name).unlink(missing_ok=True)
@@ -727,81 +743,119 @@ class RLRun:
         virtual clock the clock moves to the earliest of the step's end, a scoring's end and a
         group's end; on the wall clock what has arrived is taken as it comes. Raises
         RuntimeError when nothing is in flight and nothing can be learnt (a deadlock).
+
+        A first SIGINT, SIGTERM or SIGHUP stops it at the top of the next pass where no learner
+        step is pending (the scheduling state is whole there): ``checkpoint.pt`` is written and
+        :class:`fedasync.interrupt.Interrupted` raised (``at_safe_point``). A second signal, or
+        no such pass within ``STOP_GRACE_S``, raises at once and keeps the last checkpoint. An
+        exception once a stop was asked for (a Ray actor the signal reached) is part of the
+        stop: the Interrupted is raised instead.
         """
-        while not self._done():
-            self._maybe_learn()
-            self._dispatch()
-            jobs = list(self.inflight.values())
-            if self.virtual:
-                self.backend.collect(jobs, wait_all=True, timeout=math.inf)
-                for j in jobs:
-                    self._timed(j)
-                t_score = math.inf
-                if self.scoring:
-                    assert self.teacher_backend is not None
-                    self.teacher_backend.collect(
-                        list(self.scoring.values()), wait_all=True, timeout=math.inf
-                    )
-                    self._time_scores()
-                    t_score = min(j.finishes_at for j in self.scoring.values())
-                t_job = min((j.finishes_at for j in jobs), default=math.inf)
-                t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
-                if t_learn == math.inf and t_job == math.inf and t_score == math.inf:
-                    raise RuntimeError(
-                        f"deadlock at version {self.version}: nothing in flight, nothing to "
-                        f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
-                    )
-                if t_learn <= min(t_job, t_score):
-                    self.clock.advance_to(t_learn)
-                    self._finish_step()
-                    if progress is not None:
-                        progress.update(1)
-                elif t_score <= t_job:
-                    self.clock.advance_to(t_score)
-                    due_scores = sorted(
-                        (j for j in self.scoring.values() if j.finishes_at <= t_score + 1e-12),
-                        key=lambda j: (j.finishes_at, j.job_id),
-                    )
-                    for sj in due_scores:
-                        self._scored(sj)
-                else:
-                    self.clock.advance_to(t_job)
-                    due = sorted(
-                        (j for j in jobs if j.finishes_at <= t_job + 1e-12),
-                        key=lambda j: (j.finishes_at, j.job_id),
-                    )
-                    for j in due:
-                        self._arrive(j)
+        with DeferredStop(STOP_GRACE_S) as stop:
+            try:
+                while not self._done():
+                    if self.learner_done_at is None:
+                        self._stop_here(stop)
+                    self._pass(progress)
+                self._stop_here(stop)  # asked for during the last pass: the run is whole
+            except Interrupted:
+                raise
+            except Exception as e:
+                if stop.requested is None:
+                    raise
+                log.info("during the stop: %s: %s", type(e).__name__, str(e)[:200])
+                raise Interrupted(stop.requested) from None
+
+    def _stop_here(self, stop: DeferredStop) -> None:
+        """A safe point: when a stop was asked for, save the run and raise the Interrupted."""
+        try:
+            stop.check()
+        except Interrupted:
+            with shielded():  # one write; a second Ctrl-C must not tear it
+                self._save(self.run_dir / "checkpoint.pt")
+            raise
+
+    def _pass(self, progress: Any) -> None:
+        """One pass of the loop: learn, dispatch, collect (``step_loop``)."""
+        self._maybe_learn()
+        self._dispatch()
+        jobs = list(self.inflight.values())
+        if self.virtual:
+            self.backend.collect(jobs, wait_all=True, timeout=math.inf)
+            for j in jobs:
+                self._timed(j)
+            t_score = math.inf
+            if self.scoring:
+                assert self.teacher_backend is not None
+                self.teacher_backend.collect(
+                    list(self.scoring.values()), wait_all=True, timeout=math.inf
+                )
+                self._time_scores()
+                t_score = min(j.finishes_at for j in self.scoring.values())
+            t_job = min((j.finishes_at for j in jobs), default=math.inf)
+            t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
+            if t_learn == math.inf and t_job == math.inf and t_score == math.inf:
+                raise RuntimeError(
+                    f"deadlock at version {self.version}: nothing in flight, nothing to "
+                    f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
+                )
+            if t_learn <= min(t_job, t_score):
+                self.clock.advance_to(t_learn)
+                self._finish_step()
+                if progress is not None:
+                    progress.update(1)
+            elif t_score <= t_job:
+                self.clock.advance_to(t_score)
+                due_scores = sorted(
+                    (j for j in self.scoring.values() if j.finishes_at <= t_score + 1e-12),
+                    key=lambda j: (j.finishes_at, j.job_id),
+                )
+                for sj in due_scores:
+                    self._scored(sj)
             else:
-                if not jobs and self.learner_done_at is None and not self.scoring:
-                    raise RuntimeError(
-                        f"deadlock at version {self.version}: nothing in flight, nothing to "
-                        f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
-                    )
-                if self.learner_done_at is not None:
-                    self._finish_step()
-                    if progress is not None:
-                        progress.update(1)
-                    continue
-                if self.scoring:
-                    assert self.teacher_backend is not None
-                    for sj in sorted(
-                        self.teacher_backend.collect(
-                            list(self.scoring.values()), wait_all=False, timeout=0.0
-                        ),
-                        key=lambda j: j.job_id,
-                    ):
-                        sj.finishes_at = self.clock.now
-                        self._scored(sj)
-                wait = 0.05 if jobs else 0.0
-                for j in self.backend.collect(jobs, wait_all=False, timeout=wait):
+                self.clock.advance_to(t_job)
+                due = sorted(
+                    (j for j in jobs if j.finishes_at <= t_job + 1e-12),
+                    key=lambda j: (j.finishes_at, j.job_id),
+                )
+                for j in due:
                     self._arrive(j)
-                if not jobs and self.scoring:
-                    time.sleep(0.02)  # only the teacher is busy: do not spin
+        else:
+            if not jobs and self.learner_done_at is None and not self.scoring:
+                raise RuntimeError(
+                    f"deadlock at version {self.version}: nothing in flight, nothing to "
+                    f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
+                )
+            if self.learner_done_at is not None:
+                self._finish_step()
+                if progress is not None:
+                    progress.update(1)
+                return
+            if self.scoring:
+                assert self.teacher_backend is not None
+                for sj in sorted(
+                    self.teacher_backend.collect(
+                        list(self.scoring.values()), wait_all=False, timeout=0.0
+                    ),
+                    key=lambda j: j.job_id,
+                ):
+                    sj.finishes_at = self.clock.now
+                    self._scored(sj)
+            wait = 0.05 if jobs else 0.0
+            for j in self.backend.collect(jobs, wait_all=False, timeout=wait):
+                self._arrive(j)
+            if not jobs and self.scoring:
+                time.sleep(0.02)  # only the teacher is busy: do not spin
 
     def run(self) -> dict[str, Any]:
         """Start (or resume from ``checkpoint.pt``), train, close the backends; write ``policy.pt``
-        and ``summary.json`` to the run folder and return the summary."""
+        and ``summary.json`` to the run folder and return the summary.
+
+        A signal stops it (``step_loop``) with :class:`fedasync.interrupt.Interrupted`, which
+        says where (``where``) and the checkpoint to resume from (``checkpoint``; None before
+        there is one). One that comes once training is over is taken when the outputs are
+        written: a checkpoint of the finished run is written, and resuming from it writes the
+        outputs again."""
         from tqdm import tqdm
 
         from fedasync.progress import progress
@@ -817,13 +871,48 @@ class RLRun:
                 unit="step",
                 disable=not self.cfg.run.progress,
             )
+            self.phase = "training"
             self.step_loop(bar)
-        finally:
-            if bar is not None:
-                bar.close()
-            if self.teacher_backend is not None:
-                self.teacher_backend.close()
-            self.backend.close()
+        except KeyboardInterrupt as e:
+            with shielded():  # bounded (Ray's stop waits 10 s at most); not cut short
+                self._close(bar, stopping=True)
+            self.note_stop(e)
+            raise
+        except BaseException:
+            self._close(bar, stopping=False)
+            raise
+        self.phase = "finishing"
+        try:
+            with DeferredStop(grace_s=0) as held:  # a signal now waits for the outputs
+                self._close(bar, stopping=False)
+                summary = self._outputs()
+            if held.requested is not None:
+                raise Interrupted(held.requested, at_safe_point=True)
+        except KeyboardInterrupt as e:
+            self.save_finished()
+            self.note_stop(e)
+            raise
+        return summary
+
+    def _close(self, bar: Any, stopping: bool) -> None:
+        """Close the progress bar and the backends; ``stopping``: an error in doing so (a Ray
+        the signal reached) is logged, not raised."""
+        for close in (
+            bar.close if bar is not None else None,
+            self.teacher_backend.close if self.teacher_backend is not None else None,
+            self.backend.close,
+        ):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as e:
+                if not stopping:
+                    raise
+                log.info("closing during the stop: %s: %s", type(e).__name__, str(e)[:200])
+
+    def _outputs(self) -> dict[str, Any]:
+        """``policy.pt``, the ``end`` event and ``summary.json``; the summary."""
         summary = self.summary()
         torch.save(to_cpu(dict(self.policy.state_dict())), self.run_dir / "policy.pt")
         self._write("end", version=self.version, **{k: summary[k] for k in ("final_accuracy",)})
@@ -832,6 +921,34 @@ class RLRun:
             self.events = None
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def save_finished(self) -> Path:
+        """A checkpoint of the finished run (a signal stopped it while it wrote its outputs or
+        drew its plots): resuming from it writes them again. Its path."""
+        path = self.run_dir / "checkpoint.pt"
+        with shielded():
+            if self.events is None:
+                self.events = EventLog(self.run_dir / "metrics.jsonl")
+            self._save(path)
+            self.events.close()
+            self.events = None
+        return path
+
+    def note_stop(self, e: BaseException) -> None:
+        """Say on ``e`` (an Interrupted) where the run stopped and its checkpoint."""
+        if not isinstance(e, Interrupted):
+            return
+        e.run_dir, e.checkpoint = self.run_dir, self.checkpoint
+        if self.phase == "start-up":
+            e.where = "during start-up"
+        elif self.phase == "finishing":
+            e.where = f"after training ({self.version} versions), writing its outputs"
+        elif self.phase == "plots":
+            e.where = f"after training ({self.version} versions), drawing its plots"
+        else:
+            e.where = f"at version {self.version} (t={self.clock.now:.1f} s {self.clock.kind})"
+        if self.checkpoint is not None and self.checkpoint_version not in (None, self.version):
+            e.where += f", the last checkpoint at version {self.checkpoint_version}"
 
     def summary(self) -> dict[str, Any]:
         """The run's numbers: versions, time (s, run clock), accuracies, drops, utilisation."""
@@ -924,6 +1041,7 @@ class RLRun:
             "events_offset": self.events.offset(),
         }
         save_checkpoint(path, state)
+        self.checkpoint, self.checkpoint_version = path, self.version
         self._write("checkpoint", version=self.version, path=str(path))
 
     def _load(self, path: Path) -> None:

@@ -18,6 +18,11 @@ launcher does (temp folder ``fa-ray-*`` with the owner file that
 ``simulations.processes.sweep_orphans`` uses after a killed driver, every Ray process marked
 with ``FEDASYNC_RAY_SESSION``) and ``close()`` stops it and waits, by pid, until none of its
 processes is left. When Ray already runs, ``close()`` kills only this backend's actors.
+``ray.init`` replaces SIGTERM's handler with its own: the command's handlers of SIGINT,
+SIGTERM and SIGHUP are put back after it, so a signal stops the run in the engine's own way
+(``trainers.rl.engine.RLRun.step_loop``), which then closes the backend. A Ctrl-C to the
+whole process group leaves Ray's processes running (its workers block SIGINT): the stop is
+the run's, and ``close()`` ends them.
 
 Teachers (on-policy distillation): ``RayTeacherPool`` is the engine's ``TeacherBackend`` on the
 Ray the rollout backend started (it never starts or stops Ray; ``close()`` kills only its own
@@ -53,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedasync.interrupt import STOP_SIGNALS
 from trainers.rl.config import RLConfig
 from trainers.rl.rollout import Group
 from trainers.rl.tasks import Task
@@ -201,8 +207,8 @@ class RayBackend:
             previous = os.environ.get(RAY_SESSION_ENV)
             os.environ[RAY_SESSION_ENV] = self.session  # inherited by every Ray process
             saved: dict[int, Any] = {}
-            if threading.current_thread() is threading.main_thread():
-                saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+            if threading.current_thread() is threading.main_thread():  # the command's own
+                saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             pythonpath = os.pathsep.join(p for p in sys.path if p)
             if os.environ.get("PYTHONPATH"):
                 pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
@@ -225,7 +231,8 @@ class RayBackend:
                     os.environ.pop(RAY_SESSION_ENV, None)
                 else:
                     os.environ[RAY_SESSION_ENV] = previous
-                _restore_signals(saved)  # ray.init replaces SIGTERM's handler with its own
+                # ray.init replaces SIGTERM's handler with its own: the command's go back
+                _restore_signals(saved)
         try:
             self._remote = ray.remote(_RolloutWorker)
             self.actors = [self._new_actor(w) for w in range(self.workers)]
