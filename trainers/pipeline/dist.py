@@ -13,6 +13,15 @@ so no port is taken. Processes are started by ``torch.multiprocessing`` and join
 that fails or dies ends the run with :class:`StageFailed` naming the stage, and the others
 are stopped.
 
+A signal (Ctrl-C reaches every process of the foreground group): the stage processes ignore
+SIGINT (they start with it blocked and then ignore it), and the parent stops them. On the
+first signal the parent asks every stage for a checkpoint of one common step, the step after
+the furthest any stage has made (a shared array: each stage records its last step, and saves
+when it reaches the step asked for), waits until all of them are written (at most
+``STOP_GRACE_S``, or until a second signal), then stops the stages and raises
+:class:`fedasync.interrupt.Interrupted`; the run resumes from the last step every stage saved
+(:func:`latest_checkpoint`).
+
 After each step a rank may write its weights for evaluation (``evals/``) and a checkpoint
 (``checkpoints/``, atomic, through :mod:`fedasync.checkpoint`). At the end it writes
 ``rank{r}.json``: its timeline, measured memory, drift histogram and (last rank) losses.
@@ -35,6 +44,13 @@ from torch import Tensor
 
 from fedasync.checkpoint import load_checkpoint, save_checkpoint
 from fedasync.corrections import DelayErrorFeedback
+from fedasync.interrupt import (
+    DeferredStop,
+    Interrupted,
+    children_start_deaf,
+    ignore_interrupts,
+    shielded,
+)
 from trainers.pipeline.model import GPTConfig, build_stages
 from trainers.pipeline.optim import StageOptimizer
 from trainers.pipeline.schedule import run_order
@@ -108,6 +124,10 @@ class BatchSource:
         return batch(self.stream, self.job.cfg.context, self.job.batch, g)
 
 
+STOP_GRACE_S = 10.0
+"""After a first signal, how long the parent waits for every stage's checkpoint of the step it
+asked for before it stops them anyway (the run then resumes from an earlier checkpoint)."""
+
 TORCH_SCHEDULES = ("torch-gpipe", "torch-1f1b")
 """``torch.distributed.pipelining``'s own ScheduleGPipe / Schedule1F1B, the reference the
 synchronous schedules are checked against."""
@@ -165,15 +185,26 @@ def make_worker(job: PipeJob, rank: int, device: torch.device, on_step: Any = No
 
 
 class StepHook:
-    """After a stage's step: evaluation weights, checkpoint, the injected fault, progress."""
+    """After a stage's step: evaluation weights, checkpoint, the injected fault, progress.
 
-    def __init__(self, job: PipeJob, out: Path, rank: int, queue: Any = None) -> None:
-        self.job, self.out, self.rank, self.queue = job, out, rank, queue
+    ``steps``: a shared array of ``job.stages + 1`` ints (``run_pipeline``'s): the hook records
+    its stage's last step at ``[rank]`` and saves a checkpoint also when the step is the one
+    asked for at ``[stages]`` (a stop's common step; 0: none)."""
+
+    def __init__(
+        self, job: PipeJob, out: Path, rank: int, queue: Any = None, steps: Any = None
+    ) -> None:
+        self.job, self.out, self.rank, self.queue, self.steps = job, out, rank, queue, steps
 
     def __call__(self, w: StageWorker, t: int) -> None:
         """After step ``t`` (0-based) of ``w``: the fault, the eval weights, the checkpoint (keeping
         the newest two) and, from the last stage, the step's mean loss to ``queue``."""
         job, step = self.job, t + 1
+        asked = 0
+        if self.steps is not None:
+            with self.steps.get_lock():
+                self.steps[self.rank] = step
+                asked = self.steps[job.stages]
         if job.kill_stage == self.rank and step == job.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # the injected fault: this stage dies
         if (job.eval_every and step % job.eval_every == 0) or step == job.steps:
@@ -181,7 +212,8 @@ class StepHook:
             path = eval_path(self.out, step, self.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(weights, path)
-        if job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
+        every = job.checkpoint_every and step % job.checkpoint_every == 0
+        if (every or step == asked) and step < job.steps:
             state = {"worker": w.state_dict(), "step": step, "rank": self.rank, "config": job.extra}
             save_checkpoint(checkpoint_path(self.out, step, self.rank), state)
             for old in sorted((self.out / "checkpoints").glob(f"step*_stage{self.rank}.pt"))[:-2]:
@@ -247,7 +279,10 @@ def _torch_schedule(rank: int, job: PipeJob, out_dir: str) -> None:
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "events": []}))
 
 
-def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str, queue: Any) -> None:
+def _rank_main(
+    rank: int, job: PipeJob, rendezvous: str, out_dir: str, queue: Any, steps: Any = None
+) -> None:
+    ignore_interrupts()  # the parent stops this process (module docstring)
     import torch.distributed as dist
 
     torch.set_num_threads(job.threads)
@@ -262,7 +297,7 @@ def _rank_main(rank: int, job: PipeJob, rendezvous: str, out_dir: str, queue: An
             _torch_schedule(rank, job, out_dir)
             return
         out = Path(out_dir)
-        hook = StepHook(job, out, rank, queue)
+        hook = StepHook(job, out, rank, queue, steps)
         w = make_worker(job, rank, device, hook)
         if job.start:
             resume_worker(w, job, out, rank)
@@ -315,46 +350,61 @@ def run_pipeline(job: PipeJob, out_dir: Path, progress: Any = None) -> dict[str,
     """Run ``job`` on ``job.stages`` processes; per-micro-batch losses (last stage), every
     stage's final weights, and each rank's result (timeline, memory, drift).
 
-    ``progress(step, loss)`` is called as the last stage finishes each step."""
+    ``progress(step, loss)`` is called as the last stage finishes each step. A signal stops
+    the stages, after a checkpoint of a common step when they can make one in time (module
+    docstring), and raises :class:`fedasync.interrupt.Interrupted`."""
     import torch.multiprocessing as mp
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx_mp = mp.get_context("spawn")
     queue = ctx_mp.SimpleQueue()
+    steps = ctx_mp.Array("i", job.stages + 1)  # each stage's last step; the step asked for
     with tempfile.TemporaryDirectory(prefix="fa-pipe-") as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(
-            _rank_main,
-            args=(job, rendezvous, str(out_dir), queue),
-            nprocs=job.stages,
-            join=False,
-            start_method="spawn",
-        )
-        try:
-            while True:
-                done = ctx.join(timeout=0.2)
-                while not queue.empty():
-                    step, loss, _ = queue.get()
-                    if progress is not None:
-                        progress(step, loss)
-                if done:
-                    break
-        except mp.ProcessRaisedException as e:
-            raise StageFailed(
-                f"pipeline stage {e.error_index} failed: {str(e).strip().splitlines()[-1][:300]}"
-            ) from e
-        except mp.ProcessExitedException as e:
-            how = (
-                f"was killed by signal {signal.Signals(-e.exit_code).name}"
-                if e.exit_code is not None and e.exit_code < 0
-                else f"exited with code {e.exit_code}"
-            )
-            raise StageFailed(f"pipeline stage {e.error_index} died: its process {how}") from e
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
+        with DeferredStop(STOP_GRACE_S) as stop:
+            with children_start_deaf():
+                ctx = mp.start_processes(
+                    _rank_main,
+                    args=(job, rendezvous, str(out_dir), queue, steps),
+                    nprocs=job.stages,
+                    join=False,
+                    start_method="spawn",
+                )
+            try:
+                asked: int | None = None
+                while True:
+                    done = ctx.join(timeout=0.2)
+                    while not queue.empty():
+                        step, loss, _ = queue.get()
+                        if progress is not None:
+                            progress(step, loss)
+                    if done:
+                        break
+                    if stop.requested is not None:
+                        if asked is None:
+                            asked = _ask_checkpoint(job, steps)
+                        if not asked or all(
+                            checkpoint_path(out_dir, asked, r).exists() for r in range(job.stages)
+                        ):
+                            stop.check()
+                stop.check()  # asked for as the stages finished: the run stops all the same
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+                if stop.requested is not None:  # a stage the signal reached (SIGHUP): the stop
+                    raise Interrupted(stop.requested) from None
+                if isinstance(e, mp.ProcessRaisedException):
+                    raise StageFailed(
+                        f"pipeline stage {e.error_index} failed: "
+                        f"{str(e).strip().splitlines()[-1][:300]}"
+                    ) from e
+                how = (
+                    f"was killed by signal {signal.Signals(-e.exit_code).name}"
+                    if e.exit_code is not None and e.exit_code < 0
+                    else f"exited with code {e.exit_code}"
+                )
+                raise StageFailed(f"pipeline stage {e.error_index} died: its process {how}") from e
+            finally:
+                with shielded():  # bounded (5 s, then SIGKILL); a second Ctrl-C must not cut it
+                    _stop_stages(ctx.processes)
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(job.stages)]
     losses = ranks[-1]["losses"]
     weights = [torch.load(out_dir / f"stage{r}.pt", weights_only=True) for r in range(job.stages)]
@@ -363,3 +413,27 @@ def run_pipeline(job: PipeJob, out_dir: Path, progress: Any = None) -> dict[str,
         sum(ordered[i : i + job.micro]) / job.micro for i in range(0, len(ordered), job.micro)
     ]
     return {"losses": per_batch, "weights": weights, "ranks": ranks, "job": asdict(job)}
+
+
+def _ask_checkpoint(job: PipeJob, steps: Any) -> int:
+    """Ask every stage for a checkpoint of the step after the furthest any has made; that step,
+    or 0 when none can be asked for (no step made yet, or that step is the run's last)."""
+    with steps.get_lock():
+        furthest = max(steps[: job.stages])
+        if furthest == 0 or furthest + 1 >= job.steps:
+            return 0
+        steps[job.stages] = furthest + 1
+        return furthest + 1
+
+
+def _stop_stages(processes: list[Any]) -> None:
+    """Stop the stage processes still running (SIGTERM, then SIGKILL what outlives 5 s)."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in processes:
+        p.join(max(deadline - time.monotonic(), 0.0))
+        if p.is_alive():
+            p.kill()
+            p.join(5)

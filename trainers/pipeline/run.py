@@ -18,8 +18,14 @@ same weights as an uninterrupted run (a test); PACI's drift pattern depends on t
 being full, and a resumed run refills it, so its first batch after the resume crosses no
 version.
 
-One file (just over 400 lines) because it writes the whole run folder described above, from
-set-up and resume through the measured summary to the plots; the pipeline itself, the
+A signal (Ctrl-C, SIGTERM, SIGHUP) at any moment stops the run with
+:class:`fedasync.interrupt.Interrupted` once every stage process is gone
+(:func:`trainers.pipeline.dist.run_pipeline` first has the stages checkpoint one common step);
+the exception says where it stopped and the last step every stage has a checkpoint of (None:
+none yet, the run starts afresh).
+
+One file (under 500 lines) because it writes the whole run folder described above, from
+set-up and resume through the measured summary to the plots, and says where a stop found it; the pipeline itself, the
 emulator and the simulator are apart (``dist``, ``emulate``, ``simulate``).
 """
 
@@ -38,6 +44,7 @@ import torch
 from fedasync.checkpoint import load_checkpoint
 from fedasync.errors import CheckpointError, ConfigError
 from fedasync.events import read_events
+from fedasync.interrupt import Interrupted
 from trainers.pipeline.config import PipelineConfig, to_container
 from trainers.pipeline.dist import (
     BatchSource,
@@ -179,11 +186,34 @@ def _fresh(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
+class _Where:
+    """How far a run got, for the line a signal's stop prints."""
+
+    def __init__(self) -> None:
+        self.phase = "start-up"
+        """start-up, training or finishing."""
+        self.ours = False
+        """The run folder's checkpoints are this run's (it resumes, or cleared the folder)."""
+        self.step: int | None = None
+        """The last step the last stage finished (None: none yet)."""
+        self.steps = 0
+
+    def describe(self) -> str:
+        if self.phase == "finishing":
+            return f"after training ({self.steps} steps), while it evaluated and wrote its outputs"
+        if self.phase == "training" and self.step is not None:
+            return f"at step {self.step}"
+        if self.phase == "training":
+            return "as the stages started (no step yet)"
+        return "during start-up"
+
+
 class _Progress:
     """The progress bar, and the ``step`` lines of metrics.jsonl written as the last stage
     reports each step (so a run that dies keeps the steps it made)."""
 
-    def __init__(self, cfg: PipelineConfig, start: int, metrics: Path) -> None:
+    def __init__(self, cfg: PipelineConfig, start: int, metrics: Path, where: _Where) -> None:
+        self.where = where
         self.metrics = metrics.open("a")
         self.t0 = time.perf_counter()
         self.bar: Any = None
@@ -210,6 +240,7 @@ class _Progress:
         }
         self.metrics.write(json.dumps(line) + "\n")
         self.metrics.flush()
+        self.where.step = step
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             self.bar.n = step  # after the postfix, so a line shows this step's loss
@@ -301,14 +332,30 @@ def measure(job: PipeJob, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_config(cfg: PipelineConfig) -> dict[str, Any]:
-    """Run ``cfg``; its summary (also ``summary.json`` in the run folder)."""
+    """Run ``cfg``; its summary (also ``summary.json`` in the run folder). A signal ends it
+    with :class:`fedasync.interrupt.Interrupted` (module docstring)."""
+    where = _Where()
+    try:
+        return _run_config(cfg, where)
+    except Interrupted as e:
+        run_dir = Path(cfg.run.out_dir) / cfg.run.name
+        e.run_dir, e.where = run_dir, where.describe()
+        step = latest_checkpoint(run_dir, cfg.pipeline.stages) if where.ours else None
+        if step is not None:
+            e.checkpoint = f"of step {step} in {run_dir / 'checkpoints'}"
+        raise
+
+
+def _run_config(cfg: PipelineConfig, where: _Where) -> dict[str, Any]:
     from trainers.pipeline.corpus import load_corpus
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
+    where.ours, where.steps = cfg.run.resume, cfg.run.steps
     start = _resume_step(cfg, run_dir) if cfg.run.resume else 0
     if not cfg.run.resume:
         _fresh(run_dir)
+        where.ours = True
     corpus = load_corpus(val_fraction=cfg.data.val_fraction)
     job = job_of(cfg, corpus.vocab.size, start)
     metrics = run_dir / "metrics.jsonl"
@@ -316,8 +363,9 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
         if start:
             f.write(json.dumps({"event": "resume", "step": start}) + "\n")
             log.info("resuming %s at step %d", run_dir, start)
-    progress = _Progress(cfg, start, metrics)
+    progress = _Progress(cfg, start, metrics, where)
     t0 = time.perf_counter()
+    where.phase = "training"
     try:
         if cfg.pipeline.backend == "emulate":
             ranks = _emulate(job, run_dir, progress, corpus)
@@ -325,6 +373,7 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
             ranks = run_pipeline(job, run_dir, progress=progress)["ranks"]
     finally:
         progress.close()
+    where.phase = "finishing"
     wall = time.perf_counter() - t0
     events = [e for r in ranks for e in r["events"]]
     origin = min((e["start"] for e in events), default=0.0)
