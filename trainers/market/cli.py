@@ -8,19 +8,35 @@ deviation test's outcome) and writes the run folder: ``<setting>/seed-<s>/metric
 (``start``, ``window`` every ``run.window`` time units, ``diverged``, ``end``) and
 ``trace.npz``, ``summary.json`` and, with ``run.plots``, PNGs. Config errors are one line,
 exit 2 (``fedasync.errors.UserError``).
+
+Each seed that finishes writes ``result.json`` in its folder; ``run.resume=true`` loads those
+(of the same config) and runs the rest. Ctrl-C (SIGINT), SIGTERM or SIGHUP at any moment:
+the pool's pending seeds are cancelled and its workers (which ignore SIGINT) stopped, and one
+line on stderr says how many seed runs were done and the command that resumes; exit 128 + the
+signal's number (130, 143, 129), without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from fedasync.events import json_safe
+from fedasync.interrupt import (
+    Interrupted,
+    exit_now,
+    interruptible,
+    resume_command,
+    signal_of,
+    stop_line,
+)
 from trainers.market.config import MarketConfig, load_market_config, to_container
 
 
@@ -28,7 +44,7 @@ def run_market(cfg: MarketConfig) -> dict[str, Any]:
     """Run ``cfg`` (one setting or its sweep); the summary, also in
     ``<out_dir>/<name>/summary.json``."""
     from fedasync.progress import progress
-    from trainers.market.run import benchmarks, build_market, run_settings, sweep_settings
+    from trainers.market.run import run_settings, sweep_settings
 
     root = Path(cfg.run.out_dir) / cfg.run.name
     root.mkdir(parents=True, exist_ok=True)
@@ -44,6 +60,20 @@ def run_market(cfg: MarketConfig) -> dict[str, Any]:
         results = run_settings(settings, root, bar)
     finally:
         bar.close()
+    try:
+        return _summarise(cfg, root, results, started)
+    except Interrupted as e:
+        e.run_dir = root
+        e.where = f"after all {total} seed runs, while it wrote the summary and plots"
+        raise
+
+
+def _summarise(
+    cfg: MarketConfig, root: Path, results: dict[str, Any], started: float
+) -> dict[str, Any]:
+    """summary.json and the plots of a finished run; the summary."""
+    from trainers.market.run import benchmarks, build_market
+
     summary: dict[str, Any] = {
         "config": to_container(cfg),
         **benchmarks(build_market(cfg)),
@@ -94,8 +124,19 @@ def run(args: argparse.Namespace) -> int:
     """Run ``fedasync market``; the exit code."""
     if args.verbose:
         logging.getLogger("fedasync").setLevel(logging.INFO)
-    cfg = load_market_config(args.config, args.overrides)  # a UserError: one line, exit 2
-    s = run_market(cfg)
+    cfg: MarketConfig | None = None
+    stopped: tuple[str, int] | None = None
+    try:
+        with interruptible():
+            cfg = load_market_config(args.config, args.overrides)  # a UserError: exit 2
+            s = run_market(cfg)
+    except KeyboardInterrupt as e:
+        stopped = _stopped(args, cfg, e), signal_of(e)[1]
+    if stopped is not None:  # out of the except: the pool's queues are let go (no leak warning)
+        gc.collect()
+        print(stopped[0], file=sys.stderr)
+        exit_now(stopped[1])
+    assert cfg is not None
     for label, agg in s["settings"].items():
         print(describe(label, agg))
     print(
@@ -103,3 +144,14 @@ def run(args: argparse.Namespace) -> int:
         f"setting(s) in {s['wall_s']:.0f} s; run folder {Path(cfg.run.out_dir) / cfg.run.name}"
     )
     return 0
+
+
+def _stopped(args: argparse.Namespace, cfg: MarketConfig | None, e: KeyboardInterrupt) -> str:
+    """The stop line: how many seed runs were done, where their results are, the command that
+    resumes (it loads them and runs the rest)."""
+    where = (e.where if isinstance(e, Interrupted) else "") or "during start-up"
+    resume = resume_command("market", args.config, args.overrides)
+    if cfg is None:
+        return stop_line("market", e, where, f"resume with: {resume}")
+    root = Path(cfg.run.out_dir) / cfg.run.name
+    return stop_line("market", e, where, f"finished seeds in {root}; resume with: {resume}")

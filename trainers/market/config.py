@@ -162,6 +162,9 @@ class RunSection:
     """A progress bar on stderr while it runs."""
     plots: bool = True
     """Write PNGs at the end (price paths, the deviation trace, the phase diagram)."""
+    resume: bool = False
+    """Load every seed whose result.json (written when the seed finished) is in its seed folder,
+    of the same config, instead of running it again; run the others."""
 
     def __post_init__(self) -> None:
         """Checked when built: ranges."""

@@ -33,13 +33,21 @@ punishment followed by a return.
 Settings run in parallel over seeds (``run_settings``): a process pool (spawned workers, one
 torch thread each), one task per (setting, seed); results are the same as one process would
 get, since every run is seeded from its own seed only.
+
+A seed that finishes writes ``result.json`` in its folder (atomically); with ``run.resume``
+a seed whose result is there, of the same config, is loaded instead of run again. A signal
+(Ctrl-C reaches the pool's workers too: they ignore SIGINT, and start with it blocked) stops
+the run: the pool's pending seeds are cancelled and its workers stopped, and
+:class:`fedasync.interrupt.Interrupted` says how many seeds were done (``where``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -51,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from fedasync.events import EventLog, json_safe
+from fedasync.interrupt import Interrupted, children_start_deaf, ignore_interrupts, shielded
 from trainers.market.config import MarketConfig, to_container
 from trainers.market.ddpg import CriticDiverged, DDPGAgent, DDPGSettings
 from trainers.market.env import ContinuousMarket
@@ -62,6 +71,12 @@ TOLERANCE = 0.05
 """The deviation test's tolerance, as a fraction of p_M - p_N."""
 TRACE_MAX = 20_000
 """At most this many points of a run's price path are kept in trace.npz (evenly thinned)."""
+RESULT = "result.json"
+"""A finished seed's result, in its folder (what ``run.resume`` loads)."""
+MAY_DIFFER_ON_RESUME = frozenset(
+    {"seed", "seeds", "name", "out_dir", "workers", "progress", "plots", "resume"}
+)
+"""``run.*`` keys a loaded seed's config may differ in (none changes one seed's result)."""
 
 
 def build_market(cfg: MarketConfig) -> LogitMarket:
@@ -373,7 +388,43 @@ def run_seed(
         if run_dir is not None:
             t, p = run.trace.arrays()
             np.savez_compressed(run_dir / "trace.npz", times=t, prices=p)
+            save_result(run_dir, cfg, result)
         return result
+
+
+def _same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two configs (``to_container``) give the same result for one seed."""
+
+    def key(c: dict[str, Any]) -> dict[str, Any]:
+        run = {k: v for k, v in c.get("run", {}).items() if k not in MAY_DIFFER_ON_RESUME}
+        return {"market": c.get("market"), "agent": c.get("agent"), "run": run}
+
+    return key(a) == key(b)
+
+
+def save_result(run_dir: Path, cfg: MarketConfig, result: dict[str, Any]) -> None:
+    """Write a finished seed's ``result.json`` (with its config) atomically."""
+    text = json.dumps({"config": to_container(cfg), "result": result})  # NaN kept as NaN
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=run_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, run_dir / RESULT)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_result(run_dir: Path, cfg: MarketConfig, seed: int) -> dict[str, Any] | None:
+    """The seed's result saved in ``run_dir``, if it is there, whole and of ``cfg``; else None."""
+    try:
+        saved = json.loads((run_dir / RESULT).read_text())
+        result = saved["result"]
+        if result["seed"] == seed and _same_run(saved["config"], to_container(cfg)):
+            return dict(result)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def setting_label(cfg: MarketConfig) -> str:
@@ -437,16 +488,20 @@ def run_settings(
 ) -> dict[str, dict[str, Any]]:
     """Run every setting over its seeds (``run.seed`` ..), in parallel when more than one
     process is asked for; {setting label: aggregate, with the per-seed results}. Each seed's
-    folder is ``root/<label>/seed-<s>``."""
+    folder is ``root/<label>/seed-<s>``. With ``run.resume`` the seeds already finished there
+    are loaded (module docstring); a signal raises :class:`fedasync.interrupt.Interrupted`
+    once the pool is stopped, its ``where`` saying how many seeds were done."""
     tasks = [
         (cfg, cfg.run.seed + k, root / setting_label(cfg) / f"seed-{cfg.run.seed + k}")
         for cfg in settings
         for k in range(cfg.run.seeds)
     ]
     by_label: dict[str, list[dict[str, Any]]] = {setting_label(c): [] for c in settings}
-    workers = pool_size(settings[0], len(tasks)) if settings else 1
+    finished = 0
 
     def done(cfg: MarketConfig, result: dict[str, Any]) -> None:
+        nonlocal finished
+        finished += 1
         by_label[setting_label(cfg)].append(result)
         if progress_bar is not None:
             progress_bar.update(1)
@@ -455,16 +510,27 @@ def run_settings(
                 + (f"Delta={result['delta']:.2f}" if "delta" in result else result["status"])
             )
 
-    if workers == 1:
-        for cfg, seed, d in tasks:
-            done(cfg, run_seed(cfg, seed, d))
-    else:
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            futures = {pool.submit(_task, cfg, seed, str(d)): cfg for cfg, seed, d in tasks}
-            for f in as_completed(futures):
-                done(futures[f], f.result())
+    todo = []
+    for cfg, seed, d in tasks:
+        loaded = load_result(d, cfg, seed) if cfg.run.resume else None
+        if loaded is not None:
+            done(cfg, loaded)
+            continue
+        (d / RESULT).unlink(missing_ok=True)  # an earlier run's, or one of another config
+        todo.append((cfg, seed, d))
+    if finished:
+        log.info("resumed: %d of %d seed runs loaded from %s", finished, len(tasks), root)
+    workers = pool_size(settings[0], len(todo)) if settings and todo else 1
+    try:
+        if workers == 1:
+            for cfg, seed, d in todo:
+                done(cfg, run_seed(cfg, seed, d))
+        else:
+            _run_pool(todo, workers, done)
+    except Interrupted as e:
+        e.run_dir = root
+        e.where = f"with {finished} of {len(tasks)} seed runs done"
+        raise
     out = {}
     for cfg in settings:
         label = setting_label(cfg)
@@ -477,6 +543,47 @@ def run_settings(
             "runs": results,
         }
     return out
+
+
+def _run_pool(
+    todo: list[tuple[MarketConfig, int, Path]],
+    workers: int,
+    done: Callable[[MarketConfig, dict[str, Any]], None],
+) -> None:
+    """``todo`` on a pool of ``workers`` spawned processes, ``done`` called as each finishes.
+    The workers ignore SIGINT (and start with it blocked: ``children_start_deaf``); on any
+    exception here (a signal's Interrupted) the pending seeds are cancelled and the workers
+    stopped before it goes on."""
+    import multiprocessing as mp
+
+    pool = ProcessPoolExecutor(
+        workers, mp_context=mp.get_context("spawn"), initializer=ignore_interrupts
+    )
+    try:
+        with children_start_deaf():  # the workers start as the tasks are submitted
+            futures = {pool.submit(_task, cfg, seed, str(d)): cfg for cfg, seed, d in todo}
+        for f in as_completed(futures):
+            done(futures[f], f.result())
+    except BaseException:
+        with shielded():  # bounded: 5 s, then SIGKILL
+            _stop_pool(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _stop_pool(pool: ProcessPoolExecutor, grace_s: float = 5.0) -> None:
+    """Cancel the pool's pending tasks and stop its workers (SIGTERM, then SIGKILL)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(deadline - time.monotonic(), 0.0))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def sweep_settings(cfg: MarketConfig) -> list[MarketConfig]:
