@@ -35,17 +35,17 @@ lint: $(STAMP)
 # `serial` tests make orphaned processes that another test's start-up sweep would take: alone, first
 unit: $(STAMP)
 	$(BIN)/python -m pytest -m "serial and not slow"
-	$(BIN)/python -m pytest -m "not slow and not serial" -n $(WORKERS)
+	$(BIN)/python -m pytest -m "not slow and not serial" -n $(WORKERS) --dist loadgroup
 
 test: data lint
 	$(BIN)/python -m pytest -m serial
-	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --durations=25
+	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --dist loadgroup --durations=25
 
 # line coverage of the seven packages, subprocesses included (runs/coverage/)
 coverage: data
 	rm -rf runs/coverage && mkdir -p runs/coverage
 	$(BIN)/python -m coverage run -m pytest -m serial
-	$(BIN)/python -m coverage run -m pytest -m "not serial" -n $(WORKERS)
+	$(BIN)/python -m coverage run -m pytest -m "not serial" -n $(WORKERS) --dist loadgroup
 	$(BIN)/python -m coverage combine -q
 	$(BIN)/python -m coverage report --precision=2 | tail -1
 

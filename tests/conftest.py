@@ -36,11 +36,14 @@ def small_cfg(tmp_path):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``serial`` tests cannot run beside others (another test's command would sweep their
-    orphaned processes first): under pytest-xdist they are skipped, saying how to run them
-    (``make test`` runs them alone, before the rest)."""
+    """Under pytest-xdist: the ``slow`` tests first, so that the workers start on the long
+    ones and the fast ones fill the gaps (in file order the longest came last and ran alone at
+    the end); and the ``serial`` tests, which cannot run beside others (another test's command
+    would sweep their orphaned processes first), skipped, saying how to run them (``make
+    test`` runs them alone, before the rest)."""
     if not getattr(config.option, "numprocesses", None):
         return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
     skip = pytest.mark.skip(reason="serial: run alone, `pytest -m serial` (as make test does)")
     for item in items:
         if item.get_closest_marker("serial") is not None:

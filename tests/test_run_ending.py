@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+from commands import Command
 
 from simulations import processes
 from simulations.processes import (
@@ -31,12 +29,10 @@ from simulations.processes import (
     RAY_SESSION_ENV,
     alive,
     find_orphans,
-    pids_with_env,
     sweep_orphans,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-TEST_ENV = "FEDASYNC_TEST_RUN"
 BASE = [
     "run.name=r",
     "run.compare_sync=false",
@@ -77,114 +73,35 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-class Run:
-    """One `fedasync simulate` in a session of its own; its output in files under ``tmp``."""
+class Run(Command):
+    """One ``fedasync simulate`` (or ``python -c code``) in a session of its own; its output
+    in files under ``tmp``, its run folder ``tmp/r``."""
 
     def __init__(
         self, tmp: Path, *overrides: str, code: str | None = None, argv: list[str] | None = None
     ):
-        self.tmp, self.marker = tmp, uuid.uuid4().hex
-        self.run_dir = tmp / "r"
-        tmp.mkdir(parents=True, exist_ok=True)
-        # Ray's socket paths must stay under 108 bytes: a short temp folder, removed in kill()
-        self.temp = Path(tempfile.mkdtemp(prefix="fa-test-", dir="/tmp"))
-        env = {
-            **os.environ,
-            "TMPDIR": str(self.temp),
-            "FLWR_HOME": str(tmp / "flwr-home"),
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONFAULTHANDLER": "1",  # a hang's stacks, on SIGABRT (wait's diagnosis)
-            TEST_ENV: self.marker,
-        }
         args = argv or ["simulate", f"run.out_dir={tmp}", *BASE, *overrides]
-        cmd = [sys.executable, "-c", code, *args] if code else [_fedasync(), *args]
-        self.out, self.err = tmp / "stdout", tmp / "stderr"
-        with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.popen = subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True
-            )
-        self.seen: set[int] = set()
-
-    def left(self) -> list[int]:
-        """Live processes of this run: its marker, or a Ray process holding its folders."""
-        pids = set(pids_with_env(TEST_ENV, self.marker))
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and _holds(entry, (str(self.tmp), str(self.temp))):
-                pids.add(int(entry.name))
-        pids.discard(os.getpid())
-        live = sorted(p for p in pids if alive(p))
-        self.seen.update(live)
-        return live
+        super().__init__(tmp, args, argv=[sys.executable, "-c", code, *args] if code else None)
+        self.run_dir = tmp / "r"
 
     def wait_training(self, timeout_s: float = 300.0) -> None:
         """Until the first update is folded (or fail with the run's stderr)."""
-        deadline = time.monotonic() + timeout_s
         metrics = self.run_dir / "metrics.jsonl"
-        while not (metrics.exists() and '"event": "update"' in metrics.read_text()):
-            assert self.popen.poll() is None, f"the run ended early:\n{self.stderr()}"
-            assert time.monotonic() < deadline, "the run did not start training"
-            self.left()  # remember the pids, to check each is gone at the end
-            time.sleep(0.5)
-        self.left()
+        self.wait_for(
+            lambda: metrics.exists() and '"event": "update"' in metrics.read_text(),
+            "the first update",
+            timeout_s,
+        )
 
     def wait(self, timeout_s: float = 120.0) -> int:
         """Its exit code (the timeout only guards against a hang). A hang fails with every
-        thread's Python stack (SIGABRT makes faulthandler print them) and the run log's end."""
+        thread's Python stack, the end of stderr and the run log's end."""
         try:
-            return self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.kill(self.popen.pid, signal.SIGABRT)
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+            return super().wait(timeout_s)
+        except TimeoutError as e:
             log = self.run_dir / "run.log"
             tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no run.log)"
-            pytest.fail(
-                f"no exit within {timeout_s:g} s; stderr:\n{self.stderr()[-12000:]}\n"
-                f"run.log:\n{tail}"
-            )
-
-    def stderr(self) -> str:
-        return self.err.read_text(errors="replace")
-
-    def gone(self, timeout_s: float = 5.0) -> list[int]:
-        """Processes of this run still alive after ``timeout_s`` (a killed one may linger a tick)."""
-        deadline = time.monotonic() + timeout_s
-        while (left := self.left()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return left
-
-    def kill(self) -> None:
-        """Stop everything of this run that is still there (test cleanup)."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for pid in self.left():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.popen.wait(timeout=10)
-        shutil.rmtree(self.temp, ignore_errors=True)
-
-
-def _fedasync() -> str:
-    exe = Path(sys.executable).parent / "fedasync"
-    return str(exe) if exe.exists() else str(REPO / ".venv" / "bin" / "fedasync")
-
-
-def _holds(proc: Path, folders: tuple[str, ...]) -> bool:
-    """Whether a process names one of ``folders`` in its command line or holds a file in one."""
-    try:
-        cmdline = (proc / "cmdline").read_bytes()
-        if any(f.encode() in cmdline for f in folders):
-            return True
-        return any(os.readlink(fd).startswith(folders) for fd in (proc / "fd").iterdir())
-    except OSError:
-        return False
+            pytest.fail(f"{e}\nrun.log:\n{tail}")
 
 
 def _one_line(stderr: str, start: str) -> str:

@@ -20,11 +20,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from commands import Command
 
 from fedasync.events import read_events
 from fedasync.interrupt import (
@@ -39,7 +39,6 @@ from fedasync.interrupt import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-MARKER = "FEDASYNC_TRAINER_STOP_TEST"
 STOP_WITHIN_S = 30.0
 
 
@@ -308,95 +307,6 @@ def test_a_market_stopped_between_seeds_resumes_with_the_seeds_it_finished(tmp_p
 # ---------------------------------------------------------------- the real commands
 
 
-class Command:
-    """One ``fedasync`` command in a session of its own; its output in files under ``tmp``."""
-
-    def __init__(self, tmp: Path, args: list[str]):
-        self.tmp, self.marker = tmp, uuid.uuid4().hex
-        tmp.mkdir(parents=True, exist_ok=True)
-        n = len(list(tmp.glob("stderr*")))
-        self.out, self.err = tmp / f"stdout{n}", tmp / f"stderr{n}"
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONFAULTHANDLER": "1",
-            MARKER: self.marker,
-        }
-        with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.popen = subprocess.Popen(
-                [_fedasync(), *args],
-                cwd=REPO,
-                env=env,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-        self.seen: set[int] = set()
-
-    def left(self) -> list[int]:
-        from simulations.processes import alive, pids_with_env
-
-        live = [p for p in pids_with_env(MARKER, self.marker) if alive(p)]
-        self.seen.update(live)
-        return live
-
-    def wait_for(self, ready, what: str, timeout_s: float = 120.0) -> None:
-        """Until ``ready()`` (or fail with the command's stderr)."""
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert self.popen.poll() is None, f"it ended before {what}:\n{self.stderr()}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
-            self.left()
-            time.sleep(0.05)
-        self.left()
-
-    def interrupt(self, sig: int = signal.SIGINT) -> int:
-        """Ctrl-C to the whole process group (or ``sig`` to the command only); its exit code,
-        which must come within STOP_WITHIN_S (a hang fails with every thread's stack)."""
-        if sig == signal.SIGINT:
-            os.killpg(self.popen.pid, sig)
-        else:
-            self.popen.send_signal(sig)
-        return self.wait(STOP_WITHIN_S)
-
-    def wait(self, timeout_s: float) -> int:
-        try:
-            return self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.kill(self.popen.pid, signal.SIGABRT)  # faulthandler prints every thread's stack
-            time.sleep(1.0)
-            pytest.fail(f"no exit within {timeout_s:g} s; stderr:\n{self.stderr()[-8000:]}")
-
-    def stderr(self) -> str:
-        return self.err.read_text(errors="replace")
-
-    def stdout(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def gone(self, timeout_s: float = 10.0) -> list[int]:
-        deadline = time.monotonic() + timeout_s
-        while (left := self.left()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return left
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for pid in self.left():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.popen.wait(timeout=10)
-
-
-def _fedasync() -> str:
-    exe = Path(sys.executable).parent / "fedasync"
-    return str(exe) if exe.exists() else str(REPO / ".venv" / "bin" / "fedasync")
-
-
 def _events(path: Path) -> list[dict]:
     try:
         return read_events(path, skip_bad=True)
@@ -436,7 +346,7 @@ def test_fedasync_rl_stops_on_ctrl_c_with_a_checkpoint_and_resumes(tmp_path):
     try:
         metrics = run_dir / "metrics.jsonl"
         cmd.wait_for(lambda: any(e["event"] == "step" for e in _events(metrics)), "a step")
-        assert cmd.interrupt() == 130, cmd.stderr()
+        assert cmd.interrupt(timeout_s=STOP_WITHIN_S) == 130, cmd.stderr()
         line = _stop_line(cmd, "rl")
         ckpt = run_dir / "checkpoint.pt"
         assert f"checkpoint {ckpt}; resume with: fedasync rl " in line
@@ -479,7 +389,7 @@ def test_fedasync_pipeline_stops_its_stages_with_a_common_checkpoint(tmp_path, s
         metrics = run_dir / "metrics.jsonl"
         cmd.wait_for(lambda: any(e["event"] == "step" for e in _events(metrics)), "a step")
         assert len(cmd.seen) >= 3, "the command and its two stages were seen"
-        assert cmd.interrupt(sig) == code, cmd.stderr()
+        assert cmd.interrupt(sig, timeout_s=STOP_WITHIN_S) == code, cmd.stderr()
         line = _stop_line(cmd, "pipeline", sig.name)
         assert not cmd.gone(), "no stage process is left"
     finally:
@@ -504,7 +414,7 @@ def test_fedasync_pipeline_stopped_before_a_checkpoint_says_it_starts_afresh(tmp
     cmd = Command(tmp_path, args)
     try:
         cmd.wait_for((tmp_path / "r" / "metrics.jsonl").exists, "the metrics file")
-        assert cmd.interrupt() == 130, cmd.stderr()
+        assert cmd.interrupt(timeout_s=STOP_WITHIN_S) == 130, cmd.stderr()
         line = _stop_line(cmd, "pipeline")
         assert not cmd.gone(), "no stage process is left"
     finally:
@@ -533,7 +443,7 @@ def test_fedasync_market_stops_its_pool_and_resumes_with_the_finished_seeds(tmp_
     try:
         cmd.wait_for(lambda: any(run_dir.glob("*/seed-*/result.json")), "a finished seed")
         assert len(cmd.seen) >= 3, "the command and its two workers were seen"
-        assert cmd.interrupt() == 130, cmd.stderr()
+        assert cmd.interrupt(timeout_s=STOP_WITHIN_S) == 130, cmd.stderr()
         line = _stop_line(cmd, "market")
         assert not cmd.gone(), "no pool worker is left"
     finally:
