@@ -6,7 +6,8 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 # pytest-xdist workers: three on two cores, since most slow tests wait on the processes they
-# start (Flower's SuperLink and SuperNodes, Ray) rather than compute (docs/testing.md)
+# start (Flower's SuperLink and SuperNodes, Ray) rather than compute; a file's tests stay on one
+# worker (--dist loadfile), as some share one expensive run (docs/testing.md)
 WORKERS ?= 3
 
 .PHONY: install data demo test lint unit coverage clean proto
@@ -35,17 +36,17 @@ lint: $(STAMP)
 # `serial` tests make orphaned processes that another test's start-up sweep would take: alone, first
 unit: $(STAMP)
 	$(BIN)/python -m pytest -m "serial and not slow"
-	$(BIN)/python -m pytest -m "not slow and not serial" -n $(WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -m "not slow and not serial" -n $(WORKERS) --dist loadfile
 
 test: data lint
 	$(BIN)/python -m pytest -m serial
-	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --dist loadfile --durations=25
 
 # line coverage of the seven packages, subprocesses included (runs/coverage/)
 coverage: data
 	rm -rf runs/coverage && mkdir -p runs/coverage
 	$(BIN)/python -m coverage run -m pytest -m serial
-	$(BIN)/python -m coverage run -m pytest -m "not serial" -n $(WORKERS) --dist loadgroup
+	$(BIN)/python -m coverage run -m pytest -m "not serial" -n $(WORKERS) --dist loadfile
 	$(BIN)/python -m coverage combine -q
 	$(BIN)/python -m coverage report --precision=2 | tail -1
 

@@ -35,15 +35,22 @@ def small_cfg(tmp_path):
     return make
 
 
+def _parallel(config) -> bool:
+    """Whether this run is spread over pytest-xdist workers (asked on the controller or on a
+    worker, where xdist sets ``numprocesses`` to None and adds ``workerinput``)."""
+    return hasattr(config, "workerinput") or bool(getattr(config.option, "numprocesses", None))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist: the ``slow`` tests first, so that the workers start on the long
-    ones and the fast ones fill the gaps (in file order the longest came last and ran alone at
-    the end); and the ``serial`` tests, which cannot run beside others (another test's command
-    would sweep their orphaned processes first), skipped, saying how to run them (``make
-    test`` runs them alone, before the rest)."""
-    if not getattr(config.option, "numprocesses", None):
+    """Under pytest-xdist: the files with ``slow`` tests first, so that the workers start on the
+    long ones and the fast files fill the gaps (in file order the longest came last and ran
+    alone at the end); and the ``serial`` tests, which cannot run beside others (another
+    test's command would sweep their orphaned processes first), skipped, saying how to run
+    them (``make test`` runs them alone, before the rest)."""
+    if not _parallel(config):
         return
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept
     skip = pytest.mark.skip(reason="serial: run alone, `pytest -m serial` (as make test does)")
     for item in items:
         if item.get_closest_marker("serial") is not None:

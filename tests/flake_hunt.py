@@ -77,7 +77,7 @@ def _round(
     chosen = "slow and " if select == "slow" else ""
     parts = [  # as make test: the serial tests alone, then the rest on the workers
         (f"{chosen}serial", []),
-        (f"{chosen}not serial", ["-n", str(workers), "--dist", "loadgroup"] if workers else []),
+        (f"{chosen}not serial", ["-n", str(workers), "--dist", "loadfile"] if workers else []),
     ]
     spinners = [_busy() for _ in range(busy)]
     t0 = time.monotonic()

@@ -62,8 +62,7 @@ from simulations.deploy_progress import EventTail
 from simulations.erase_cli import main as erase
 from simulations.processes import MARKER_ENV, Proc, Processes, alive, pids_with_env
 
-# one deployment serves every test here (the module's scenario): all on one xdist worker
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy_faults")]
+pytestmark = pytest.mark.slow
 
 REPLY_TIMEOUT_S = 300.0  # long: a message may wait behind another at a busy SuperNode
 OFFLINE_RETRY_S = 5.0

@@ -82,7 +82,7 @@ def test_erasing_request_whose_silo_is_gone_after_a_restart_goes_back_to_queued(
         req, _ = store.submit(2, None, "admin", 3, whole_silo=True)
         store.transition(req.id, "erasing", actor="server", model_version=4)
         co = object.__new__(ErasureCoordinator)
-        co.store, co.applied = store, {}
+        co.store, co.applied, co.active = store, {}, {}  # what reconcile reads
         co.srv = SimpleNamespace(roster={0: 10, 1: 11}, version=7)
 
         # Execute
