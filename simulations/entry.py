@@ -48,9 +48,11 @@ def main() -> None:
         _end(getattr(e, "exit_code", 130))
         return
     # The command is done and said so. A Ctrl-C while the interpreter shuts down must not end
-    # it with a traceback, nor kill it by the signal (Python puts the default handlers back
-    # late in its shutdown): SIGINT and SIGHUP stay blocked until the process is gone.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGHUP})
+    # it with a traceback, nor kill it by the signal: Python puts SIG_DFL back late in its
+    # shutdown for a signal with a Python handler (not for an ignored one), and blocking it
+    # in this thread would not do (another thread, torch's or tqdm's, takes it then).
+    for s in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
     sys.exit(code)
 
 
