@@ -117,21 +117,21 @@ def _simulate_args(out: Path, k: int) -> list[str]:
 
 
 def _rl_args(out: Path, k: int) -> list[str]:
-    return ["rl", f"run.out_dir={out}", "run.name=r", "run.max_steps=12", "run.progress=false"]
+    return ["rl", f"run.out_dir={out}", "run.name=r", "run.max_steps=80", "run.progress=false"]
 
 
 def _pipeline_args(out: Path, k: int) -> list[str]:
     return [
         "pipeline",
-        *(f"run.out_dir={out}", "run.name=r", "run.steps=30", "run.progress=false"),
-        *("run.checkpoint_every=5", "run.plots=true"),
+        *(f"run.out_dir={out}", "run.name=r", "run.steps=120", "run.progress=false"),
+        *("run.checkpoint_every=10", "run.plots=true"),
     ]
 
 
 def _market_args(out: Path, k: int) -> list[str]:
     return [
         "market",
-        *(f"run.out_dir={out}", "run.name=r", "run.horizon=200", "run.seeds=4"),
+        *(f"run.out_dir={out}", "run.name=r", "run.horizon=1000", "run.seeds=4"),
         *("run.workers=2", "run.progress=false", "run.plots=true"),
     ]
 
