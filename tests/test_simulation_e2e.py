@@ -3,24 +3,38 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from simulations.config import load_config
 from simulations.launcher import simulate
+from simulations.processes import RAY_TMP_PREFIX, session_pids
 
 
-def _ray_processes() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True, text=True)
-    return {int(p) for p in out.stdout.split()}
+def _ray_processes(sessions: list[str]) -> set[int]:
+    """Live processes of these private Rays (their temp folders): by their session variable,
+    or, for Ray's agents that lost it, by the files they hold there. Not every Ray process on
+    the machine: under pytest-xdist other tests' Rays run beside this one."""
+    return {p for s in sessions for p in session_pids(s)}
 
 
 @pytest.mark.slow
-def test_simulate_async_and_sync_baseline(tmp_path):
-    # Prepare
-    before = _ray_processes()
+def test_simulate_async_and_sync_baseline(tmp_path, monkeypatch):
+    # Prepare: the run's Ray temp folders in a folder of this test's (short: Ray's sockets)
+    private = Path(tempfile.mkdtemp(prefix="fa-e2e-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    made: list[str] = []
+    mkdtemp = tempfile.mkdtemp
+
+    def recorded(*args, **kwargs):
+        made.append(mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded)
     cfg = load_config(
         None,
         [
@@ -61,10 +75,13 @@ def test_simulate_async_and_sync_baseline(tmp_path):
     )
     assert set(summary["per_silo"]) == {"0", "1", "2"}
     assert all("eval" in s for s in summary["per_silo"].values())
-    left = _ray_processes() - before
+    rays = [d for d in made if Path(d).name.startswith(RAY_TMP_PREFIX)]
+    assert len(rays) == 2 and all(Path(d).parent == private for d in rays), made  # run, baseline
+    left = _ray_processes(rays)
     for _ in range(50):  # a process killed a moment ago may still be in /proc for a few ticks
         if not left:
             break
         time.sleep(0.1)
-        left = _ray_processes() - before
+        left = _ray_processes(rays)
     assert not left, f"every Ray process the run started is stopped: {left} are not"
+    shutil.rmtree(private, ignore_errors=True)
