@@ -61,7 +61,14 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 
 def _any_event(root: Path, kinds: set[str]) -> bool:
-    return any(e.get("event") in kinds for f in root.rglob("metrics.jsonl") for e in _events(f))
+    """Whether a metrics.jsonl under ``root`` has an event of ``kinds``. A folder removed
+    while it is walked (a deployment's temp folders come and go under the run folder) makes
+    this poll say no; the next one looks again."""
+    try:
+        files = list(root.rglob("metrics.jsonl"))
+    except OSError:
+        return False
+    return any(e.get("event") in kinds for f in files for e in _events(f))
 
 
 def _loads(path: Path) -> bool:
