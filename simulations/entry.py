@@ -18,7 +18,9 @@ import sys
 
 def _end(code: int) -> None:
     """Exit with ``code`` at once: streams flushed, no thread joined, no atexit callback run
-    (a second Ctrl-C there would print a traceback of the interpreter's shutdown)."""
+    (a second Ctrl-C there would print a traceback of the interpreter's shutdown). Not
+    ``fedasync.interrupt.exit_now``: importing ``fedasync`` loads torch, the seconds of imports
+    this module exists to cover."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
