@@ -20,13 +20,14 @@ import time
 from pathlib import Path
 
 import pytest
-from commands import Command
+from commands import MARKER, Command
 
 from simulations import processes
 from simulations.processes import (
     MARKER_ENV,
     OWNER_FILE,
     RAY_SESSION_ENV,
+    RAY_TMP_PREFIX,
     alive,
     find_orphans,
     sweep_orphans,
@@ -199,14 +200,26 @@ def test_an_exception_in_the_run_is_one_line_and_the_traceback_is_in_the_log(tmp
 def test_a_killed_driver_leaves_orphans_that_the_next_run_stops(tmp_path):
     # Prepare: a run whose driver is killed
     killed = Run(tmp_path / "killed", "run.budget_s=100000")
-    nxt = None
+    nxt = planted = None
     try:
         killed.wait_training()
         killed.popen.send_signal(signal.SIGKILL)
         killed.wait()
         time.sleep(5.0)  # what dies with the driver has died by now
-        orphans = killed.left()
-        assert orphans, "precondition: Ray leaves processes behind a killed driver"
+        # Which of Ray's processes outlive a kill -9 is a race (they share the driver's fate
+        # through their parents, and under load all of them may be gone by now; a flake hunt
+        # round saw none). So the test plants one that always does: a process of the killed
+        # run's Ray session, as Ray's agents are, with the test's marker (so `left` sees it).
+        (session,) = killed.temp.glob(f"{RAY_TMP_PREFIX}*")
+        planted = subprocess.Popen(
+            ["sleep", "300"],
+            env={**os.environ, RAY_SESSION_ENV: str(session), MARKER: killed.marker},
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30.0  # until it has exec'd with its environment
+        while planted.pid not in (orphans := killed.left()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert planted.pid in orphans, "precondition: the killed run has an orphan"
         # Execute: the next run (which ends normally)
         nxt = Run(tmp_path / "next", "run.budget_s=20")
         rc = nxt.wait(timeout_s=300)
@@ -220,7 +233,11 @@ def test_a_killed_driver_leaves_orphans_that_the_next_run_stops(tmp_path):
         assert not killed.gone() and not nxt.gone(), "nothing of either run is left"
         assert "outputs:" in nxt.out.read_text(), "a finished run says where its outputs are"
         assert (nxt.run_dir / "summary.json").exists()
+        assert planted.wait(timeout=5) is not None
     finally:
+        if planted is not None:
+            planted.kill()
+            planted.wait()
         killed.kill()
         if nxt is not None:
             nxt.kill()
