@@ -38,6 +38,7 @@ from flwr.clientapp import ClientApp
 from clients.faults import inject_fault
 from clients.local import train_local
 from clients.privacy import BudgetExhausted, Refusal, ledger_path
+from fedasync.stopping import MembershipStop
 from fedasync.tensors import sub
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
@@ -49,10 +50,11 @@ from medical_data.tasks import (
     pick_device,
     relearning_data,
     select,
+    site_heldout,
     training_data,
 )
 from protocol import keys as P
-from protocol.config import ClientConfig, build_silos, parse_setup
+from protocol.config import ClientConfig, SiloErasure, build_silos, parse_setup
 from protocol.ids import digest_all
 from protocol.messages import (
     EvaluateReply,
@@ -93,6 +95,9 @@ class Silo:
     heldout: SiloData
     own: bool
     """Its own datalist (deployment), not a partition of the benchmark."""
+    validation: SiloData | None = None
+    """Its datalist's ``validation`` list (deployment), when there is one: samples no model
+    trained on, what the erasure's membership test compares the forget samples with."""
 
 
 def _silo(context: Context, setup_json: str) -> Silo:
@@ -113,7 +118,7 @@ def _silo(context: Context, setup_json: str) -> Silo:
         stamp = 0  # (load_datalist says what is missing)
     train, held = _datalist(path, spec.name, stamp)
     data = backdoored(train, silo, setup.backdoor, setup.seed)
-    return Silo(silo, spec, data, data if held is None else held, own=True)
+    return Silo(silo, spec, data, data if held is None else held, own=True, validation=held)
 
 
 @lru_cache(maxsize=4)
@@ -284,6 +289,31 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     return reply.to_message(reply_to=msg)
 
 
+def _stopping_rule(
+    here: Silo, setup_json: str, erase: SiloErasure
+) -> tuple[MembershipStop | None, SiloData | None]:
+    """The membership test and the held-out samples it compares with, for ``stop=membership``:
+    in simulation the silo's share of the test set, in deployment its datalist's validation
+    list. Without one (a datalist with no validation list) the erasure takes its fixed steps,
+    and says so in the log."""
+    if erase.stop != "membership":
+        return None, None
+    if here.own:
+        held = here.validation
+    else:
+        setup = parse_setup(setup_json)
+        held = site_heldout(_federation(setup_json), here.id, setup.backdoor, setup.seed)
+    if held is None or len(held) == 0:
+        log.warning(
+            "silo %d: unlearning.stop=membership needs held-out samples (a 'validation' list "
+            "in the datalist); erasing with the fixed %d steps instead",
+            here.id,
+            erase.steps,
+        )
+        return None, None
+    return MembershipStop(alpha=erase.stop_alpha), held
+
+
 @app.train("unlearn")
 def unlearn(msg: Message, context: Context) -> Message:
     """Erase the forget set from the received model on this silo; reply with the delta and the
@@ -313,6 +343,7 @@ def unlearn(msg: Message, context: Context) -> Message:
     reference = base if req.reference is None else req.reference
     seed = req.seed
     if erase.method == "pga":
+        stop, heldout = _stopping_rule(here, req.setup_json, erase)
         stats = erase_pga(
             model,
             forget,
@@ -324,6 +355,10 @@ def unlearn(msg: Message, context: Context) -> Message:
             steps=erase.steps,
             lr=erase.lr,
             batch_size=ccfg.batch_size,
+            stop=stop,
+            heldout=heldout,
+            check_every=erase.stop_every,
+            probe=erase.stop_probe,
         )
     else:
         retain = select(data, forget_ids) if forget_ids else None

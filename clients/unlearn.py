@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedasync.erasure_metrics import logit_scale, true_label_confidence
+from fedasync.stopping import MembershipStop, Track
 from fedasync.types import Params
 from fedasync.unlearning import GradientSignature, flatten
 from medical_data.federation import SiloData
@@ -55,6 +57,10 @@ def erase_pga(
     seed: int,
     loss_cap: float | None = None,
     device: torch.device | None = None,
+    stop: MembershipStop | None = None,
+    heldout: SiloData | None = None,
+    check_every: int = 1,
+    probe: int = 128,
 ) -> dict[str, float]:
     """Projected gradient ascent (Halimi et al. 2022) on the forget set, in place.
 
@@ -73,11 +79,24 @@ def erase_pga(
     (default ``2 · log(C)`` with ``C`` the model's output channels: twice the loss of a
     uniform guess), since beyond it ascent only destroys the model.
 
+    With ``stop`` (and ``heldout``, samples of this silo that no model trained on) ``steps``
+    is a budget: before the first step and every ``check_every`` steps the forget samples'
+    membership statistic is compared with the held-out samples' (``probe`` seeded samples of
+    each, `fedasync.stopping`). The ascent stops as soon as the two cannot be told apart, and
+    returns to its best earlier state when it overshoots (forget samples less familiar than
+    unseen ones: over-erasure).
+
     Returns forget-set loss and score before and after, the steps taken, the final distance
-    to ``reference``, whether it stopped early, and the seconds spent.
+    to ``reference``, whether it stopped early, and the seconds spent; with ``stop`` also the
+    AUC before and after, the band, the readings taken, whether the two sets ended
+    indistinguishable and whether it reverted past an overshoot.
     """
     if radius < 0:
         raise ValueError(f"radius must be >= 0, got {radius}")
+    if stop is not None and (heldout is None or len(heldout) == 0):
+        raise ValueError("the stopping rule needs held-out samples of this silo")
+    if check_every < 1 or probe < 1:
+        raise ValueError(f"check_every and probe must be >= 1, got {check_every} and {probe}")
     t0 = time.perf_counter()
     device = device or torch.device("cpu")
     before = evaluate(model, forget, task=task, device=device)
@@ -90,7 +109,13 @@ def erase_pga(
     opt = torch.optim.SGD(params, lr=lr)
     loss_fn = task_loss(task)
     taken, stopped, dist = 0, False, 0.0
-    for _ in range(steps):
+    judge = None
+    if stop is not None:
+        assert heldout is not None
+        judge = _Judge(stop, forget, heldout, probe=probe, seed=seed, task=task, device=device)
+        if judge.check(model, params, 0):
+            steps = 0
+    for step in range(steps):
         x, y = _batch(images, labels, batch_size, gen)
         x, y = x.to(device), y.to(device)
         out = model(x)
@@ -111,6 +136,19 @@ def erase_pga(
                 for p, r, d in zip(params, ref, diffs):
                     p.copy_(r + d * c)
                 dist = radius
+        if judge is not None and ((step + 1) % check_every == 0 or step + 1 == steps):
+            if judge.check(model, params, step + 1):
+                break
+    reading: dict[str, float] = {}
+    if judge is not None and judge.track.readings[-1][0] != taken:
+        judge.check(model, params, taken)  # (the loss cap ended it between two readings)
+    if judge is not None:
+        if judge.reverted_to is not None:
+            with torch.no_grad():
+                dist = math.sqrt(
+                    sum(float((p - r).double().pow(2).sum()) for p, r in zip(params, ref))
+                )
+        reading = judge.summary()
     after = evaluate(model, forget, task=task, device=device)
     return {
         "forget_loss_before": before["loss"],
@@ -121,7 +159,82 @@ def erase_pga(
         "distance": dist,
         "stopped_early": float(stopped),
         "seconds": time.perf_counter() - t0,
+        **reading,
     }
+
+
+@torch.no_grad()
+def membership_statistic(
+    model: nn.Module, data: SiloData, idx: np.ndarray, *, task: str, device: torch.device
+) -> np.ndarray:
+    """Per-sample logit-scaled confidence in the true label (LiRA's statistic; pixels
+    averaged for segmentation) of ``data``'s samples ``idx``, in eval mode."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(idx), 256):
+        sel = idx[start : start + 256]
+        logits = model(torch.tensor(data.images[sel], device=device))
+        out.append(logit_scale(true_label_confidence(logits, data.labels[sel])))
+    model.train(was_training)
+    return np.concatenate(out)
+
+
+class _Judge:
+    """The stopping rule's side of one erasure: fixed probe samples, the track of readings
+    and the best state so far (to return to past an overshoot)."""
+
+    def __init__(
+        self,
+        rule: MembershipStop,
+        forget: SiloData,
+        heldout: SiloData,
+        *,
+        probe: int,
+        seed: int,
+        task: str,
+        device: torch.device,
+    ) -> None:
+        rng = np.random.default_rng([seed, 0x570])
+        self.rule, self.forget, self.heldout = rule, forget, heldout
+        self.f_idx = np.sort(rng.permutation(len(forget))[:probe])
+        self.h_idx = np.sort(rng.permutation(len(heldout))[:probe])
+        self.task, self.device = task, device
+        self.track: Track = rule.track()
+        self.best_state: list[torch.Tensor] | None = None
+        self.reverted_to: int | None = None
+        self.reason = ""
+
+    def check(self, model: nn.Module, params: list[torch.Tensor], step: int) -> bool:
+        """Take a reading after ``step`` steps; True when the ascent is to stop (having
+        restored the best earlier state on an overshoot)."""
+        kw = {"task": self.task, "device": self.device}
+        reading = self.rule.read(
+            membership_statistic(model, self.forget, self.f_idx, **kw),
+            membership_statistic(model, self.heldout, self.h_idx, **kw),
+        )
+        decision = self.track.add(step, reading)
+        if self.track.best()[0] == step:
+            self.best_state = [p.detach().clone() for p in params]
+        self.reason = decision.reason
+        if decision.revert_to is not None and decision.revert_to != step:
+            assert self.best_state is not None
+            with torch.no_grad():
+                for p, b in zip(params, self.best_state):
+                    p.copy_(b)
+            self.reverted_to = decision.revert_to
+        return decision.stop
+
+    def summary(self) -> dict[str, float]:
+        """The track's summary, with the AUC of the state kept (the best one after a revert)."""
+        kept = self.track.best()[1] if self.reverted_to is not None else self.track.readings[-1][1]
+        return {
+            **self.track.summary(),
+            "auc": kept.auc,
+            "indistinguishable": float(kept.verdict == "indistinguishable"),
+            "overshoot": float(self.reason == "over"),
+            "reverted_to_step": float(-1 if self.reverted_to is None else self.reverted_to),
+        }
 
 
 def _wrong_labels(labels: np.ndarray, num_classes: int, seed: int) -> np.ndarray:

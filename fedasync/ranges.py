@@ -55,6 +55,8 @@ UNIT = Range(0, 1)
 """[0, 1]: fractions and probabilities."""
 UNIT_OPEN_LOW = Range(0, 1, lo_open=True)
 """(0, 1]: a share that must not be zero."""
+UNIT_OPEN = Range(0, 1, lo_open=True, hi_open=True)
+"""(0, 1): a significance level."""
 UNBOUNDED = Range()
 """Any finite number (declared, so that no numeric key is left unchecked by accident)."""
 

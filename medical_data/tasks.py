@@ -43,6 +43,25 @@ def backdoored(data: SiloData, silo: int, backdoor: dict | None, seed: int) -> S
     return data
 
 
+def site_heldout(fed: Any, silo: int, backdoor: dict | None, seed: int) -> SiloData:
+    """Silo ``silo``'s own held-out samples: its share of the pooled test set (its site's
+    shift, never trained on by any silo), the simulated counterpart of a hospital's
+    validation list; in backdoor verification runs poisoned as its training data is (so that
+    the two are drawn alike, as the erasure's membership test assumes)."""
+    if not 0 <= silo < len(fed.silos):
+        raise ValueError(f"silo {silo} is not a silo of this federation (0..{len(fed.silos) - 1})")
+    mask = np.asarray(fed.info["test_sites"]) == silo
+    own = replace(
+        fed.test,
+        silo_id=silo,
+        name=f"{fed.silos[silo].name} (held out)",
+        images=fed.test.images[mask],
+        labels=fed.test.labels[mask],
+        sample_ids=fed.test.sample_ids[mask],
+    )
+    return backdoored(own, silo, backdoor, seed)
+
+
 def relearning_data(fed: Any, backdoor: dict, seed: int) -> SiloData:
     """What a relearning attacker adds to its own data: the backdoored silo's poisoned samples
     (:func:`training_data` of that silo, only the triggered ones), or a seeded

@@ -234,6 +234,7 @@ def parse_setup(text: str) -> Setup:
 
 
 ERASURE_METHODS = ("pga", "relabel")
+ERASURE_STOPS = ("fixed", "membership")
 SIGNATURE_DTYPES = ("float32", "float16")
 
 
@@ -249,6 +250,14 @@ class SiloErasure:
     """Local erasure steps."""
     lr: float = 0.01
     """Local erasure learning rate."""
+    stop: Literal["fixed", "membership"] = "fixed"
+    """PGA: after ``steps`` (fixed) or when the membership test says so (at most ``steps``)."""
+    stop_alpha: float = 0.05
+    """The membership test's significance level."""
+    stop_every: int = 1
+    """Erasure steps between two readings of the membership test."""
+    stop_probe: int = 128
+    """Forget and held-out samples each reading compares (at most)."""
     radius: float = 2.0
     """PGA: L2 radius of the ball around the reference model."""
     signature_rank: int = 4
@@ -264,6 +273,10 @@ class SiloErasure:
             (self.method in ERASURE_METHODS, "method must be pga or relabel"),
             (self.steps >= 0, "steps must be >= 0"),
             (self.lr > 0, "lr must be > 0"),
+            (self.stop in ERASURE_STOPS, "stop must be fixed or membership"),
+            (0 < self.stop_alpha < 1, "stop_alpha must be in (0, 1)"),
+            (self.stop_every >= 1, "stop_every must be >= 1"),
+            (self.stop_probe >= 1, "stop_probe must be >= 1"),
             (self.radius >= 0, "radius must be >= 0"),
             (self.signature_rank >= 1, "signature_rank must be >= 1"),
             (self.signature_batches >= 1, "signature_batches must be >= 1"),
@@ -291,13 +304,17 @@ class SiloErasure:
         missing = [n for n in names if n not in raw]
         if missing:
             raise ValueError(f"erasure: missing keys {missing}")
-        for text in ("method", "signature_dtype"):
+        for text in ("method", "stop", "signature_dtype"):
             if not isinstance(raw[text], str):
                 raise ValueError(f"erasure {text} must be a string")
         return cls(
             method=raw["method"],
             steps=_int(raw["steps"], "erasure steps"),
             lr=_float(raw["lr"], "erasure lr"),
+            stop=raw["stop"],
+            stop_alpha=_float(raw["stop_alpha"], "erasure stop_alpha"),
+            stop_every=_int(raw["stop_every"], "erasure stop_every"),
+            stop_probe=_int(raw["stop_probe"], "erasure stop_probe"),
             radius=_float(raw["radius"], "erasure radius"),
             signature_rank=_int(raw["signature_rank"], "erasure signature_rank"),
             signature_batches=_int(raw["signature_batches"], "erasure signature_batches"),

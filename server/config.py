@@ -35,6 +35,7 @@ from fedasync.ranges import (
     NON_NEGATIVE,
     POSITIVE,
     UNIT,
+    UNIT_OPEN,
     UNIT_OPEN_LOW,
     Range,
     check,
@@ -58,6 +59,8 @@ FaultKind = Literal[
 """``faults[].kind``."""
 ErasureMethod = Literal["pga", "relabel"]
 """``unlearning.method``."""
+ErasureStop = Literal["fixed", "membership"]
+"""``unlearning.stop``."""
 RadiusScaling = Literal["linear", "sqrt", "none"]
 """``unlearning.radius_scaling``: fedasync.unlearning.SHARE_RULES (checked equal at import)."""
 SignatureDtype = Literal["float32", "float16"]
@@ -77,6 +80,7 @@ SPEED_PROFILES: tuple[str, ...] = choices(SpeedProfile)
 FAULT_KINDS: tuple[str, ...] = choices(FaultKind)
 OPTIMIZER_KINDS: tuple[str, ...] = choices(OptimizerKind)
 ERASURE_METHODS: tuple[str, ...] = choices(ErasureMethod)
+ERASURE_STOPS: tuple[str, ...] = choices(ErasureStop)
 SIGNATURE_DTYPES: tuple[str, ...] = choices(SignatureDtype)
 PRE_BOUNDARIES: tuple[str, ...] = choices(PreBoundary)
 CALIBRATION_TARGETS: tuple[str, ...] = choices(CalibrationTarget)
@@ -89,8 +93,8 @@ if TRIGGER_PATTERNS != PATTERNS:
     raise AssertionError(f"TriggerPattern {TRIGGER_PATTERNS} != backdoor PATTERNS {PATTERNS}")
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
-    ServerMode, SpeedProfile, FaultKind, ErasureMethod = (
-        Annotated[str, t] for t in (ServerMode, SpeedProfile, FaultKind, ErasureMethod)
+    ServerMode, SpeedProfile, FaultKind, ErasureMethod, ErasureStop = (
+        Annotated[str, t] for t in (ServerMode, SpeedProfile, FaultKind, ErasureMethod, ErasureStop)
     )
     RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget, Protect = (
         Annotated[str, t]
@@ -433,9 +437,20 @@ class UnlearningConfig:
     method: ErasureMethod = "pga"
     """Silo-side erasure: pga (projected gradient ascent, Halimi et al. 2022) or relabel."""
     steps: int = 5
-    """Local erasure steps."""
+    """Local erasure steps (with ``stop=membership``: the most the silo may take)."""
     lr: float = 0.01
     """Local erasure learning rate."""
+    stop: ErasureStop = "fixed"
+    """PGA: when the silo stops. ``fixed``: after ``steps``. ``membership``: as soon as its forget
+    samples cannot be told apart from its own held-out samples (a two-sided Mann–Whitney test
+    on the true-label confidence at significance ``stop_alpha``; past an overshoot it returns
+    to its reading closest to indistinguishable), at most ``steps`` (docs/erasure.md)."""
+    stop_alpha: float = 0.05
+    """``stop=membership``: the test's significance level."""
+    stop_every: int = 1
+    """``stop=membership``: erasure steps between two readings."""
+    stop_probe: int = 128
+    """``stop=membership``: forget and held-out samples each reading compares (at most)."""
     radius: float = 2.0
     """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
     sample-level one gets it scaled by radius_scaling)."""
@@ -522,6 +537,11 @@ class UnlearningConfig:
         """Checked when built: ranges, the choices, and the TLS files' pairing."""
         check_ranges(self, "unlearning.", RANGES)
         check(self.method in ERASURE_METHODS, "unlearning.method must be pga or relabel")
+        check(self.stop in ERASURE_STOPS, "unlearning.stop must be fixed or membership")
+        check(
+            self.stop == "fixed" or self.method == "pga",
+            "unlearning.stop=membership needs unlearning.method=pga",
+        )
         check(
             self.radius_scaling in SHARE_RULES,
             f"unlearning.radius_scaling must be one of {SHARE_RULES}, got {self.radius_scaling!r}",
@@ -700,6 +720,9 @@ RANGES: dict[str, Range] = {
     # unlearning
     "unlearning.steps": NON_NEGATIVE,
     "unlearning.lr": POSITIVE,
+    "unlearning.stop_alpha": UNIT_OPEN,
+    "unlearning.stop_every": AT_LEAST_ONE,
+    "unlearning.stop_probe": AT_LEAST_ONE,
     "unlearning.radius": NON_NEGATIVE,
     "unlearning.radius_floor": UNIT_OPEN_LOW,
     "unlearning.calibration_strength": UNIT,
