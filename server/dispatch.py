@@ -90,6 +90,10 @@ class Dispatcher:
         """A silo whose work failed and that waits to be sent work again (offline)."""
         return silo in self._down
 
+    def job_of(self, silo: int) -> Job | None:
+        """``silo``'s job in flight, if any."""
+        return self._by_silo.get(silo)
+
     def refuse(self, silo: int, kind: str, why: str, job_id: int | None, version: int) -> None:
         """Count, log and write a refused second job for ``silo``."""
         self.refused += 1

@@ -55,6 +55,7 @@ from protocol.config import SiloErasure, to_dict
 from protocol.erasure_messages import UnlearnRequest
 from protocol.messages import TrainRefusal, TrainRequest
 from protocol.reading import ErrorReply
+from server.cancel import JobCanceller
 from server.checkpoint import CheckpointState, load_state, save_state
 from server.clock import client_setup, silo_speeds
 from server.config import FedAsyncConfig
@@ -120,6 +121,14 @@ class AsyncServer:
         self.roster: dict[int, int] = {}
         self.num_samples: dict[int, int] = {}
         self.arrived: dict[str, Message] = {}
+        self.cancels = JobCanceller(
+            self.jobs,
+            self.events,
+            self.arrived,
+            now=lambda: self.clock.now,
+            version=lambda: self.version,
+            on_discard=self._discarded,
+        )
         self.ckpt_path = run_dir / "checkpoint.pt"
         self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
         self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
@@ -319,14 +328,32 @@ class AsyncServer:
     # ---------------------------------------------------------------- the loop
     def _poll(self) -> None:
         waiting = list(self.jobs.unanswered)  # in send order
+        waiting += self.cancels.waiting_ids()  # (pulled to be dropped: none is left behind)
         if waiting:
             for reply in self.grid.pull_messages(waiting):
                 mid = reply.metadata.reply_to_message_id
+                if self.cancels.on_reply(mid, reply):
+                    continue
                 self.arrived[mid] = reply
                 self.jobs.answered(mid)
 
+    def cancel_for_erasure(self, silo: int, request_id: str) -> bool:
+        """Cancel ``silo``'s training job in flight for erasure ``request_id``
+        (server/cancel.py); True when the silo is idle now."""
+        self.cancels.cancel(silo, request_id)
+        return self.jobs.holding(silo) is None
+
+    def _discarded(self, job: Job, reply: Message) -> None:
+        """A cancelled job's reply: its privacy spend still counts, and a refusal (out of
+        budget) still stops the silo; nothing else of it is used."""
+        got = read_reply(reply)
+        note = self.privacy.take(job.silo, job.job_id, got)
+        if note.stop is not None:
+            self._stopped(note.stop)
+
     def _abandon_timed_out(self) -> None:
         limit = self.cfg.server.reply_timeout_s
+        self.cancels.expire(limit)
         expired = []
         for mid in self.jobs.unanswered:  # sent in order, so the oldest first
             if time.monotonic() - self.inflight[mid].wall_sent <= limit:
@@ -689,6 +716,7 @@ class AsyncServer:
                 "intake": self.intake.state_dict(),
                 "stats": self.stats.state_dict(),
                 "privacy": self.privacy.state_dict(),
+                "cancels": self.cancels.state_dict(),
                 "erasure": self.erasure.state_dict() if self.erasure is not None else None,
             },
         }
@@ -707,6 +735,8 @@ class AsyncServer:
         self.intake.load_state_dict(parts["intake"])
         self.stats.load_state_dict(parts["stats"])
         self.privacy.load_state_dict(parts["privacy"])
+        if "cancels" in parts:  # (checkpoints written before cancellation have none)
+            self.cancels.load_state_dict(parts["cancels"])
         if self.erasure is not None and parts["erasure"] is not None:
             self.erasure.load_state_dict(parts["erasure"])
         return list(state["jobs"])

@@ -67,6 +67,8 @@ def build_summary(
         "updates_rejected_total": sum(stats.rejected.values()),
         # second jobs the loop refused to send a silo that held one (0 unless a bug asked)
         "dispatches_refused": srv.jobs.refused,
+        # training jobs an erasure request cancelled, and what became of their replies
+        **srv.cancels.summary(),
         # folds whose model was not finite, refused (the model stayed; 0 unless a bug)
         "versions_refused": stats.versions_refused,
         # stale updates folded without delay compensation: their base weights had been dropped

@@ -155,6 +155,10 @@ class Federation(Protocol):
         """Send ``silo`` an erasure; False when refused."""
         ...
 
+    def cancel_for_erasure(self, silo: int, request_id: str) -> bool:
+        """Cancel ``silo``'s training job in flight; True when it is idle now."""
+        ...
+
     def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> bool:
         """Send ``silo`` FedEraser calibration training; False when refused."""
         ...
@@ -300,23 +304,31 @@ class ErasureCoordinator:
                 if self.srv.holding(silo) is None and self.may_train(silo):
                     self.srv.dispatch(silo)
 
+    def _startable(self, req: Any, now: float) -> bool:
+        """Whether ``req`` may start now but for its silo's job in flight."""
+        if req.id in self.active or req.silo in self.retired or req.silo not in self.srv.roster:
+            return False
+        if self.srv.is_down(req.silo) or self.erasing(req.silo):
+            return False  # offline: it waits, queued, until the silo returns
+        return self.not_before.get(req.id, now) <= now
+
     def _start_queued(self, queued: list[Any], now: float) -> None:
+        # a request cancels its silo's training job in flight (server/cancel.py): it starts
+        # now instead of after a job that may be a straggler's (unlearning.cancel_inflight)
+        if self.cfg.cancel_inflight:
+            for req in queued:
+                if self._startable(req, now) and self.srv.holding(req.silo) is not None:
+                    self.srv.cancel_for_erasure(req.silo, req.id)
         # the synchronous baseline halts: no new work while a request waits, and the erasure
-        # starts only once the work in flight has drained
+        # starts only once the (other silos') work in flight has drained
         self.halting = self.cfg.halt and bool(queued)
         if self.halting and any(j.kind is JobKind.TRAIN for j in self.srv.inflight.values()):
             return
         for req in queued:
-            if req.id in self.active:
-                continue
-            if req.silo in self.retired or req.silo not in self.srv.roster:
-                continue
-            if self.srv.is_down(req.silo) or self.erasing(req.silo):
-                continue  # offline: it waits, queued, until the silo returns
+            if not self._startable(req, now):
+                continue  # (a requeued one waits out its pause after its silo went down)
             if self.srv.holding(req.silo) is not None:
                 continue  # one job per silo: it starts when the silo's job in flight is back
-            if self.not_before.get(req.id, now) > now:
-                continue  # it went down while erasing: tried again after a pause
             self.not_before.pop(req.id, None)
             if not any(r.silo == req.silo and r.id != req.id for r in queued):
                 self.waiting.discard(req.silo)  # (a silo erasing is sent no training anyway)

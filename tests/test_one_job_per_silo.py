@@ -18,6 +18,7 @@ from inprocess import InProcessGrid
 from clients.app import app as client_app
 from fedasync.events import read_events
 from server.app import run_server
+from server.cancel import JobCanceller
 from server.loop import AsyncServer
 
 SILO_1 = 1001  # InProcessGrid's node of silo 1
@@ -77,6 +78,15 @@ def test_one_job_per_silo_under_crashes_erasures_and_retries(small_cfg, monkeypa
         return orig_take(self, job, reply)
 
     monkeypatch.setattr(AsyncServer, "_take", take)
+    orig_cancel = JobCanceller.cancel
+
+    def cancel(self, silo, request_id):
+        job = orig_cancel(self, silo, request_id)
+        if job is not None:  # the server dropped this job: its reply will never be taken
+            grid.holding[job.node_id].discard(job.msg_id)
+        return job
+
+    monkeypatch.setattr(JobCanceller, "cancel", cancel)
     cfg = small_cfg(
         "run.max_versions=70",
         "client.local_steps=10",
@@ -108,6 +118,15 @@ def test_one_job_per_silo_under_crashes_erasures_and_retries(small_cfg, monkeypa
     # ...and silo 1, which erased twice and was down, did not out-train its peers
     accepted = {s: summary["per_silo"][s]["accepted"] for s in ("0", "1", "2")}
     assert 0 < accepted["1"] <= min(accepted["0"], accepted["2"]), accepted
+    # ...each erasure cancelled silo 1's training job in flight (it would have outlasted the
+    # erasure), whose reply was discarded, never folded
+    cancelled = [e for e in events if e["event"] == "job_cancelled"]
+    discarded = [e for e in events if e["event"] == "reply_discarded"]
+    assert cancelled and {e["silo"] for e in cancelled} == {1}
+    assert sorted(e["job"] for e in discarded) == sorted(e["job"] for e in cancelled)
+    folded = {e.get("job") for e in events if e["event"] == "update"}
+    assert not folded & {e["job"] for e in cancelled}
+    assert summary["jobs_cancelled"] == len(cancelled) == summary["cancelled_replies_discarded"]
 
 
 def test_the_dispatch_guard_refuses_a_second_job_and_says_so(small_cfg, monkeypatch):
