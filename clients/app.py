@@ -55,6 +55,7 @@ from medical_data.tasks import (
 )
 from protocol import keys as P
 from protocol.config import ClientConfig, SiloErasure, build_silos, parse_setup
+from protocol.erasure_messages import WORK_UNITS
 from protocol.ids import digest_all
 from protocol.messages import (
     EvaluateReply,
@@ -383,6 +384,11 @@ def unlearn(msg: Message, context: Context) -> Message:
         rank=erase.signature_rank,
         seed=seed,
         device=device,
+    )
+    steps = int(stats.get("steps", erase.steps))
+    compared = int(stats.get("compared", 0))
+    stats[WORK_UNITS] = erase.work_units(
+        steps, compared, int(stats.get("readings", 0)), ccfg.batch_size
     )
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     reply = UnlearnReply(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -205,13 +206,13 @@ class _Judge:
         self.reverted_to: int | None = None
         self.reason = ""
 
-    def check(self, model: nn.Module, params: list[torch.Tensor], step: int) -> bool:
+    def check(self, model: nn.Module, params: Sequence[torch.Tensor], step: int) -> bool:
         """Take a reading after ``step`` steps; True when the ascent is to stop (having
         restored the best earlier state on an overshoot)."""
-        kw = {"task": self.task, "device": self.device}
+        task, device = self.task, self.device
         reading = self.rule.read(
-            membership_statistic(model, self.forget, self.f_idx, **kw),
-            membership_statistic(model, self.heldout, self.h_idx, **kw),
+            membership_statistic(model, self.forget, self.f_idx, task=task, device=device),
+            membership_statistic(model, self.heldout, self.h_idx, task=task, device=device),
         )
         decision = self.track.add(step, reading)
         if self.track.best()[0] == step:
@@ -231,6 +232,7 @@ class _Judge:
         return {
             **self.track.summary(),
             "auc": kept.auc,
+            "compared": float(len(self.f_idx) + len(self.h_idx)),
             "indistinguishable": float(kept.verdict == "indistinguishable"),
             "overshoot": float(self.reason == "over"),
             "reverted_to_step": float(-1 if self.reverted_to is None else self.reverted_to),

@@ -227,8 +227,12 @@ class VirtualClock:
         plus latency, for work outside the regular schedule)."""
         if jitter:
             return JobTiming(self.now, self.now + self.duration(worker, job_id, units))
-        compute = units * self.unit_time_s / self.speeds[worker]
-        return JobTiming(self.now, self.now + compute + self.latency_s)
+        return JobTiming(self.now, self.now + self.span(worker, units))
+
+    def span(self, worker: int, units: float) -> float:
+        """Virtual seconds of ``units`` work units on ``worker``, without jitter (with the
+        latency): what ``schedule(..., jitter=False)`` adds to now."""
+        return units * self.unit_time_s / self.speeds[worker] + self.latency_s
 
     def next(self, t_reply: float, t_retry: float, t_timer: float) -> tuple[Next, float]:
         """The earliest of the three; on a tie a timer first, then a retry, then a reply."""

@@ -289,6 +289,26 @@ class SiloErasure:
             if not ok:
                 raise ValueError(f"erasure {msg}")
 
+    def work_units(self, steps: int, compared: int, readings: int, batch_size: int) -> float:
+        """The work of an erasure in training steps (the virtual clock's unit): its ascent
+        ``steps``, then one gradient per signature batch, and with ``stop=membership`` each of
+        its ``readings``, a forward pass over the ``compared`` forget and held-out samples (a
+        forward pass costs about a third of a training step on as many samples)."""
+        return steps + self.signature_batches + readings * compared / (3.0 * batch_size)
+
+    def work_bounds(self, batch_size: int) -> tuple[float, float]:
+        """The least and the most work (``work_units``) this erasure can take: fixed steps
+        know theirs; with ``stop=membership`` it ends after 0 to ``steps`` steps, read before
+        the first, every ``stop_every`` and after the last, comparing at most ``stop_probe``
+        samples of each set."""
+        if self.stop != "membership" or self.method != "pga":
+            units = self.work_units(self.steps, 0, 0, batch_size)
+            return units, units
+        most = self.work_units(
+            self.steps, 2 * self.stop_probe, 2 + self.steps // self.stop_every, batch_size
+        )
+        return self.work_units(0, 0, 0, batch_size), most
+
     def to_json(self) -> str:
         """The JSON sent in the unlearn request (sorted keys)."""
         return dumps(to_dict(self))

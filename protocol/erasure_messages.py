@@ -11,6 +11,7 @@ Errors as in ``protocol.messages`` (``ErrorReply``, ``Malformed``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -176,3 +177,19 @@ class UnlearnReply:
                     f"got shape {tuple(gradient.shape)}"
                 )
         return cls(silo, job, base, n, delta, basis, names, metrics, gradient)
+
+
+WORK_UNITS = "work_units"
+"""Metric of an unlearn reply: the erasure's work in training steps (``SiloErasure.work_units``)."""
+
+
+def reported_work(msg: Message) -> float | None:
+    """The ``work_units`` an unlearn reply reports (None: an error reply, or none reported),
+    read without decoding its tensors."""
+    if msg.has_error() or P.METRICS not in msg.content:
+        return None
+    m = msg.content[P.METRICS]
+    if not isinstance(m, MetricRecord) or WORK_UNITS not in m:
+        return None
+    v = m[WORK_UNITS]
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from flwr.app import Message
@@ -89,6 +90,14 @@ class Dispatcher:
     def is_down(self, silo: int) -> bool:
         """A silo whose work failed and that waits to be sent work again (offline)."""
         return silo in self._down
+
+    def reschedule(self, mid: str, finishes_at: float) -> Job:
+        """Message ``mid``'s job, now finishing at ``finishes_at`` and no longer elastic (a new
+        ``Job``: the clock's heap keeps the old entry, which no longer counts)."""
+        job = replace(self.inflight[mid], finishes_at=finishes_at, work=None)
+        self.inflight[mid] = job
+        self._by_silo[job.silo] = job
+        return job
 
     def job_of(self, silo: int) -> Job | None:
         """``silo``'s job in flight, if any."""

@@ -63,6 +63,10 @@ class Job:
     kind: JobKind = JobKind.TRAIN
     erasure: Any = None
     """For unlearn jobs: the server.unlearning.Erasure it carries out."""
+    work: tuple[float, float] | None = None
+    """Virtual clock, a job whose length its silo decides (an erasure that stops by itself):
+    the least and the most work it can take. Scheduled to finish after the least; its reply's
+    reported work moves it to its real finish (``AsyncServer._settle``)."""
 
 
 @dataclass

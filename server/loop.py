@@ -52,7 +52,7 @@ from fedasync.flat import flatten
 from fedasync.flat import same as flat_same
 from fedasync.tensors import is_finite
 from protocol.config import SiloErasure, to_dict
-from protocol.erasure_messages import UnlearnRequest
+from protocol.erasure_messages import UnlearnRequest, reported_work
 from protocol.messages import TrainRefusal, TrainRequest
 from protocol.reading import ErrorReply
 from server.cancel import JobCanceller
@@ -278,7 +278,7 @@ class AsyncServer:
             erasure=erasure,
         )
 
-    def _side_job(self, silo: int, steps: int) -> tuple[int, tuple[float, float]]:
+    def _side_job(self, silo: int, steps: float) -> tuple[int, tuple[float, float]]:
         """A new job id and (dispatched, finishes) for a job of ``steps`` steps outside the
         regular schedule (erasure work: no jitter, as the virtual clock's schedule has)."""
         job_id = self.jobs.new_job_id()
@@ -291,8 +291,10 @@ class AsyncServer:
         idle silo, so this is a bug's trace; the request goes back to the queue."""
         # the erasure's own size (scaled to its forget set) over the configured one
         erase = SiloErasure.of(self.cfg.unlearning, erasure.overrides)
-        # the erasure steps, then one gradient per signature batch
-        job_id, timing = self._side_job(silo, erase.steps + erase.signature_batches)
+        # the erasure steps, then one gradient per signature batch; one that stops by itself
+        # is scheduled after the least it can take, and settled by its reply (``_settle``)
+        least, most = erase.work_bounds(self.cfg.client.batch_size)
+        job_id, timing = self._side_job(silo, least)
         request = UnlearnRequest(
             setup_json=self.setup_json,
             job_id=job_id,
@@ -307,6 +309,8 @@ class AsyncServer:
         msg = request.to_message(self.roster[silo], ttl=self.cfg.server.reply_timeout_s)
         job = Job("", silo, self.roster[silo], job_id, self.version, *timing, 0.0)
         job.kind, job.erasure = JobKind.UNLEARN, erasure
+        if most > least and not self.clock.realtime:
+            job.work = (least, most)
         if not self.jobs.send(msg, job, self.version):
             self.erasure.requeue(erasure, SiloLost("its silo was busy", offline=True))
             return False
@@ -409,7 +413,7 @@ class AsyncServer:
                     self.dispatch(silo)
                 continue
             due = self._wait_due()
-            if due is None:
+            if due is None or self._settle(due):
                 continue
             self.clock.advance_to(max(self.inflight[m].finishes_at for m in due))
             ready: list[int] = []
@@ -431,6 +435,24 @@ class AsyncServer:
                     self.dispatch(silo)
             self.jobs.prune_sent()
             self._tick()
+
+    def _settle(self, due: list[str]) -> bool:
+        """Virtual clock: jobs among ``due`` whose length their silo decided (``Job.work``)
+        finish after the work their reply reports (within the job's bounds; a reply that
+        reports none, an error, counts the least) rather than now; True when one moved (the
+        loop then takes whatever is due first)."""
+        moved = False
+        for mid in due:
+            job = self.inflight[mid]
+            if job.work is None:
+                continue
+            least, most = job.work
+            reported = reported_work(self.arrived[mid])
+            units = least if reported is None else min(max(reported, least), most)
+            finish = job.dispatched_at + self.clock.span(job.silo, units)  # type: ignore[attr-defined]
+            self.jobs.reschedule(mid, max(finish, job.finishes_at))
+            moved = moved or finish > job.finishes_at + 1e-9
+        return moved
 
     def _at_cap(self) -> bool:
         """The run made ``run.max_versions`` versions."""

@@ -143,3 +143,25 @@ def test_a_reply_that_never_comes_is_forgotten_and_a_restart_counts_it(tmp_path)
         "cancelled_replies_discarded": 0,
         "cancelled_replies_outstanding": 1,
     }
+
+
+def test_an_erasure_that_stops_by_itself_takes_the_virtual_time_of_its_work(small_cfg):
+    # Prepare: a budget of 40 steps, read every 4; the silo's held-out samples decide
+    from server.clock import silo_speeds
+
+    cfg_args = ("unlearning.stop=membership", "unlearning.steps=40", "unlearning.stop_every=4")
+    # Execute
+    summary, row, events = _run(small_cfg, *cfg_args)
+    # Assert: the erasure took the virtual time of the work its silo reports, not its budget
+    cfg = small_cfg(*cfg_args)
+    at = row["at_boundary"]
+    work = at["silo_work_units"]
+    assert at["silo_readings"] >= 1 and 0 <= at["silo_steps"] <= 40
+    assert work == pytest.approx(
+        at["silo_steps"] + 1 + at["silo_readings"] * at["silo_compared"] / (3 * 16)
+    )
+    speed = silo_speeds(cfg.silos, cfg.run.seed)[1]
+    span = work * cfg.silos.step_time_s / speed + cfg.silos.latency_s
+    assert row["erasure_latency_s"] == pytest.approx(span)
+    most = 40 + 1 + (2 + 40 // 4) * 256 / 48
+    assert span < most * cfg.silos.step_time_s / speed + cfg.silos.latency_s
