@@ -60,6 +60,7 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from clients import preempt
 from clients.privacy import History, PrivacyLedger
 from medical_data.federation import SiloData
 from medical_data.tasks import loss_fn as task_loss
@@ -185,7 +186,8 @@ def train_local_dp(
     total_loss, total_score, seen, nonempty = 0.0, 0.0, 0, 0
     try:
         batches = _batches(dp_loader)
-        for _ in range(steps):
+        for step in range(steps):
+            preempt.check(step, steps)  # (nothing of a preempted job is released)
             x, y = next(batches)
             x, y = x.to(device), y.to(device)
             dp_opt.zero_grad(set_to_none=True)
