@@ -254,7 +254,7 @@ class SiloErasure:
     """PGA: after ``steps`` (fixed) or when the membership test says so (at most ``steps``)."""
     stop_alpha: float = 0.05
     """The membership test's significance level."""
-    stop_every: int = 1
+    stop_every: int = 5
     """Erasure steps between two readings of the membership test."""
     stop_probe: int = 128
     """Forget and held-out samples each reading compares (at most)."""

@@ -447,7 +447,7 @@ class UnlearningConfig:
     to its reading closest to indistinguishable), at most ``steps`` (docs/erasure.md)."""
     stop_alpha: float = 0.05
     """``stop=membership``: the test's significance level."""
-    stop_every: int = 1
+    stop_every: int = 5
     """``stop=membership``: erasure steps between two readings."""
     stop_probe: int = 128
     """``stop=membership``: forget and held-out samples each reading compares (at most)."""
