@@ -13,7 +13,9 @@ phase begins (``simulate``: its sync baseline starting, training, its plots). Ea
 checks:
 
 - the process ends within 30 s of the signal, exit code 130 (or 0 when the run had already
-  finished, which it then shows: its outputs are all there and it printed no stop line);
+  finished, which it then shows: its outputs are all there and it printed no stop line; a
+  timed moment whose run finished first is tried once more at the same fraction of that
+  run's own wall time, and the result says ``finished_first_at_s``);
 - stderr and stdout hold no traceback, and exactly one line ``fedasync[ <cmd>]: stopped by
   SIGINT ...`` saying where it stopped and how to resume;
 - when training had started, a checkpoint the line names, which loads;
@@ -295,7 +297,15 @@ def sweep(name: str, out: Path, moments: int, wall_s: float | None = None) -> li
     phases = list(cmd.phases.items())[:moments]
     timed = moments - len(phases)
     fractions = [0.02 + 0.88 * i / max(timed - 1, 1) for i in range(timed)]
-    results = [one_moment(cmd, out / f"m{k:02d}", k, f * wall_s) for k, f in enumerate(fractions)]
+    results = []
+    for k, f in enumerate(fractions):
+        r = one_moment(cmd, out / f"m{k:02d}", k, f * wall_s)
+        if r["rc"] == 0 and r["ok"]:
+            # it finished before the signal (this run was faster than the reference): once
+            # more at the same fraction of the wall time it took, so that the moment is a stop
+            again = one_moment(cmd, out / f"m{k:02d}b", k, f * r["at_s"])
+            r = {**again, "finished_first_at_s": r["at_s"]}
+        results.append(r)
     for j, (label, until) in enumerate(phases):
         k = timed + j
         r = one_moment(cmd, out / f"m{k:02d}", k, 0.0, until=until)
