@@ -108,25 +108,18 @@ def _worker(rt: _Runtime, app) -> worker.Worker:
     return w
 
 
-def _app(steps: int):
-    """A ClientApp whose training takes ``steps`` local steps of 5 ms (checking the flag before
-    each, as clients/local.py does); the steps it took."""
-    done: list[int] = []
+def test_an_erasure_reaching_the_node_stops_training_at_the_next_step_and_runs_next():
+    # Prepare: a training task of 2000 steps of 5 ms; the erasure's task comes 0.2 s in
+    steps_done: list[int] = []
 
     def app(message, context):
         if message.metadata.message_type == "train":
-            for step in range(steps):
-                preempt.check(step, steps)
-                done.append(step)
+            for step in range(2000):
+                preempt.check(step, 2000)
+                steps_done.append(step)
                 time.sleep(0.005)
         return Message(RecordDict(), reply_to=message)
 
-    return app, done
-
-
-def test_an_erasure_reaching_the_node_stops_training_at_the_next_step_and_runs_next():
-    # Prepare: a training task of 2000 steps of 5 ms; the erasure's task comes 0.2 s in
-    app, steps_done = _app(2000)
     rt = _Runtime([(1, "train"), (2, "train.unlearn")], second_after_s=0.2)
     w = _worker(rt, app)
     # Execute
@@ -155,7 +148,16 @@ def test_an_erasure_reaching_the_node_stops_training_at_the_next_step_and_runs_n
 
 
 def test_a_task_other_than_an_erasure_waits_for_the_training_to_finish():
-    app, steps_done = _app(400)
+    steps_done: list[int] = []
+
+    def app(message, context):
+        if message.metadata.message_type == "train":
+            for step in range(400):
+                preempt.check(step, 400)
+                steps_done.append(step)
+                time.sleep(0.005)
+        return Message(RecordDict(), reply_to=message)
+
     rt = _Runtime([(1, "train"), (2, "evaluate")], second_after_s=0.05)
     w = _worker(rt, app)
     assert w.serve() == 0
