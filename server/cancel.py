@@ -8,11 +8,9 @@ starts when that job's reply is back, and folded.
 ``JobCanceller`` takes the job out of flight at once (the silo is idle: the erasure can be sent
 now, and one silo still holds at most one job), and remembers its message id until the reply
 is pulled, so that it is discarded and counted rather than folded or left in the SuperLink.
-What the server cannot cancel is the work itself: Flower has no way to withdraw a message
-already pushed. In simulation the ClientApp call runs to its end on its Ray actor; on a
-deployed node the warm worker stops it between two local steps once the erasure's message
-reaches the node (clients/preempt.py, simulations/worker.py). Either way its reply, a result
-or a "preempted" error, is dropped here.
+What cannot be cancelled is the work itself: Flower has no way to withdraw a message already
+pushed, so the ClientApp call runs to its end (in simulation on its Ray actor, in a deployment
+on the hospital's node) and its reply is dropped here.
 
 Only regular training is cancelled: an erasure's own job and FedEraser's calibration training
 run to their end. A discarded reply still goes through the server's privacy accounting (the

@@ -53,9 +53,7 @@ import resource
 import signal
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,20 +177,6 @@ class Worker:
             retry_invoker=self.f["make_simple_http_retry_invoker"](),
         )
 
-    def claim(self, token: str, task_id: int) -> Claimed:
-        """Take a task acquired with ``token``: its heartbeat starts now (the SuperNode counts a
-        task without one as crashed), and its input is pulled."""
-        client = self._client("flwr-clientapp", token)
-        heartbeat = self.f["HeartbeatSender"](self.f["make_task_heartbeat_fn_http"](client))
-        heartbeat.start()
-        try:
-            pulled = self.f["pull_task_input"](client)
-        except BaseException:
-            heartbeat.stop()
-            client.close()
-            raise
-        return Claimed(token, task_id, client, heartbeat, pulled)
-
     def serve(self) -> int:
         """Acquire and run tasks until stopped (SIGTERM/SIGINT), ``max_tasks`` ran, or a task
         of a new FAB came (``EXIT_NEW_FAB``); the exit status."""
@@ -202,7 +186,6 @@ class Worker:
             "warm worker %d serving %s (rss %.0f MiB)", os.getpid(), self.runtime_api, rss_mb()
         )
         wait = self.poll_s
-        claimed: Claimed | None = None
         try:
             while not self.stopping:
                 res = superexec.AcquireTask(request)
@@ -216,17 +199,11 @@ class Worker:
                     log.info("task %d has a new FAB %s: Flower runs it", res.task.task_id, fab[:12])
                     self._cold(res.token)
                     return EXIT_NEW_FAB
-                claimed = self.run_task(res.token, res.task.task_id)
-                while claimed is not None and not self.stopping:  # claimed while it ran
-                    pending: Claimed = claimed
-                    claimed = None  # (a stop meanwhile leaves nothing to release)
-                    claimed = self.run_task(pending.token, pending.task_id, claimed=pending)
+                self.run_task(res.token, res.task.task_id)
                 if self.max_tasks is not None and self.tasks >= self.max_tasks:
                     return 0
             return 0
         finally:
-            if claimed is not None:  # stopped while holding it: the SuperNode ends it
-                claimed.release()
             superexec.close()
 
     def _cold(self, token: str) -> None:
@@ -273,33 +250,23 @@ class Worker:
         )
         return self.app
 
-    def run_task(self, token: str, task_id: int, claimed: Claimed | None = None) -> Claimed | None:
-        """One task, start to end, as ``flwr-clientapp`` runs it (without exiting); ``claimed``:
-        one acquired (heartbeat running, input pulled) while the task before it ran. Returns a
-        task its watcher claimed meanwhile (run it next), or None."""
+    def run_task(self, token: str, task_id: int) -> None:
+        """One task, start to end, as ``flwr-clientapp`` runs it (without exiting)."""
         f = self.f
         from flwr.app import Message
 
         t0 = time.perf_counter()
-        if claimed is None:
-            client = self._client("flwr-clientapp", token)
-            heartbeat = f["HeartbeatSender"](f["make_task_heartbeat_fn_http"](client))
-        else:
-            client, heartbeat = claimed.client, claimed.heartbeat
+        client = self._client("flwr-clientapp", token)
+        heartbeat = f["HeartbeatSender"](f["make_task_heartbeat_fn_http"](client))
         message = reply = context = None
-        watcher: TaskWatcher | None = None
         marks = {"start": t0}
         status, details = f["SubStatus"].FAILED, "ClientApp task failed due to unknown reason"
         try:
-            if claimed is None:
-                heartbeat.start()
-                message, context, run, fab = f["pull_task_input"](client)
-            else:
-                message, context, run, fab = claimed.pulled
+            heartbeat.start()
+            message, context, run, fab = f["pull_task_input"](client)
             marks["pulled"] = time.perf_counter()
             app = self._load(fab, run)
             self._fresh_state()
-            watcher = TaskWatcher.around(self, message, task_id)
             reply = app(message=message, context=context)
             marks["ran"] = time.perf_counter()
             status, details = f["SubStatus"].COMPLETED, ""
@@ -325,7 +292,6 @@ class Worker:
                     heartbeat.stop()
                 client.close()
                 marks["closed"] = time.perf_counter()
-        nxt = watcher.finish() if watcher is not None else None
         self.tasks += 1
         del message, reply, context  # (no gc.collect(): a full one took 0.5-1.2 s here)
         steps = list(marks.items())
@@ -339,93 +305,6 @@ class Worker:
             took,
             rss_mb(),
         )
-        return nxt
-
-
-@dataclass
-class Claimed:
-    """A task acquired while another ran: its token, runtime client, running heartbeat and
-    pulled input ``(message, context, run, fab)``."""
-
-    token: str
-    task_id: int
-    client: Any
-    heartbeat: Any
-    pulled: tuple[Any, Any, Any, Any]
-
-    def release(self) -> None:
-        """Give it up unrun (the worker stops): its heartbeat ends, so the SuperNode ends it
-        with Flower's crash error, which the server takes as a failed job."""
-        if self.heartbeat.is_running:
-            self.heartbeat.stop()
-        self.client.close()
-
-
-class TaskWatcher(threading.Thread):
-    """While a training task runs: acquire the next task the SuperNode holds for this node
-    (a message the server sent after it stopped waiting for this job: an erasure that
-    cancelled it) and, when it is a ``train.unlearn``, stop the training at its next local
-    step (clients/preempt.py, as the app loaded it). The training then ends as an error reply,
-    and the claimed task runs next. Any other task is only kept to run next."""
-
-    def __init__(self, worker: Worker, preempt: Any, task_id: int, poll_s: float) -> None:
-        super().__init__(name=f"task-watcher-{task_id}", daemon=True)
-        self.worker, self.preempt, self.task_id, self.poll_s = worker, preempt, task_id, poll_s
-        self.done = threading.Event()
-        self.claimed: Claimed | None = None
-
-    @classmethod
-    def around(cls, worker: Worker, message: Any, task_id: int) -> TaskWatcher | None:
-        """A watcher started for ``message``'s task when it is training, else None."""
-        if message.metadata.message_type != TRAIN_MESSAGE:
-            return None
-        preempt = sys.modules.get(PREEMPT_MODULE)  # the FAB's copy, as the app imported it
-        if preempt is not None:
-            preempt.clear()
-        watcher = cls(worker, preempt, task_id, worker.poll_s)
-        watcher.start()
-        return watcher
-
-    def run(self) -> None:
-        """Poll AcquireTask every ``poll_s`` until a task comes or ``finish`` is called."""
-        request = self.worker.f["AcquireTaskRequest"](supported_task_types=[CLIENT_APP_TASK])
-        superexec = self.worker._client("SuperExec")
-        try:
-            while not self.done.is_set():
-                res = superexec.AcquireTask(request)
-                if res.HasField("task") and res.token:
-                    self.claimed = self.worker.claim(res.token, res.task.task_id)
-                    kind = self.claimed.pulled[0].metadata.message_type
-                    if kind == UNLEARN_MESSAGE and self.preempt is not None:
-                        log.info(
-                            "task %d: an erasure (task %d) reached the node: training stops "
-                            "at its next step",
-                            self.task_id,
-                            res.task.task_id,
-                        )
-                        self.preempt.request(f"an erasure of this silo (task {res.task.task_id})")
-                    return
-                self.done.wait(self.poll_s)
-        except Exception as e:  # noqa: BLE001 - the training task goes on as if unwatched
-            log.warning("task %d: watching for an erasure failed: %s", self.task_id, str(e)[:300])
-        finally:
-            superexec.close()
-
-    def finish(self) -> Claimed | None:
-        """Stop watching (the task ended); the task claimed meanwhile, if any."""
-        self.done.set()
-        self.join()
-        if self.preempt is not None:
-            self.preempt.clear()
-        return self.claimed
-
-
-TRAIN_MESSAGE = "train"
-"""The message type of a training job (protocol.keys.TRAIN): the only tasks watched."""
-UNLEARN_MESSAGE = "train.unlearn"
-"""The message type of an erasure (protocol.keys.UNLEARN): what preempts a training job."""
-PREEMPT_MODULE = "clients.preempt"
-"""The module whose flag stops local training between two steps."""
 
 
 def forget_packages(app_dir: Path) -> list[str]:
