@@ -461,9 +461,10 @@ class UnlearningConfig:
     radius_floor: float = 0.01
     """The smallest share of the full size a sample-level erasure gets."""
     cancel_inflight: bool = True
-    """An erasure request cancels its silo's training job in flight, whose reply is discarded
-    when it comes (server/cancel.py): the erasure starts at once rather than after that job.
-    false: it waits for the job's reply (and folds it) first."""
+    """Simulation: an erasure request cancels its silo's training job in flight, whose reply is
+    discarded when it comes (server/cancel.py): the erasure starts at once rather than after
+    that job. false: it waits for the job's reply (and folds it) first. A deployment always
+    waits: its node finishes the job before it pulls the erasure's message."""
     server_removal: bool = False
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
     calibration: bool = True

@@ -314,8 +314,11 @@ class ErasureCoordinator:
 
     def _start_queued(self, queued: list[Any], now: float) -> None:
         # a request cancels its silo's training job in flight (server/cancel.py): it starts
-        # now instead of after a job that may be a straggler's (unlearning.cancel_inflight)
-        if self.cfg.cancel_inflight:
+        # now instead of after a job that may be a straggler's (unlearning.cancel_inflight).
+        # Simulation only: a deployed node finishes that job before it even pulls the erasure
+        # (Flower's SuperNode takes one message at a time), so a cancel there would gain
+        # nothing and start the erasure message's reply timeout behind the job
+        if self.cfg.cancel_inflight and not self.srv.clock.realtime:
             for req in queued:
                 if self._startable(req, now) and self.srv.holding(req.silo) is not None:
                     self.srv.cancel_for_erasure(req.silo, req.id)

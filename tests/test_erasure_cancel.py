@@ -165,3 +165,24 @@ def test_an_erasure_that_stops_by_itself_takes_the_virtual_time_of_its_work(smal
     assert row["erasure_latency_s"] == pytest.approx(span)
     most = 40 + 1 + (2 + 40 // 4) * 256 / 48
     assert span < most * cfg.silos.step_time_s / speed + cfg.silos.latency_s
+
+
+def test_on_the_wall_clock_an_erasure_waits_for_the_job_in_flight(small_cfg):
+    # a deployed node finishes its job before it pulls the erasure (Flower's SuperNode takes
+    # one message at a time): the server does not cancel it there
+    from test_server_wallclock import _SlowGrid
+
+    cfg = small_cfg(
+        "run.budget_s=6",
+        "client.local_steps=2",
+        "unlearning.steps=1",
+        "unlearning.signature_batches=1",
+        "erasures=[{silo: 1, at_s: 1}]",
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    grid = _SlowGrid(client_app, 3, reply_delay_s=0.5)
+    summary = run_server(grid, cfg, run_dir, wall_clock=True)
+    (row,) = summary["erasures"]["applied"]
+    events = read_events(run_dir / "metrics.jsonl")
+    assert [e for e in events if e["event"] == "job_cancelled"] == []
+    assert summary["jobs_cancelled"] == 0 and row["silo"] == 1
