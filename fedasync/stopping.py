@@ -119,8 +119,7 @@ class Track:
             return Decision(False, "member")
         if verdict == "indistinguishable":
             return Decision(True, "indistinguishable")
-        best_step, _ = min(self.readings, key=lambda sr: (sr[1].gap, -sr[0]))
-        return Decision(True, "over", revert_to=best_step)
+        return Decision(True, "over", revert_to=self.best()[0])
 
     def best(self) -> tuple[int, Reading]:
         """The reading closest to 0.5 (the latest among equals)."""
