@@ -26,17 +26,19 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Context, Message
+from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from clients.faults import inject_fault
 from clients.local import train_local
+from clients.preempt import JobStop, Preempted
 from clients.privacy import BudgetExhausted, Refusal, ledger_path
 from fedasync.stopping import MembershipStop
 from fedasync.tensors import sub
@@ -168,11 +170,18 @@ def _benchmark_relearning_data(setup_json: str) -> SiloData:
 
 
 def training_kwargs(
-    ccfg: ClientConfig, *, task: str, steps: int, device: torch.device
+    ccfg: ClientConfig,
+    *,
+    task: str,
+    steps: int,
+    device: torch.device,
+    stop: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments local training takes with and without DP (``train_local`` and
-    ``clients.dp.train_private``): built once, so the two cannot drift apart."""
+    ``clients.dp.train_private``): built once, so the two cannot drift apart. ``stop``: the
+    check before each local step (``clients.preempt.JobStop.check``)."""
     return {
+        "stop": stop,
         "task": task,
         "steps": steps,
         "batch_size": ccfg.batch_size,
@@ -218,7 +227,32 @@ def train(msg: Message, context: Context) -> Message:
     base = req.params
     model.load_state_dict(base)
     steps = ccfg.local_steps if req.local_steps is None else req.local_steps
-    common = training_kwargs(ccfg, task=here.spec.task, steps=steps, device=device)
+    stop = JobStop.from_env(sent_at=msg.metadata.created_at)  # a deployed node's erasure
+    common = training_kwargs(ccfg, task=here.spec.task, steps=steps, device=device, stop=stop.check)
+    try:
+        return _train(msg, context, req, here, data, model, common, stop)
+    except Preempted as e:
+        log.info("silo %d's training job %d: %s", silo, req.job_id, e)
+        return Message(Error(code=PREEMPTED_CODE, reason=str(e)), reply_to=msg)
+
+
+PREEMPTED_CODE = 4301
+"""The error code of a training job stopped for its silo's erasure (``clients.preempt``): the
+server cancelled the job and drops whatever answers it."""
+
+
+def _train(
+    msg: Message,
+    context: Context,
+    req: TrainRequest,
+    here: Silo,
+    data: SiloData,
+    model: torch.nn.Module,
+    common: dict[str, Any],
+    stop: JobStop,
+) -> Message:
+    """The training of ``train``, stopped by ``stop`` between two local steps."""
+    silo, base, setup, ccfg = here.id, req.params, req.setup, req.setup.client
     t_train = time.perf_counter()
     if ccfg.dp.enabled:
         from clients.dp import train_private  # opacus only when DP is on
@@ -243,7 +277,8 @@ def train(msg: Message, context: Context) -> Message:
     speeds = setup.emulate_speeds
     if speeds:  # a deployment on one machine made heterogeneous: silo i takes 1/speed as long
         wait = max(0.0, min(trained_s * (1.0 / speeds[silo] - 1.0), 3600.0))
-        time.sleep(wait)
+        if stop.sleep(wait):
+            stop.check(common["steps"], common["steps"])
         stats["train_emulated_wait_s"] = wait  # every silo reports it (FedAvg wants equal keys)
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     reply = TrainReply(silo, req.job_id, req.base_version, len(data), sub(local, base), stats)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 import secrets
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,11 +148,13 @@ def train_local_dp(
     proximal_mu: float = 0.0,
     device: torch.device | None = None,
     seed: int | None = None,
+    stop: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, float], History]:
     """Run ``steps`` DP-SGD steps on Poisson-sampled batches of ``data``; train ``model`` in
     place and leave it unwrapped (its own state-dict names, no opacus hooks).
 
     ``seed`` seeds sampling and noise (tests only; None: the operating system's entropy).
+    ``stop(step, steps)`` runs before each step and may raise to end the job (``clients.preempt``).
     Returns the mean training loss and score over the non-empty steps, the mean batch size
     (``train_dp_batch_mean``) and the noise multiplier (``train_dp_noise_multiplier``), and the
     accountant's history of this message, ``[(noise_multiplier, sample_rate, steps)]``.
@@ -185,7 +187,9 @@ def train_local_dp(
     total_loss, total_score, seen, nonempty = 0.0, 0.0, 0, 0
     try:
         batches = _batches(dp_loader)
-        for _ in range(steps):
+        for step in range(steps):
+            if stop is not None:
+                stop(step, steps)  # (raises before anything is recorded or released)
             x, y = next(batches)
             x, y = x.to(device), y.to(device)
             dp_opt.zero_grad(set_to_none=True)
@@ -234,6 +238,7 @@ def train_private(
     weight_decay: float = 0.0,
     proximal_mu: float = 0.0,
     device: torch.device | None = None,
+    stop: Callable[[int, int], None] | None = None,
 ) -> tuple[nn.Module, dict[str, float]]:
     """One train message under DP, with the silo's ledger at ``ledger``.
 
@@ -273,6 +278,7 @@ def train_private(
             weight_decay=weight_decay,
             proximal_mu=proximal_mu,
             device=device,
+            stop=stop,
         )
         if set(model.state_dict()) != names:  # never opacus's "_module." names on the wire
             raise RuntimeError("DP training changed the network's state-dict names")

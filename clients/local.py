@@ -6,6 +6,8 @@ reuse it. The task's loss and score are ``medical_data.tasks``'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -27,12 +29,14 @@ def train_local(
     proximal_mu: float = 0.0,
     seed: int = 0,
     device: torch.device | None = None,
+    stop: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Run ``steps`` SGD steps on mini-batches drawn (with replacement) from ``data``.
 
     With ``proximal_mu`` > 0 the loss gets the FedProx term mu/2 * ||w - w_base||^2, which
     keeps a slow silo's work close to the model it started from (less harmful when stale).
-    Returns the mean training loss and score over the steps.
+    ``stop(step, steps)`` runs before each step and may raise to end the job there (a deployed
+    node's erasure: ``clients.preempt``). Returns the mean training loss and score over the steps.
     """
     if len(data) == 0:  # (torch.randint's "from < to" otherwise, with no word of why)
         raise ValueError("no training data: every sample of this silo is excluded")
@@ -45,7 +49,9 @@ def train_local(
     loss_fn = task_loss(task)
     base = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     total_loss, total_score = 0.0, 0.0
-    for _ in range(steps):
+    for step in range(steps):
+        if stop is not None:
+            stop(step, steps)
         idx = torch.randint(0, len(data), (min(batch_size, len(data)),), generator=gen)
         x, y = images[idx].to(device), labels[idx].to(device)
         opt.zero_grad(set_to_none=True)

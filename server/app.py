@@ -467,6 +467,7 @@ def _attach_erasure(
     if not cfg.unlearning.service:
         return None
     from server.erasure.auth import Authorizer, generate_credentials, write_private
+    from server.erasure.limits import Limits
     from server.erasure.service import ErasureService, serve
 
     cred = Path(cfg.unlearning.credentials) if cfg.unlearning.credentials else None
@@ -474,7 +475,11 @@ def _attach_erasure(
         cred = run_dir / "credentials.json"
         if not cred.exists():
             write_private(run_dir / "tokens.json", generate_credentials(cfg.silos.count, cred))
-    service = ErasureService(store, Authorizer.from_file(cred), _Catalog(srv, _known_ids(srv, fed)))
+    # every node may hold one Watch stream open (fedasync node --erasure-service), on top of
+    # what the default leaves for silos' and the admin's own streams
+    limits = Limits(streams_total=Limits().streams_total + cfg.silos.count)
+    catalog = _Catalog(srv, _known_ids(srv, fed))
+    service = ErasureService(store, Authorizer.from_file(cred), catalog, limits=limits)
     server, port = serve(service, cfg.unlearning.address, server_credentials=_tls(cfg))
     host = cfg.unlearning.address.rsplit(":", 1)[0]
     tmp = run_dir / "erasure_address.tmp"

@@ -461,10 +461,12 @@ class UnlearningConfig:
     radius_floor: float = 0.01
     """The smallest share of the full size a sample-level erasure gets."""
     cancel_inflight: bool = True
-    """Simulation: an erasure request cancels its silo's training job in flight, whose reply is
-    discarded when it comes (server/cancel.py): the erasure starts at once rather than after
-    that job. false: it waits for the job's reply (and folds it) first. A deployment always
-    waits: its node finishes the job before it pulls the erasure's message."""
+    """An erasure request cancels its silo's training job in flight, whose reply is discarded
+    when it comes (server/cancel.py): the erasure starts at once rather than after that job.
+    false: it waits for the job's reply (and folds it) first. In a deployment only with
+    ``service=true``: each node watches its silo's requests there and stops the job between
+    two local steps (``fedasync node --erasure-service``); without the service the node
+    finishes the job before it pulls the erasure's message, so the erasure waits for it."""
     server_removal: bool = False
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
     calibration: bool = True

@@ -315,10 +315,12 @@ class ErasureCoordinator:
     def _start_queued(self, queued: list[Any], now: float) -> None:
         # a request cancels its silo's training job in flight (server/cancel.py): it starts
         # now instead of after a job that may be a straggler's (unlearning.cancel_inflight).
-        # Simulation only: a deployed node finishes that job before it even pulls the erasure
-        # (Flower's SuperNode takes one message at a time), so a cancel there would gain
-        # nothing and start the erasure message's reply timeout behind the job
-        if self.cfg.cancel_inflight and not self.srv.clock.realtime:
+        # On the wall clock only with the erasure service: Flower's SuperNode takes one message
+        # at a time, so a deployed node pulls the erasure only after the job it runs; its node
+        # stops that job when it sees the request enter erasing there (clients/preempt.py).
+        # Without the service a cancel would gain nothing and start the erasure message's
+        # reply timeout behind the job
+        if self.cfg.cancel_inflight and (not self.srv.clock.realtime or self.cfg.service):
             for req in queued:
                 if self._startable(req, now) and self.srv.holding(req.silo) is not None:
                     self.srv.cancel_for_erasure(req.silo, req.id)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
@@ -53,6 +54,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from clients.preempt import STOP_FILE
 from fedasync.events import json_safe, read_events
 from fedasync.interrupt import (
     raise_interrupted,
@@ -71,15 +73,19 @@ from server.summary import no_version_reason
 from simulations.certs import CertPaths, private_dir, write_certs, write_file
 from simulations.config import to_yaml
 from simulations.deploy_progress import EventTail, measurements, print_result, show
+from simulations.erasure_watch import ErasureWatcher, WatchError, read_token
 from simulations.node import (
     SUPEREXEC_ENV,
     WORKERS,
     NodeError,
     WorkerSupervisor,
     check_workers,
+    stop_file_env,
     supernode_args,
 )
 from simulations.processes import Proc, Processes, owner_token, sweep_orphans
+
+log = logging.getLogger("fedasync.deploy")
 
 FEDERATION = "fedasync-local"
 """The SuperLink connection's name in the flwr CLI's config.toml."""
@@ -273,6 +279,38 @@ def privacy_ledgers(folder: Path, num_silos: int) -> dict[int, Path]:
     return {s: folder / f"silo-{s}.sqlite" for s in range(num_silos)}
 
 
+def start_watches(
+    cfg: FedAsyncConfig, run_dir: Path, paths: CertPaths, since: float
+) -> list[ErasureWatcher] | None:
+    """Each silo's erasure watch, as ``fedasync node --erasure-service`` runs it (its own
+    token, TLS with the deployment's CA), once the ServerApp has written where its erasure
+    service listens (``run_dir/erasure_address``, not older than ``since``); None until then.
+    Without the service: no watches (an empty list)."""
+    if not cfg.unlearning.service:
+        return []
+    at = run_dir / "erasure_address"
+    try:
+        if at.stat().st_mtime < since:
+            return None  # an earlier run's
+        address = at.read_text().strip()
+    except OSError:
+        return None
+    if not address:
+        return None
+    folder = Path(cfg.unlearning.credentials or run_dir / "credentials.json").parent
+    ca = paths.ca_cert.read_bytes()
+    watches = []
+    for s in range(cfg.silos.count):
+        try:
+            token = read_token(folder / f"silo-{s}.token")
+        except WatchError as e:  # credentials the user made: the tokens are theirs to hand out
+            log.warning("silo %d follows no erasure requests: %s", s, e)
+            continue
+        stop_file = run_dir / "deploy" / f"silo-{s}" / STOP_FILE
+        watches.append(ErasureWatcher(address, token, stop_file, root_certificates=ca).start())
+    return watches
+
+
 SYNC_NOT_RUN = "not run in deployment"
 """``deploy.json["compare_sync"]`` when ``run.compare_sync`` asked for the baseline."""
 
@@ -419,6 +457,7 @@ def deploy_local(
     supervisor: WorkerSupervisor | None = None
     cpu: dict[str, float] = {}
     cpu_wall = 0.0
+    watches: list[ErasureWatcher] | None = None
     sync_warning = sync_comparison_warning(cfg)
     if sync_warning is not None:
         echo(sync_warning)
@@ -447,14 +486,15 @@ def deploy_local(
                     datalist=None if datalists is None else datalists[s],
                 ),
                 work / f"silo-{s}",
-                env=SUPEREXEC_ENV,
+                env={**SUPEREXEC_ENV, **stop_file_env(work / f"silo-{s}")},
             )
             for s, port in ports.items()
         ]
         supervisor = None
         if workers == "warm":
             homes = {s: work / f"silo-{s}" for s in ports}
-            supervisor = WorkerSupervisor(procs, homes, ports, echo)
+            stops = {s: stop_file_env(home) for s, home in homes.items()}
+            supervisor = WorkerSupervisor(procs, homes, ports, echo, env=stops)
             supervisor.start()
         flwr_run = procs.start(
             "flwr-run",
@@ -472,6 +512,8 @@ def deploy_local(
         pump.start()
         last_scan = 0.0
         while flwr_run.popen.poll() is None:
+            if watches is None:
+                watches = start_watches(cfg, run_dir, paths, started_at)
             show(events.poll(), echo, cfg.run.progress)
             for p in [link, *supernodes]:
                 if p.popen.poll() is not None:
@@ -496,6 +538,8 @@ def deploy_local(
             )
     finally:
         t_stop = time.monotonic()
+        for watch in watches or []:
+            watch.stop(timeout=2.0)
         try:
             with shielded():  # a second Ctrl-C must not leave processes behind
                 left = procs.stop(grace_s)

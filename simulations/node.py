@@ -1,7 +1,8 @@
 """``fedasync node``: what a hospital runs, its SuperNode and its warm ClientApp worker.
 
     fedasync node --superlink HOST:PORT --root-certificates ca.pem --auth-key auth.key \\
-        --node-config 'partition-id=2 num-partitions=6' [--port 9094] [--workers warm|flower]
+        --node-config 'partition-id=2 num-partitions=6' [--port 9094] [--workers warm|flower] \\
+        [--erasure-service HOST:PORT --erasure-token silo-2.token]
 
 It starts Flower's SuperNode (through ``simulations.supernode``, its fixed sleeps capped; with
 ``--isolation process`` when workers are warm) and, with warm workers, one long-lived
@@ -11,6 +12,10 @@ authentication are the SuperNode's, as with ``flower-supernode``. It runs until 
 exits (its exit status is this command's: run it under a supervisor such as systemd with
 ``Restart=on-failure``, as docs/deployment.md says) or until SIGTERM / Ctrl-C, and stops
 every process it started, by process group and pid, before it exits.
+
+With ``--erasure-service`` it also follows its silo's erasure requests there
+(``simulations.erasure_watch``): a training job the coordinator cancelled for an erasure stops
+at its next local step, so the erasure starts without waiting for it (``clients.preempt``).
 
 ``fedasync deploy local`` starts the same commands, one pair per silo, on this machine.
 """
@@ -25,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from clients.preempt import STOP_FILE, STOP_FILE_ENV
+from simulations.erasure_watch import ErasureWatcher, WatchError, read_token
 from simulations.processes import Proc, Processes, owner_token
 
 WORKERS = ("warm", "flower")
@@ -95,8 +102,11 @@ class WorkerSupervisor:
         *,
         max_restarts: int = 5,
         window_s: float = 60.0,
+        env: dict[int, dict[str, str]] | None = None,
     ):
         self.procs, self.homes, self.ports, self.echo = procs, homes, ports, echo
+        self.env = env or {}
+        """What each silo's worker adds to its environment (its node's stop file)."""
         self.max_restarts, self.window_s = max_restarts, window_s
         self.workers: dict[int, Proc] = {}
         self.exits: dict[int, list[float]] = {s: [] for s in ports}
@@ -109,7 +119,9 @@ class WorkerSupervisor:
 
     def _start(self, silo: int) -> None:
         cmd = worker_command(self.ports[silo])
-        self.workers[silo] = self.procs.start(f"worker-{silo}", cmd, self.homes[silo])
+        self.workers[silo] = self.procs.start(
+            f"worker-{silo}", cmd, self.homes[silo], env=self.env.get(silo)
+        )
 
     def check(self) -> int:
         """Start again the workers that exited; how many."""
@@ -142,11 +154,36 @@ class _Stop(Exception):
     """SIGTERM arrived."""
 
 
+def stop_file_env(home: Path) -> dict[str, str]:
+    """The environment that points a node's ClientApp processes at its stop file."""
+    return {STOP_FILE_ENV: str(home / STOP_FILE)}
+
+
+def start_watch(args: argparse.Namespace, home: Path) -> ErasureWatcher | None:
+    """The node's erasure watch (``--erasure-service``), started; None without one. Raises
+    NodeError for a bad address or token file."""
+    if not args.erasure_service:
+        return None
+    if not args.erasure_token:
+        raise NodeError("--erasure-service needs --erasure-token (this silo's token file)")
+    try:
+        token = read_token(Path(args.erasure_token))
+        return ErasureWatcher(
+            args.erasure_service,
+            token,
+            home / STOP_FILE,
+            root_certificates=Path(args.root_certificates).read_bytes(),
+        ).start()
+    except (WatchError, OSError) as e:
+        raise NodeError(str(e)) from e
+
+
 def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> int:
     """Run one SuperNode (and its worker) until it exits or a signal; its exit status."""
     check_workers(args.workers)
     home = Path(args.home).resolve()
     home.mkdir(parents=True, exist_ok=True)
+    env = {**SUPEREXEC_ENV, **stop_file_env(home)}
     procs = Processes(marker=f"{home}:node:{owner_token()}")
     cmd = supernode_args(
         args.superlink,
@@ -162,12 +199,18 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
 
     previous = signal.signal(signal.SIGTERM, on_term)
     code = 0
+    watch: ErasureWatcher | None = None
     try:
-        node = procs.start("supernode", cmd, home, env=SUPEREXEC_ENV)
+        watch = start_watch(args, home)
+        if watch is not None:
+            echo(f"following this silo's erasure requests on {args.erasure_service}")
+        node = procs.start("supernode", cmd, home, env=env)
         echo(f"SuperNode (pid {node.popen.pid}) -> {args.superlink}; log {node.log}")
         supervisor = None
         if args.workers == "warm":
-            supervisor = WorkerSupervisor(procs, {0: home}, {0: args.port}, echo)
+            supervisor = WorkerSupervisor(
+                procs, {0: home}, {0: args.port}, echo, env={0: stop_file_env(home)}
+            )
             supervisor.start()
             echo(f"warm worker (pid {supervisor.workers[0].popen.pid}); log {home}/worker-0.log")
         while node.popen.poll() is None:
@@ -186,6 +229,8 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if watch is not None:
+            watch.stop()
         left = procs.stop(grace_s=10.0)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, previous)
@@ -206,6 +251,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="Flower node config, e.g. 'partition-id=2 num-partitions=6' (docs/deployment.md)",
     )
     p.add_argument("--port", type=int, default=9094, help="the local runtime API's port")
+    p.add_argument(
+        "--erasure-service",
+        default="",
+        help="the coordinator's erasure service, HOST:PORT (TLS with --root-certificates): "
+        "a training job this silo's erasure made obsolete stops at its next local step",
+    )
+    p.add_argument("--erasure-token", default="", help="this silo's erasure token file")
     p.add_argument("--workers", choices=WORKERS, default="warm")
     p.add_argument(
         "--home", default="fedasync-node", help="its FLWR_HOME, temp folder and logs (made)"
