@@ -1,0 +1,235 @@
+"""The aggregation of benchmarks/unlearning_vs_retrain.py on synthetic rows (no simulation): the
+headline ratios (smallest over the benchmarks, the last two lines), the over/under-erasure
+classification at the boundary, and a benchmark where a method never got within the floor."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "unlearning_vs_retrain.py"
+_spec = importlib.util.spec_from_file_location("unlearning_vs_retrain", _PATH)
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["unlearning_vs_retrain"] = bench  # (dataclasses look their module up)
+_spec.loader.exec_module(bench)
+
+NAN = math.nan
+FLOORS = {"bd_asr": 0.05, "bd_forget_accuracy": 0.04, "bd_mia_auc": 0.005}
+
+
+def _seeds(**verified: list[float]) -> dict[int, dict[str, dict]]:
+    """Rows per seed from each method's ``verified_s`` per seed (NaN: never within the floor);
+    erased methods' window 300 s, retraining's 500 s."""
+    n = len(next(iter(verified.values())))
+    return {
+        seed: {
+            m: {"verified_s": v[seed], "window_s": 500.0 if m == "retrain" else 300.0}
+            for m, v in verified.items()
+        }
+        for seed in range(n)
+    }
+
+
+def _ratios(rows, ours="fedasync-membership"):
+    return bench.benchmark_ratios(bench.aggregate(rows), ours)
+
+
+def test_headline_is_the_smallest_per_benchmark_median_ratio_and_the_last_two_lines():
+    ratios = {
+        # medians: retrain 40, sync-halt 120, ours 10 -> 4.0 and 12.0
+        "a": _ratios(
+            _seeds(
+                retrain=[30.0, 40.0, 50.0],
+                **{"sync-halt": [100.0, 120.0, 200.0], "fedasync-membership": [5.0, 10.0, 20.0]},
+            )
+        ),
+        # medians: retrain 20, sync-halt 150, ours 25 -> 0.8 and 6.0
+        "b": _ratios(
+            _seeds(
+                retrain=[20.0, 10.0, 60.0],
+                **{"sync-halt": [150.0, 90.0, 160.0], "fedasync-membership": [25.0, 30.0, 15.0]},
+            )
+        ),
+    }
+    assert ratios["a"] == {
+        "speedup_vs_halting_federaser": 12.0,
+        "erasure_speedup_vs_retrain": 4.0,
+    }
+    assert ratios["b"]["erasure_speedup_vs_retrain"] == pytest.approx(0.8)
+    lines = bench.headline_lines(ratios)
+    assert lines[-2:] == ["speedup_vs_halting_federaser=6.00", "erasure_speedup_vs_retrain=0.80"]
+    # the per-benchmark values come above, named
+    assert lines[:2] == [
+        "[a] speedup_vs_halting_federaser=12.00 erasure_speedup_vs_retrain=4.00",
+        "[b] speedup_vs_halting_federaser=6.00 erasure_speedup_vs_retrain=0.80",
+    ]
+
+
+def test_the_ours_arm_is_the_one_named():
+    rows = _seeds(
+        retrain=[40.0],
+        **{"fedasync-fixed": [4.0], "fedasync-membership": [20.0], "sync-halt": [80.0]},
+    )
+    assert _ratios(rows, "fedasync-fixed")["erasure_speedup_vs_retrain"] == 10.0
+    assert _ratios(rows, "fedasync-membership")["erasure_speedup_vs_retrain"] == 2.0
+
+
+def test_median_of_an_even_number_of_seeds_is_the_mean_of_the_middle_two():
+    med, bound, k = bench.verified_median(
+        [{"verified_s": v, "window_s": 300.0} for v in (10.0, 40.0, 20.0, 30.0)],
+        unverified="never",
+    )
+    assert (med, bound, k) == (25.0, False, 4)
+
+
+def test_a_benchmark_where_ours_never_verified_makes_the_headline_zero():
+    ok = _ratios(
+        _seeds(
+            retrain=[30.0, 30.0, 30.0],
+            **{"sync-halt": [90.0] * 3, "fedasync-membership": [10.0] * 3},
+        )
+    )
+    # ours within the floor on one seed of three: its median is never -> ratios 0
+    never = _seeds(
+        retrain=[30.0, 30.0, 30.0],
+        **{"sync-halt": [90.0] * 3, "fedasync-membership": [NAN, 10.0, NAN]},
+    )
+    agg = bench.aggregate(never)
+    med, bound, k, n = agg["fedasync-membership"]["verified@never"]
+    assert math.isinf(med) and (k, n) == (1, 3)
+    bad = bench.benchmark_ratios(agg, "fedasync-membership")
+    assert bad == {"speedup_vs_halting_federaser": 0.0, "erasure_speedup_vs_retrain": 0.0}
+    assert bench.headline_lines({"ok": ok, "never": bad})[-2:] == [
+        "speedup_vs_halting_federaser=0.00",
+        "erasure_speedup_vs_retrain=0.00",
+    ]
+    text = bench._verified_text(agg["fedasync-membership"], ours=True)
+    assert text.startswith("never [10.0 .. never] (1/3 verified)")
+
+
+def test_a_comparison_method_never_verified_counts_as_its_window_a_lower_bound():
+    rows = _seeds(
+        retrain=[30.0, 30.0, 30.0],
+        **{"sync-halt": [NAN, NAN, 100.0], "fedasync-membership": [10.0, 20.0, 30.0]},
+    )
+    agg = bench.aggregate(rows)
+    med, bound, k, n = agg["sync-halt"]["verified@window"]
+    assert (med, bound, k, n) == (300.0, True, 1, 3)  # > 300 s: a lower bound
+    assert bench._verified_text(agg["sync-halt"], ours=False).startswith(
+        ">300.0 [100.0 .. >window]"
+    )
+    # ratio 300 / 20: at least 15x
+    assert (
+        bench.benchmark_ratios(agg, "fedasync-membership")["speedup_vs_halting_federaser"] == 15.0
+    )
+
+
+def test_a_benchmark_without_a_method_gives_nan_and_so_does_the_headline():
+    full = _ratios(_seeds(retrain=[30.0], **{"sync-halt": [90.0], "fedasync-membership": [10.0]}))
+    no_halt = _ratios(_seeds(retrain=[30.0], **{"fedasync-membership": [10.0]}))
+    assert math.isnan(no_halt["speedup_vs_halting_federaser"])
+    assert no_halt["erasure_speedup_vs_retrain"] == 3.0
+    assert bench.headline_lines({"full": full, "no-halt": no_halt})[-2:] == [
+        "speedup_vs_halting_federaser=nan",
+        "erasure_speedup_vs_retrain=3.00",
+    ]
+    assert bench.headline_lines({})[-2:] == [
+        "speedup_vs_halting_federaser=nan",
+        "erasure_speedup_vs_retrain=nan",
+    ]
+
+
+REF = {"bd_asr": 0.10, "bd_forget_accuracy": 0.50, "bd_mia_auc": 0.30}
+
+
+@pytest.mark.parametrize(
+    ("values", "kind"),
+    [
+        ({"asr": 0.12, "forget_accuracy": 0.52, "mia_auc": 0.305}, "within"),
+        # forget accuracy below retraining's band: over-erased
+        ({"asr": 0.10, "forget_accuracy": 0.40, "mia_auc": 0.30}, "over"),
+        # MIA under its floor (0.005) counts the 0.01 minimum: 0.292 is inside, 0.285 below
+        ({"asr": 0.10, "forget_accuracy": 0.50, "mia_auc": 0.292}, "within"),
+        ({"asr": 0.10, "forget_accuracy": 0.50, "mia_auc": 0.285}, "over"),
+        # the backdoor left: ASR above the band
+        ({"asr": 0.90, "forget_accuracy": 0.50, "mia_auc": 0.30}, "under"),
+        ({"asr": 0.90, "forget_accuracy": 0.30, "mia_auc": 0.30}, "over+under"),
+        ({"asr": None, "forget_accuracy": 0.50, "mia_auc": 0.30}, None),
+    ],
+)
+def test_boundary_classification_against_retrainings_band(values, kind):
+    assert bench.classify(values, REF, FLOORS) == kind
+
+
+def test_classification_counts_per_method():
+    rows = {
+        s: {"fedasync-fixed": {"erasure": k, "verified_s": 10.0, "window_s": 300.0}}
+        for s, k in enumerate(["over", "over", "within", "under", None])
+    }
+    e = bench.aggregate(rows)["fedasync-fixed"]["erasure"]
+    assert e == {"within": 1, "over": 2, "under": 1, "over+under": 0, "judged": 4}
+
+
+def test_retrainings_time_to_plateau():
+    evals = [{"t": t, "score": s} for t, s in [(0, 0.2), (10, 0.6), (20, 0.695), (30, 0.7)]]
+    evals += [{"t": 40 + t, "score": 0.7} for t in range(5)]
+    p = bench.plateau(evals)
+    assert p["plateau"] == pytest.approx(0.7) and p["time_to_plateau_s"] == 20.0
+
+
+def _args(**kw):
+    base = dict(
+        request="silo",
+        methods=None,
+        silos=None,
+        silo=None,
+        target_label=None,
+        fraction=None,
+        trigger_size=None,
+        budget_s=None,
+        erase_at_s=None,
+    )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_methods_by_request_and_the_two_stopping_arms():
+    assert bench.method_names(_args()) == [
+        "retrain",
+        "sync-halt",
+        "fedasync-fixed",
+        "fedasync-membership",
+    ]
+    assert bench.method_names(_args(request="samples")) == ["fedasync-fixed", "fedasync-membership"]
+    with pytest.raises(SystemExit, match="retrains without"):
+        bench.method_names(_args(request="samples", methods="retrain,fedasync-fixed"))
+    with pytest.raises(SystemExit, match="unknown method"):
+        bench.method_names(_args(methods="fedasync"))
+    m = bench._methods(2, 200.0, 0.1)
+    assert "unlearning.stop=fixed" in m["fedasync-fixed"]
+    assert "unlearning.stop=membership" in m["fedasync-membership"]
+    for arm in ("fedasync-fixed", "fedasync-membership"):
+        assert "unlearning.calibration=true" in m[arm]
+        assert "erasures=[{silo: 2, at_s: 200.0, fraction: 0.1}]" in m[arm]
+    assert "erasures=[{silo: 2, at_s: 200.0}]" in bench._methods(2, 200.0)["sync-halt"]
+
+
+def test_every_benchmark_has_its_settings_and_the_command_line_replaces_them():
+    for name in bench.BENCHMARKS:
+        b = bench.settings(name, _args())
+        assert b == bench.BENCHMARKS[name] and b.why and 0 <= b.silo < b.silos
+        assert 0 < b.erase_at_s < b.budget_s
+    # only benchmarks that learn run by default
+    assert bench.DEFAULT_BENCHMARKS.split(",") == [
+        n for n, b in bench.BENCHMARKS.items() if b.learns
+    ]
+    assert "radiomics-lesion" not in bench.DEFAULT_BENCHMARKS.split(",")
+    b = bench.settings("nuclei", _args(budget_s=60.0, erase_at_s=25.0))
+    assert (b.budget_s, b.erase_at_s, b.silos) == (60.0, 25.0, bench.BENCHMARKS["nuclei"].silos)
+    with pytest.raises(SystemExit, match="unknown benchmark"):
+        bench.settings("mnist", _args())
