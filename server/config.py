@@ -469,6 +469,9 @@ class UnlearningConfig:
     finishes the job before it pulls the erasure's message, so the erasure waits for it."""
     server_removal: bool = False
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
+    server_removal_scale: float = 1.0
+    """With ``server_removal``: the share of those contributions subtracted (1: all of them;
+    the full removal over-erases, see docs/measured.md, so a smaller share can be tried)."""
     calibration: bool = True
     """Project later updates out of the erased data's gradient signature (invariance)."""
     calibration_strength: float = 1.0
@@ -731,6 +734,7 @@ RANGES: dict[str, Range] = {
     "unlearning.stop_every": AT_LEAST_ONE,
     "unlearning.stop_probe": AT_LEAST_ONE,
     "unlearning.radius": NON_NEGATIVE,
+    "unlearning.server_removal_scale": UNIT_OPEN_LOW,
     "unlearning.radius_floor": UNIT_OPEN_LOW,
     "unlearning.calibration_strength": UNIT,
     "unlearning.signature_rank": AT_LEAST_ONE,

@@ -353,7 +353,8 @@ class ErasureCoordinator:
         e = Erasure(req.id, req.silo, list(req.sample_ids), submitted_t, submitted_wall_ms=wall_ms)
         e.started_t = srv.clock.now
         total = self.ledger.total(str(req.silo)) if self.cfg.server_removal else None
-        e.removal = {k: -v for k, v in total.items()} if total is not None else None
+        scale = self.cfg.server_removal_scale
+        e.removal = {k: -scale * v for k, v in total.items()} if total is not None else None
         self.active[req.id] = e
         note = self._size(e)
         if resumed:

@@ -70,3 +70,37 @@ def test_recorded_contributions_sum_to_what_the_run_changed(mode, small_cfg, mon
         recorded = sum(t[name] for t in totals)
         assert float(changed.abs().max()) > 0, name
         torch.testing.assert_close(recorded, changed, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributions(
+    scale, small_cfg, monkeypatch
+):
+    # Prepare: silo 1 is erased after a few versions, the server removing `scale` of what
+    # the ledger recorded for it before the silo's own ascent starts
+    cfg = small_cfg(
+        "run.max_versions=12",
+        "unlearning.server_removal=true",
+        f"unlearning.server_removal_scale={scale}",
+        "erasures=[{silo: 1, at_s: 4}]",
+    )
+    seen: list[tuple[dict, dict, dict]] = []
+    dispatch = AsyncServer.dispatch_unlearn
+
+    def spy(self, silo, start, e):
+        total = self.erasure.ledger.total(str(silo))
+        seen.append(({k: v.clone() for k, v in self.params.items()}, dict(start), total))
+        return dispatch(self, silo, start, e)
+
+    monkeypatch.setattr(AsyncServer, "dispatch_unlearn", spy)
+    # Execute
+    run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
+    # Assert: the erasure started from the model minus that share, exactly
+    (params, start, total), *_ = seen
+    moved = 0.0
+    for name, p in params.items():
+        if name not in total:
+            continue
+        torch.testing.assert_close(start[name], p - scale * total[name], rtol=1e-5, atol=1e-7)
+        moved += float(total[name].abs().sum())
+    assert moved > 0, "the silo had contributions to remove"
