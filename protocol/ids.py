@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Iterable, Iterator, Set
+from collections.abc import Iterable, Iterator, Sequence, Set
+
+import numpy as np
 
 DIGEST_BYTES = 16
 """128 bits: collisions among a silo's ids are out of reach (birthday bound ~2^64 ids)."""
@@ -80,3 +82,12 @@ class DigestSet(Set[str]):
         if not isinstance(other, Iterable):
             return NotImplemented
         return self.digests <= {digest(self.salt, str(s)) for s in other}
+
+
+def fraction_ids(ids: Sequence[str], seed: int, silo: int, fraction: float) -> list[str]:
+    """The seeded share ``fraction`` of silo ``silo``'s sample ``ids`` (at least one), sorted:
+    what a scheduled sample-level erasure (``erasures[].fraction``) erases and what its
+    retraining reference (``silos.exclude_samples``) never trains on."""
+    rng = np.random.default_rng([seed, silo, 4242])
+    k = max(1, int(round(fraction * len(ids))))
+    return sorted(str(x) for x in rng.choice(np.asarray(ids), size=k, replace=False))

@@ -45,6 +45,7 @@ from medical_data.tasks import evaluate
 from protocol import ids as digests
 from protocol import wire
 from protocol.config import build_silos, to_dict
+from protocol.ids import fraction_ids
 from protocol.messages import EvaluateReply, EvaluateRequest
 from protocol.reading import ErrorReply, Malformed
 from protocol.transport import short_backoff
@@ -217,6 +218,7 @@ def run_server(
         if cfg.backdoor.enabled and cfg.backdoor.watch
         else None
     )
+    watched = _watched_ids(cfg, fed) if watch is not None else []
 
     def evaluate_fn(params: dict[str, torch.Tensor]) -> dict[str, float]:
         if federated is not None:
@@ -225,7 +227,7 @@ def run_server(
         model.load_state_dict(params)
         res = evaluate(model, test, task=task)
         if watch is not None:  # the backdoor over time (backdoor.watch)
-            report = watch(params, cfg.backdoor.silo, [])
+            report = watch(params, cfg.backdoor.silo, watched)
             res.update({f"bd_{k}": v for k, v in report.items() if k != "test_accuracy"})
         return res
 
@@ -503,6 +505,20 @@ def _tls(cfg: FedAsyncConfig) -> Any:
 
     pair = (Path(u.tls_keyfile).read_bytes(), Path(u.tls_certfile).read_bytes())
     return grpc.ssl_server_credentials([pair])
+
+
+def _watched_ids(cfg: FedAsyncConfig, fed: Any) -> list[str]:
+    """The backdoored silo's samples ``backdoor.watch`` follows: the seeded share a
+    sample-level erasure of it erases, or its retraining never trains on
+    (``silos.exclude_samples``), so that both runs are watched on the same samples; none
+    (the whole silo) otherwise."""
+    silo = cfg.backdoor.silo
+    shares = [e.fraction for e in cfg.erasures if e.silo == silo and e.fraction < 1.0]
+    shares += [x.fraction for x in cfg.silos.exclude_samples if x.silo == silo]
+    if not shares or fed is None:
+        return []
+    ids = [str(x) for x in fed.silos[silo].sample_ids]
+    return fraction_ids(ids, cfg.run.seed, silo, shares[0])
 
 
 def _known_ids(srv: AsyncServer, fed: Any) -> Callable[[int], AbstractSet[str]]:

@@ -261,6 +261,14 @@ class ServerConfig:
 
 
 @dataclass
+class SampleShare:
+    """An entry of ``silos.exclude_samples``: a seeded share of one silo's samples."""
+
+    silo: int = 0
+    fraction: float = 0.1
+
+
+@dataclass
 class SilosConfig:
     """How many silos and how fast each computes (virtual clock)."""
 
@@ -286,6 +294,10 @@ class SilosConfig:
     message takes 1/speed as long as its training did, making the speed profile real."""
     exclude: list[int] = field(default_factory=list)
     """Silos that never train (retraining from scratch without their data)."""
+    exclude_samples: list[SampleShare] = field(default_factory=list)
+    """Seeded shares of silos' samples that are never trained on: retraining from scratch
+    without the samples a sample-level erasure of the same share erases (the same seeded
+    choice as ``erasures[].fraction``, server/unlearning.py ``fraction_ids``)."""
 
     def __post_init__(self) -> None:
         """Checked when built: ranges, the speed profile, and that excluded silos exist."""
@@ -297,6 +309,16 @@ class SilosConfig:
         n = self.count
         for i, silo in enumerate(self.exclude):
             check(silo < n, f"silos.exclude[{i}]={silo} is not a silo (0..{n - 1})")
+        seen: set[int] = set()
+        for i, share in enumerate(self.exclude_samples):
+            at = f"silos.exclude_samples[{i}]"
+            check(0 <= share.silo < n, f"{at}.silo={share.silo} is not a silo (0..{n - 1})")
+            check(
+                0.0 < share.fraction < 1.0,
+                f"{at}.fraction={share.fraction} must be in (0, 1) (a whole silo: silos.exclude)",
+            )
+            check(share.silo not in seen, f"{at}: silo {share.silo} is listed twice")
+            seen.add(share.silo)
 
 
 @dataclass
@@ -698,6 +720,8 @@ RANGES: dict[str, Range] = {
     "silos.latency_s": NON_NEGATIVE,
     "silos.jitter": Range(0, 1, hi_open=True),
     "silos.exclude[]": NON_NEGATIVE,
+    "silos.exclude_samples[].silo": NON_NEGATIVE,
+    "silos.exclude_samples[].fraction": UNIT_OPEN,
     # client
     "client.local_steps": AT_LEAST_ONE,
     "client.batch_size": AT_LEAST_ONE,

@@ -53,6 +53,7 @@ from fedasync.flat import same as flat_same
 from fedasync.tensors import is_finite
 from protocol.config import SiloErasure, to_dict
 from protocol.erasure_messages import UnlearnRequest, reported_work
+from protocol.ids import fraction_ids
 from protocol.messages import TrainRefusal, TrainRequest
 from protocol.reading import ErrorReply
 from server.cancel import JobCanceller
@@ -133,6 +134,7 @@ class AsyncServer:
         self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
         self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
         self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
+        self._never: dict[int, tuple[str, ...]] = {}  # silos.exclude_samples, by silo
         self.id_salt = ""  # set by the caller: the silos report salted id digests (deployment)
         self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
@@ -241,7 +243,7 @@ class AsyncServer:
             params=params,
             fault=fault,
             keep_reply=keep,
-            exclude=tuple(self.erasure.excluded.get(silo, []) if self.erasure else ()),
+            exclude=self.excluded_ids(silo),
             relearn=silo == cfg.backdoor.relearn_silo
             and cfg.backdoor.enabled
             and self.clock.now >= cfg.backdoor.relearn_after_s,
@@ -316,6 +318,22 @@ class AsyncServer:
             return False
         self.erasure.event(erasure, "erasing", **erasure.start_report)
         return True
+
+    def excluded_ids(self, silo: int) -> tuple[str, ...]:
+        """The samples ``silo`` trains without: those erased before, and a seeded share it
+        never trains on (``silos.exclude_samples``: a sample-level erasure's retraining)."""
+        gone = self.erasure.excluded.get(silo, []) if self.erasure else []
+        if silo not in self._never:
+            shares = [x.fraction for x in self.cfg.silos.exclude_samples if x.silo == silo]
+            ids = self.silo_sample_ids(silo)
+            if shares and not ids:
+                raise RuntimeError(
+                    f"silos.exclude_samples names silo {silo}, whose sample ids this server "
+                    "does not hold (simulation only)"
+                )
+            seed = self.cfg.run.seed
+            self._never[silo] = tuple(fraction_ids(ids, seed, silo, shares[0]) if shares else ())
+        return (*gone, *self._never[silo])
 
     def silo_sample_ids(self, silo: int) -> list[str]:
         """The sample ids ``silo`` holds (empty when the caller set no ``sample_ids_fn``)."""

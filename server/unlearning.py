@@ -69,7 +69,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 
 from fedasync import Params, Rejection, RejectReason
@@ -88,6 +87,7 @@ from fedasync.unlearning import (
     forget_share_scale,
 )
 from protocol.config import SiloErasure
+from protocol.ids import fraction_ids
 from server.erasure.states import State, is_terminal
 from server.intake import JobKind
 from server.unlearn_messages import SiloLost
@@ -342,10 +342,7 @@ class ErasureCoordinator:
     def _fraction_ids(self, silo: int, fraction: float) -> list[str]:
         if fraction >= 1.0:
             return []
-        ids = np.asarray(self.srv.silo_sample_ids(silo))
-        rng = np.random.default_rng([self.srv.cfg.run.seed, silo, 4242])
-        k = max(1, int(round(fraction * len(ids))))
-        return sorted(str(x) for x in rng.choice(ids, size=k, replace=False))
+        return fraction_ids(self.srv.silo_sample_ids(silo), self.srv.cfg.run.seed, silo, fraction)
 
     def _start(self, req: Any, resumed: bool = False) -> None:
         srv = self.srv

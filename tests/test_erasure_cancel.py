@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from flwr.app import Message, RecordDict
-from inprocess import InProcessGrid
+from inprocess import InProcessGrid, set_task_identity
 
 from clients.app import app as client_app
 from fedasync.clock import VirtualClock
@@ -87,6 +87,8 @@ def _job(silo: int, job_id: int, kind: JobKind = JobKind.TRAIN) -> Job:
 
 
 def _message(node: int) -> Message:
+    set_task_identity()  # (what Flower's runtime sets before messages are made; a test run
+    # alone has had no earlier test to set it)
     return Message(RecordDict(), dst_node_id=node, message_type="train")
 
 
