@@ -58,10 +58,11 @@ the smallest of each over the benchmarks (nan when a benchmark lacks one of the 
 ``speedup_vs_halting_federaser=<x>`` then ``erasure_speedup_vs_retrain=<y>``. Writes
 ``<out>/<benchmark>/results.csv`` and a ``unlearning.png`` per seed.
 
-``--request samples``: neither retraining without exactly the erased samples (there is no
-such override: ``silos.exclude`` removes whole silos) nor FedEraser (whole silos only) exists
-for a sample-level erasure, so only the asynchronous arms run, with no ``verified_s``: their
-``latency_s``, ``to_request`` and boundary metrics on the erased samples.
+``--request samples``: retraining leaves out exactly the erased share from the start
+(``silos.exclude_samples``, the same seeded choice), and every forgetting metric is read on
+that share (``backdoor.watch`` follows it in both runs). FedEraser erases whole silos only,
+so ``sync-halt`` does not run; ``--methods ...,fedasync-removal`` adds the server's scaled
+removal at request time (``unlearning.server_removal_scale``) before the silo's fixed ascent.
 
     .venv/bin/python benchmarks/unlearning_vs_retrain.py                  # 2 benchmarks, 5 seeds
     .venv/bin/python benchmarks/unlearning_vs_retrain.py --benchmark nuclei --seeds 0,1,2
@@ -152,9 +153,11 @@ BENCHMARKS: dict[str, Bench] = {
 DEFAULT_BENCHMARKS = ",".join(name for name, b in BENCHMARKS.items() if b.learns)
 """Every benchmark that learns: brain-tissue and nuclei (no third offline one does yet)."""
 DEFAULT_METHODS = "retrain,sync-halt,fedasync-fixed,fedasync-membership"
-SAMPLE_METHODS = "fedasync-fixed,fedasync-membership"
-"""``--request samples``: what can run (retraining without given samples and FedEraser on a
-sample-level erasure do not exist)."""
+SAMPLE_METHODS = "retrain,fedasync-fixed,fedasync-membership"
+"""``--request samples``: what can run (FedEraser erases whole silos only)."""
+REMOVAL_SCALE = 0.5
+"""``fedasync-removal``: the share of the silo's recorded contributions the server subtracts
+at request time (the full removal over-erases)."""
 COMPARED = {"speedup_vs_halting_federaser": "sync-halt", "erasure_speedup_vs_retrain": "retrain"}
 """The two headline ratios: each comparison method's median ``verified_s`` over ours."""
 MEMBERSHIP_STEPS = 20
@@ -181,7 +184,12 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
     calibrated = [erase, "server.mode=fedasync", "unlearning.calibration=true"]
     return {
         "no-erasure": ["server.mode=fedasync"],  # what there is to erase: the backdoor learnt
-        "retrain": [f"silos.exclude=[{silo}]", "server.mode=fedasync"],
+        "retrain": [
+            f"silos.exclude_samples=[{{silo: {silo}, fraction: {fraction}}}]"
+            if fraction < 1.0
+            else f"silos.exclude=[{silo}]",
+            "server.mode=fedasync",
+        ],
         "sync-halt": [
             erase,
             "server.mode=sync",
@@ -195,6 +203,12 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             *calibrated,
             "unlearning.stop=membership",
             f"unlearning.steps={MEMBERSHIP_STEPS}",
+        ],
+        "fedasync-removal": [
+            *calibrated,
+            "unlearning.stop=fixed",
+            "unlearning.server_removal=true",
+            f"unlearning.server_removal_scale={REMOVAL_SCALE}",
         ],
     }
 
@@ -221,13 +235,11 @@ def method_names(args: argparse.Namespace) -> list[str]:
         if n not in known:
             raise SystemExit(f"unknown method {n!r}: one of {', '.join(known)}")
     if args.request == "samples":
-        bad = [n for n in out if n in ("retrain", "sync-halt")]
+        bad = [n for n in out if n == "sync-halt"]
         if bad:
             raise SystemExit(
-                f"--request samples cannot run {', '.join(bad)}: no override retrains without "
-                "given samples (silos.exclude removes whole silos; the erased samples are the "
-                "server's seeded choice, server/unlearning.py _fraction_ids) and FedEraser "
-                f"erases whole silos only; run --methods {SAMPLE_METHODS}"
+                f"--request samples cannot run {', '.join(bad)}: FedEraser erases whole "
+                f"silos only; run --methods {SAMPLE_METHODS}"
             )
     return out
 
@@ -413,10 +425,16 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     """The summary of a finished run of exactly ``cfg`` in ``run_dir``, or None."""
     import json
 
-    from simulations.config import to_yaml
+    from simulations.config import load_config, to_yaml
 
     done, ran = run_dir / "summary.json", run_dir / REUSE_CONFIG
-    if not (done.exists() and ran.exists()) or ran.read_text() != to_yaml(cfg):
+    if not (done.exists() and ran.exists()):
+        return None
+    try:  # read with today's schema: keys added since take their defaults
+        same = to_yaml(load_config(ran, [])) == to_yaml(cfg)
+    except ValueError:
+        return None
+    if not same:
         return None
     try:
         summary: dict[str, Any] = json.loads(done.read_text())
@@ -426,12 +444,15 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
 
 
 def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:
-    """Verification metrics of the retrained model (its final checkpoint)."""
-    from server.app import _federation, _verifier
+    """Verification metrics of the retrained model (its final checkpoint), on the share it
+    left out when it is a sample-level erasure's reference, else on the whole silo."""
+    from server.app import _federation, _verifier, _watched_ids
     from server.checkpoint import load_state
 
-    verify_fn = _verifier(cfg, _federation(cfg))  # cfg has the backdoor on ``silo``
-    return dict(verify_fn(load_state(run_dir / "checkpoint.pt").params, silo, []))
+    fed = _federation(cfg)
+    verify_fn = _verifier(cfg, fed)  # cfg has the backdoor on ``silo``
+    ids = _watched_ids(cfg, fed)
+    return dict(verify_fn(load_state(run_dir / "checkpoint.pt").params, silo, ids))
 
 
 def _throughput(run_dir: Path, cfg: Any, start: float, end: float, silo: int) -> float | None:

@@ -205,9 +205,13 @@ def test_methods_by_request_and_the_two_stopping_arms():
         "fedasync-fixed",
         "fedasync-membership",
     ]
-    assert bench.method_names(_args(request="samples")) == ["fedasync-fixed", "fedasync-membership"]
-    with pytest.raises(SystemExit, match="retrains without"):
-        bench.method_names(_args(request="samples", methods="retrain,fedasync-fixed"))
+    assert bench.method_names(_args(request="samples")) == [
+        "retrain",
+        "fedasync-fixed",
+        "fedasync-membership",
+    ]
+    with pytest.raises(SystemExit, match="FedEraser erases whole"):
+        bench.method_names(_args(request="samples", methods="sync-halt,fedasync-fixed"))
     with pytest.raises(SystemExit, match="unknown method"):
         bench.method_names(_args(methods="fedasync"))
     m = bench._methods(2, 200.0, 0.1)
@@ -217,6 +221,10 @@ def test_methods_by_request_and_the_two_stopping_arms():
         assert "unlearning.calibration=true" in m[arm]
         assert "erasures=[{silo: 2, at_s: 200.0, fraction: 0.1}]" in m[arm]
     assert "erasures=[{silo: 2, at_s: 200.0}]" in bench._methods(2, 200.0)["sync-halt"]
+    # ...retraining leaves out the same seeded share (or the whole silo)
+    assert "silos.exclude_samples=[{silo: 2, fraction: 0.1}]" in m["retrain"]
+    assert "silos.exclude=[2]" in bench._methods(2, 200.0)["retrain"]
+    assert "unlearning.server_removal_scale=0.5" in m["fedasync-removal"]
 
 
 def test_every_benchmark_has_its_settings_and_the_command_line_replaces_them():
