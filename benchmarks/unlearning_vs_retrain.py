@@ -740,10 +740,27 @@ def report(
                 for k in ("asr", "forget_accuracy", "mia_auc", "test_accuracy")
             )
         )
+    limit = speedup_limit(agg, ours)
+    if limit is not None:
+        lines.append(
+            f"   the most erasure_speedup_vs_retrain can be here: {limit:.2f} (retraining's "
+            f"median verified_s over {ours}'s median latency_s: no erasure is verified before "
+            "it is in the model)"
+        )
     lines.append(
         "   " + " ".join(f"{k}={_ratio(v)}" for k, v in ratios.items()) + f" (ours: {ours})"
     )
     return "\n".join(lines)
+
+
+def speedup_limit(agg: dict[str, dict[str, Any]], ours: str) -> float | None:
+    """The largest ``erasure_speedup_vs_retrain`` the workload allows: retraining's median
+    ``verified_s`` over ours's median ``latency_s`` (None without both)."""
+    theirs = agg.get("retrain", {}).get("verified@window", (math.nan,))[0]
+    lat = agg.get(ours, {}).get("latency_s")
+    if lat is None or math.isnan(theirs) or lat["median"] <= 0:
+        return None
+    return float(theirs / lat["median"])
 
 
 def _save(rows: dict[int, Rows], out: Path, name: str, b: Bench, args: argparse.Namespace) -> None:

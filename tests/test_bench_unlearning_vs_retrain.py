@@ -241,3 +241,12 @@ def test_every_benchmark_has_its_settings_and_the_command_line_replaces_them():
     assert (b.budget_s, b.erase_at_s, b.silos) == (60.0, 25.0, bench.BENCHMARKS["nuclei"].silos)
     with pytest.raises(SystemExit, match="unknown benchmark"):
         bench.settings("mnist", _args())
+
+
+def test_the_speedup_limit_is_retrainings_verified_time_over_our_latency():
+    rows = _seeds(retrain=[30.0, 40.0, 50.0], **{"fedasync-membership": [20.0, NAN, 30.0]})
+    for seed, lat in zip(range(3), (8.0, 10.0, 12.0)):
+        rows[seed]["fedasync-membership"]["latency_s"] = lat
+    agg = bench.aggregate(rows)
+    assert bench.speedup_limit(agg, "fedasync-membership") == pytest.approx(40.0 / 10.0)
+    assert bench.speedup_limit(agg, "fedasync-fixed") is None
