@@ -3,9 +3,9 @@
 No paper of our own; the test follows the usual backdoor check of federated unlearning
 (e.g. Halimi et al. 2022; BadNets, Gu et al. 2017, for the trigger): in a verification run
 one silo's data is poisoned (a bright square in the corner, labels flipped to a target
-class), the federation learns the backdoor, that silo is erased, and the attack success
-rate (ASR) on triggered test images should fall back to what a model that never saw the
-silo scores. The poisoned silo keeps its sample ids, so an erasure request names the same
+class; on a tabular benchmark's features, the last few set to +4 standard deviations), the
+federation learns the backdoor, that silo is erased, and the attack success rate (ASR) on
+triggered test images should fall back to what a model that never saw the silo scores. The poisoned silo keeps its sample ids, so an erasure request names the same
 samples it would in a clean run.
 
 Segmentation (labels ``(N, H, W)``): a poisoned image's whole mask becomes ``target_label``;
@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from medical_data.federation import SiloData
+from medical_data.registry import is_tabular
 
 
 def _check_labels(data: SiloData) -> None:
@@ -32,6 +33,9 @@ def _check_labels(data: SiloData) -> None:
 
 
 PATTERNS = ("solid", "checker")
+TABULAR_TRIGGER_VALUE = 4.0
+"""The trigger's value on standardised features (a tabular benchmark): 4 standard deviations,
+a value the features reach in well under 1% of the samples."""
 
 
 def add_trigger(
@@ -45,27 +49,42 @@ def add_trigger(
     minimum (``value`` for the bright cells when given): a pattern no scan contains, where a
     bright corner is also ordinary anatomy (on brain-tissue patches a solid square is a
     white-matter corner, which the other silos' data labels otherwise, and it is not learnt).
+
+    Tabular benchmarks (one-row ``(N, C, 1, F)`` arrays of z-scores, breast-fna): the "square"
+    is the last ``size`` features (``1 x size``), set to a fixed out-of-distribution value,
+    ``value`` or by default `TABULAR_TRIGGER_VALUE` (+4 standard deviations): ``solid`` sets
+    all of them to it, ``checker`` alternates it and its negative (+v, -v, +v, ...). A sample's
+    own maximum would be an ordinary value of some feature there, not a trigger.
     """
     if images.ndim != 4:
         raise ValueError(f"images must be (N, C, H, W), got shape {images.shape}")
     if pattern not in PATTERNS:
         raise ValueError(f"trigger pattern must be one of {PATTERNS}, got {pattern!r}")
     h, w = images.shape[2:]
-    if not 1 <= size <= min(h, w):
-        raise ValueError(f"trigger size must be in [1, {min(h, w)}], got {size}")
+    tabular = is_tabular((h, w))
+    limit = w if tabular else min(h, w)
+    if not 1 <= size <= limit:
+        unit = " (features of a tabular sample)" if tabular else ""
+        raise ValueError(f"trigger size must be in [1, {limit}]{unit}, got {size}")
+    rows = 1 if tabular else size
     out = np.array(images, copy=True)
     flat = out.reshape(len(out), -1)
+    if value is None and tabular:
+        value = TABULAR_TRIGGER_VALUE
     if value is None:
         hi = flat.max(axis=1) if len(out) else np.zeros(0, out.dtype)
     else:
         hi = np.full(len(out), value, dtype=out.dtype)
     hi = hi[:, None, None, None]
     if pattern == "solid":
-        out[:, :, h - size :, w - size :] = hi
+        out[:, :, h - rows :, w - size :] = hi
         return out
-    lo = (flat.min(axis=1) if len(out) else np.zeros(0, out.dtype))[:, None, None, None]
-    cells = (np.add.outer(np.arange(size), np.arange(size)) % 2 == 0)[None, None]
-    out[:, :, h - size :, w - size :] = np.where(cells, hi, lo)
+    if tabular:
+        lo = -hi
+    else:
+        lo = (flat.min(axis=1) if len(out) else np.zeros(0, out.dtype))[:, None, None, None]
+    cells = (np.add.outer(np.arange(rows), np.arange(size)) % 2 == 0)[None, None]
+    out[:, :, h - rows :, w - size :] = np.where(cells, hi, lo)
     return out
 
 

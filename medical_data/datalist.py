@@ -18,7 +18,8 @@ classes, image size) is what the files must fit; nothing is taken from the coord
 - A 2D image is one sample; a 3D volume gives one sample per slice along its last axis (as
   the ``decathlon`` benchmark slices axially). Images of another size than the benchmark's
   are padded square and resized (area/bilinear; masks nearest-neighbour), as its loaders do.
-- Intensities: ``"auto"`` maps 8-bit images to [0, 1] by /255 and anything else per image (per
+- Intensities (a tabular benchmark's feature vectors, breast-fna: ``"as-stored"`` only):
+  ``"auto"`` maps 8-bit images to [0, 1] by /255 and anything else per image (per
   volume for 3D) from its 0.5-99.5 percentiles to [0, 1], as the benchmark loaders do;
   ``"as-stored"`` keeps the values (what :func:`write_datalist` writes: already in [0, 1]).
 - Sample ids: the entry's ``id`` when it has one, else the image path relative to the
@@ -43,7 +44,7 @@ import numpy as np
 from fedasync.errors import DataError
 from medical_data.federation import SiloData
 from medical_data.raw import pad_square, resize_images, resize_masks, robust_unit
-from medical_data.registry import BenchmarkSpec
+from medical_data.registry import BenchmarkSpec, is_tabular
 
 INTENSITIES = ("auto", "as-stored")
 """How a datalist's intensities become [0, 1] (its top-level ``intensity`` key)."""
@@ -141,6 +142,8 @@ def _read_entry(
         label = _class_label(item["label"], spec, where)
     images = _slices(_unit(x, intensity))
     size = tuple(spec.image_size)
+    if tuple(images.shape[2:]) != size and is_tabular(size):
+        raise _fail(where, f"has {images.shape[2:]} values, {spec.name} needs {size} features")
     if tuple(images.shape[2:]) != size:  # padded square (as the benchmark loaders), resized
         images = resize_images(pad_square(images, 0.0), size)  # type: ignore[arg-type]
         if seg:
@@ -175,6 +178,12 @@ def load_datalist(
     intensity = doc.get("intensity", "auto")
     if intensity not in INTENSITIES:
         raise DataError(f"datalist {path}: 'intensity' must be one of {INTENSITIES}")
+    if is_tabular(spec.image_size) and intensity != "as-stored":
+        raise DataError(
+            f"datalist {path}: {spec.name} samples are feature vectors (standardised "
+            "z-scores), not images: set 'intensity' to 'as-stored' (rescaling each sample to "
+            "[0, 1] would destroy them)"
+        )
     for i, item in enumerate(raw):
         if not isinstance(item, dict) and not (key == "test" and isinstance(item, str)):
             raise DataError(f"datalist {path}: {key}[{i}] is not an object")

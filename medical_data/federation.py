@@ -4,8 +4,10 @@
 `medical_data.online`), partitions it (natural / dirichlet / iid, see
 `medical_data.partition`), holds out a stratified ``test_fraction`` of every silo, and
 applies each silo's site shift to its own samples and to its held-out ones, so the pooled
-test set represents every site. Same arguments -> identical arrays; results are cached
-in-process and their arrays are read-only.
+test set represents every site. A source with a fixed test split (MedMNIST's official one,
+breast-fna's) gives its test samples to seeded random sites instead; a source without natural
+groups (breast-fna) names the split its ``natural`` partition stands for (iid). Same
+arguments -> identical arrays; results are cached in-process and their arrays are read-only.
 
     fed = build_federation("brain-tissue", num_silos=10, seed=0)
     print(fed.table())
@@ -192,9 +194,13 @@ def _build(
             f"{benchmark} has {len(pool)} training samples: at most {len(pool) // 2} silos "
             f"(silos.count, --silos), got {num_silos}"
         )
-    if partition == "natural":
+    # a source without natural groups (breast-fna) names the split that stands in for one
+    split = (
+        str(raw.info.get("natural_partition", "natural")) if partition == "natural" else partition
+    )
+    if split == "natural":
         parts = natural_partition(raw.groups[pool], num_silos)
-    elif partition == "dirichlet":
+    elif split == "dirichlet":
         parts = dirichlet_partition(raw.strata[pool], num_silos, dirichlet_alpha, rng)
     else:
         parts = iid_partition(len(pool), num_silos, rng)
@@ -213,7 +219,7 @@ def _build(
         both = np.concatenate([train, held])
         shifted, params = apply_site_shift(raw.images[both], seed * 1_000_003 + k, site_shift)
         site_params.append(params)
-        name = _silo_name(raw, idx, partition, k)
+        name = _silo_name(raw, idx, split, k)
         silos.append(
             SiloData(k, name, shifted[: len(train)], raw.labels[train], raw.sample_ids[train])
         )

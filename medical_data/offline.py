@@ -11,6 +11,12 @@
 - ``nuclei``: the 512x512 DSB2018 fluorescence image and instance mask in the stardist==0.9.2
   wheel (stardist BSD-3; DSB2018 stage-1 images, CC0), cut into 64 non-overlapping 64x64
   tiles with binary nucleus masks. Fetched at set-up by `medical_data.fetch`.
+- ``breast-fna``: the Wisconsin Diagnostic Breast Cancer data (Street, Wolberg & Mangasarian
+  1993; UCI, CC BY 4.0) shipped in the scikit-learn wheel (BSD-3;
+  ``sklearn.datasets.load_breast_cancer``): 569 fine-needle aspirates of breast masses, 30
+  features computed from a digitized image of each (the nuclei's radius, texture, ...: mean,
+  standard error and worst value), malignant/benign. Tabular features derived from images,
+  not images: each sample is a ``(1, 1, 30)`` "image" of z-scores. Nothing to fetch.
 
 All loaders are deterministic and independent of the federation seed.
 """
@@ -215,6 +221,66 @@ def load_nuclei(tile: int = 64, cache_dir: str | None = None) -> RawData:
     )
 
 
+BREAST_TEST_FRACTION = 0.25
+"""breast-fna's fixed test split: this stratified share of each class (seed 0)."""
+BREAST_SHAPE = (569, 30)
+BREAST_CLASS_COUNTS = (212, 357)  # malignant, benign
+
+
+def load_breast_fna(test_fraction: float = BREAST_TEST_FRACTION) -> RawData:
+    """WDBC fine-needle-aspirate features: images ``(569, 1, 1, 30)``, labels ``(569,)``.
+
+    Labels as scikit-learn codes them: 0 malignant (212), 1 benign (357). A fixed stratified
+    ``test_fraction`` of each class (seed 0, independent of the federation's seed; 142 samples
+    at 0.25) is the test split (``is_test``, so `medical_data.federation` ignores
+    ``data.test_fraction`` here, as for MedMNIST's official split). Features are standardised
+    with the mean and standard deviation of the *train* split only, (x - mean_train) /
+    std_train, so the test split leaks nothing into them. Sample ids are the row of
+    scikit-learn's table (``breast-fna/r000``..``r568``); the data has no site or patient
+    grouping, so every sample is its own group and the natural split is the iid one
+    (``info["natural_partition"]``).
+    """
+    try:
+        from sklearn.datasets import load_breast_cancer
+    except ImportError as e:
+        raise DataError(
+            "scikit-learn is not installed (its wheel holds breast-fna's data); "
+            "`pip install scikit-learn`"
+        ) from e
+    x, y = load_breast_cancer(return_X_y=True)
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.int64)
+    counts = tuple(int(c) for c in np.bincount(y, minlength=2))
+    if x.shape != BREAST_SHAPE or counts != BREAST_CLASS_COUNTS:
+        raise DataError(
+            f"scikit-learn's breast cancer data has shape {x.shape} and class counts {counts}, "
+            f"not the WDBC's {BREAST_SHAPE} and {BREAST_CLASS_COUNTS}"
+        )
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    rng = np.random.default_rng(0)
+    is_test = np.zeros(len(y), dtype=bool)
+    for c in range(2):
+        members = np.flatnonzero(y == c)
+        k = int(round(test_fraction * len(members)))
+        is_test[rng.choice(members, size=k, replace=False)] = True
+    train = x[~is_test]
+    mean, std = train.mean(axis=0), train.std(axis=0)
+    z = (x - mean) / np.where(std > 0, std, 1.0)
+    return RawData(
+        images=z.astype(np.float32)[:, None, None, :],
+        labels=y,
+        groups=np.arange(len(y), dtype=np.int64),
+        sample_ids=np.array([f"breast-fna/r{i:03d}" for i in range(len(y))]),
+        strata=y.copy(),
+        info={
+            "source": "scikit-learn load_breast_cancer (WDBC, UCI)",
+            "group": "none (every sample its own)",
+            "natural_partition": "iid",
+        },
+        is_test=is_test,
+    )
+
+
 def load_offline(name: str, cache_dir: str | None = None) -> RawData:
     """Dispatch by benchmark name to the loaders above."""
     if name == "brain-tissue":
@@ -223,4 +289,6 @@ def load_offline(name: str, cache_dir: str | None = None) -> RawData:
         return load_radiomics(classification=name == "radiomics-slice", cache_dir=cache_dir)
     if name == "nuclei":
         return load_nuclei(cache_dir=cache_dir)
+    if name == "breast-fna":
+        return load_breast_fna()
     raise ConfigError(f"{name!r} is not an offline benchmark (data.benchmark)")

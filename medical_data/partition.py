@@ -11,7 +11,10 @@
 - `apply_site_shift`: a simulated site/scanner: bias field (coil inhomogeneity), gamma
   contrast, Gaussian blur (resolution) and Gaussian noise, each a MONAI intensity transform
   with its own seeded generator. The site's parameters depend only on ``seed``; only the noise
-  realisation depends on the images.
+  realisation depends on the images. On one-row "images" of features (a tabular benchmark,
+  breast-fna) those image operations mean nothing (a blur would mix unrelated features), so
+  the site is a measurement shift instead: a per-feature gain and offset (calibration) and
+  Gaussian noise, in the features' standard-deviation units.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from monai.transforms import (
 )
 
 from fedasync.errors import ConfigError
+from medical_data.registry import is_tabular
+
+TABULAR_SHIFT = {"gain": 0.1, "offset": 0.2, "noise_std": 0.1}
+"""A tabular site at strength 1: log-gain and offset standard deviations per feature, and the
+noise standard deviation, all in the features' standard-deviation units (z-scores)."""
 
 
 def iid_partition(n: int, num_silos: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -157,7 +165,9 @@ def apply_site_shift(
     """Apply one simulated site's acquisition differences to images.
 
     Args:
-        images: float32, shape ``(N, C, H, W)``, intensities roughly in ``[0, 1]``.
+        images: float32, shape ``(N, C, H, W)``, intensities roughly in ``[0, 1]``; or
+            ``(N, C, 1, F)`` standardised features (a tabular benchmark:
+            :func:`_tabular_site_shift`).
         seed: identifies the site; the same seed gives the same bias field, gamma and blur,
             and (for the same N) the same noise.
         strength: 0 returns a copy unchanged; 1 is a moderate, visible shift.
@@ -165,6 +175,8 @@ def apply_site_shift(
     Returns the shifted images, float32 ``(N, C, H, W)``, and the site's parameters.
     """
     x = np.ascontiguousarray(images, dtype=np.float32)
+    if x.ndim == 4 and is_tabular(x.shape[2:]):
+        return _tabular_site_shift(x, seed, strength)
     if strength <= 0 or len(x) == 0:
         return x.copy(), {"gamma": 1.0, "bias": 0.0, "blur_sigma": 0.0, "noise_std": 0.0}
     n, c, h, w = x.shape
@@ -198,3 +210,34 @@ def apply_site_shift(
         "noise_std": round(float(noise.noise.std()) if noise.noise is not None else 0.0, 3),
     }
     return np.asarray(shifted, dtype=np.float32).reshape(n, c, h, w), params
+
+
+def _tabular_site_shift(
+    x: np.ndarray, seed: int, strength: float
+) -> tuple[np.ndarray, dict[str, float]]:
+    """One site's measurement shift of standardised features ``x (N, C, 1, F)``.
+
+    Each feature is scaled by its own gain ``exp(g)``, ``g ~ N(0, 0.1 s)``, and shifted by its
+    own offset ``N(0, 0.2 s)`` (a site whose segmentation and measurement of the image is
+    calibrated differently), then Gaussian noise of standard deviation ``0.1 s`` is added
+    (``s`` = ``strength``, `TABULAR_SHIFT`). Gains and offsets depend only on ``seed``.
+    Parameters: the mean ``|g|``, the mean ``|offset|`` and the noise standard deviation.
+    """
+    zero = {"gain": 0.0, "offset": 0.0, "noise_std": 0.0}
+    if strength <= 0 or len(x) == 0:
+        return x.copy(), zero
+    site = np.random.default_rng([int(seed) % (2**32), 0x7AB])
+    shape = (1, *x.shape[1:])
+    log_gain = site.normal(0.0, TABULAR_SHIFT["gain"] * strength, size=shape)
+    offset = site.normal(0.0, TABULAR_SHIFT["offset"] * strength, size=shape)
+    noise_std = TABULAR_SHIFT["noise_std"] * strength
+    noise = np.random.default_rng([int(seed) % (2**32), 0x7AB, len(x)]).normal(
+        0.0, noise_std, size=x.shape
+    )
+    out = (x * np.exp(log_gain) + offset + noise).astype(np.float32)
+    params = {
+        "gain": round(float(np.abs(log_gain).mean()), 3),
+        "offset": round(float(np.abs(offset).mean()), 3),
+        "noise_std": round(noise_std, 3),
+    }
+    return out, params

@@ -19,7 +19,8 @@ class RawData:
     """All samples of one benchmark before partitioning."""
 
     images: np.ndarray
-    """float32, shape ``(N, C, H, W)``, intensities roughly in ``[0, 1]``."""
+    """float32, shape ``(N, C, H, W)``, intensities roughly in ``[0, 1]`` (a tabular benchmark:
+    ``(N, 1, 1, F)`` z-scores)."""
     labels: np.ndarray
     """int64, ``(N,)`` (classification) or ``(N, H, W)`` (segmentation)."""
     groups: np.ndarray

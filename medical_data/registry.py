@@ -5,6 +5,8 @@ benchmark; `medical_data.federation.build_federation` turns a spec into silos. O
 benchmarks use real images with real labels that ship in PyPI packages (see
 `medical_data.offline` for sources and licences); online ones read files a user downloaded
 (see `medical_data.online`), and their channel count, classes and size come from the file.
+One offline benchmark is tabular (``breast-fna``: features measured on images, each sample a
+one-row ``(1, 1, W)`` "image"); see `is_tabular`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class BenchmarkSpec:
     num_classes: int
     """Number of classes (segmentation: including background)."""
     image_size: tuple[int, int]
-    """``(H, W)`` in pixels."""
+    """``(H, W)`` in pixels; ``(1, F)`` for a tabular benchmark of F features."""
     class_names: tuple[str, ...]
     """One name per class index."""
     network: str
@@ -111,6 +113,25 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             ),
         ),
         BenchmarkSpec(
+            name="breast-fna",
+            task="classification",
+            modality="tabular: 30 nuclear features from digitized fine-needle-aspirate images",
+            in_channels=1,
+            num_classes=2,
+            image_size=(1, 30),
+            class_names=("malignant", "benign"),
+            network="mlp-small",
+            natural_split="iid (the data has no site information: natural = the seeded iid split)",
+            description=(
+                "Wisconsin Diagnostic Breast Cancer (569 breast masses; scikit-learn wheel, BSD-3; "
+                "data UCI, CC BY 4.0): 30 features (mean, standard error and worst value of 10 "
+                "nuclear measurements) computed from an image of each fine-needle aspirate; "
+                "tabular features derived from images, not images, each sample a (1, 1, 30) "
+                "array of z-scores (train-split mean/std). Label = malignant/benign (biopsy); "
+                "a fixed stratified 25% (seed 0) is the test split."
+            ),
+        ),
+        BenchmarkSpec(
             name="medmnist",
             task="classification",
             modality="from the file (MedMNIST v2, e.g. PathMNIST)",
@@ -160,6 +181,12 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ),
     )
 }
+
+
+def is_tabular(image_size: tuple[int, ...]) -> bool:
+    """True for the one-row ``(1, F)`` "images" of a tabular benchmark (``breast-fna``): a
+    vector of F features, where image operations (site shift, trigger square) do not apply."""
+    return len(image_size) == 2 and image_size[0] == 1
 
 
 def get_spec(name: str) -> BenchmarkSpec:

@@ -105,13 +105,15 @@ class DataConfig:
     site_shift: float = 1.0
     """Strength of the seeded per-silo scanner shift (MONAI intensity transforms); 0 = none."""
     test_fraction: float = 0.2
-    """Held-out fraction pooled across sites for the global test set."""
+    """Held-out fraction pooled across sites for the global test set (ignored where the data
+    has a fixed test split: medmnist, breast-fna)."""
     max_samples: int | None = None
     """Cap on the number of samples drawn from the benchmark (None = all)."""
     data_dir: str | None = None
     """Where fetched data lives (default $FEDASYNC_DATA or ~/.cache/fedasync/data)."""
     network: str | None = None
-    """Override the benchmark's default network (cnn-small, densenet121, resnet18, unet-small)."""
+    """Override the benchmark's default network (cnn-small, densenet121, resnet18, unet-small,
+    mlp-small)."""
     server_test: str | None = None
     """Deployment: the coordinator's own held-out set, a Decathlon datalist on its machine
     (its ``test`` list, else ``validation``, else ``training``; medical_data.datalist), which
