@@ -548,17 +548,14 @@ def verify(per_seed: Runs, ours: str) -> dict[str, float]:
             row["verified_s"] = latency_within_floor(
                 evals, ref, floors, row["request_t"], row["boundary_t"], row["pre_erasure_accuracy"]
             )
-            if row.get("scope") == "silo":  # (a sample-level one: its forget set differs)
-                at = {
-                    k: float(
-                        np.interp(row["boundary_t"], [e["t"] for e in ref], [e[k] for e in ref])
-                    )
-                    for k in WATCHED.values()
-                }
-                row.update({f"{k}@retrain": at[w] for k, w in WATCHED.items()})
-                row["erasure"] = classify(
-                    {k: row.get(f"{k}@boundary") for k in WATCHED}, at, floors
-                )
+            # the boundary against retraining's band at that time (a sample-level erasure:
+            # retraining's watch follows the same share)
+            at = {
+                k: float(np.interp(row["boundary_t"], [e["t"] for e in ref], [e[k] for e in ref]))
+                for k in WATCHED.values()
+            }
+            row.update({f"{k}@retrain": at[w] for k, w in WATCHED.items()})
+            row["erasure"] = classify({k: row.get(f"{k}@boundary") for k in WATCHED}, at, floors)
         pres = [r["pre_erasure_accuracy"] for r in rows.values() if "pre_erasure_accuracy" in r]
         target = rows.get(ours, {}).get("pre_erasure_accuracy", pres[0] if pres else None)
         if target is not None and "retrain" in rows:
