@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -807,5 +808,27 @@ def _plot(rows: Rows, path: Path, name: str, b: Bench) -> None:
     plt.close(fig)
 
 
+def _stopped(e: BaseException) -> int:
+    """One line for a signal (Ctrl-C): the runs finished so far are kept and read back by the
+    same command (``--reuse``); the run in progress starts again. The exit status."""
+    from fedasync.interrupt import signal_of
+
+    name, code = signal_of(e)
+    again = shlex.join([sys.executable, *sys.argv])
+    print(
+        f"unlearning_vs_retrain: stopped by {name}; the finished runs are kept, the one in "
+        f"progress is run again by: {again}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return code
+
+
 if __name__ == "__main__":
-    main()
+    from fedasync.interrupt import Interrupted, exit_now, raise_interrupted, set_handlers
+
+    set_handlers(raise_interrupted)  # SIGTERM and SIGHUP end it like Ctrl-C
+    try:
+        main()
+    except (Interrupted, KeyboardInterrupt) as stop:
+        exit_now(_stopped(stop))
