@@ -72,12 +72,14 @@ removal at request time (``unlearning.server_removal_scale``) before the silo's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import shlex
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -382,12 +384,14 @@ def _run_seed(
             continue
         cfg = load_config(None, common + extra + [f"run.name={name}"] + args.overrides)
         t0 = time.monotonic()
-        s = _reused(cfg, out / name) if args.reuse else None
-        how = "reused (same config)" if s is not None else ""
-        if s is None:
-            s = run_engine(cfg, out / name)
-            (out / name / REUSE_CONFIG).write_text(to_yaml(cfg))
-            how = f"{time.monotonic() - t0:.0f}s wall"
+        with _run_lock(out / name):  # another process on the same --out waits, then reuses
+            s = _reused(cfg, out / name) if args.reuse else None
+            how = "reused (same config)" if s is not None else ""
+            if s is None:
+                (out / name / REUSE_CONFIG).unlink(missing_ok=True)  # (not finished: no config)
+                s = run_engine(cfg, out / name)
+                (out / name / REUSE_CONFIG).write_text(to_yaml(cfg))
+                how = f"{time.monotonic() - t0:.0f}s wall"
         summaries[name] = s
         print(f"[{bench_name} s{seed} {name}] {how}, {s['versions']} versions", flush=True)
         if name in ("retrain", "no-erasure"):
@@ -428,6 +432,22 @@ def _run_seed(
             "window_s": b.budget_s - start,
         }
     return rows, summaries
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir``'s lock (an exclusive ``flock`` on ``.bench.lock``, released when the
+    process ends however it ends): two benchmark processes on one ``--out`` never run the same
+    folder at once; the second reads back what the first finished."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".bench.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 REUSE_CONFIG = "bench-config.yaml"

@@ -250,3 +250,29 @@ def test_the_speedup_limit_is_retrainings_verified_time_over_our_latency():
     agg = bench.aggregate(rows)
     assert bench.speedup_limit(agg, "fedasync-membership") == pytest.approx(40.0 / 10.0)
     assert bench.speedup_limit(agg, "fedasync-fixed") is None
+
+
+def test_a_run_folder_is_run_by_one_process_at_a_time(tmp_path):
+    import threading
+
+    order: list[str] = []
+    inside = threading.Event()
+
+    def first():
+        with bench._run_lock(tmp_path / "run"):
+            order.append("first in")
+            inside.set()
+            threading.Event().wait(0.3)
+            order.append("first out")
+
+    def second():
+        inside.wait(5.0)
+        with bench._run_lock(tmp_path / "run"):  # (a new open file: flock excludes it)
+            order.append("second in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10.0)
+    assert order == ["first in", "first out", "second in"]
