@@ -57,11 +57,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedasync.events import read_events  # noqa: E402
+from fedasync.processes import alive  # noqa: E402
 from server.summary import time_to_target  # noqa: E402
 from simulations.config import load_config  # noqa: E402
 from simulations.deploy import deploy_local  # noqa: E402
 from simulations.deploy_progress import takes, training_start  # noqa: E402
-from simulations.processes import alive  # noqa: E402
 
 SERVERAPPS = {
     "fedasync": ("server.app:app", ["server.mode=fedasync"]),

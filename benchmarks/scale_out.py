@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fedasync.processes import pids_with_env  # noqa: E402
 from simulations.config import load_config  # noqa: E402
 from simulations.launcher import simulate  # noqa: E402
-from simulations.processes import pids_with_env  # noqa: E402
 
 MARKER_ENV = "FEDASYNC_SCALE_OUT_BENCH"
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from fedasync.errors import UserError
+from fedasync.processes import sweep_orphans
 from server.summary import no_version_reason
 from simulations import certs, deploy, node
-from simulations.processes import sweep_orphans
 from trainers.market import cli as market_cli
 from trainers.pipeline import cli as pipeline_cli
 from trainers.rl import cli as rl_cli

@@ -33,14 +33,13 @@ was measured) and ``deploy/`` (certificates and each process's FLWR_HOME, temp f
 
 One module (about 530 lines) because it is the one path from a config to a running local
 deployment (certificates, SuperLink, SuperNodes, the app bundle, the run, the teardown), read
-top to bottom; the process handling is simulations/processes.py.
+top to bottom; the process handling is fedasync/processes.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import shutil
@@ -54,7 +53,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clients.preempt import STOP_FILE
 from fedasync.events import json_safe, read_events
 from fedasync.interrupt import (
     raise_interrupted,
@@ -65,6 +63,7 @@ from fedasync.interrupt import (
     signal_of,
     stop_line,
 )
+from fedasync.processes import Proc, Processes, owner_token, sweep_orphans
 from protocol.keys import DATALIST, PRIVACY_DB
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
@@ -73,7 +72,7 @@ from server.summary import no_version_reason
 from simulations.certs import CertPaths, private_dir, write_certs, write_file
 from simulations.config import to_yaml
 from simulations.deploy_progress import EventTail, measurements, print_result, show
-from simulations.erasure_watch import ErasureWatcher, WatchError, read_token
+from simulations.erasure_watch import ErasureWatcher, start_watches
 from simulations.node import (
     SUPEREXEC_ENV,
     WORKERS,
@@ -83,9 +82,6 @@ from simulations.node import (
     stop_file_env,
     supernode_args,
 )
-from simulations.processes import Proc, Processes, owner_token, sweep_orphans
-
-log = logging.getLogger("fedasync.deploy")
 
 FEDERATION = "fedasync-local"
 """The SuperLink connection's name in the flwr CLI's config.toml."""
@@ -277,38 +273,6 @@ def privacy_ledgers(folder: Path, num_silos: int) -> dict[int, Path]:
     if not folder.is_dir():
         private_dir(folder)
     return {s: folder / f"silo-{s}.sqlite" for s in range(num_silos)}
-
-
-def start_watches(
-    cfg: FedAsyncConfig, run_dir: Path, paths: CertPaths, since: float
-) -> list[ErasureWatcher] | None:
-    """Each silo's erasure watch, as ``fedasync node --erasure-service`` runs it (its own
-    token, TLS with the deployment's CA), once the ServerApp has written where its erasure
-    service listens (``run_dir/erasure_address``, not older than ``since``); None until then.
-    Without the service: no watches (an empty list)."""
-    if not cfg.unlearning.service:
-        return []
-    at = run_dir / "erasure_address"
-    try:
-        if at.stat().st_mtime < since:
-            return None  # an earlier run's
-        address = at.read_text().strip()
-    except OSError:
-        return None
-    if not address:
-        return None
-    folder = Path(cfg.unlearning.credentials or run_dir / "credentials.json").parent
-    ca = paths.ca_cert.read_bytes()
-    watches = []
-    for s in range(cfg.silos.count):
-        try:
-            token = read_token(folder / f"silo-{s}.token")
-        except WatchError as e:  # credentials the user made: the tokens are theirs to hand out
-            log.warning("silo %d follows no erasure requests: %s", s, e)
-            continue
-        stop_file = run_dir / "deploy" / f"silo-{s}" / STOP_FILE
-        watches.append(ErasureWatcher(address, token, stop_file, root_certificates=ca).start())
-    return watches
 
 
 SYNC_NOT_RUN = "not run in deployment"

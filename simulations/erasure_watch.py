@@ -22,12 +22,17 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
-from clients.preempt import write_stop
+from clients.preempt import STOP_FILE, write_stop
 from server.erasure.gen import erasure_pb2 as pb
 from server.erasure.gen import erasure_pb2_grpc
+
+if TYPE_CHECKING:
+    from server.config import FedAsyncConfig
+    from simulations.certs import CertPaths
 
 log = logging.getLogger("fedasync.node")
 
@@ -165,3 +170,35 @@ class ErasureWatcher:
                 )
                 if self.on_stop is not None:
                     self.on_stop(event.request_id, at)
+
+
+def start_watches(
+    cfg: FedAsyncConfig, run_dir: Path, paths: CertPaths, since: float
+) -> list[ErasureWatcher] | None:
+    """Each silo's erasure watch, as ``fedasync node --erasure-service`` runs it (its own
+    token, TLS with the deployment's CA), once the ServerApp has written where its erasure
+    service listens (``run_dir/erasure_address``, not older than ``since``); None until then.
+    Without the service: no watches (an empty list)."""
+    if not cfg.unlearning.service:
+        return []
+    at = run_dir / "erasure_address"
+    try:
+        if at.stat().st_mtime < since:
+            return None  # an earlier run's
+        address = at.read_text().strip()
+    except OSError:
+        return None
+    if not address:
+        return None
+    folder = Path(cfg.unlearning.credentials or run_dir / "credentials.json").parent
+    ca = paths.ca_cert.read_bytes()
+    watches = []
+    for s in range(cfg.silos.count):
+        try:
+            token = read_token(folder / f"silo-{s}.token")
+        except WatchError as e:  # credentials the user made: the tokens are theirs to hand out
+            log.warning("silo %d follows no erasure requests: %s", s, e)
+            continue
+        stop_file = run_dir / "deploy" / f"silo-{s}" / STOP_FILE
+        watches.append(ErasureWatcher(address, token, stop_file, root_certificates=ca).start())
+    return watches

@@ -37,11 +37,7 @@ from typing import Any
 
 from fedasync.errors import UserError
 from fedasync.interrupt import Interrupted, exit_now, restore, set_handlers
-from server.config import EngineConfig, FedAsyncConfig
-from server.summary import time_to_target, write_summary
-from simulations.config import to_yaml
-from simulations.plots import plot_score_vs_time, plot_silo_contribution, plot_staleness
-from simulations.processes import (
+from fedasync.processes import (
     FLOWER_ENV,
     RAY_SESSION_ENV,
     RAY_TMP_PREFIX,
@@ -49,6 +45,10 @@ from simulations.processes import (
     sweep_orphans,
     write_owner,
 )
+from server.config import EngineConfig, FedAsyncConfig
+from server.summary import time_to_target, write_summary
+from simulations.config import to_yaml
+from simulations.plots import plot_score_vs_time, plot_silo_contribution, plot_staleness
 
 log = logging.getLogger("fedasync")
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from clients.preempt import STOP_FILE, STOP_FILE_ENV
+from fedasync.processes import Proc, Processes, owner_token
 from simulations.erasure_watch import ErasureWatcher, WatchError, read_token
-from simulations.processes import Proc, Processes, owner_token
 
 WORKERS = ("warm", "flower")
 """How a SuperNode runs its ClientApp: ``warm``, one long-lived worker per SuperNode

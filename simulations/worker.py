@@ -57,8 +57,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedasync.processes import FLOWER_ENV
 from protocol.transport import FlowerInternalsMoved, short_backoff
-from simulations.processes import FLOWER_ENV
 
 log = logging.getLogger("fedasync.worker")
 

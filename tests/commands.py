@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from simulations.processes import alive, pids_with_env
+from fedasync.processes import alive, pids_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "FEDASYNC_TEST_RUN"

@@ -43,6 +43,7 @@ from typing import Any
 import pytest
 
 from fedasync.events import read_events
+from fedasync.processes import MARKER_ENV, Proc, Processes, alive, pids_with_env
 from protocol.config import build_silos
 from server.checkpoint import load_state
 from simulations.config import load_config
@@ -60,7 +61,6 @@ from simulations.deploy import (
 )
 from simulations.deploy_progress import EventTail
 from simulations.erase_cli import main as erase
-from simulations.processes import MARKER_ENV, Proc, Processes, alive, pids_with_env
 
 pytestmark = pytest.mark.slow
 

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from fedasync.events import read_events
+from fedasync.processes import MARKER_ENV, Processes, alive, pids_with_env
 from simulations.certs import write_certs
 from simulations.deploy import (
     deploy_local,
@@ -24,7 +25,6 @@ from simulations.deploy import (
     supernode_command,
     write_cli_config,
 )
-from simulations.processes import MARKER_ENV, Processes, alive, pids_with_env
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,7 @@ import pytest
 
 import simulations.deploy as deploy
 from clients.privacy import ledger_path
+from fedasync.processes import Proc, Processes, _kill, alive, find_orphans, sweep_orphans
 from protocol.keys import PRIVACY_DB
 from server.run_config import config_from_run_config
 from simulations.certs import CertPaths
@@ -31,7 +32,6 @@ from simulations.deploy import (
     write_cli_config,
 )
 from simulations.deploy_progress import EventTail, measurements, round_trips
-from simulations.processes import Proc, Processes, _kill, alive, find_orphans, sweep_orphans
 
 
 def _wait_for(pred, timeout_s: float = 10.0) -> None:
@@ -250,7 +250,7 @@ def test_what_a_killed_deploy_driver_started_is_swept_by_the_next_command(tmp_pa
     driver = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from simulations.processes import Processes, owner_token\n"
+        "from fedasync.processes import Processes, owner_token\n"
         f"procs = Processes(marker=f'{tmp_path}/deploy:{{owner_token()}}')\n"
         "procs.start('tree', ['/bin/sh', '-c', 'setsid sleep 300 & sleep 300'], "
         f"Path({str(tmp_path)!r}) / 'tree')\n"

@@ -27,8 +27,8 @@ import simulations.node as node
 import simulations.supernode as supernode
 import simulations.worker as worker
 from fedasync.events import read_events
+from fedasync.processes import MARKER_ENV, Processes, alive
 from protocol.transport import FlowerInternalsMoved, cap_sleep, short_backoff
-from simulations.processes import MARKER_ENV, Processes, alive
 
 SCI = "flwr.supernode.start_client_internal"
 

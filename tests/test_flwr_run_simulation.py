@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from fedasync.events import read_events
+from fedasync.processes import Processes, alive
 from server.run_config import run_config_toml
 from simulations.deploy import stage_app
 from simulations.launcher import simulate
-from simulations.processes import Processes, alive
 
 pytestmark = pytest.mark.slow
 

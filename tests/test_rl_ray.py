@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedasync.events import read_events
-from simulations.processes import alive
+from fedasync.processes import alive
 from trainers.rl.config import RLConfig, load_rl_config
 from trainers.rl.engine import Job, LocalBackend, RLRun, build_policy, build_task
 
@@ -220,7 +220,7 @@ def test_distillation_on_ray_teachers_restarts_a_dead_teacher_and_learns_the_loc
     wb = torch.load(tmp_path / "ray" / "policy.pt")
     assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
     # the run stopped its Ray: no teacher actor, no process of the session left
-    from simulations.processes import RAY_SESSION_ENV, pids_with_env
+    from fedasync.processes import RAY_SESSION_ENV, pids_with_env
 
     deadline = time.monotonic() + 5.0
     while (left := sorted(p for p in pool.pids_seen if alive(p))) and time.monotonic() < deadline:

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 from commands import MARKER, Command
 
-from simulations import processes
-from simulations.processes import (
+from fedasync.processes import (
     MARKER_ENV,
     OWNER_FILE,
     RAY_SESSION_ENV,
@@ -32,6 +31,7 @@ from simulations.processes import (
     find_orphans,
     sweep_orphans,
 )
+from simulations import processes
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = [

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from fedasync.processes import Processes, alive
 from server.config import EngineConfig
 from simulations.config import load_config
 from simulations.launcher import ray_init_args, simulate
-from simulations.processes import Processes, alive
 
 RAY = Path(sys.executable).parent / "ray"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fedasync.processes import RAY_TMP_PREFIX, session_pids
 from simulations.config import load_config
 from simulations.launcher import simulate
-from simulations.processes import RAY_TMP_PREFIX, session_pids
 
 
 def _ray_processes(sessions: list[str]) -> set[int]:

@@ -1,6 +1,6 @@
-"""The trainers import the core, torch, numpy, omegaconf, tqdm, matplotlib, Ray and the
-process utilities of ``simulations/processes.py`` (Ray's temp folders and orphan sweep) — never
-``server/`` or ``clients/`` (what they need from those goes into the core)."""
+"""The trainers import the core (with its process utilities, ``fedasync/processes.py``: Ray's
+temp folders and orphan sweep), torch, numpy, omegaconf, tqdm, matplotlib and Ray — never
+``server/``, ``clients/`` or ``simulations/`` (what they need from those goes into the core)."""
 
 from pathlib import Path
 
@@ -9,7 +9,7 @@ from test_core_imports import _imported_top_modules
 import trainers
 
 TRAINERS = Path(trainers.__file__).resolve().parent
-FORBIDDEN = {"server", "clients", "protocol", "medical_data", "flwr", "monai"}
+FORBIDDEN = {"server", "clients", "simulations", "protocol", "medical_data", "flwr", "monai"}
 
 
 def test_trainers_never_import_the_server_or_the_clients():

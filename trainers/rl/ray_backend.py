@@ -15,7 +15,7 @@ starts a fresh actor for that index. Any failure of an actor or of its call beco
 
 Ray's processes: when Ray is not running, the backend starts a private one as the simulation
 launcher does (temp folder ``fa-ray-*`` with the owner file that
-``simulations.processes.sweep_orphans`` uses after a killed driver, every Ray process marked
+``fedasync.processes.sweep_orphans`` uses after a killed driver, every Ray process marked
 with ``FEDASYNC_RAY_SESSION``) and ``close()`` stops it and waits, by pid, until none of its
 processes is left. When Ray already runs, ``close()`` kills only this backend's actors.
 ``ray.init`` replaces SIGTERM's handler with its own: the command's handlers of SIGINT,
@@ -178,7 +178,7 @@ class RayBackend:
     def __init__(self, cfg: RLConfig, task: Task, device: torch.device):
         import ray
 
-        from simulations.processes import RAY_SESSION_ENV, RAY_TMP_PREFIX, write_owner
+        from fedasync.processes import RAY_SESSION_ENV, RAY_TMP_PREFIX, write_owner
 
         self.cfg, self.task, self.device = cfg, task, device
         self.workers = cfg.rollout.workers
@@ -199,7 +199,7 @@ class RayBackend:
             os.environ.setdefault(name, value)
         logging.getLogger("ray").setLevel(logging.WARNING)
         if not ray.is_initialized():
-            from simulations.processes import sweep_orphans
+            from fedasync.processes import sweep_orphans
 
             sweep_orphans()
             self.session = tempfile.mkdtemp(prefix=RAY_TMP_PREFIX)
@@ -359,7 +359,7 @@ class RayBackend:
 
     def session_pids(self) -> list[int]:
         """Live processes of the private Ray this backend started (none when it did not)."""
-        from simulations.processes import RAY_SESSION_ENV, alive, pids_with_env
+        from fedasync.processes import RAY_SESSION_ENV, alive, pids_with_env
 
         if self.session is None:
             return []
@@ -390,7 +390,7 @@ class RayBackend:
         then SIGKILL, what outlives ``grace_s``) and remove its temp folder."""
         import ray
 
-        from simulations.processes import stop_session_processes
+        from fedasync.processes import stop_session_processes
 
         if ray.is_initialized():
             ray.shutdown()

@@ -1,4 +1,6 @@
-"""The processes of one local deployment: started in process groups, stopped by pid, verified.
+"""Processes we start, and those Ray starts for us: started in process groups, stopped by pid,
+verified; Ray sessions owned by a run and the orphans of runs whose driver died (used by the
+simulations, the deployment and the trainers alike, so it lives in the core).
 
 Each process is started in a session (and so a process group) of its own, with its own
 FLWR_HOME and temp folder, its output in a log file, and a marker in its environment that its
