@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from commands import MARKER, Command
 
+from fedasync import processes
 from fedasync.processes import (
     MARKER_ENV,
     OWNER_FILE,
@@ -31,7 +32,6 @@ from fedasync.processes import (
     find_orphans,
     sweep_orphans,
 )
-from simulations import processes
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = [
