@@ -173,6 +173,9 @@ SAMPLE_METHODS = "retrain,fedasync-fixed,fedasync-membership"
 REMOVAL_SCALE = 0.5
 """``fedasync-removal``: the share of the silo's recorded contributions the server subtracts
 at request time (the full removal over-erases)."""
+UNIQUE_WINDOW = 64
+"""``fedasync-unique*``: how many of the other silos' latest updates span what their training
+moves the model along (8 left nearly all of a silo's contributions outside it)."""
 COMPARED = {"speedup_vs_halting_federaser": "sync-halt", "erasure_speedup_vs_retrain": "retrain"}
 """The two headline ratios: each comparison method's median ``verified_s`` over ours."""
 MEMBERSHIP_STEPS = 20
@@ -224,6 +227,21 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             "unlearning.stop=fixed",
             "unlearning.server_removal=true",
             f"unlearning.server_removal_scale={REMOVAL_SCALE}",
+        ],
+        "fedasync-unique": [
+            *calibrated,
+            "unlearning.stop=fixed",
+            "unlearning.server_removal=true",
+            "unlearning.server_removal_part=unique",
+            f"unlearning.unique_window={UNIQUE_WINDOW}",
+        ],
+        "fedasync-unique-membership": [
+            *calibrated,
+            "unlearning.stop=membership",
+            f"unlearning.steps={MEMBERSHIP_STEPS}",
+            "unlearning.server_removal=true",
+            "unlearning.server_removal_part=unique",
+            f"unlearning.unique_window={UNIQUE_WINDOW}",
         ],
     }
 

@@ -183,6 +183,27 @@ def span_basis(vectors: Sequence[torch.Tensor], dim: int, tol: float = 1e-6) -> 
     return vh[s > tol * float(s[0])].T.contiguous()
 
 
+def outside_span(
+    params: Params, vectors: Sequence[torch.Tensor], names: Sequence[str], tol: float = 1e-6
+) -> tuple[Params, float]:
+    """``params`` without its component in the span of ``vectors`` (each ``(d,)``, the
+    floating tensors ``names`` flattened), and the share of its squared norm that is left.
+
+    ``x − Q(Qᵀx)`` twice in float64 (:func:`span_basis` gives ``Q``); the tensors not in
+    ``names`` are copied. What the server's ``unique`` removal subtracts: the part of a silo's
+    recorded contributions that the other silos' latest updates do not move along, so that
+    their training cannot have washed it out since. No vectors: a copy, share 1.
+    """
+    x = flatten(params, names).detach().cpu().double()
+    norm2 = float(x.pow(2).sum())
+    q = span_basis(vectors, x.numel(), tol)
+    if q.shape[1] == 0 or norm2 == 0.0:
+        return clone(params), 1.0
+    r = x - q @ (q.T @ x)
+    r = r - q @ (q.T @ r)  # second pass: orthogonal to rounding error
+    return unflatten(r, params, names), float(r.pow(2).sum()) / norm2
+
+
 @dataclass
 class GradientSignature:
     """Orthonormal basis of the subspace spanned by a forget set's loss gradients.

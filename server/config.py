@@ -61,6 +61,8 @@ ErasureMethod = Literal["pga", "relabel"]
 """``unlearning.method``."""
 ErasureStop = Literal["fixed", "membership"]
 """``unlearning.stop``."""
+RemovalPart = Literal["total", "unique"]
+"""``unlearning.server_removal_part``."""
 RadiusScaling = Literal["linear", "sqrt", "none"]
 """``unlearning.radius_scaling``: fedasync.unlearning.SHARE_RULES (checked equal at import)."""
 SignatureDtype = Literal["float32", "float16"]
@@ -81,6 +83,7 @@ FAULT_KINDS: tuple[str, ...] = choices(FaultKind)
 OPTIMIZER_KINDS: tuple[str, ...] = choices(OptimizerKind)
 ERASURE_METHODS: tuple[str, ...] = choices(ErasureMethod)
 ERASURE_STOPS: tuple[str, ...] = choices(ErasureStop)
+REMOVAL_PARTS: tuple[str, ...] = choices(RemovalPart)
 SIGNATURE_DTYPES: tuple[str, ...] = choices(SignatureDtype)
 PRE_BOUNDARIES: tuple[str, ...] = choices(PreBoundary)
 CALIBRATION_TARGETS: tuple[str, ...] = choices(CalibrationTarget)
@@ -96,9 +99,16 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
     ServerMode, SpeedProfile, FaultKind, ErasureMethod, ErasureStop = (
         Annotated[str, t] for t in (ServerMode, SpeedProfile, FaultKind, ErasureMethod, ErasureStop)
     )
-    RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget, Protect = (
+    RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget, Protect, RemovalPart = (
         Annotated[str, t]
-        for t in (RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget, Protect)
+        for t in (
+            RadiusScaling,
+            SignatureDtype,
+            PreBoundary,
+            CalibrationTarget,
+            Protect,
+            RemovalPart,
+        )
     )
     WeightFnName, OptimizerKind, TriggerPattern = (
         Annotated[str, t] for t in (WeightFnName, OptimizerKind, TriggerPattern)
@@ -494,6 +504,12 @@ class UnlearningConfig:
     server_removal_scale: float = 1.0
     """With ``server_removal``: the share of those contributions subtracted (1: all of them;
     the full removal over-erases, see docs/measured.md, so a smaller share can be tried)."""
+    server_removal_part: RemovalPart = "total"
+    """With ``server_removal``: which part of the silo's recorded contributions is subtracted.
+    ``total``: all of it (FedEraser's first-order removal). ``unique``: only what lies outside
+    the span of the other silos' latest ``unique_window`` accepted updates, the directions
+    their training does not act on and so cannot have washed out since (what persists of the
+    silo's work); the rest stays (docs/erasure.md)."""
     calibration: bool = True
     """Project later updates out of the erased data's gradient signature (invariance)."""
     calibration_strength: float = 1.0
@@ -570,6 +586,10 @@ class UnlearningConfig:
         check_ranges(self, "unlearning.", RANGES)
         check(self.method in ERASURE_METHODS, "unlearning.method must be pga or relabel")
         check(self.stop in ERASURE_STOPS, "unlearning.stop must be fixed or membership")
+        check(
+            self.server_removal_part in REMOVAL_PARTS,
+            f"unlearning.server_removal_part must be one of {REMOVAL_PARTS}",
+        )
         check(
             self.stop == "fixed" or self.method == "pga",
             "unlearning.stop=membership needs unlearning.method=pga",

@@ -225,6 +225,9 @@ def test_methods_by_request_and_the_two_stopping_arms():
     assert "silos.exclude_samples=[{silo: 2, fraction: 0.1}]" in m["retrain"]
     assert "silos.exclude=[2]" in bench._methods(2, 200.0)["retrain"]
     assert "unlearning.server_removal_scale=0.5" in m["fedasync-removal"]
+    for arm in ("fedasync-unique", "fedasync-unique-membership"):
+        assert "unlearning.server_removal_part=unique" in m[arm]
+        assert f"unlearning.unique_window={bench.UNIQUE_WINDOW}" in m[arm]
 
 
 def test_every_benchmark_has_its_settings_and_the_command_line_replaces_them():

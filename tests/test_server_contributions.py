@@ -104,3 +104,43 @@ def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributi
         torch.testing.assert_close(start[name], p - scale * total[name], rtol=1e-5, atol=1e-7)
         moved += float(total[name].abs().sum())
     assert moved > 0, "the silo had contributions to remove"
+
+
+def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
+    small_cfg, monkeypatch
+):
+    # Prepare: as above, with server_removal_part=unique and a window of 3 updates
+    cfg = small_cfg(
+        "run.max_versions=12",
+        "unlearning.server_removal=true",
+        "unlearning.server_removal_part=unique",
+        "unlearning.unique_window=3",
+        "erasures=[{silo: 1, at_s: 4}]",
+    )
+    seen: list[tuple[dict, dict, dict, list, object]] = []
+    dispatch = AsyncServer.dispatch_unlearn
+
+    def spy(self, silo, start, e):
+        coord = self.erasure
+        others = [p for s, p in coord.recent if s != silo]
+        params = {k: v.clone() for k, v in self.params.items()}
+        seen.append((params, dict(start), coord.ledger.total(str(silo)), others, e))
+        return dispatch(self, silo, start, e)
+
+    monkeypatch.setattr(AsyncServer, "dispatch_unlearn", spy)
+    # Execute
+    run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
+    # Assert: what was subtracted is orthogonal to every update of the others in the window,
+    # smaller than the whole sum, and its share is reported
+    (params, start, total, others, e), *_ = seen
+    names = sorted(k for k, v in total.items() if v.is_floating_point())
+    removed = torch.cat([(params[k] - start[k]).reshape(-1).double() for k in names])
+    whole = torch.cat([total[k].reshape(-1).double() for k in names])
+    assert others, "the other silos' updates were kept"
+    for p in others:
+        u = torch.cat([p[k].reshape(-1).double() for k in names])
+        assert abs(float(removed @ u)) <= 1e-4 * float(removed.norm() * u.norm())
+    kept = float(removed.pow(2).sum() / whole.pow(2).sum())
+    assert 0.0 < kept < 1.0
+    assert e.start_report["removal_kept"] == pytest.approx(kept, rel=1e-3)
+    assert e.start_report["removal_updates"] == len(others)

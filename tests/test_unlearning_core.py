@@ -11,6 +11,7 @@ from fedasync.unlearning import (
     federaser_step,
     flatten,
     l2_distance,
+    outside_span,
     project_to_ball,
     unflatten,
 )
@@ -193,6 +194,27 @@ def test_ledger_running_sums_by_hand_and_state_round_trip(tmp_path):
     assert back.total("a") is None and back.count("a") == 0 and back.silos() == ["b"]
     assert back.total("b")["w"].tolist() == [10.0, 10.0] and back.last_version("b") == 2
     assert ledger.silos() == ["a", "b"]  # the original is independent of the loaded copy
+
+
+def test_outside_span_keeps_what_the_others_updates_do_not_move_along():
+    # Prepare: the silo's sum (3, 4, 12) over tensors w (2) and b (1); the others' updates span
+    # the first axis (two parallel ones, different lengths: one direction)
+    total = {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0]), "n": torch.tensor(7)}
+    names = ["b", "w"]  # flatten order: b, then w -> coordinates (12, 3, 4)
+    others = [torch.tensor([0.0, 2.0, 0.0]), torch.tensor([0.0, -0.5, 0.0])]
+
+    # Execute
+    kept, share = outside_span(total, others, names)
+    untouched, share_none = outside_span(total, [], names)
+    everything, share_all = outside_span(total, [torch.eye(3)[i] for i in range(3)], names)
+
+    # Assert: the component along w[0] goes; |(12, 0, 4)|^2 / |(12, 3, 4)|^2 = 160 / 169
+    assert kept["w"].tolist() == pytest.approx([0.0, 4.0]) and kept["b"].tolist() == [12.0]
+    assert share == pytest.approx(160 / 169) and kept["n"].item() == 7
+    assert kept["w"].dtype == torch.float32
+    assert untouched["w"].tolist() == [3.0, 4.0] and share_none == 1.0
+    assert flatten(everything, names).abs().max() < 1e-9 and share_all < 1e-12
+    assert total["w"].tolist() == [3.0, 4.0]  # the input is not changed
 
 
 def test_federaser_step_by_hand():
