@@ -17,7 +17,14 @@ scenario, run once by the ``scenario`` fixture, in this order:
    killed with SIGKILL. We found no supported way in Flower 1.42 to start only the ServerApp
    of a run whose ServerApp died (the SuperLink's SuperExec starts one per run that
    ``flwr run`` submits), so ``flwr run`` is started again against the same SuperLink,
-   SuperNodes and run folder with ``run.resume=true`` (run B, a new Flower run id).
+   SuperNodes and run folder with ``run.resume=true`` (run B, a new Flower run id);
+4. once run B has finished, run C (a run folder of its own, on the same SuperLink and
+   SuperNodes) trains jobs of 4000 local steps and erases silo 1 at 4 s: the erasure cancels
+   silo 1's job in flight, and its node, told by the watch on run C's erasure service (run in
+   this process, as ``fedasync deploy local`` runs it), stops that job at its next local step,
+   so the erasure runs at once; run C ends at its first version, the erasure's. It comes
+   last: a job of 4000 steps holds its node for tens of seconds, which the runs before it
+   would wait behind, and a failure of it leaves the checks of steps 1-3 standing.
 
 A reply arriving twice, late past the staleness bound or corrupted is not re-tested over the
 network: those are properties of the loop's intake, covered in-process by
@@ -35,6 +42,7 @@ import signal
 import sqlite3
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -61,11 +69,36 @@ from simulations.deploy import (
 )
 from simulations.deploy_progress import EventTail
 from simulations.erase_cli import main as erase
+from simulations.erasure_watch import ErasureWatcher, start_watches
 
 pytestmark = pytest.mark.slow
 
 REPLY_TIMEOUT_S = 300.0  # long: a message may wait behind another at a busy SuperNode
 OFFLINE_RETRY_S = 5.0
+PREEMPT_RUN = [
+    # run C (step 4): each training job is 4000 local steps (tens of seconds here), so silo
+    # 1's first job is surely in flight when its erasure is due at 4 s, and no silo's job is
+    # done before the erasure is applied: the first version is the erasure's, and the run
+    # ends there (within the budget: the erasure came too late, or not at all)
+    "run.name=preempt",
+    "run.compare_sync=false",
+    "run.progress=false",
+    "run.budget_s=30",
+    "run.max_versions=1",
+    "silos.count=2",
+    "silos.speed_profile=uniform",
+    "client.local_steps=4000",
+    "client.batch_size=16",
+    "data.max_samples=600",
+    "server.eval_every=1000",
+    "server.checkpoint_every=0",
+    "server.evaluate_silos=false",
+    "unlearning.service=true",
+    "unlearning.address=127.0.0.1:0",
+    "unlearning.steps=2",
+    "unlearning.signature_batches=1",
+    "erasures=[{silo: 1, at_s: 4}]",
+]
 
 
 def _node_processes(home: Path) -> list[int]:
@@ -207,6 +240,53 @@ def _updates(events: list[dict[str, Any]], silo: int) -> list[float]:
     return [e["t"] for e in events if e["event"] == "update" and e["silo"] == silo]
 
 
+def _log_tails(folder: Path) -> dict[Path, int]:
+    """The size of every log under ``folder`` (where ``_logged_since`` reads on from)."""
+    return {p: p.stat().st_size for p in folder.rglob("*.log")}
+
+
+def _logged_since(folder: Path, sizes: dict[Path, int]) -> str:
+    """What the logs under ``folder`` gained since ``sizes`` (a new log: all of it)."""
+    text = ""
+    for p in sorted(folder.rglob("*.log")):
+        with open(p, "rb") as f:
+            f.seek(sizes.get(p, 0))
+            text += f.read().decode(errors="replace")
+    return text
+
+
+def _run_preempt(fed: Federation) -> None:
+    """4. run C: a deployed erasure stops its silo's training job and runs at once."""
+    obs, t0 = fed.obs, time.monotonic()
+    cfg = load_config(None, [f"run.out_dir={fed.cfg.run.out_dir}", *PREEMPT_RUN])
+    cfg, run_dir, _, _ = prepare(cfg, fed.paths.root)  # the deployment's CA and certificates
+    # start_watches writes silo s's stop file to run_dir/deploy/silo-<s>/, deploy local's
+    # layout: there, each silo's node folder (silo 0's is its restarted node's)
+    for s, home in fed.homes.items():
+        (run_dir / "deploy" / f"silo-{s}").symlink_to(home, target_is_directory=True)
+    logs = _log_tails(fed.homes[1])
+    tail = EventTail(run_dir / "metrics.jsonl")
+    since = time.time()
+    run_c = fed.flwr_run("run-c", cfg)
+    watches: list[ErasureWatcher] = []
+
+    def finished() -> bool:  # the watches start once run C's erasure service listens
+        if not watches:
+            watches.extend(start_watches(cfg, run_dir, fed.paths, since) or [])
+        return run_c.popen.poll() is not None
+
+    try:
+        fed.wait("run C to finish", finished, 300, tail)
+    finally:
+        for watch in watches:
+            watch.stop(timeout=2.0)
+    assert run_c.popen.returncode == 0, run_c.log.read_text()[-3000:]
+    obs["events_c"] = read_events(run_dir / "metrics.jsonl")
+    obs["summary_c"] = json.loads((run_dir / "summary.json").read_text())
+    obs["node_logs_c"] = _logged_since(fed.homes[1], logs)
+    obs["preempt_s"] = time.monotonic() - t0
+
+
 def _run_scenario(fed: Federation) -> None:
     obs, cfg = fed.obs, fed.cfg
     fed.start()
@@ -272,6 +352,11 @@ def _run_scenario(fed: Federation) -> None:
     obs["summary_b"] = json.loads((fed.run_dir / "summary.json").read_text())
     obs["audit_after"] = _audit(store)
     obs["notes_after"] = _audit(store, "note")
+    # 4. run C: an erasure preempts its silo's training job (its own test fails if this does)
+    try:
+        _run_preempt(fed)
+    except AssertionError:
+        obs["preempt_failed"] = traceback.format_exc()
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +374,7 @@ def scenario(tmp_path_factory):
             for pid in _node_processes(home):
                 left.append(pid)
                 os.kill(pid, signal.SIGKILL)
+        fed.obs["left_running"] = left
     assert left == [] and [p for p in fed.procs.seen if alive(p)] == []
     o = fed.obs
     gave_up = min(
@@ -298,7 +384,8 @@ def scenario(tmp_path_factory):
         f"fault scenario: {o['wall_s']:.0f}s wall; on the ServerApp's clock: silo 0 killed at "
         f"{o['killed_at']:.0f}s, its job given up at {gave_up:.0f}s, restarted at "
         f"{o['restarted_at']:.0f}s (attempt {o['restart_attempts']}); ServerApp killed at "
-        f"version {o['checkpoint_version']}, resumed there"
+        f"version {o['checkpoint_version']}, resumed there; run C (the preempted job) took "
+        f"{o.get('preempt_s', float('nan')):.0f}s"
     )
     return fed.obs
 
@@ -376,3 +463,33 @@ def test_serverapp_killed_resumes_from_its_checkpoint(scenario):
     mid_erasure = before[-1][1] == "calibrating"  # not verified yet when it was killed
     assert [s for _, s in scenario["notes_after"]] == (["calibrating"] if mid_erasure else [])
     assert [s for _, s in after].count("erasing") == 1
+
+
+def test_a_deployed_erasure_stops_its_silos_training_job_and_runs_at_once(scenario):
+    """Run C (step 4: a run folder of its own on the same SuperLink and SuperNodes): training
+    jobs of 4000 local steps; silo 1 is erased at 4 s, while its first job is in flight; each
+    node's stop file is written by a watch on run C's erasure service (``start_watches``).
+
+    Expected: the job in flight is cancelled at the request and stopped on the node: its reply
+    comes back as the "stopped" error, long before 4000 steps could have run, and is
+    discarded, none of it folded; the erasure starts at the request (not behind the job) and
+    is in the model (run C's one version); silo 1's node logs that it stopped the job between
+    two local steps; and no process is left running.
+    """
+    assert "preempt_failed" not in scenario, scenario.get("preempt_failed")
+    events, summary = scenario["events_c"], scenario["summary_c"]
+    cancels = [e for e in events if e["event"] == "job_cancelled"]
+    assert [c["silo"] for c in cancels] == [1]
+    (dropped,) = [e for e in events if e["event"] == "reply_discarded"]
+    assert dropped["job"] == cancels[0]["job"] and dropped["error"] is True
+    # ...no reply of the cancelled job was folded, and one silo held one job at a time
+    folded = [e for e in events if e["event"] == "update" and e.get("job") == dropped["job"]]
+    assert folded == []
+    # ...the erasure started at the request (not behind the job) and is in the model
+    (row,) = summary["erasures"]["applied"]
+    assert row["silo"] == 1 and row["started_t"] == pytest.approx(row["submitted_t"], abs=1.0)
+    assert summary["jobs_cancelled"] == 1 and summary["cancelled_replies_discarded"] == 1
+    # ...the node learnt of it from its watch and stopped between two local steps
+    logs = scenario["node_logs_c"]
+    assert "stopped after" in logs and "local steps: erasure" in logs
+    assert scenario["left_running"] == []

@@ -1,7 +1,7 @@
 """A deployed node's training job stops between two local steps once its silo's erasure has
 started (clients/preempt.py), told by the node's watch on the erasure service
 (simulations/erasure_watch.py). Fast: a real erasure service over TLS, no Flower processes
-(the end-to-end deployment is in tests/test_deploy_preempt.py)."""
+(end to end over a deployment: tests/test_deploy_faults.py, its run C)."""
 
 from __future__ import annotations
 
