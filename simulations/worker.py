@@ -53,6 +53,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -339,6 +340,9 @@ def preload(modules: list[str]) -> float:
     return time.perf_counter() - t
 
 
+STOP_GRACE_S = 2.0
+"""After SIGTERM, how long a task in hand may take to report its end before the worker exits."""
+
 PRELOAD = ["torch", "numpy", "monai.networks.nets", "flwr.clientapp", "flwr.app"]
 """Third-party modules imported before the first task (never the app's own packages: those
 come from the FAB)."""
@@ -378,7 +382,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def stop(signum: int, frame: Any) -> None:
         # as flwr-clientapp does: stop now; a task in hand ends with its status pushed
-        # (run_task's finally), and the server takes the unanswered job as failed
+        # (run_task's finally), and the server takes the unanswered job as failed. That push
+        # retries while the SuperNode stops too: it gets STOP_GRACE_S, then the process exits
+        # (a stopped deployment otherwise waited out its SIGKILL grace for a busy worker)
+        if not worker.stopping:
+            timer = threading.Timer(STOP_GRACE_S, os._exit, args=(128 + signum,))
+            timer.daemon = True
+            timer.start()
         worker.stopping = True
         if sys.is_finalizing():  # already exiting: raising now only prints a traceback
             return
