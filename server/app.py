@@ -514,7 +514,8 @@ def _watched_ids(cfg: FedAsyncConfig, fed: Any) -> list[str]:
     (the whole silo) otherwise."""
     silo = cfg.backdoor.silo
     shares = [e.fraction for e in cfg.erasures if e.silo == silo and e.fraction < 1.0]
-    shares += [x.fraction for x in cfg.silos.exclude_samples if x.silo == silo]
+    never = cfg.silos.excluded_share(silo)
+    shares += [] if never is None else [never]
     if not shares or fed is None:
         return []
     ids = [str(x) for x in fed.silos[silo].sample_ids]

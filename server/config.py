@@ -330,6 +330,10 @@ class SilosConfig:
             check(share.silo not in seen, f"{at}: silo {share.silo} is listed twice")
             seen.add(share.silo)
 
+    def excluded_share(self, silo: int) -> float | None:
+        """The share of ``silo``'s samples it never trains on (``exclude_samples``), or None."""
+        return next((x.fraction for x in self.exclude_samples if x.silo == silo), None)
+
 
 @dataclass
 class RunConfig:

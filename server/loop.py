@@ -324,15 +324,16 @@ class AsyncServer:
         never trains on (``silos.exclude_samples``: a sample-level erasure's retraining)."""
         gone = self.erasure.excluded.get(silo, []) if self.erasure else []
         if silo not in self._never:
-            shares = [x.fraction for x in self.cfg.silos.exclude_samples if x.silo == silo]
+            share = self.cfg.silos.excluded_share(silo)
             ids = self.silo_sample_ids(silo)
-            if shares and not ids:
+            if share is not None and not ids:
                 raise RuntimeError(
                     f"silos.exclude_samples names silo {silo}, whose sample ids this server "
                     "does not hold (simulation only)"
                 )
             seed = self.cfg.run.seed
-            self._never[silo] = tuple(fraction_ids(ids, seed, silo, shares[0]) if shares else ())
+            never = fraction_ids(ids, seed, silo, share) if share is not None else ()
+            self._never[silo] = tuple(never)
         return (*gone, *self._never[silo])
 
     def silo_sample_ids(self, silo: int) -> list[str]:
