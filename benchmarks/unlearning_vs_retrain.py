@@ -173,6 +173,16 @@ SAMPLE_METHODS = "retrain,fedasync-fixed,fedasync-membership"
 REMOVAL_SCALE = 0.5
 """``fedasync-removal``: the share of the silo's recorded contributions the server subtracts
 at request time (the full removal over-erases)."""
+PINNED = [
+    "unlearning.stop=fixed",
+    "unlearning.steps=5",
+    "unlearning.server_removal=false",
+    "unlearning.server_removal_part=total",
+    "unlearning.unique_window=8",
+]
+"""Every run's erasure settings before its method's own: the methods say what they change from
+these (the fixed steps and no removal, the defaults these figures were first measured with),
+so a method means the same whatever the package's defaults, and finished runs read back."""
 UNIQUE_WINDOW = 64
 """``fedasync-unique*``: how many of the other silos' latest updates span what their training
 moves the model along (8 left nearly all of a silo's contributions outside it)."""
@@ -379,6 +389,7 @@ def _run_seed(
         "server.checkpoint_every=0",
         "server.evaluate_silos=false",
         "server.max_staleness=null",
+        *PINNED,
         "backdoor.enabled=true",
         "backdoor.watch=true",  # the forgetting metrics at every evaluation, for the latency
         f"backdoor.silo={b.silo}",
@@ -481,8 +492,12 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     done, ran = run_dir / "summary.json", run_dir / REUSE_CONFIG
     if not (done.exists() and ran.exists()):
         return None
-    try:  # read with today's schema: keys added since take their defaults
-        same = to_yaml(load_config(ran, [])) == to_yaml(cfg)
+    try:  # read with today's schema: keys added since take their defaults, or the pinned value
+        from omegaconf import OmegaConf
+
+        saved = OmegaConf.load(ran)
+        absent = [o for o in PINNED if OmegaConf.select(saved, o.split("=", 1)[0]) is None]
+        same = to_yaml(load_config(ran, absent)) == to_yaml(cfg)
     except ValueError:
         return None
     if not same:

@@ -54,10 +54,12 @@ def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggrega
     """The core aggregator for ``server.mode``; sync is FedBuff with K = all silos, tau = 0.
 
     Each fold's per-silo contributions are computed only when something reads them
-    (``unlearning.server_removal``: the erasure subtracts the silo's recorded contributions).
+    (``unlearning.server_removal`` in a run that can erase: the erasure subtracts the silo's
+    recorded contributions).
     """
     s = cfg.server
-    attribute = cfg.unlearning.server_removal
+    # (only where an erasure can happen: scheduled ones, or the service taking requests)
+    attribute = cfg.unlearning.server_removal and bool(cfg.erasures or cfg.unlearning.service)
     opt = ServerOptimizer(kind=s.optimizer.kind, lr=s.optimizer.lr, momentum=s.optimizer.momentum)
     mech = None
     if s.dp.noise_multiplier is not None and s.clip_norm is not None:

@@ -123,7 +123,12 @@ def test_error_feedback_residuals_are_projected_and_the_erased_silos_dropped(sma
 def test_applied_contributions_are_the_projected_change(small_cfg):
     # With the ledger on (server_removal), the projected fold's shares still sum to its change
     pipe = CorrectionPipeline(
-        small_cfg("server.mode=fedbuff", "server.buffer_size=2", "unlearning.server_removal=true")
+        small_cfg(
+            "server.mode=fedbuff",
+            "server.buffer_size=2",
+            "unlearning.server_removal=true",
+            "erasures=[{silo: 1, at_s: 100000}]",  # (a run that can erase records shares)
+        )
     )
     params = {"w": torch.zeros(4)}
     _fold(pipe, params, "0", [1.0, 1.0, 0.0, 0.0], project=_project)

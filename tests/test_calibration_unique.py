@@ -148,7 +148,7 @@ def test_a_bad_forget_gradient_is_malformed(arrays):
 # ---------------------------------------------------------------- the config
 def test_defaults_and_the_new_choices_load(small_cfg):
     u = small_cfg().unlearning
-    assert (u.signature_unique, u.unique_window, u.protect) == (False, 8, "jump")
+    assert (u.signature_unique, u.unique_window, u.protect) == (False, 64, "jump")
     for protect in ("gradient", "onesided"):
         assert small_cfg(f"unlearning.protect={protect}").unlearning.protect == protect
     with pytest.raises(ValueError, match="unique_window"):
@@ -196,7 +196,7 @@ def test_the_window_keeps_the_latest_updates_leaves_out_the_erased_silo_and_is_c
 
 
 def test_without_signature_unique_no_window_is_kept(small_cfg):
-    cfg = small_cfg()
+    cfg = small_cfg("unlearning.server_removal_part=total")  # (the unique removal keeps one)
     coord = ErasureCoordinator(SimpleNamespace(cfg=cfg, params={}), None, None)  # type: ignore[arg-type]
     coord.calibrate(_job(1), _w(1.0, 0.0, 0.0, 0.0))
     assert not coord.recent and coord.state_dict()["recent"] == []

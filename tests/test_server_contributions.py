@@ -82,6 +82,7 @@ def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributi
         "run.max_versions=12",
         "unlearning.server_removal=true",
         f"unlearning.server_removal_scale={scale}",
+        "unlearning.server_removal_part=total",
         "erasures=[{silo: 1, at_s: 4}]",
     )
     seen: list[tuple[dict, dict, dict]] = []
