@@ -85,12 +85,12 @@ from fedasync.unlearning import (
     federaser_step,
     flatten,
     forget_share_scale,
-    outside_span,
 )
 from protocol.config import SiloErasure
 from protocol.ids import fraction_ids
 from server.erasure.states import State, is_terminal
 from server.intake import JobKind
+from server.removal import removal
 from server.unlearn_messages import SiloLost
 
 if TYPE_CHECKING:
@@ -355,7 +355,9 @@ class ErasureCoordinator:
         e.started_t = srv.clock.now
         self.active[req.id] = e
         note = self._size(e)
-        e.removal = self._removal(e)
+        e.removal = removal(
+            self.cfg, self.ledger, self.recent, e.silo, e.request_id, e.start_report
+        )
         if resumed:
             self.store.note(
                 req.id,
@@ -376,54 +378,6 @@ class ErasureCoordinator:
             return
         start = srv.params if e.removal is None else _add(srv.params, e.removal)
         srv.dispatch_unlearn(req.silo, start, e)
-
-    def _removal(self, e: Erasure) -> Params | None:
-        """``unlearning.server_removal``: what the server subtracts from the model for ``e``'s
-        silo (None: nothing), scaled by ``server_removal_scale`` (and, for a sample-level
-        erasure, by its share of the silo's data, as its radius is); with
-        ``server_removal_part=unique`` only the part of its recorded contributions outside the
-        span of the other silos' latest accepted updates (the share kept is reported)."""
-        total = self.ledger.total(str(e.silo)) if self.cfg.server_removal else None
-        if total is None:
-            return None
-        e.start_report.update(self._alignment(e.silo, total))
-        if self.cfg.server_removal_part == "unique":
-            names = sorted(k for k, v in total.items() if v.is_floating_point())
-            vectors = [
-                flatten(p, names)
-                for silo, p in self.recent
-                if silo != e.silo and all(n in p for n in names)
-            ]
-            total, kept = outside_span(total, vectors, names)
-            e.start_report.update(removal_kept=kept, removal_updates=float(len(vectors)))
-            log.info(
-                "erasure %s: %.1f%% of silo %d's recorded contributions (by squared norm) lie "
-                "outside the span of %d update(s) of other silos: that part is removed",
-                e.request_id,
-                100 * kept,
-                e.silo,
-                len(vectors),
-            )
-        # a sample-level erasure subtracts its share of the silo's (the ledger is per silo)
-        scale = self.cfg.server_removal_scale * float(e.start_report.get("size_scale", 1.0))
-        return {k: -scale * v for k, v in total.items()}
-
-    def _alignment(self, silo: int, total: Params) -> dict[str, float]:
-        """How silo ``silo``'s recorded contributions sit against the others' (reported at
-        the start): ``removal_cos_others``, the cosine between its sum and the sum of all
-        other silos' sums; ``removal_norm_share``, its sum's norm over the norm of all sums."""
-        names = sorted(k for k, v in total.items() if v.is_floating_point())
-        mine = flatten(total, names).double()
-        others = torch.zeros_like(mine)
-        for s in self.ledger.silos():
-            if s != str(silo):
-                t = self.ledger.total(s)
-                if t is not None and all(n in t for n in names):
-                    others += flatten(t, names).double()
-        n_mine, n_others = float(mine.norm()), float(others.norm())
-        cos = float(mine @ others) / (n_mine * n_others) if n_mine and n_others else 0.0
-        n_all = float((mine + others).norm())
-        return {"removal_cos_others": cos, "removal_norm_share": n_mine / n_all if n_all else 0.0}
 
     def _submitted(self, req: Any) -> tuple[float, int | None]:
         """``(submitted_t, submitted_wall_ms)`` of ``req``. Submitted in this process: the

@@ -1,0 +1,74 @@
+"""The server's own move at an erasure request: which part of the silo's recorded
+contributions it subtracts from the model (``unlearning.server_removal*``).
+
+The ledger (`fedasync.unlearning.ContributionLedger`) holds what each silo's updates did to
+the global model. All of it (``server_removal_part=total``, FedEraser's first-order removal)
+over-erases: later training already washed out part of it. ``unique`` subtracts only its
+part outside the span of the other silos' latest accepted updates: the directions their
+training does not move the model along, so that it cannot have washed out since (what
+persists). A sample-level erasure subtracts its share of it (the ledger is per silo), as its
+ball's radius is. The arithmetic is the core's (`fedasync.unlearning.outside_span`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from fedasync import Params
+from fedasync.unlearning import ContributionLedger, flatten, outside_span
+
+log = logging.getLogger("fedasync.server")
+
+
+def removal(
+    cfg: Any,
+    ledger: ContributionLedger,
+    recent: Iterable[tuple[int, Params]],
+    silo: int,
+    request_id: str,
+    report: dict[str, Any],
+) -> Params | None:
+    """What the server adds to the model for an erasure of ``silo`` (minus its removal; None:
+    nothing), by ``cfg`` (``UnlearningConfig``). ``recent``: the latest accepted updates
+    (silo, tensors); ``report``: the erasure's start report, which says the size (a
+    sample-level erasure's ``size_scale``) and gets what was measured."""
+    total = ledger.total(str(silo)) if cfg.server_removal else None
+    if total is None:
+        return None
+    report.update(alignment(ledger, silo, total))
+    if cfg.server_removal_part == "unique":
+        names = sorted(k for k, v in total.items() if v.is_floating_point())
+        vectors = [flatten(p, names) for s, p in recent if s != silo and all(n in p for n in names)]
+        total, kept = outside_span(total, vectors, names)
+        report.update(removal_kept=kept, removal_updates=float(len(vectors)))
+        log.info(
+            "erasure %s: %.1f%% of silo %d's recorded contributions (by squared norm) lie "
+            "outside the span of %d update(s) of other silos: that part is removed",
+            request_id,
+            100 * kept,
+            silo,
+            len(vectors),
+        )
+    scale = cfg.server_removal_scale * float(report.get("size_scale", 1.0))
+    return {k: -scale * v for k, v in total.items()}
+
+
+def alignment(ledger: ContributionLedger, silo: int, total: Mapping[str, Any]) -> dict[str, float]:
+    """How silo ``silo``'s recorded contributions ``total`` sit against the others':
+    ``removal_cos_others``, the cosine between its sum and the sum of all other silos' sums;
+    ``removal_norm_share``, its sum's norm over the norm of all sums."""
+    names = sorted(k for k, v in total.items() if v.is_floating_point())
+    mine = flatten(dict(total), names).double()
+    others = torch.zeros_like(mine)
+    for s in ledger.silos():
+        t = ledger.total(s) if s != str(silo) else None
+        if t is not None and all(n in t for n in names):
+            others += flatten(t, names).double()
+    n_mine, n_others = float(mine.norm()), float(others.norm())
+    cos = float(mine @ others) / (n_mine * n_others) if n_mine and n_others else 0.0
+    n_all = float((mine + others).norm())
+    return {"removal_cos_others": cos, "removal_norm_share": n_mine / n_all if n_all else 0.0}
