@@ -15,12 +15,18 @@ silo (``--request silo``) or a seeded share of its samples (``--request samples`
   rescaled to the norm of the retained one; no invariance calibration;
 - ``async-nocal``: fedasync's asynchronous erasure without invariance calibration (ablation);
 - ``fedasync-fixed``: asynchronous erasure with invariance calibration, the silo taking its
-  fixed ``unlearning.steps`` of ascent (``unlearning.stop=fixed``, the packaged default);
+  fixed 5 steps of ascent (``unlearning.stop=fixed``) and no removal by the server (every
+  method starts from ``PINNED``, these settings, and says what it changes);
 - ``fedasync-membership``: the same, the silo stopping as soon as its membership test cannot
   tell its forget samples from held-out ones (``unlearning.stop=membership``), within a
   budget of ``MEMBERSHIP_STEPS`` steps. On a whole silo's backdoor the test cannot see the
   silo's distribution-level influence (docs/erasure.md) and may stop before the first step:
-  the under-erasure this benchmark then reports is that.
+  the under-erasure this benchmark then reports is that;
+- ``fedasync-removal``: the server subtracts half the silo's recorded contributions first,
+  then 5 fixed steps; ``fedasync-unique``: only their part outside the span of the other
+  silos' latest ``UNIQUE_WINDOW`` updates, then 5 fixed steps;
+- ``fedasync-unique-membership``: that unique removal, then the membership rule: the
+  packaged defaults, and ``--ours`` by default.
 
 Benchmarks (``--benchmarks``, default every one of ``BENCHMARKS`` below that learns:
 brain-tissue, nuclei and breast-fna; radiomics-lesion, listed there, learns nothing): each with its own silos, erased silo, backdoor and budget
@@ -167,8 +173,8 @@ BENCHMARKS: dict[str, Bench] = {
 
 DEFAULT_BENCHMARKS = ",".join(name for name, b in BENCHMARKS.items() if b.learns)
 """Every benchmark that learns: brain-tissue, nuclei and breast-fna."""
-DEFAULT_METHODS = "retrain,sync-halt,fedasync-fixed,fedasync-membership"
-SAMPLE_METHODS = "retrain,fedasync-fixed,fedasync-membership"
+DEFAULT_METHODS = "retrain,sync-halt,fedasync-fixed,fedasync-membership,fedasync-unique-membership"
+SAMPLE_METHODS = "retrain,fedasync-fixed,fedasync-membership,fedasync-unique-membership"
 """``--request samples``: what can run (FedEraser erases whole silos only)."""
 REMOVAL_SCALE = 0.5
 """``fedasync-removal``: the share of the silo's recorded contributions the server subtracts
@@ -318,7 +324,11 @@ def main() -> None:
     )
     ap.add_argument("--out", default="runs/bench-unlearning")
     ap.add_argument("--methods", help=f"comma-separated (default {DEFAULT_METHODS})")
-    ap.add_argument("--ours", default="fedasync-membership", help="the method the ratios are about")
+    ap.add_argument(
+        "--ours",
+        default="fedasync-unique-membership",
+        help="the method the ratios are about (default: the packaged defaults' erasure)",
+    )
     ap.add_argument(
         "--relearn-attack",
         action="store_true",

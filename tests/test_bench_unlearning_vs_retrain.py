@@ -204,17 +204,21 @@ def test_methods_by_request_and_the_two_stopping_arms():
         "sync-halt",
         "fedasync-fixed",
         "fedasync-membership",
+        "fedasync-unique-membership",
     ]
     assert bench.method_names(_args(request="samples")) == [
         "retrain",
         "fedasync-fixed",
         "fedasync-membership",
+        "fedasync-unique-membership",
     ]
     with pytest.raises(SystemExit, match="FedEraser erases whole"):
         bench.method_names(_args(request="samples", methods="sync-halt,fedasync-fixed"))
     with pytest.raises(SystemExit, match="unknown method"):
         bench.method_names(_args(methods="fedasync"))
     m = bench._methods(2, 200.0, 0.1)
+    assert "unlearning.stop=fixed" in bench.PINNED and "unlearning.steps=5" in bench.PINNED
+    assert "unlearning.server_removal=false" in bench.PINNED
     assert "unlearning.stop=fixed" in m["fedasync-fixed"]
     assert "unlearning.stop=membership" in m["fedasync-membership"]
     for arm in ("fedasync-fixed", "fedasync-membership"):
@@ -279,3 +283,27 @@ def test_a_run_folder_is_run_by_one_process_at_a_time(tmp_path):
     for t in threads:
         t.join(10.0)
     assert order == ["first in", "first out", "second in"]
+
+
+def test_a_finished_run_is_read_back_under_new_defaults_but_not_after_a_real_change(tmp_path):
+    # Prepare: a finished run whose saved config predates a key (as runs made before
+    # unlearning.server_removal_part existed); the benchmark's methods start from PINNED
+    import json
+
+    from omegaconf import OmegaConf
+
+    from simulations.config import load_config, to_yaml
+
+    cfg = load_config(None, [*bench.PINNED, "run.seed=3"])
+    saved = OmegaConf.create(to_yaml(cfg))
+    del saved.unlearning["server_removal_part"]
+    (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))
+    (tmp_path / "summary.json").write_text(json.dumps({"evals": [], "versions": 4}))
+    # Execute
+    same = bench._reused(cfg, tmp_path)
+    other = bench._reused(load_config(None, [*bench.PINNED, "run.seed=4"]), tmp_path)
+    unpinned = bench._reused(load_config(None, ["run.seed=3"]), tmp_path)
+    # Assert: the absent key reads as its pinned value; a different seed, or today's package
+    # defaults instead of the pinned ones, is another run
+    assert same == {"evals": [], "versions": 4}
+    assert other is None and unpinned is None
