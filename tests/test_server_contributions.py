@@ -145,3 +145,23 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
     assert 0.0 < kept < 1.0
     assert e.start_report["removal_kept"] == pytest.approx(kept, rel=1e-3)
     assert e.start_report["removal_updates"] == len(others)
+
+
+def test_a_sample_level_erasure_gets_no_removal(small_cfg, monkeypatch):
+    # Prepare: the defaults (unique removal on), a request for 30% of silo 1's samples
+    cfg = small_cfg("run.max_versions=12", "erasures=[{silo: 1, at_s: 4, fraction: 0.3}]")
+    seen: list[tuple[dict, dict, object]] = []
+    dispatch = AsyncServer.dispatch_unlearn
+
+    def spy(self, silo, start, e):
+        seen.append(({k: v.clone() for k, v in self.params.items()}, dict(start), e))
+        return dispatch(self, silo, start, e)
+
+    monkeypatch.setattr(AsyncServer, "dispatch_unlearn", spy)
+    # Execute
+    run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
+    # Assert: the silo starts from the global model itself, and the report says why
+    (params, start, e), *_ = seen
+    assert cfg.unlearning.server_removal and e.sample_ids
+    assert all(torch.equal(start[k], v) for k, v in params.items())
+    assert e.removal is None and e.start_report["removal"] == "none: a sample-level erasure"
