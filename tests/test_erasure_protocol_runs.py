@@ -20,6 +20,7 @@ FIRST_NODE = 1000  # InProcessGrid's node ids: silo i is node 1000 + i
 COMMON = (
     "unlearning.relearn_versions=4",
     "unlearning.steps=3",
+    "unlearning.stop=fixed",  # every erasure moves the model (its jump is kept): 3 steps each
     "server.eval_every=10",
 )
 
