@@ -199,9 +199,15 @@ def outside_span(
     q = span_basis(vectors, x.numel(), tol)
     if q.shape[1] == 0 or norm2 == 0.0:
         return clone(params), 1.0
-    r = x - q @ (q.T @ x)
-    r = r - q @ (q.T @ r)  # second pass: orthogonal to rounding error
+    r = _residual(q, x)
     return unflatten(r, params, names), float(r.pow(2).sum()) / norm2
+
+
+def _residual(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x − Q(Qᵀx)`` twice (the second pass makes it orthogonal to rounding error), for an
+    orthonormal ``q (d, r)`` and ``x (d,)`` or ``(d, k)``, in float64."""
+    r = x - q @ (q.T @ x)
+    return r - q @ (q.T @ r)
 
 
 @dataclass
@@ -391,9 +397,7 @@ class GradientSignature:
         q = span_basis(vectors, d, tol)
         if q.shape[1] == 0 or self.rank == 0:
             return None if self.rank == 0 else GradientSignature(self.basis.clone(), self.names)
-        u = self.basis.double()
-        resid = u - q @ (q.T @ u)
-        resid = resid - q @ (q.T @ resid)  # second pass: orthogonal to rounding error
+        resid = _residual(q, self.basis.double())
         left, s, _ = torch.linalg.svd(resid, full_matrices=False)
         keep = left[:, s > tol]
         if keep.shape[1] == 0:
