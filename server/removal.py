@@ -37,12 +37,13 @@ def removal(
     silo: int,
     request_id: str,
     report: dict[str, Any],
+    sample_level: bool,
 ) -> Params | None:
     """What the server adds to the model for an erasure of ``silo`` (minus its removal; None:
     nothing), by ``cfg`` (``UnlearningConfig``). ``recent``: the latest accepted updates
-    (silo, tensors); ``report``: the erasure's start report, which says the size (a
-    sample-level erasure's ``size_scale``: no removal) and gets what was measured."""
-    if "size_scale" in report:  # a sample-level erasure (see the module docstring)
+    (silo, tensors); ``report``: the erasure's start report, which gets what was measured;
+    ``sample_level``: a sample-level erasure (no removal)."""
+    if sample_level:  # (see the module docstring)
         report["removal"] = "none: a sample-level erasure"
         return None
     total = ledger.total(str(silo)) if cfg.server_removal else None

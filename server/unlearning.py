@@ -242,8 +242,8 @@ class ErasureCoordinator:
         self.recent: deque[tuple[int, Params]] = deque(maxlen=int(self.cfg.unique_window))
         """``unlearning.signature_unique`` or ``server_removal_part=unique``: the latest
         accepted updates as received (silo, float32 copies of the floating tensors), at most
-        ``unique_window``: what the other silos' data moves the model along. Checkpointed (``state_dict``), so a resumed server
-        has the same window as before the restart."""
+        ``unique_window``: what the other silos' data moves the model along. Checkpointed
+        (``state_dict``), so a resumed server has the same window as before the restart."""
         self._keeps_recent = self.cfg.signature_unique or (
             self.cfg.server_removal and self.cfg.server_removal_part == "unique"
         )
@@ -356,7 +356,13 @@ class ErasureCoordinator:
         self.active[req.id] = e
         note = self._size(e)
         e.removal = removal(
-            self.cfg, self.ledger, self.recent, e.silo, e.request_id, e.start_report
+            self.cfg,
+            self.ledger,
+            self.recent,
+            e.silo,
+            e.request_id,
+            e.start_report,
+            sample_level=bool(e.sample_ids),
         )
         if resumed:
             self.store.note(
