@@ -76,6 +76,8 @@ def test_yaml_then_overrides_layer_in_order(tmp_path):
         (["optim.momentum=1"], "optim.momentum"),
         (["optim.weight_decay=-0.1"], "optim.weight_decay"),
         (["optim.warmup=-1"], "optim.warmup"),
+        (["optim.muon_dtype=float16"], "optim.muon_dtype"),
+        (["optim.muon_dtype=fp32"], "optim.muon_dtype"),
         (["correction.beta=2.5"], "correction.beta"),
         (["faults.kill_stage=-2"], "faults.kill_stage"),
         (["faults.kill_stage=2"], "faults.kill_stage"),  # only stages 0 and 1
@@ -194,6 +196,6 @@ def test_every_field_of_every_section_has_a_docstring():
 
 def test_no_string_choice_is_a_yaml_boolean():
     yaml_bools = {"on", "off", "yes", "no", "true", "false", "y", "n"}
-    choices = {*pc.BACKENDS, *pc.COMMS, *pc.DEVICES, *pc.OPTIMIZERS, *pc.SCHEDULES}
+    choices = {*pc.BACKENDS, *pc.COMMS, *pc.DEVICES, *pc.OPTIMIZERS, *pc.SCHEDULES, *pc.MUON_DTYPES}
 
     assert choices & yaml_bools == set()

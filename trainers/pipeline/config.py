@@ -36,18 +36,21 @@ Comm = Literal["auto", "gloo", "nccl"]
 """``pipeline.comm``."""
 OptimizerName = Literal["adamw", "muon"]
 """``optim.name``: trainers.pipeline.optim.OPTIMIZERS (a test checks they are equal)."""
+MuonDtype = Literal["auto", "float32", "bfloat16"]
+"""``optim.muon_dtype``: trainers.pipeline.optim.MUON_DTYPES (a test checks they are equal)."""
 
 BACKENDS: tuple[str, ...] = choices(Backend)
 COMMS: tuple[str, ...] = choices(Comm)
 DEVICES: tuple[str, ...] = choices(Device)
 OPTIMIZERS: tuple[str, ...] = choices(OptimizerName)
+MUON_DTYPES: tuple[str, ...] = choices(MuonDtype)
 
 if choices(Schedule) != tuple(SCHEDULES):  # not an assert: kept under python -O
     raise AssertionError(f"Schedule {choices(Schedule)} != SCHEDULES {SCHEDULES}")
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
-    Device, Schedule, Backend, Comm, OptimizerName = (
-        Annotated[str, t] for t in (Device, Schedule, Backend, Comm, OptimizerName)
+    Device, Schedule, Backend, Comm, OptimizerName, MuonDtype = (
+        Annotated[str, t] for t in (Device, Schedule, Backend, Comm, OptimizerName, MuonDtype)
     )
 
 
@@ -179,7 +182,8 @@ class PipelineSection:
 
 @dataclass
 class OptimSection:
-    """``optim.*``: the optimiser (AdamW or Muon), its learning rate and warm-up."""
+    """``optim.*``: the optimiser (AdamW or Muon), its learning rate, warm-up and Muon's
+    orthogonalisation dtype."""
 
     name: OptimizerName = "adamw"
     """adamw, or muon (Muon on the blocks' matrices, AdamW for embeddings, head and vectors,
@@ -188,6 +192,10 @@ class OptimSection:
     """Learning rate (> 0)."""
     momentum: float = 0.95
     """Muon's momentum, in [0, 1) (unused by adamw)."""
+    muon_dtype: MuonDtype = "auto"
+    """The dtype Muon's Newton-Schulz orthogonalisation runs in: auto (float32 on the CPU,
+    bfloat16 on CUDA), float32 or bfloat16 (what ``torch.optim.Muon`` always uses; slow on a CPU
+    without bfloat16 matrix instructions). Unused by adamw."""
     weight_decay: float = 0.0
     """Decoupled weight decay (>= 0)."""
     warmup: int = 50
@@ -200,6 +208,10 @@ class OptimSection:
         check(
             self.name in OPTIMIZERS,
             f"optim.name must be one of {OPTIMIZERS}, got {self.name!r:.40}",
+        )
+        check(
+            self.muon_dtype in MUON_DTYPES,
+            f"optim.muon_dtype must be one of {MUON_DTYPES}, got {self.muon_dtype!r:.40}",
         )
 
 

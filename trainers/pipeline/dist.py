@@ -75,6 +75,8 @@ class PipeJob:
     momentum: float = 0.95
     weight_decay: float = 0.0
     warmup: int = 0
+    muon_dtype: str = "auto"
+    """Muon's orthogonalisation dtype (``optim.muon_dtype``; auto resolves per stage device)."""
     correction: float | None = None
     """The delay error-feedback coefficient β (2BW, PACI), or None for none."""
     max_drift: int | None = None
@@ -170,6 +172,7 @@ def make_worker(job: PipeJob, rank: int, device: torch.device, on_step: Any = No
         momentum=job.momentum,
         weight_decay=job.weight_decay,
         warmup=job.warmup,
+        muon_dtype=job.muon_dtype,
     )
     fix = DelayErrorFeedback(job.correction) if job.correction is not None else None
     return StageWorker(

@@ -59,6 +59,7 @@ from trainers.pipeline.dist import (
     run_pipeline,
 )
 from trainers.pipeline.model import GPTConfig, build_stages
+from trainers.pipeline.optim import resolve_muon_dtype
 
 log = logging.getLogger("fedasync.pipeline")
 
@@ -128,6 +129,7 @@ def job_of(cfg: PipelineConfig, vocab_size: int, start: int = 0) -> PipeJob:
         momentum=o.momentum,
         weight_decay=o.weight_decay,
         warmup=o.warmup,
+        muon_dtype=o.muon_dtype,
         correction=cfg.correction.beta if cfg.correction.error_feedback else None,
         max_drift=p.max_drift if p.schedule == "paci" else None,
         data="corpus",
@@ -406,6 +408,11 @@ def _run_config(cfg: PipelineConfig, where: _Where) -> dict[str, Any]:
         "schedule": cfg.pipeline.schedule,
         "backend": cfg.pipeline.backend,
         "optimizer": cfg.optim.name,
+        "muon_dtype": str(resolve_muon_dtype(cfg.optim.muon_dtype, job.device)).removeprefix(
+            "torch."
+        )
+        if cfg.optim.name == "muon"
+        else None,
         "stages": job.stages,
         "micro": job.micro,
         "device": job.device,
