@@ -1,13 +1,14 @@
-"""PACI against 1F1B-flush (issue 12 §5): the same final loss at the same peak memory, and the
-time to reach it, on the real two-process pipeline and, through the discrete-event
-simulator, at 4 and 8 stages.
+"""PACI against 1F1B-flush (issue 12 §5, issue 30): the same final loss at the same peak
+memory, and the time to reach it, on the real two-process pipeline and, through the
+discrete-event simulator, at 4 and 8 stages; with AdamW and with Muon.
 
-Per seed, ``fedasync pipeline`` runs both schedules on two gloo processes (one thread each)
-from the same initial weights on the same batches: the six-play Shakespeare corpus, a
-4-block GPT (d = 128, context 128), batches of 16 windows in m = 4 micro-batches, AdamW at
+Per optimiser and seed, ``fedasync pipeline`` runs both schedules on two gloo processes (one
+thread each) from the same initial weights on the same batches: the six-play Shakespeare
+corpus, a 4-block GPT (d = 128, context 128), batches of 16 windows in m = 4 micro-batches,
 lr 3e-3 after a 50-step linear warm-up (without it, runs of either schedule sit on the
 unigram plateau, loss 3.3, for a seed-dependent 50-250 steps, and that luck decides the
-time to a loss, not the schedule).
+time to a loss, not the schedule). Muon (``optim.name=muon``) orthogonalises in
+``optim.muon_dtype`` (``--muon-dtype``; auto: float32 on the CPU).
 Reported per schedule, mean ± half-range over seeds: final held-out loss, peak activation
 and weight memory per stage (measured: bytes of the tensors each stage holds), the
 measured bubble (idle stage-seconds over P × the run's span, pipeline fill included), the
@@ -21,13 +22,19 @@ forward, backward, step and message costs), then run at P = 4 and 8 with every s
 the mean measured per-stage cost (a model P/2 times deeper, each stage the size of one of
 ours) and m = 8 micro-batches (PACI's drift stays at one step: ceil((P − 1)/m) = 1).
 Time-to-loss ratio at P stages = (1F1B's simulated step time / PACI's) × (1F1B's steps to
-the common loss / PACI's, measured at P = 2 and assumed to hold at P stages, which is what
-PACI's bounded drift is for; at 8 stages the drift is as at 2, one step).
+the common loss / PACI's, per seed, measured at P = 2 and assumed to hold at P stages,
+which is what PACI's bounded drift is for; at 8 stages the drift is as at 2, one step).
+``--loss-at-p8`` checks that assumption: it trains both schedules at P = 8 (the emulator,
+8 one-block stages, m = 8) and prints the time-to-loss ratio with P = 8's own steps ratio.
+Beside each figure: the limit the schedule allows, (m + P − 1)/m (1F1B's ideal bubble
+(P − 1)/(m + P − 1) removed, nothing else), and PACI's final loss against 1F1B's spread.
 
-The last line is ``pipeline_speedup_vs_1f1b=<x>`` (simulator, P = 8).
+The last two figure lines: ``pipeline_speedup_vs_1f1b_adamw=<x>`` (AdamW, simulator, P = 8),
+then, last, ``pipeline_speedup_vs_1f1b=<x>`` (Muon, simulator, P = 8).
 
-    .venv/bin/python benchmarks/pipeline_vs_1f1b.py          # 3 seeds x 2 schedules (~8 min)
-    .venv/bin/python benchmarks/pipeline_vs_1f1b.py --quick  # a smoke run (~1 min)
+    .venv/bin/python benchmarks/pipeline_vs_1f1b.py          # 5 seeds x 2 schedules x 2 optimisers
+    .venv/bin/python benchmarks/pipeline_vs_1f1b.py --optimizers muon --loss-at-p8
+    .venv/bin/python benchmarks/pipeline_vs_1f1b.py --quick  # a smoke run (~3 min)
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ def run(
             f"optim.lr={a.lr}",
             f"optim.warmup={a.warmup}",
             f"optim.name={a.optimizer}",
+            f"optim.muon_dtype={a.muon_dtype}",
         ],
     )
     s = run_config(cfg)
@@ -100,7 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--micro", type=int, default=4)
@@ -109,7 +117,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    ap.add_argument(
+        "--optimizers",
+        choices=("adamw", "muon"),
+        nargs="+",
+        default=["adamw", "muon"],
+        help="each gets its own comparison; the last one's P = 8 figure is the last line",
+    )
+    ap.add_argument(
+        "--muon-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="optim.muon_dtype (auto: float32 on the CPU)",
+    )
     ap.add_argument("--sim-micro", type=int, default=8)
     ap.add_argument("--out", default=None, help="keep the run folders here")
     ap.add_argument("--quick", action="store_true")
@@ -117,7 +137,8 @@ def main() -> None:
         "--every-schedule-steps",
         type=int,
         default=30,
-        help="steps of the short real run of every schedule (memory, bubble, timeline)",
+        help="steps of the short real run of every schedule (memory, bubble, timeline; "
+        "with the last optimiser; 0: skip)",
     )
     ap.add_argument("--png-dir", default=None, help="copy each schedule's timeline.png here")
     ap.add_argument(
@@ -127,32 +148,77 @@ def main() -> None:
         default=[],
         help="only the loss gap PACI − 1F1B against m (emulator, --seeds), e.g. 4 8 16",
     )
+    ap.add_argument(
+        "--loss-at-p8",
+        action="store_true",
+        help="also train at P = 8 (emulator, 8 one-block stages, m = --sim-micro) to measure "
+        "PACI's loss and steps to the common loss at 8 stages instead of assuming P = 2's "
+        "(about 3 min a run, two at a time)",
+    )
     a = ap.parse_args()
     if a.quick:
         a.seeds, a.steps, a.eval_every, a.d_model, a.context = [0], 40, 10, 64, 64
     t0 = time.perf_counter()
     if a.gap_micro:
-        gap_vs_micro(a)
+        for opt in a.optimizers:
+            a.optimizer = opt
+            gap_vs_micro(a)
         print(f"\nwall time {time.perf_counter() - t0:.0f} s")
         return
+    figures: list[tuple[str, dict]] = []
+    for opt in a.optimizers:
+        a.optimizer = opt
+        figures.append((opt, compare(a)))
+        if a.loss_at_p8:
+            loss_at_p8(a, figures[-1][1])
+    if a.every_schedule_steps:
+        every_schedule(a)
+    print(f"\nwall time {time.perf_counter() - t0:.0f} s")
+    for i, (opt, fig) in enumerate(figures):
+        last = i == len(figures) - 1
+        key = "pipeline_speedup_vs_1f1b" + ("" if last else f"_{opt}")
+        print(
+            f"\n{opt}, P = 8, m = {a.sim_micro}: time-to-loss ratio 1F1B/PACI "
+            f"{ms(fig['ttl8'])} over {len(fig['ttl8'])} seeds (the limit the schedule allows: "
+            f"(m + P − 1)/m = {fig['limit8']:.3f}, 1F1B's ideal bubble {fig['bubble8']:.3f}); "
+            f"PACI's final loss {ms(fig['final']['paci'])} against 1F1B's "
+            f"{ms(fig['final']['1f1b'])} (range {min(fig['final']['1f1b']):.3f}-"
+            f"{max(fig['final']['1f1b']):.3f}): {fig['within']}"
+        )
+        if "p8" in fig:
+            p8 = fig["p8"]
+            print(
+                f"trained at P = 8 (emulator): time-to-loss ratio {ms(p8['ttl'])}; PACI's final "
+                f"loss {ms(p8['final']['paci'])} against 1F1B's {ms(p8['final']['1f1b'])}: "
+                f"{p8['within']} 1F1B's spread"
+            )
+        print(f"{key}={fig['speedup8']:.3f}")
+
+
+def compare(a: argparse.Namespace) -> dict:
+    """Both schedules of every seed on the real P = 2 pipeline with ``a.optimizer``, the
+    tables, and the simulator at P = 4 and 8 from the measured stage costs."""
     from tqdm import tqdm
 
     from fedasync.progress import progress
-    from trainers.pipeline.simulate import StageCosts, simulate
+    from trainers.pipeline.simulate import StageCosts, ideal_bubble, simulate
 
     with tempfile.TemporaryDirectory(prefix="fa-pipe-bench-") as tmp:
-        out = Path(a.out) if a.out else Path(tmp)
+        out = Path(a.out) / a.optimizer if a.out else Path(tmp)
         res: dict[tuple[str, int], dict] = {}
         jobs = [(s, seed) for seed in a.seeds for s in SCHEDULES]
-        with progress(len(jobs), "runs", tty_bar=tqdm) as bar:
+        with progress(len(jobs), f"{a.optimizer} runs", tty_bar=tqdm) as bar:
             for s, seed in jobs:
                 res[(s, seed)] = run(s, seed, a, out)
                 bar.update(1)
 
+    dtype = res[(SCHEDULES[0], a.seeds[0])].get("muon_dtype")
     print(
-        f"\n## PACI against 1F1B-flush, real pipeline P = 2 (gloo, one thread per stage), m = "
-        f"{a.micro}, {a.steps} steps of {a.batch} x {a.context} characters, d = {a.d_model}, "
-        f"{a.optimizer} lr {a.lr:g} after {a.warmup} warm-up steps; {len(a.seeds)} seeds, "
+        f"\n## PACI against 1F1B-flush, {a.optimizer}, real pipeline P = 2 (gloo, one thread "
+        f"per stage), m = {a.micro}, {a.steps} steps of {a.batch} x {a.context} characters, "
+        f"d = {a.d_model}, {a.optimizer}"
+        + (f" (orthogonalised in {dtype})" if dtype else "")
+        + f" lr {a.lr:g} after {a.warmup} warm-up steps; {len(a.seeds)} seeds, "
         "mean ± half-range"
     )
     print(
@@ -186,24 +252,33 @@ def main() -> None:
             f"{ms([float(x) for x in steps_ok], '.0f')} ({len(steps_ok)}/{len(rs)} reached) | "
             f"{ms(secs_ok, '.1f')} |"
         )
+    final = {s: [res[(s, seed)]["final_val_loss"] for seed in a.seeds] for s in SCHEDULES}
+    gap = [p - q for p, q in zip(final["paci"], final["1f1b"])]
+    lo, hi = min(final["1f1b"]), max(final["1f1b"])
+    pm = statistics.fmean(final["paci"])
+    within = "within 1F1B's spread" if lo - 1e-12 <= pm <= hi + 1e-12 else "outside 1F1B's spread"
+    print(
+        f"\nPACI − 1F1B final loss per seed: {ms(gap)}; PACI's mean {pm:.3f} is {within} "
+        f"({lo:.3f}-{hi:.3f})"
+    )
     drift = {s: max(res[(s, seed)]["max_drift_seen"] for seed in a.seeds) for s in SCHEDULES}
-    print(f"\nmost steps any micro-batch crossed: {drift}")
-    # time to 1F1B's final loss, real P = 2
-    pairs = [
-        (r1[1], rp[1])
+    print(f"most steps any micro-batch crossed: {drift}")
+    # time to the common loss, real P = 2, per seed
+    real = [
+        r1[1] / rp[1]
         for r1, rp in zip(reached["1f1b"], reached["paci"])
         if r1[1] is not None and rp[1] is not None and rp[1] > 0
     ]
-    real = [x / y for x, y in pairs]
-    step_pairs = [
-        (r1[0], rp[0])
+    step_ratios = [
+        r1[0] / rp[0]
         for r1, rp in zip(reached["1f1b"], reached["paci"])
         if r1[0] is not None and rp[0] is not None
     ]
-    steps_ratio = statistics.fmean(x / y for x, y in step_pairs) if step_pairs else float("nan")
+    steps_ratio = statistics.fmean(step_ratios) if step_ratios else float("nan")
     print(
-        f"real P = 2 time-to-loss ratio 1F1B/PACI: {ms(real)} over {len(real)} seeds; "
-        f"steps-to-loss ratio {steps_ratio:.3f}"
+        f"real P = 2 time-to-loss ratio 1F1B/PACI: {ms(real)} over {len(real)} seeds "
+        f"(the limit the schedule allows at m = {a.micro}: (m + P − 1)/m = "
+        f"{(a.micro + 1) / a.micro:.3f}); steps-to-loss ratio {ms(step_ratios)}"
     )
     # the simulator at P = 4 and 8 from the measured stage costs (1F1B runs)
     costs = [res[("1f1b", seed)]["measured"]["stage_costs_s"] for seed in a.seeds]
@@ -216,28 +291,117 @@ def main() -> None:
         f"backward {b * 1e3:.2f} ms, step {st * 1e3:.2f} ms, message {comm * 1e3:.2f} ms"
     )
     print(
-        "| P | m | 1F1B bubble | PACI bubble | 1F1B s/step | PACI s/step | step-time ratio |"
-        " time-to-loss ratio |"
+        "| P | m | 1F1B bubble (ideal) | PACI bubble | 1F1B s/step | PACI s/step | "
+        "step-time ratio | limit (m+P−1)/m | time-to-loss ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    speedup = float("nan")
+    print("|---|---|---|---|---|---|---|---|---|")
+    fig: dict = {"final": final, "within": within, "real": real}
     for P in (2, 4, 8):
         m = a.micro if P == 2 else a.sim_micro
         c = StageCosts.uniform(P, f, b, st, comm)
         one = simulate("1f1b", P, m, 40, c)
         pac = simulate("paci", P, m, 40, c)
         ratio = one.steady_step_time / pac.steady_step_time
-        ttl = ratio * steps_ratio
+        ttl = [ratio * x for x in step_ratios]
+        limit = (m + P - 1) / m
         print(
-            f"| {P} | {m} | {one.bubble_fraction:.3f} | {pac.bubble_fraction:.3f} | "
-            f"{one.steady_step_time:.4f} | {pac.steady_step_time:.4f} | {ratio:.3f} | "
-            f"{ttl:.3f} |"
+            f"| {P} | {m} | {one.bubble_fraction:.3f} ({ideal_bubble(P, m):.3f}) | "
+            f"{pac.bubble_fraction:.3f} | {one.steady_step_time:.4f} | "
+            f"{pac.steady_step_time:.4f} | {ratio:.3f} | {limit:.3f} | {ms(ttl)} |"
         )
         if P == 8:
-            speedup = ttl
-    every_schedule(a)
-    print(f"\nwall time {time.perf_counter() - t0:.0f} s")
-    print(f"pipeline_speedup_vs_1f1b={speedup:.3f}")
+            fig.update(
+                speedup8=ratio * steps_ratio,
+                ttl8=ttl,
+                limit8=limit,
+                bubble8=ideal_bubble(P, m),
+                step_ratio8=ratio,
+            )
+    return fig
+
+
+def loss_at_p8(a: argparse.Namespace, fig: dict) -> None:
+    """PACI against 1F1B trained at P = 8 (the emulator computes what the real pipeline does;
+    8 blocks, one a stage, m = ``a.sim_micro``): final losses and steps to the common loss at
+    8 stages, times the simulated P = 8 step-time ratio of :func:`compare` (``fig``)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    P, m = 8, a.sim_micro
+    jobs = [(s, seed) for seed in a.seeds for s in SCHEDULES]
+    with ProcessPoolExecutor(2) as pool:
+        got = dict(zip(jobs, pool.map(_p8_job, [(j, a) for j in jobs])))
+    final = {s: [got[(s, seed)][0] for seed in a.seeds] for s in SCHEDULES}
+    step_ratios = []
+    for seed in a.seeds:
+        target = max(got[(s, seed)][0] for s in SCHEDULES)
+        first = {
+            s: next(st for st, v in got[(s, seed)][1] if v <= target + 1e-12) for s in SCHEDULES
+        }
+        step_ratios.append(first["1f1b"] / first["paci"])
+    lo, hi = min(final["1f1b"]), max(final["1f1b"])
+    pm = statistics.fmean(final["paci"])
+    within = "within" if lo - 1e-12 <= pm <= hi + 1e-12 else "outside"
+    ttl = [fig["step_ratio8"] * x for x in step_ratios]
+    print(
+        f"\n## Trained at P = {P} (emulator, {P} blocks of d = {a.d_model}, one a stage, m = {m}, "
+        f"{a.steps} steps, {a.optimizer}; {len(a.seeds)} seeds, mean ± half-range)"
+    )
+    print(
+        "| 1F1B final loss | PACI final loss | gap | steps-to-loss ratio | time-to-loss ratio "
+        "(simulated P = 8 step ratio x it) | limit (m+P−1)/m |"
+    )
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| {ms(final['1f1b'])} | {ms(final['paci'])} ({within} 1F1B's spread) | "
+        f"{ms([p - q for p, q in zip(final['paci'], final['1f1b'])])} | {ms(step_ratios)} | "
+        f"{ms(ttl)} | {(m + P - 1) / m:.3f} |"
+    )
+    fig["p8"] = {"final": final, "within": within, "ttl": ttl}
+
+
+def _p8_job(
+    job: tuple[tuple[str, int], argparse.Namespace],
+) -> tuple[float, list[tuple[int, float]]]:
+    import torch
+
+    torch.set_num_threads(1)
+    (schedule, seed), a = job
+    with tempfile.TemporaryDirectory(prefix="fa-pipe-p8-") as tmp:
+        from trainers.pipeline.config import load_pipeline_config
+        from trainers.pipeline.run import run_config
+
+        cfg = load_pipeline_config(
+            None,
+            [
+                f"run.out_dir={tmp}",
+                "run.name=p8",
+                f"run.seed={seed}",
+                f"data.seed={1000 + seed}",
+                f"run.steps={a.steps}",
+                f"run.eval_every={a.eval_every}",
+                "run.checkpoint_every=0",
+                "run.progress=false",
+                "run.plots=false",
+                "pipeline.backend=emulate",
+                "pipeline.stages=8",
+                "model.n_layers=8",
+                f"pipeline.schedule={schedule}",
+                f"pipeline.micro={a.sim_micro}",
+                f"data.batch={a.batch}",
+                f"model.d_model={a.d_model}",
+                f"model.context={a.context}",
+                f"optim.lr={a.lr}",
+                f"optim.warmup={a.warmup}",
+                f"optim.name={a.optimizer}",
+                f"optim.muon_dtype={a.muon_dtype}",
+            ],
+        )
+        s = run_config(cfg)
+        lines = (Path(tmp) / "p8" / "metrics.jsonl").read_text().splitlines()
+        evals = sorted(
+            (e["step"], e["val_loss"]) for e in map(json.loads, lines) if e["event"] == "eval"
+        )
+        return float(s["final_val_loss"]), evals
 
 
 def gap_vs_micro(a: argparse.Namespace) -> None:
@@ -296,6 +460,7 @@ def _gap_job(job: tuple[tuple[str, int, int], argparse.Namespace]) -> float:
                 f"optim.lr={a.lr}",
                 f"optim.warmup={a.warmup}",
                 f"optim.name={a.optimizer}",
+                f"optim.muon_dtype={a.muon_dtype}",
             ],
         )
         return float(run_config(cfg)["final_val_loss"])
