@@ -40,12 +40,15 @@ Correction = Literal["none", "tis", "decoupled", "drop", "weight"]
 """``learner.correction``."""
 DistillLoss = Literal["none", "forward_kl", "reverse_kl", "pg_kl", "pg_kl_online"]
 """``distill.loss``."""
+ProfileName = Literal["local", "gen45", "gen70", "gen80", "gen80_tail"]
+"""``clock.profile``: trainers.rl.profiles.PROFILES (a test checks they are equal)."""
 
 DEVICES: tuple[str, ...] = choices(Device)
 TASK_NAMES: tuple[str, ...] = choices(TaskName)
 MODES: tuple[str, ...] = choices(RolloutMode)
 CORRECTIONS: tuple[str, ...] = choices(Correction)
 BACKENDS: tuple[str, ...] = choices(Backend)
+PROFILE_NAMES: tuple[str, ...] = choices(ProfileName)
 CLOCKS: tuple[str, ...] = choices(ClockKind)
 DISTILL_LOSSES: tuple[str, ...] = choices(DistillLoss)
 
@@ -56,6 +59,7 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
     ClockKind, Correction, DistillLoss, WeightFnName = (
         Annotated[str, t] for t in (ClockKind, Correction, DistillLoss, WeightFnName)
     )
+    ProfileName = Annotated[str, ProfileName]
 
 
 @dataclass
@@ -303,10 +307,24 @@ class ClockSection:
     """Seeded jitter of each job's duration, in [0, 1)."""
     teacher_token_s: float | None = None
     """Virtual seconds a teacher scorer takes per token it scores (None: measured at start)."""
+    profile: ProfileName = "local"
+    """Cost profile (trainers.rl.profiles): local keeps the measured costs; gen45, gen70, gen80
+    set the learner's (and teacher's) cost so generation is that share of a sync step;
+    gen80_tail adds a long tail to each group's generation time (p99 8.1x the median)."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges."""
+        """Checked when built: ranges, the profile, and that it is not given costs it sets."""
         check_ranges(self, "clock.", RANGES)
+        check(
+            self.profile in PROFILE_NAMES,
+            f"clock.profile must be one of {PROFILE_NAMES}, got {self.profile!r:.40}",
+        )
+        check(
+            self.profile == "local"
+            or (self.learn_token_s is None and self.teacher_token_s is None),
+            f"clock.profile={self.profile} sets clock.learn_token_s and clock.teacher_token_s "
+            "from the generation cost: give one or the other",
+        )
 
 
 @dataclass
@@ -348,6 +366,11 @@ class RLConfig:
             lr.minibatches <= r.batch_groups * r.group_size,
             f"learner.minibatches={lr.minibatches} exceeds the batch's "
             f"{r.batch_groups * r.group_size} trajectories",
+        )
+        check(
+            self.clock.profile == "local" or r.clock == "virtual",
+            f"clock.profile={self.clock.profile} sets virtual costs: it needs "
+            "rollout.clock=virtual",
         )
 
 

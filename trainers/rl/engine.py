@@ -72,6 +72,7 @@ from trainers.rl.config import RLConfig, to_container
 from trainers.rl.distill import DistillLearner, check_cache, kl_divergence, score_group
 from trainers.rl.learner import Learner
 from trainers.rl.policy import PolicyConfig, TinyLM, greedy_accuracy, warm_start
+from trainers.rl.profiles import PROFILES, calibrate, tail_factor
 from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
 from trainers.rl.tasks import VOCAB_SIZE, Task, make_task
 
@@ -321,6 +322,8 @@ class RLRun:
         )
         self.gen_token_s = cfg.clock.gen_token_s
         self.learn_token_s = cfg.clock.learn_token_s
+        self.tail_sigma = PROFILES[cfg.clock.profile].tail_sigma
+        self.profile_info: dict[str, Any] = {"name": cfg.clock.profile}
         # scheduling state (all of it goes into the checkpoint)
         self.version = 0
         self.next_group = 0
@@ -354,6 +357,9 @@ class RLRun:
         """Per-token costs of generation, teacher scoring and learning, measured once."""
         need_teacher = self.distill and self.teacher_token_s is None
         if self.gen_token_s is not None and self.learn_token_s is not None and not need_teacher:
+            return
+        if self.gen_token_s is not None and self.cfg.clock.profile != "local":
+            self._apply_profile()  # the profile sets the rest from the given generation cost
             return
         probe = copy.deepcopy(self.policy)
         probe.eval()
@@ -404,6 +410,47 @@ class RLRun:
             learn,
             f"{self.teacher_token_s:.3g}" if self.distill else "-",
         )
+        self._apply_profile()
+
+    def _apply_profile(self) -> None:
+        """``clock.profile`` other than local: the learner's and teacher's costs from the
+        generation cost, so generation is the profile's share of a sync step."""
+        name = self.cfg.clock.profile
+        if name == "local":
+            return
+        assert self.gen_token_s is not None
+        r, d = self.cfg.rollout, self.cfg.distill
+        cal = calibrate(
+            name,
+            self.task,
+            seed=self.cfg.run.seed,
+            batch_groups=r.batch_groups,
+            group_size=r.group_size,
+            workers=r.workers,
+            gen_token_s=self.gen_token_s,
+            distill=self.distill,
+            teachers=d.teachers,
+        )
+        self.learn_token_s, self.teacher_token_s = cal.learn_token_s, cal.teacher_token_s
+        self.profile_info = {
+            "name": name,
+            "gen_fraction": cal.gen_fraction,
+            "tail_sigma": PROFILES[name].tail_sigma,
+            "reference_sync_step_s": cal.sync_step_s(d.teachers),
+            "reference_makespan_s": cal.makespan_s,
+            "reference_learn_s": cal.learn_s,
+            "limit": cal.limit(r.workers, d.teachers),
+        }
+        log.info(
+            "clock.profile=%s: learner %.3g s per token%s, so generation is %.0f%% of a "
+            "reference sync step (%.3g s); an overlapping schedule gains at most %.2fx",
+            name,
+            cal.learn_token_s,
+            f", teacher {cal.teacher_token_s:.3g} s per token" if self.distill else "",
+            100 * cal.gen_fraction,
+            cal.sync_step_s(d.teachers),
+            cal.limit(r.workers, d.teachers),
+        )
 
     def _start(self) -> None:
         cfg = self.cfg
@@ -440,6 +487,7 @@ class RLRun:
             gen_token_s=self.gen_token_s,
             learn_token_s=self.learn_token_s,
             teacher_token_s=self.teacher_token_s,
+            profile=self.profile_info,
             teacher=self.teacher_info,
             warm_start=self.warm,
             backend=self.backend.kind,
@@ -507,6 +555,7 @@ class RLRun:
             units: float = job.group.tokens if job.group is not None else 0
             if job.error is not None:
                 units = units / 2.0
+            units *= tail_factor(self.tail_sigma, self.cfg.run.seed, job.group_id, job.attempt)
             assert isinstance(self.clock, VirtualClock)
             job.finishes_at = job.dispatched_at + self.clock.duration(
                 job.worker, job.job_id, units * self.gen_token_s
