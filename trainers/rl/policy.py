@@ -41,8 +41,9 @@ class Policy(Protocol):
 
     ``policy(ids)`` maps token ids, shape ``(b, t)``, to next-token logits, shape
     ``(b, t, vocab)``, causally (position i sees positions ≤ i), so right padding leaves
-    earlier logits unchanged. A Hugging Face causal LM fits behind a one-line wrapper that
-    returns ``model(input_ids=ids).logits``.
+    earlier logits unchanged. A Hugging Face causal LM fits behind
+    :class:`trainers.rl.hf.HFPolicy` (``policy.kind=hf``), which returns its logits cut to
+    the task's vocabulary and keeps its dropout off.
     """
 
     def __call__(self, ids: Tensor) -> Tensor:
