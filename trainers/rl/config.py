@@ -17,19 +17,25 @@ test read it).
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from fedasync.errors import ConfigError
 from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from trainers import configload
 from trainers.configload import check, check_ranges, choices, load_structured, recheck
+from trainers.rl.tasks import VOCAB_SIZE
 
 Device = Literal["auto", "cpu", "cuda"]
 """``run.device``."""
 TaskName = Literal["sort", "reverse", "copy", "add"]
 """``task.name``: trainers.rl.tasks.TASKS (a test checks they are equal)."""
+PolicyKind = Literal["tiny", "hf"]
+"""``policy.kind``."""
 RolloutMode = Literal["sync", "one_step_off", "async", "streaming"]
 """``rollout.mode``."""
 Backend = Literal["local", "ray"]
@@ -45,6 +51,7 @@ ProfileName = Literal["local", "gen45", "gen70", "gen80", "gen80_tail"]
 
 DEVICES: tuple[str, ...] = choices(Device)
 TASK_NAMES: tuple[str, ...] = choices(TaskName)
+POLICY_KINDS: tuple[str, ...] = choices(PolicyKind)
 MODES: tuple[str, ...] = choices(RolloutMode)
 CORRECTIONS: tuple[str, ...] = choices(Correction)
 BACKENDS: tuple[str, ...] = choices(Backend)
@@ -60,6 +67,7 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
         Annotated[str, t] for t in (ClockKind, Correction, DistillLoss, WeightFnName)
     )
     ProfileName = Annotated[str, ProfileName]
+    PolicyKind = Annotated[str, PolicyKind]
 
 
 @dataclass
@@ -128,14 +136,24 @@ class TaskSection:
 
 @dataclass
 class PolicySection:
-    """``policy.*``: the TinyLM policy's size."""
+    """``policy.*``: the policy (TinyLM, or a Hugging Face causal LM) and its warm start."""
 
+    kind: PolicyKind = "tiny"
+    """tiny (our own small GPT, trainers.rl.policy) or hf (a transformers causal LM, built from
+    hf_config or loaded from hf_path; needs ``pip install fedasync[hf]``; docs/rl.md)."""
     d_model: int = 64
-    """Width of the decoder-only transformer."""
+    """Width of the decoder-only transformer (kind=tiny)."""
     n_layers: int = 2
-    """Transformer blocks."""
+    """Transformer blocks (kind=tiny)."""
     n_heads: int = 4
-    """Attention heads (must divide d_model)."""
+    """Attention heads (must divide d_model; kind=tiny)."""
+    hf_config: dict[str, Any] | None = None
+    """kind=hf: the fields of a transformers model config to build a fresh model from, e.g.
+    {n_layer: 2, n_embd: 32, n_head: 2}; model_type names the architecture (default gpt2);
+    vocab_size defaults to the task vocabulary's size, and may not be smaller."""
+    hf_path: str | None = None
+    """kind=hf: a local directory written by save_pretrained (e.g. a run's hf_policy/) to load
+    instead, with local_files_only (nothing is downloaded)."""
     warm_start_steps: int = 150
     """Supervised steps before RL, so that RL starts from a working but imperfect policy."""
     warm_start_lr: float = 0.003
@@ -144,12 +162,92 @@ class PolicySection:
     """Prompts per warm-start step."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges, and that the heads divide the width."""
+        """Checked when built: ranges, the kind, that the heads divide the width, and for
+        kind=hf exactly one of hf_config and hf_path, its fields and its vocabulary's size."""
         check_ranges(self, "policy.", RANGES)
+        check(
+            self.kind in POLICY_KINDS,
+            f"policy.kind must be one of {POLICY_KINDS}, got {self.kind!r:.40}",
+        )
         check(
             self.d_model % self.n_heads == 0,
             f"policy.n_heads={self.n_heads} must divide policy.d_model={self.d_model}",
         )
+        if self.kind != "hf":
+            check(
+                self.hf_config is None and self.hf_path is None,
+                "policy.hf_config and policy.hf_path are for policy.kind=hf "
+                f"(policy.kind={self.kind})",
+            )
+            return
+        check(
+            (self.hf_config is None) != (self.hf_path is None),
+            "policy.kind=hf needs exactly one of policy.hf_config (build a model from a config) "
+            "and policy.hf_path (load a saved one), got "
+            + ("both" if self.hf_config is not None else "neither"),
+        )
+        if self.hf_config is not None:
+            _check_hf_config(self.hf_config)
+        else:
+            assert self.hf_path is not None
+            _check_hf_path(self.hf_path)
+
+
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
+_MODEL_TYPE = re.compile(r"[A-Za-z0-9_-]{1,100}")
+
+
+def _check_hf_config(fields: Any) -> None:
+    """``policy.hf_config``: a mapping of field names to values, a str model_type, and a
+    vocab_size (if given) that holds the task's tokens."""
+    check(
+        isinstance(fields, dict),
+        f"policy.hf_config must map config fields to values, got {type(fields).__name__}",
+    )
+    for key in fields:
+        check(
+            isinstance(key, str) and _FIELD_NAME.fullmatch(key) is not None,
+            f"policy.hf_config key {str(key)!r:.40} is not a config field name (in YAML write "
+            "{n_layer: 2} with a space after the colon, or policy.hf_config.n_layer=2)",
+        )
+    model_type = fields.get("model_type", "gpt2")
+    check(
+        isinstance(model_type, str) and _MODEL_TYPE.fullmatch(model_type) is not None,
+        f"policy.hf_config.model_type must name a transformers model type, got "
+        f"{str(model_type)!r:.40}",
+    )
+    _check_vocab(fields.get("vocab_size", VOCAB_SIZE), "policy.hf_config.vocab_size")
+
+
+def _check_hf_path(path: str) -> None:
+    """``policy.hf_path``: a directory with a config.json whose vocabulary (where it says
+    one) holds the task's tokens."""
+    where = f"policy.hf_path {path!r:.200}"
+    d = Path(path)
+    check(d.is_dir(), f"{where} is not a directory")
+    check(
+        (d / "config.json").is_file(),
+        f"{where} has no config.json (a directory written by save_pretrained)",
+    )
+    try:
+        saved = json.loads((d / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: config.json does not read: {str(e)[:100]}") from None
+    check(isinstance(saved, dict), f"{where}: config.json is not a JSON object")
+    vocab = saved.get("vocab_size")
+    text = saved.get("text_config")
+    if vocab is None and isinstance(text, dict):
+        vocab = text.get("vocab_size")
+    if vocab is not None:  # else checked on the model when it is built
+        _check_vocab(vocab, f"{where}: config.json's vocab_size")
+
+
+def _check_vocab(vocab: Any, name: str) -> None:
+    check(
+        isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= VOCAB_SIZE,
+        f"{name} must be an integer >= {VOCAB_SIZE} (the task's vocabulary: its ids are the "
+        f"model's first {VOCAB_SIZE}), got {str(vocab):.40}",
+    )
 
 
 @dataclass

@@ -198,10 +198,16 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_policy(cfg: RLConfig) -> TinyLM:
-    """The policy of the run's seed, before the warm start."""
+def build_policy(cfg: RLConfig) -> torch.nn.Module:
+    """The policy of the run's seed, before the warm start: a TinyLM, or with policy.kind=hf
+    a transformers causal LM behind the same interface (trainers.rl.hf). The one place a
+    policy is made (the run, the local and Ray workers)."""
     p = cfg.policy
     torch.manual_seed(cfg.run.seed)
+    if p.kind == "hf":
+        from trainers.rl.hf import build_hf_policy
+
+        return build_hf_policy(p, build_task(cfg))
     return TinyLM(
         PolicyConfig(
             vocab_size=VOCAB_SIZE, d_model=p.d_model, n_layers=p.n_layers, n_heads=p.n_heads
@@ -357,6 +363,7 @@ class RLRun:
         """Per-token costs of generation, teacher scoring and learning, measured once."""
         need_teacher = self.distill and self.teacher_token_s is None
         if self.gen_token_s is not None and self.learn_token_s is not None and not need_teacher:
+            self._apply_profile()  # local: records the reference step and its limit
             return
         if self.gen_token_s is not None and self.cfg.clock.profile != "local":
             self._apply_profile()  # the profile sets the rest from the given generation cost
@@ -416,8 +423,6 @@ class RLRun:
         """``clock.profile`` other than local: the learner's and teacher's costs from the
         generation cost, so generation is the profile's share of a sync step."""
         name = self.cfg.clock.profile
-        if name == "local":
-            return
         assert self.gen_token_s is not None
         r, d = self.cfg.rollout, self.cfg.distill
         cal = calibrate(
@@ -430,6 +435,8 @@ class RLRun:
             gen_token_s=self.gen_token_s,
             distill=self.distill,
             teachers=d.teachers,
+            learn_token_s=self.learn_token_s,
+            teacher_token_s=self.teacher_token_s,
         )
         self.learn_token_s, self.teacher_token_s = cal.learn_token_s, cal.teacher_token_s
         self.profile_info = {
@@ -441,6 +448,8 @@ class RLRun:
             "reference_learn_s": cal.learn_s,
             "limit": cal.limit(r.workers, d.teachers),
         }
+        if name == "local":
+            return
         log.info(
             "clock.profile=%s: learner %.3g s per token%s, so generation is %.0f%% of a "
             "reference sync step (%.3g s); an overlapping schedule gains at most %.2fx",
@@ -964,6 +973,10 @@ class RLRun:
         """``policy.pt``, the ``end`` event and ``summary.json``; the summary."""
         summary = self.summary()
         torch.save(to_cpu(dict(self.policy.state_dict())), self.run_dir / "policy.pt")
+        if self.cfg.policy.kind == "hf":  # and <run>/hf_policy/, loadable with policy.hf_path
+            from trainers.rl.hf import export_policy
+
+            export_policy(self.policy, self.run_dir)
         self._write("end", version=self.version, **{k: summary[k] for k in ("final_accuracy",)})
         if self.events is not None:
             self.events.close()
