@@ -54,6 +54,7 @@ IDS = [f"{name}:{key}" for name, key, *_ in FIELDS]
 
 COMPANIONS = {
     ("rl", "rollout.clock", "wall"): ["rollout.backend=ray"],
+    ("rl", "policy.kind", "hf"): ["policy.hf_config={n_layer: 1}"],
 }
 """Other keys a choice needs to load (a cross-key rule, not the choice's own check)."""
 

@@ -140,3 +140,14 @@ def test_makespan_is_list_scheduling_in_order():
 def test_a_bad_profile_is_a_clear_config_error(overrides, words):
     with pytest.raises(ConfigError, match=words):
         load_rl_config(None, overrides)
+
+
+def test_the_local_profile_keeps_the_costs_and_states_their_share_and_limit(tmp_path):
+    run = _run(tmp_path, "local", "rollout.mode=sync", "clock.learn_token_s=0.002")
+
+    assert run.learn_token_s == 0.002
+    info = run.profile_info
+    assert 0.0 < info["gen_fraction"] < 1.0
+    assert info["limit"] >= 1.0
+    share = info["reference_makespan_s"] / info["reference_sync_step_s"]
+    assert share == pytest.approx(info["gen_fraction"])

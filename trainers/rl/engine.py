@@ -420,8 +420,9 @@ class RLRun:
         self._apply_profile()
 
     def _apply_profile(self) -> None:
-        """``clock.profile`` other than local: the learner's and teacher's costs from the
-        generation cost, so generation is the profile's share of a sync step."""
+        """Record the reference sync step and the limit an overlapping schedule can reach
+        (``start`` event); a ``clock.profile`` other than local first sets the learner's and
+        teacher's costs from the generation cost, so generation is its share of a sync step."""
         name = self.cfg.clock.profile
         assert self.gen_token_s is not None
         r, d = self.cfg.rollout, self.cfg.distill

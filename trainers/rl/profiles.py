@@ -140,6 +140,35 @@ def makespan(durations: Sequence[float], workers: int) -> float:
     return max(free)
 
 
+def reference(
+    task: Task,
+    *,
+    seed: int,
+    batch_groups: int,
+    group_size: int,
+    workers: int,
+    gen_token_s: float,
+    tail_sigma: float = 0.0,
+    batches: int = CALIBRATION_BATCHES,
+) -> tuple[float, float, float, float]:
+    """The mean reference sync batch: (makespan s, generation work s, learner tokens, scored
+    tokens), from the run's own first ``batches`` batches of prompts."""
+    spans, works, learn = [], [], []
+    for k in range(batches):
+        times, lt = [], 0
+        for g in range(k * batch_groups, (k + 1) * batch_groups):
+            prompt = task.sample(g, seed)
+            answer = len(task.reference(prompt)) + 1  # + EOS
+            times.append(group_size * answer * gen_token_s * tail_factor(tail_sigma, seed, g, 0))
+            lt += group_size * (len(prompt.tokens) + answer)
+        spans.append(makespan(times, workers))
+        works.append(sum(times))
+        learn.append(lt)
+    lt_mean = float(np.mean(learn))
+    # the teacher reads prompt + completion, as the learner does
+    return float(np.mean(spans)), float(np.mean(works)), lt_mean, lt_mean
+
+
 def calibrate(
     name: str,
     task: Task,
@@ -151,35 +180,44 @@ def calibrate(
     gen_token_s: float,
     distill: bool = False,
     teachers: int = 1,
+    learn_token_s: float | None = None,
+    teacher_token_s: float | None = None,
     batches: int = CALIBRATION_BATCHES,
 ) -> Calibration:
-    """The learner's (and teacher's) cost per token that give profile ``name``'s share."""
+    """The learner's (and teacher's) cost per token that give profile ``name``'s share.
+
+    For ``local`` the given ``learn_token_s`` (and ``teacher_token_s``) are kept: the result
+    then only describes the reference step and its limit under the measured costs.
+    """
     p = PROFILES[name]
+    m, work, lt_mean, st_mean = reference(
+        task,
+        seed=seed,
+        batch_groups=batch_groups,
+        group_size=group_size,
+        workers=workers,
+        gen_token_s=gen_token_s,
+        tail_sigma=p.tail_sigma,
+        batches=batches,
+    )
     if p.gen_fraction is None:
-        raise ValueError(f"profile {name!r} keeps the measured costs: nothing to calibrate")
-    spans, works, learn, score = [], [], [], []
-    for k in range(batches):
-        times, lt = [], 0
-        for g in range(k * batch_groups, (k + 1) * batch_groups):
-            prompt = task.sample(g, seed)
-            answer = len(task.reference(prompt)) + 1  # + EOS
-            times.append(group_size * answer * gen_token_s * tail_factor(p.tail_sigma, seed, g, 0))
-            lt += group_size * (len(prompt.tokens) + answer)
-        spans.append(makespan(times, workers))
-        works.append(sum(times))
-        learn.append(lt)
-        score.append(lt)  # the teacher reads prompt + completion, as the learner does
-    m, lt_mean, st_mean = float(np.mean(spans)), float(np.mean(learn)), float(np.mean(score))
-    f = p.gen_fraction
-    per_learn_token = lt_mean + (TEACHER_RATIO * st_mean / teachers if distill else 0.0)
-    learn_token_s = (1.0 - f) / f * m / per_learn_token
+        if learn_token_s is None:
+            raise ValueError(f"profile {name!r} keeps the measured costs: give learn_token_s")
+        t = teacher_token_s if distill else None
+        step = m + lt_mean * learn_token_s + (st_mean * t / teachers if t else 0.0)
+        f = m / step
+    else:
+        f = p.gen_fraction
+        per_learn_token = lt_mean + (TEACHER_RATIO * st_mean / teachers if distill else 0.0)
+        learn_token_s = (1.0 - f) / f * m / per_learn_token
+        t = TEACHER_RATIO * learn_token_s if distill else None
     return Calibration(
         profile=name,
         gen_fraction=f,
         learn_token_s=learn_token_s,
-        teacher_token_s=TEACHER_RATIO * learn_token_s if distill else None,
+        teacher_token_s=t,
         makespan_s=m,
-        gen_work_s=float(np.mean(works)),
+        gen_work_s=work,
         learn_tokens=lt_mean,
         score_tokens=st_mean,
     )
