@@ -267,3 +267,13 @@ def test_a_config_built_by_hand_is_checked_too():
         RLConfig(learner=rc.LearnerSection(minibatches=1000))
     with pytest.raises(ConfigError, match="pipeline.micro"):
         replace(PipelineConfig(), data=pc.DataSection(batch=10))
+
+
+@pytest.mark.parametrize("override", ["rollout.mode={a", "policy.hf_config={n_layer: 2", "x=[1"])
+def test_an_override_that_is_not_yaml_is_one_line_naming_it(override):
+    from trainers.rl.config import load_rl_config
+
+    with pytest.raises(ConfigError, match="is not valid YAML") as e:
+        load_rl_config(None, [override + "x" * 5000])
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400 and override[:10] in msg

@@ -37,6 +37,7 @@ def load_structured(
     <- ``key=value`` overrides, each section checked as it is built (its ``__post_init__``),
     the whole last. ``example_override`` is shown to a user who writes an override without
     ``=``. Neither the file nor ``overrides`` is changed."""
+    import yaml
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -49,13 +50,19 @@ def load_structured(
         try:
             loaded = OmegaConf.load(path)
         except Exception as e:
-            raise ConfigError(f"config file {str(path)[:200]} is not valid YAML: {e}") from e
+            why = str(e)[:300]
+            raise ConfigError(f"config file {str(path)[:200]} is not valid YAML: {why}") from e
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"config file {str(path)[:200]} must map keys to values")
         layers.append(loaded)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item[:60]!r} is not key=value (e.g. {example_override})")
+        try:
+            OmegaConf.from_dotlist([item])
+        except yaml.YAMLError as e:
+            why = str(e).splitlines()[0][:120]
+            raise ConfigError(f"override {item[:60]!r}: its value is not valid YAML ({why})") from e
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides or [])))
         cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
