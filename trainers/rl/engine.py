@@ -72,7 +72,7 @@ from trainers.rl.config import RLConfig, to_container
 from trainers.rl.distill import DistillLearner, check_cache, kl_divergence, score_group
 from trainers.rl.learner import Learner
 from trainers.rl.policy import PolicyConfig, TinyLM, greedy_accuracy, warm_start
-from trainers.rl.profiles import PROFILES, calibrate, tail_factor
+from trainers.rl.profiles import PROFILES, SAMPLED_BATCHES, calibrate, tail_factor
 from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
 from trainers.rl.tasks import VOCAB_SIZE, Task, make_task
 
@@ -419,6 +419,27 @@ class RLRun:
         )
         self._apply_profile()
 
+    def _reference_tokens(self) -> list[tuple[int, int]]:
+        """(generated, prompt + generated) tokens of sync's first batches, as the starting
+        policy samples them (the groups are pure functions of weights, seed and group id)."""
+        probe = copy.deepcopy(self.policy)
+        probe.eval()
+        r = self.cfg.rollout
+        out = []
+        for g in range(SAMPLED_BATCHES * r.batch_groups):
+            group = generate_group(
+                probe,
+                self.task,
+                seed=self.cfg.run.seed,
+                group_id=g,
+                version=0,
+                group_size=r.group_size,
+                temperature=r.temperature,
+                device=self.device,
+            )
+            out.append((group.tokens, _seq_tokens(group)))
+        return out
+
     def _apply_profile(self) -> None:
         """Record the reference sync step and the limit an overlapping schedule can reach
         (``start`` event); a ``clock.profile`` other than local first sets the learner's and
@@ -438,6 +459,7 @@ class RLRun:
             teachers=d.teachers,
             learn_token_s=self.learn_token_s,
             teacher_token_s=self.teacher_token_s,
+            tokens=self._reference_tokens() if self.virtual else None,
         )
         self.learn_token_s, self.teacher_token_s = cal.learn_token_s, cal.teacher_token_s
         self.profile_info = {

@@ -20,17 +20,19 @@ Profiles (sources in docs/rl.md, "Cost profiles"):
   stretched by a seeded log-normal factor (median 1, σ = 0.9: p99 = 8.1x the median), keyed by
   (seed, group, attempt), so every mode sees the same group take the same time.
 
-Calibration (:func:`calibrate`). The reference sync steps are the run's own first batches of
-prompts (group g is ``task.sample(g, seed)``), each group costing G x (its reference answer + 1
-EOS) generated tokens, stretched by its tail factor; a batch's generation time is its makespan
-on the workers (list scheduling in group order, as the engine dispatches), its learner tokens
-G x (prompt + answer + 1) per group. With ``M`` the mean makespan and ``Lt`` the mean learner
-tokens (plus, for distillation, ``r`` x the mean scored tokens / teachers, the teacher being a
-forward pass only: ``r`` = :data:`TEACHER_RATIO` of the learner's cost per token), the learner's
-cost per token is ``(1 − f) / f · M / Lt``. The realised share in a run differs a little (the
-policy's answers are not all the reference's length); the benchmark prints it.
+Calibration (:func:`calibrate`). The reference sync steps are the run's own first
+:data:`SAMPLED_BATCHES` batches (group g is ``task.sample(g, seed)``) as the starting policy
+samples them: exactly sync's first batches. Each group's generation time is its generated
+tokens x the generation cost, stretched by its tail factor; a batch's generation time is its
+makespan on the workers (list scheduling in group order, as the engine dispatches), its learner
+tokens the groups' prompt + completion tokens. With ``M`` the mean makespan and ``Lt`` the mean
+learner tokens (plus, for distillation, ``r`` x the mean scored tokens / teachers, the teacher
+being a forward pass only: ``r`` = :data:`TEACHER_RATIO` of the learner's cost per token), the
+learner's cost per token is ``(1 − f) / f · M / Lt``. Later steps differ as the policy's
+answer lengths change; the benchmark prints the share a run realises. (Without samples,
+:func:`reference` uses the reference answers' lengths.)
 
-The limit (:func:`limit`). A schedule that overlaps generation with learning takes at least
+The limit (:meth:`Calibration.limit`). A schedule that overlaps generation with learning takes at least
 max(learner step, generation work / workers, scoring work / teachers) per version, so its
 speedup in seconds per version is at most (sync step) / that; with enough workers it is the
 Amdahl bound 1 / (1 − f): 1.82x at 45%, 3.33x at 70%, 5x at 80%.
@@ -82,7 +84,9 @@ TEACHER_RATIO = 0.5
 (about a third of forward + backward) of a model about 1.5x the student's."""
 
 CALIBRATION_BATCHES = 32
-"""Reference sync steps the calibration averages over."""
+"""Reference sync steps the calibration averages over (from reference answers' lengths)."""
+SAMPLED_BATCHES = 4
+"""Reference sync steps the engine samples with the starting policy to calibrate on."""
 
 
 def tail_factor(sigma: float, seed: int, group_id: int, attempt: int) -> float:
@@ -150,17 +154,31 @@ def reference(
     gen_token_s: float,
     tail_sigma: float = 0.0,
     batches: int = CALIBRATION_BATCHES,
+    tokens: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[float, float, float, float]:
     """The mean reference sync batch: (makespan s, generation work s, learner tokens, scored
-    tokens), from the run's own first ``batches`` batches of prompts."""
+    tokens), over the run's own first batches of prompts.
+
+    ``tokens[g]`` = (generated, prompt + generated) tokens of group ``g`` as the starting policy
+    samples it (the engine passes its first batches); without it each group costs G x (its
+    reference answer + EOS) generated tokens, ``batches`` batches of them.
+    """
+    if tokens is not None:
+        batches = len(tokens) // batch_groups
+        if batches < 1:
+            raise ValueError(f"{len(tokens)} groups make no batch of {batch_groups}")
     spans, works, learn = [], [], []
     for k in range(batches):
         times, lt = [], 0
         for g in range(k * batch_groups, (k + 1) * batch_groups):
-            prompt = task.sample(g, seed)
-            answer = len(task.reference(prompt)) + 1  # + EOS
-            times.append(group_size * answer * gen_token_s * tail_factor(tail_sigma, seed, g, 0))
-            lt += group_size * (len(prompt.tokens) + answer)
+            if tokens is not None:
+                gen, seq = tokens[g]
+            else:
+                prompt = task.sample(g, seed)
+                answer = len(task.reference(prompt)) + 1  # + EOS
+                gen, seq = group_size * answer, group_size * (len(prompt.tokens) + answer)
+            times.append(gen * gen_token_s * tail_factor(tail_sigma, seed, g, 0))
+            lt += seq
         spans.append(makespan(times, workers))
         works.append(sum(times))
         learn.append(lt)
@@ -183,6 +201,7 @@ def calibrate(
     learn_token_s: float | None = None,
     teacher_token_s: float | None = None,
     batches: int = CALIBRATION_BATCHES,
+    tokens: Sequence[tuple[int, int]] | None = None,
 ) -> Calibration:
     """The learner's (and teacher's) cost per token that give profile ``name``'s share.
 
@@ -199,6 +218,7 @@ def calibrate(
         gen_token_s=gen_token_s,
         tail_sigma=p.tail_sigma,
         batches=batches,
+        tokens=tokens,
     )
     if p.gen_fraction is None:
         if learn_token_s is None:
