@@ -20,22 +20,53 @@ seed starts from the same student.
    applies as in RL.
 3. Finite caches: forward_kl and reverse_kl at S = ``--k-staleness`` with k = 1, 4, 16 and
    the full vocabulary: cache bytes per token against final accuracy and KL.
-4. Throughput: ``streaming`` (S = ``--throughput-staleness``) against ``sync`` with
-   forward_kl, to the same student reward. The reward of distillation is the (negative)
-   KL to the teacher; held-out accuracy moves by a few points here, within its evaluation
-   noise (128 prompts: about ±4 points), so the target is on the KL, and the KL curve is
-   not monotone (it dips, rises, then falls), so "first crossing" measures noise. Per seed:
-   the target is the higher of the two runs' final KL (mean of their last three
-   evaluations, every 2 steps) + ``--kl-tolerance`` (0.1 nats); each run's time is the first
-   evaluation after which its KL stays at or below the target; speedup = sync's / streaming's.
-   Seconds per version and the final KLs are printed beside it. Last line
-   ``opd_speedup_vs_sync=<x>`` (mean over the seeds where both settle).
+4. Throughput, per cost profile (``--profiles``, default local gen45 gen80 gen80_tail;
+   ``clock.profile``, docs/rl.md "Cost profiles": ``local`` = the costs measured here, the
+   others set the learner's and the teacher's cost per token from the measured generation
+   cost so that generation is 45% / 80% of a reference sync step, the teacher costing half the
+   learner per token; ``gen80_tail`` adds reasoning-length tails). Per profile and seed,
+   ``streaming`` (S = ``--throughput-staleness``) against ``sync`` with forward_kl, to the
+   same student KL. A non-local profile's runs get ``clock.profile=<p>`` and only the measured
+   ``clock.gen_token_s``; ``local``'s get all three measured costs. Under ``sync`` every
+   profile gives the same weights (only the clock differs), so sync's KLs are the same in
+   every profile and streaming's differ only in which trajectories arrive when.
+   The reward of distillation is the (negative) KL to the teacher; held-out accuracy moves by
+   a few points here, within its evaluation noise (128 prompts: about ±4 points), so the
+   target is on the KL, and the KL curve is not monotone (it dips, rises, then falls), so
+   "first crossing" measures noise. Per seed ("settled" rule): the target is the higher of
+   the two runs' final KL (mean of their last three evaluations, every 2 steps) +
+   ``--kl-tolerance`` (0.1 nats); each run's time is the first evaluation after which its KL
+   stays at or below the target; speedup = sync's / streaming's. Printed per profile: the
+   per-seed times, speedups and seconds-per-version ratios; the mean ± half-range of the
+   speedup over the seeds where both settle (a seed where one run never settles, or sync
+   is already at the target at t = 0, has no speedup and is left out: the count is
+   printed), beside the profile's limit (the ``start`` event's: the most an overlapping
+   schedule can gain over sync in seconds per version, sync's step over max(learner step,
+   generation work / workers, teacher scoring). In distillation the teacher is a third
+   stage that overlaps too, so the limit is above RL's Amdahl 1/(1 − f): 2.73x at gen45
+   (the learner is 2/3 of the non-generation part), 4.4-5.4x at gen80, where 16 workers'
+   generation work per version binds (measured, seeds 0-4)); the realised generation share
+   of sync's step (the sum over its batches of first dispatch to last generated group,
+   over the run's time: scoring that overlaps generation counts as generation, so it reads
+   a little above the profile's share) and the learner's share; the final KL of both
+   modes, and whether streaming's mean is within (or below) sync's range over seeds.
+   ``opd_profiles.png``: speedup and limit per profile.
+   Last lines: ``opd_speedup_vs_sync_<profile>=<x> (limit <y>)`` per profile, then
+   ``opd_speedup_vs_sync=<x>``: the ``gen80`` profile's mean over seeds (the last profile's
+   if gen80 is not run).
 5. Cost against RL: GRPO (``distill.loss=none``, the RL trainer's own loss, its default
    correction) against OPD (forward_kl), both sync for the same steps: held-out accuracy
    gained per million learner tokens.
 
-    .venv/bin/python benchmarks/opd_async_vs_sync.py              # 3 seeds (~35 min, 2 cores)
-    .venv/bin/python benchmarks/opd_async_vs_sync.py --quick      # 1 seed, short (~4 min)
+Seeds: ``--seeds`` applies to every part; without it parts 2, 3 and 5 use seeds 0-2 and
+part 4 seeds 0-4.
+
+    .venv/bin/python benchmarks/opd_async_vs_sync.py              # every part (~1 h, 2 cores)
+    .venv/bin/python benchmarks/opd_async_vs_sync.py --quick      # 1 seed, short (~5 min)
+    .venv/bin/python benchmarks/opd_async_vs_sync.py --throughput-only --jobs 1 \
+        --out runs/bench_opd_profiles   # part 4 alone: 4 profiles x 5 seeds x 2 modes = 40
+        # runs, ~33 min on one busy core, ~7 of them training the teacher once (cached
+        # under --out/teachers)
     .venv/bin/python benchmarks/opd_async_vs_sync.py --sweep-only --arms pg_kl pg_kl_online \
         --correction decoupled --out runs/bench_opd_decoupled   # RL's stabiliser on PG-KL
         # (--gen-token-s/--learn-token-s/--teacher-token-s: the costs of another run)
@@ -66,9 +97,20 @@ ARMS = {
 """The staleness sweep's arms: the four losses, the online PG-KL with N = 4 MC samples, and
 both PG-KL losses at a lower learning rate (their staleness threshold moves with it)."""
 
+TPUT_PROFILES = ["local", "gen45", "gen80", "gen80_tail"]
+"""Part 4's default cost profiles (``clock.profile``)."""
+HEADLINE = "gen80"
+"""The profile whose mean speedup is the last line ``opd_speedup_vs_sync=``."""
+MODES = ("sync", "streaming")
 
-def overrides(args: argparse.Namespace, seed: int, **extra: Any) -> list[str]:
-    """The shared configuration of every run of ``seed``, then ``extra``."""
+
+def overrides(
+    args: argparse.Namespace, seed: int, profile: str | None = None, **extra: Any
+) -> list[str]:
+    """The shared configuration of every run of ``seed``, then ``extra``.
+
+    With a ``profile`` other than local, the run gets ``clock.profile`` and only the measured
+    generation cost (the profile sets the learner's and the teacher's)."""
     base = {
         "run.seed": seed,
         "run.out_dir": args.out,
@@ -87,7 +129,9 @@ def overrides(args: argparse.Namespace, seed: int, **extra: Any) -> list[str]:
         "distill.teacher_steps": args.teacher_steps,
         "distill.top_k": args.top_k,
     }
-    if args.costs:
+    if args.costs and profile not in (None, "local"):
+        base |= {"clock.profile": profile, "clock.gen_token_s": args.costs["gen_token_s"]}
+    elif args.costs:
         base |= {f"clock.{k}": v for k, v in args.costs.items()}
     base |= extra
     return [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in base.items()]
@@ -110,7 +154,34 @@ def run_one(job: tuple[str, list[str]]) -> dict[str, Any]:
     s = run_rl(cfg)
     s["wall_s"] = time.perf_counter() - t0
     s["name"] = name
+    s |= clock_shares(Path(cfg.run.out_dir) / name / "metrics.jsonl", s["time_s"])
     return s
+
+
+def clock_shares(path: Path, time_s: float) -> dict[str, Any]:
+    """The run's profile (its ``start`` event) and where its virtual time went.
+
+    ``gen_share``: the sum over batches (by behaviour version) of first dispatch to last
+    generated group, over the run's time; in ``sync`` that is generation's share of the step
+    (scoring that overlaps generation counts in it). ``learn_share``: learner tokens x the
+    learner's cost per token, over the run's time."""
+    from fedasync.events import read_events
+
+    events = read_events(path)
+    start = next(e for e in events if e["event"] == "start")
+    spans: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "rollout":
+            lo_hi = spans.setdefault(e["behaviour"], [e["start"], e["t"]])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], e["start"]), max(lo_hi[1], e["t"])
+    learn_s = sum(e["tokens"] for e in events if e["event"] == "step") * start["learn_token_s"]
+    gen_s = sum(hi - lo for lo, hi in spans.values())
+    return {
+        "profile_info": start["profile"],
+        "clock_costs": {k: start[k] for k in ("gen_token_s", "learn_token_s", "teacher_token_s")},
+        "gen_share": gen_s / time_s if time_s > 0 else None,
+        "learn_share": learn_s / time_s if time_s > 0 else None,
+    }
 
 
 def run_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> dict[str, Any]:
@@ -191,13 +262,20 @@ def plot_staleness(args: argparse.Namespace, res: dict[str, Any], path: Path) ->
 
 
 def main() -> None:
+    from trainers.rl.profiles import PROFILES
+
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--quick", action="store_true", help="one seed, short (~4 min)")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="every part's seeds (default: 0-2 for parts 2, 3, 5; 0-4 for part 4)",
+    )
+    ap.add_argument("--quick", action="store_true", help="one seed, short (~5 min)")
     ap.add_argument("--out", default="runs/bench_opd")
-    ap.add_argument("--procs", type=int, default=2, help="runs in parallel (one thread each)")
+    ap.add_argument("--procs", "--jobs", dest="procs", type=int, default=2, help="runs in parallel")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-prompts", type=int, default=128)
@@ -214,32 +292,51 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 0])
     ap.add_argument("--throughput-staleness", type=int, default=2)
     ap.add_argument("--kl-tolerance", type=float, default=0.1)
+    ap.add_argument(
+        "--profiles",
+        nargs="+",
+        choices=list(PROFILES),
+        default=TPUT_PROFILES,
+        help="part 4's cost profiles (clock.profile)",
+    )
     for cost in ("gen", "learn", "teacher"):
         ap.add_argument(f"--{cost}-token-s", type=float, help="use this instead of measuring")
     ap.add_argument("--reuse", action="store_true", help="report from --out's results.json")
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
-    ap.add_argument(
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument(
         "--sweep-only", action="store_true", help="only the staleness sweep (parts 1-2)"
     )
+    only.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="only the per-profile throughput (parts 1 and 4)",
+    )
     args = ap.parse_args()
-    if not args.sweep_only and "forward_kl" not in args.arms:
+    if not (args.sweep_only or args.throughput_only) and "forward_kl" not in args.arms:
         ap.error("parts 3-5 use the forward_kl arm: keep it in --arms or pass --sweep-only")
+    args.tput_seeds = args.seeds or [0, 1, 2, 3, 4]
+    args.seeds = args.seeds or [0, 1, 2]
     if args.quick:
         args.seeds, args.steps, args.staleness, args.ks = [0], 20, [0, 4], [1, 0]
+        args.tput_seeds = [0]
+        args.profiles = [p for p in args.profiles if p in ("local", HEADLINE)] or args.profiles
     args.costs = None
     Path(args.out).mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
     if args.reuse:
-        res = json.loads((Path(args.out) / "results.json").read_text())
+        saved = json.loads((Path(args.out) / "results.json").read_text())
+        res = saved.get("runs", saved)
         print(f"reusing {args.out}/results.json (no run)")
         report(args, res, t_start)
         return
     # 1. the teacher (trained once, cached) and the per-token costs, from one probe run
+    first = (args.tput_seeds if args.throughput_only else args.seeds)[0]
     probe = run_one(
         (
             "probe",
-            overrides(args, args.seeds[0], **{"run.max_steps": 1, "distill.loss": "forward_kl"}),
+            overrides(args, first, **{"run.max_steps": 1, "distill.loss": "forward_kl"}),
         )
     )
     teacher = probe["distill"]["teacher"]
@@ -253,9 +350,14 @@ def main() -> None:
         f"student after its warm start: {probe['initial_accuracy']:.3f}"
     )
     print("costs (s per token): " + ", ".join(f"{k} {v!r}" for k, v in args.costs.items()))
+    print(
+        "(profile local uses all three; the others only the generation cost, and set the "
+        "learner's and the teacher's from it)",
+        flush=True,
+    )
 
     jobs: list[tuple[str, list[str]]] = []
-    for seed in args.seeds:
+    for seed in [] if args.throughput_only else args.seeds:
         for loss in args.arms:
             arm = ARMS[loss]
             for S in args.staleness:
@@ -291,31 +393,6 @@ def main() -> None:
                 )
         jobs.append(
             (
-                f"tput-sync-s{seed}",
-                overrides(
-                    args,
-                    seed,
-                    **{"distill.loss": "forward_kl", "rollout.mode": "sync", "run.eval_every": 2},
-                ),
-            )
-        )
-        jobs.append(
-            (
-                f"tput-streaming-s{seed}",
-                overrides(
-                    args,
-                    seed,
-                    **{
-                        "distill.loss": "forward_kl",
-                        "rollout.mode": "streaming",
-                        "run.eval_every": 2,
-                        "rollout.max_staleness": args.throughput_staleness,
-                    },
-                ),
-            )
-        )
-        jobs.append(
-            (
                 f"rl-grpo-s{seed}",
                 overrides(
                     args,
@@ -329,30 +406,46 @@ def main() -> None:
                 ),
             )
         )
+    if not args.sweep_only:
+        for p in args.profiles:
+            for seed in args.tput_seeds:
+                for mode in MODES:
+                    extra: dict[str, Any] = {
+                        "distill.loss": "forward_kl",
+                        "rollout.mode": mode,
+                        "run.eval_every": 2,
+                    }
+                    if mode == "streaming":
+                        extra["rollout.max_staleness"] = args.throughput_staleness
+                    jobs.append((f"tput-{p}-{mode}-s{seed}", overrides(args, seed, p, **extra)))
     # the sweep's S=0 run of forward_kl is the sync OPD run of part 5 (bit for bit)
     res = run_all(args, jobs)
     for s in res.values():
         s["final_rkl"] = s["evals"][-1].get("teacher_rkl")
         s["final_fkl"] = s["evals"][-1].get("teacher_fkl")
+    keep = (
+        "final_accuracy",
+        "initial_accuracy",
+        "final_rkl",
+        "final_fkl",
+        "time_s",
+        "versions",
+        "learner_tokens",
+        "evals",
+        "wall_s",
+        "distill",
+        "dropped",
+        "profile_info",
+        "clock_costs",
+        "gen_share",
+        "learn_share",
+    )
     (Path(args.out) / "results.json").write_text(
         json.dumps(
             {
-                k: {
-                    kk: v[kk]
-                    for kk in (
-                        "final_accuracy",
-                        "initial_accuracy",
-                        "final_rkl",
-                        "final_fkl",
-                        "time_s",
-                        "versions",
-                        "learner_tokens",
-                        "evals",
-                        "wall_s",
-                        "distill",
-                    )
-                }
-                for k, v in res.items()
+                "args": {k: v for k, v in vars(args).items() if k != "costs"},
+                "costs": args.costs,
+                "runs": {k: {kk: v.get(kk) for kk in keep} for k, v in res.items()},
             },
             indent=1,
         )
@@ -361,84 +454,208 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, res: dict[str, Any], t_start: float) -> None:
-    """The tables, the plot and the last line, from the runs' results."""
+    """The tables, the plots and the last lines, from the runs' results."""
     from trainers.rl.distill import cache_bytes_per_token
     from trainers.rl.tasks import VOCAB_SIZE
 
-    print(
-        f"\n## Staleness sweep (async, {args.steps} steps, correction={args.correction}, "
-        f"lr={args.lr}, {len(args.seeds)} seeds: mean ± half-range)"
-    )
-    print(
-        "| loss | "
-        + " | ".join(f"S={S} acc" for S in args.staleness)
-        + " | "
-        + " | ".join(f"S={S} KL" for S in args.staleness)
-        + " |"
-    )
-    print("|---|" + "---|" * (2 * len(args.staleness)))
-    for loss in args.arms:
-        acc = [
-            stats([res[f"sweep-{loss}-S{S}-s{x}"]["final_accuracy"] for x in args.seeds])
-            for S in args.staleness
-        ]
-        kl = [
-            stats([res[f"sweep-{loss}-S{S}-s{x}"]["final_rkl"] for x in args.seeds])
-            for S in args.staleness
-        ]
-        print(f"| {loss} | " + " | ".join(acc) + " | " + " | ".join(kl) + " |")
-    plot_staleness(args, res, Path(args.out) / "opd_staleness.png")
-    print(f"plot: {Path(args.out) / 'opd_staleness.png'}")
-    init = [res[f"sweep-{args.arms[0]}-S0-s{x}"]["initial_accuracy"] for x in args.seeds]
-    print(f"student at the start: {stats(init)}")
+    if not args.throughput_only:
+        print(
+            f"\n## Staleness sweep (async, {args.steps} steps, correction={args.correction}, "
+            f"lr={args.lr}, {len(args.seeds)} seeds: mean ± half-range)"
+        )
+        print(
+            "| loss | "
+            + " | ".join(f"S={S} acc" for S in args.staleness)
+            + " | "
+            + " | ".join(f"S={S} KL" for S in args.staleness)
+            + " |"
+        )
+        print("|---|" + "---|" * (2 * len(args.staleness)))
+        for loss in args.arms:
+            acc = [
+                stats([res[f"sweep-{loss}-S{S}-s{x}"]["final_accuracy"] for x in args.seeds])
+                for S in args.staleness
+            ]
+            kl = [
+                stats([res[f"sweep-{loss}-S{S}-s{x}"]["final_rkl"] for x in args.seeds])
+                for S in args.staleness
+            ]
+            print(f"| {loss} | " + " | ".join(acc) + " | " + " | ".join(kl) + " |")
+        plot_staleness(args, res, Path(args.out) / "opd_staleness.png")
+        print(f"plot: {Path(args.out) / 'opd_staleness.png'}")
+        init = [res[f"sweep-{args.arms[0]}-S0-s{x}"]["initial_accuracy"] for x in args.seeds]
+        print(f"student at the start: {stats(init)}")
     if args.sweep_only:
         print(f"\nwall time {time.perf_counter() - t_start:.0f} s")
         return
 
-    print(f"\n## Finite teacher caches (async S={args.k_staleness})")
-    print("| loss | k | cache bytes/token | final accuracy | final KL(student‖teacher) |")
-    print("|---|---|---|---|---|")
-    for loss in ("forward_kl", "reverse_kl"):
-        for k in args.ks:
-            rows = [res[f"topk-{loss}-k{k}-s{x}"] for x in args.seeds]
-            print(
-                f"| {loss} | {k if k else 'full'} | "
-                f"{cache_bytes_per_token(k, VOCAB_SIZE, 1)} | "
-                f"{stats([r['final_accuracy'] for r in rows])} | "
-                f"{stats([r['final_rkl'] for r in rows])} |"
-            )
+    if not args.throughput_only:
+        print(f"\n## Finite teacher caches (async S={args.k_staleness})")
+        print("| loss | k | cache bytes/token | final accuracy | final KL(student‖teacher) |")
+        print("|---|---|---|---|---|")
+        for loss in ("forward_kl", "reverse_kl"):
+            for k in args.ks:
+                rows = [res[f"topk-{loss}-k{k}-s{x}"] for x in args.seeds]
+                print(
+                    f"| {loss} | {k if k else 'full'} | "
+                    f"{cache_bytes_per_token(k, VOCAB_SIZE, 1)} | "
+                    f"{stats([r['final_accuracy'] for r in rows])} | "
+                    f"{stats([r['final_rkl'] for r in rows])} |"
+                )
 
-    print(f"\n## Throughput: streaming (S={args.throughput_staleness}) vs sync, forward_kl")
-    speedups = []
-    for x in args.seeds:
-        sync, stream = res[f"tput-sync-s{x}"], res[f"tput-streaming-s{x}"]
-        target = max(final_kl(sync), final_kl(stream)) + args.kl_tolerance
-        t_sync, t_stream = settled(sync["evals"], target), settled(stream["evals"], target)
-        per_v = (sync["time_s"] / sync["versions"]) / (stream["time_s"] / stream["versions"])
-        sp = t_sync / t_stream if t_sync and t_stream else None
-        if sp is not None:
-            speedups.append(sp)
-        print(
-            f"seed {x}: final KL (last 3 evals) sync {final_kl(sync):.3f}, streaming "
-            f"{final_kl(stream):.3f}; target {target:.3f}: settled at {_s(t_sync)} (sync), "
-            f"{_s(t_stream)} (streaming) -> {_x(sp)}; {per_v:.2f}x in seconds per version; "
-            f"final accuracy sync {sync['final_accuracy']:.3f}, streaming "
-            f"{stream['final_accuracy']:.3f}"
-        )
+    table = throughput_report(args, res)
 
-    print(f"\n## Cost against RL (sync, {args.steps} steps)")
-    print("| trainer | accuracy gain | learner tokens | gain per 1M learner tokens |")
-    print("|---|---|---|---|")
-    for label, key in (("GRPO (rewards)", "rl-grpo"), ("OPD forward_kl", "sweep-forward_kl-S0")):
-        rows = [res[f"{key}-s{x}"] for x in args.seeds]
-        gains = [r["final_accuracy"] - r["initial_accuracy"] for r in rows]
-        toks = [r["learner_tokens"] for r in rows]
-        per = [g / t * 1e6 for g, t in zip(gains, toks)]
-        print(f"| {label} | {stats(gains)} | {statistics.fmean(toks):.0f} | {stats(per)} |")
+    if not args.throughput_only:
+        print(f"\n## Cost against RL (sync, {args.steps} steps)")
+        print("| trainer | accuracy gain | learner tokens | gain per 1M learner tokens |")
+        print("|---|---|---|---|")
+        for label, key in (
+            ("GRPO (rewards)", "rl-grpo"),
+            ("OPD forward_kl", "sweep-forward_kl-S0"),
+        ):
+            rows = [res[f"{key}-s{x}"] for x in args.seeds]
+            gains = [r["final_accuracy"] - r["initial_accuracy"] for r in rows]
+            toks = [r["learner_tokens"] for r in rows]
+            per = [g / t * 1e6 for g, t in zip(gains, toks)]
+            print(f"| {label} | {stats(gains)} | {statistics.fmean(toks):.0f} | {stats(per)} |")
 
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s; results in {args.out}/results.json")
-    sp = statistics.fmean(speedups) if speedups else float("nan")
-    print(f"opd_speedup_vs_sync={sp:.3f}")
+    for t in table:
+        print(f"opd_speedup_vs_sync_{t['profile']}={_v(t['speedup'])} (limit {t['limit']:.2f})")
+    head = next((t for t in table if t["profile"] == HEADLINE), table[-1])
+    print(f"opd_speedup_vs_sync={_v(head['speedup'])}")
+
+
+def _v(ms: list[float] | None) -> str:
+    return "nan" if ms is None else f"{ms[0]:.3f}"
+
+
+def mean_spread(xs: list[float | None]) -> list[float] | None:
+    """[mean, half-range] of the values that are not None."""
+    v = [x for x in xs if x is not None]
+    if not v:
+        return None
+    return [statistics.fmean(v), (max(v) - min(v)) / 2]
+
+
+def fmt(ms: list[float] | None, spec: str = ".2f") -> str:
+    return "-" if ms is None else f"{ms[0]:{spec}} ± {ms[1]:{spec}}"
+
+
+def throughput_report(args: argparse.Namespace, res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Part 4's per-seed lines and per-profile table (and ``opd_profiles.png``); the table."""
+    print(
+        f"\n## Throughput: streaming (S={args.throughput_staleness}) vs sync, forward_kl, "
+        f"per cost profile; {args.steps} steps, KL every 2 steps, seeds {args.tput_seeds}; "
+        f"time to the same KL (settled: target = the higher final KL + {args.kl_tolerance})"
+    )
+    table: list[dict[str, Any]] = []
+    for p in args.profiles:
+        rows = []
+        for x in args.tput_seeds:
+            sync, stream = res[f"tput-{p}-sync-s{x}"], res[f"tput-{p}-streaming-s{x}"]
+            target = max(final_kl(sync), final_kl(stream)) + args.kl_tolerance
+            t_sync, t_stream = settled(sync["evals"], target), settled(stream["evals"], target)
+            rows.append(
+                {
+                    "seed": x,
+                    "target": target,
+                    "sync_t": t_sync,
+                    "stream_t": t_stream,
+                    "speedup": t_sync / t_stream if t_sync and t_stream else None,
+                    "throughput": (sync["time_s"] / sync["versions"])
+                    / (stream["time_s"] / stream["versions"]),
+                    "sync_kl": final_kl(sync),
+                    "stream_kl": final_kl(stream),
+                    "sync_acc": sync["final_accuracy"],
+                    "stream_acc": stream["final_accuracy"],
+                    "gen_share": sync.get("gen_share"),
+                    "learn_share": sync.get("learn_share"),
+                    "limit": (sync.get("profile_info") or {}).get("limit"),
+                    "dropped": sum((stream.get("dropped") or {}).values()),
+                }
+            )
+        sync_kl = [r["sync_kl"] for r in rows]
+        st_kl = statistics.fmean(r["stream_kl"] for r in rows)
+        lo, hi = min(sync_kl), max(sync_kl)
+        where = (
+            "within" if lo - 1e-9 <= st_kl <= hi + 1e-9 else ("below" if st_kl < lo else "above")
+        )
+        limits = [r["limit"] for r in rows if r["limit"] is not None]
+        table.append(
+            {
+                "profile": p,
+                "rows": rows,
+                "speedup": mean_spread([r["speedup"] for r in rows]),
+                "settled": sum(r["speedup"] is not None for r in rows),
+                "throughput": mean_spread([r["throughput"] for r in rows]),
+                "gen_share": mean_spread([r["gen_share"] for r in rows]),
+                "learn_share": mean_spread([r["learn_share"] for r in rows]),
+                "limit": statistics.fmean(limits) if limits else float("nan"),
+                "sync_kl": mean_spread(sync_kl),
+                "stream_kl": mean_spread([r["stream_kl"] for r in rows]),
+                "stream_kl_vs_sync_range": where,
+                "sync_acc": mean_spread([r["sync_acc"] for r in rows]),
+                "stream_acc": mean_spread([r["stream_acc"] for r in rows]),
+            }
+        )
+    print(
+        "per seed: profile seed | target KL | sync settled | streaming settled | speedup | "
+        "s/v ratio | final KL sync, streaming | dropped"
+    )
+    for t in table:
+        for r in t["rows"]:
+            print(
+                f"  {t['profile']:10s} {r['seed']:>2d} | {r['target']:.3f} | {_s(r['sync_t'])} | "
+                f"{_s(r['stream_t'])} | {_x(r['speedup'])} | {r['throughput']:.2f}x | "
+                f"{r['sync_kl']:.3f}, {r['stream_kl']:.3f} | {r['dropped']}"
+            )
+    print(
+        "\n| profile | sync gen share | sync learner share | limit | speedup (time to KL) | "
+        "of limit | settled | s/v ratio | final KL sync | final KL streaming | "
+        "final acc sync | final acc streaming |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    n = len(args.tput_seeds)
+    for t in table:
+        of = "-" if t["speedup"] is None else f"{t['speedup'][0] / t['limit']:.0%}"
+        sp = "-" if t["speedup"] is None else f"{fmt(t['speedup'])}x"
+        print(
+            f"| {t['profile']} | {fmt(t['gen_share'])} | {fmt(t['learn_share'])} | "
+            f"{t['limit']:.2f}x | {sp} | {of} | {t['settled']}/{n} | "
+            f"{fmt(t['throughput'])}x | {fmt(t['sync_kl'], '.3f')} | "
+            f"{fmt(t['stream_kl'], '.3f')} ({t['stream_kl_vs_sync_range']} sync's range) | "
+            f"{fmt(t['sync_acc'], '.3f')} | {fmt(t['stream_acc'], '.3f')} |"
+        )
+    print(
+        "(speedup: mean ± half-range over the seeds where both settle; limit: the start "
+        "event's, the most an overlapping schedule gains in seconds per version; gen share: "
+        "sync's generation phases over its time, mean ± half-range over seeds)"
+    )
+    plot_profiles(table, Path(args.out) / "opd_profiles.png")
+    print(f"plot: {Path(args.out) / 'opd_profiles.png'}")
+    return table
+
+
+def plot_profiles(table: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(table))
+    sp = [t["speedup"] or [float("nan"), 0.0] for t in table]
+    ax.bar(xs, [m for m, _ in sp], yerr=[h for _, h in sp], capsize=4, label="streaming / sync")
+    ax.plot(xs, [t["limit"] for t in table], "k_", markersize=30, mew=2, label="limit")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(xs), [t["profile"] for t in table])
+    ax.set_ylabel("time-to-KL speedup (mean ± half-range)")
+    ax.set_title("OPD streaming vs sync, time to the same student KL (virtual clock)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
