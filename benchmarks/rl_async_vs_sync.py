@@ -81,6 +81,7 @@ def base_overrides(args: argparse.Namespace, seed: int) -> list[str]:
         f"rollout.workers={args.workers}",
         f"rollout.max_staleness={args.staleness}",
         f"learner.lr={args.lr}",
+        f"learner.minibatches={args.minibatches}",
         "learner.correction=decoupled",
         "run.device=cpu",
     ]
@@ -265,12 +266,21 @@ def main() -> None:
     ap.add_argument("--batch-groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--minibatches",
+        type=int,
+        default=1,
+        help="optimiser steps per batch (PPO's clip acts from 2)",
+    )
     ap.add_argument("--warm-start", type=int, default=30)
     ap.add_argument("--max-len", type=int, default=16)
     ap.add_argument("--tail", type=float, default=1.2)
     ap.add_argument("--cost-repeats", type=int, default=5)
     ap.add_argument("--gen-token-s", type=float, help="use this instead of measuring")
     ap.add_argument("--learn-token-s", type=float, help="use this instead of measuring")
+    ap.add_argument(
+        "--report-only", action="store_true", help="tables and plots from <out>/results.json"
+    )
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.profiles = args.seeds[:1], ["local", HEADLINE]
@@ -280,6 +290,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
 
+    if args.report_only:
+        saved = json.loads((out / "results.json").read_text())
+        runs, costs = saved["runs"], saved["costs"]
+        report(args, runs, costs, out, t_start)
+        return
     costs = measure_costs(args, args.cost_repeats)
     given = {"gen_token_s": args.gen_token_s, "learn_token_s": args.learn_token_s}
     costs |= {k: v for k, v in given.items() if v is not None}
@@ -305,6 +320,19 @@ def main() -> None:
         bar = tqdm(it, total=len(jobs), desc="runs", unit="run") if tqdm else it
         for r in bar:
             runs.append(r)
+    report(args, runs, costs, out, t_start)
+
+
+def report(
+    args: argparse.Namespace,
+    runs: list[dict[str, Any]],
+    costs: dict[str, float],
+    out: Path,
+    t_start: float,
+) -> None:
+    """The per-seed and per-profile tables, the plots, results.json and the figure lines."""
+    args.profiles = list(dict.fromkeys(r["profile"] for r in runs))
+    args.seeds = list(dict.fromkeys(r["seed"] for r in runs))
 
     # per seed: the target from the warm start (the same in every profile and mode)
     table: list[dict[str, Any]] = []
@@ -325,6 +353,11 @@ def main() -> None:
                     "target": target,
                     "sync_ttt": hs["t"] if hs else None,
                     "stream_ttt": ht["t"] if ht else None,
+                    "sync_versions": hs["version"] if hs else None,
+                    "stream_versions": ht["version"] if ht else None,
+                    "steps_ratio": ht["version"] / hs["version"]
+                    if hs and ht and hs["version"] > 0
+                    else None,
                     "speedup": hs["t"] / ht["t"] if hs and ht and ht["t"] > 0 else None,
                     "throughput": sync["s_per_version"] / st["s_per_version"],
                     "gen_share": 1 - sync["learn_s"] / sync["time_s"],
@@ -346,6 +379,7 @@ def main() -> None:
                 "speedup": mean_spread([r["speedup"] for r in rows]),
                 "reached": sum(r["speedup"] is not None for r in rows),
                 "throughput": mean_spread([r["throughput"] for r in rows]),
+                "steps_ratio": mean_spread([r["steps_ratio"] for r in rows]),
                 "gen_share": mean_spread([r["gen_share"] for r in rows]),
                 "limit": limit,
                 "sync_final": mean_spread(sync_fin),
@@ -363,26 +397,34 @@ def main() -> None:
         + (f"{args.target}" if args.gain is None else f"per seed = its warm start + {args.gain}")
         + f" held-out accuracy, reached and kept; seeds {args.seeds}"
     )
-    print("per seed: profile seed  target  sync t  streaming t  speedup  s/v ratio  dropped")
+    print(
+        "per seed: profile seed  target  sync t (version)  streaming t (version)  speedup  "
+        "s/v ratio  dropped"
+    )
+
+    def tv(t: float | None, v: int | None) -> str:
+        return "-" if t is None else f"{t:.3f} ({v})"
+
     for t in table:
         for r in t["rows"]:
             sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
             print(
                 f"  {t['profile']:10s} {r['seed']:>2d}  {r['target']:.3f}  "
-                f"{r['sync_ttt'] if r['sync_ttt'] is not None else '-'!s:>8.8s}  "
-                f"{r['stream_ttt'] if r['stream_ttt'] is not None else '-'!s:>8.8s}  "
+                f"{tv(r['sync_ttt'], r['sync_versions']):>15s}  "
+                f"{tv(r['stream_ttt'], r['stream_versions']):>15s}  "
                 f"{sp:>7s}  {r['throughput']:>6.2f}  {r['dropped']:>5d}"
             )
     print(
         f"\n{'profile':10s} {'gen share':>11s} {'limit':>6s} {'speedup ttt':>13s} "
-        f"{'of limit':>8s} {'s/v ratio':>12s} {'sync gain':>13s} {'sync final':>13s} "
-        f"{'stream final':>13s}"
+        f"{'of limit':>8s} {'s/v ratio':>12s} {'steps ratio':>12s} {'sync gain':>13s} "
+        f"{'sync final':>13s} {'stream final':>13s}"
     )
     for t in table:
         of = "-" if t["speedup"] is None else f"{t['speedup'][0] / t['limit']:.0%}"
         print(
             f"{t['profile']:10s} {fmt(t['gen_share']):>11s} {t['limit']:>5.2f}x "
             f"{fmt(t['speedup']):>13s} {of:>8s} {fmt(t['throughput']):>12s} "
+            f"{fmt(t['steps_ratio']):>12s} "
             f"{fmt(t['gain'], '+.3f'):>13s} {fmt(t['sync_final'], '.3f'):>13s} "
             f"{fmt(t['stream_final'], '.3f'):>13s}"
             + ("" if t["final_within_sync_spread"] else " (outside sync's range)")
