@@ -23,7 +23,8 @@ the mean measured per-stage cost (a model P/2 times deeper, each stage the size 
 ours) and m = 8 micro-batches (PACI's drift stays at one step: ceil((P − 1)/m) = 1).
 Time-to-loss ratio at P stages = (1F1B's simulated step time / PACI's) × (1F1B's steps to
 the common loss / PACI's, per seed, measured at P = 2 and assumed to hold at P stages,
-which is what PACI's bounded drift is for; at 8 stages the drift is as at 2, one step).
+which is what PACI's bounded drift is for; at 8 stages the drift is as at 2, one step,
+but it crosses more micro-batches: with Muon it did not hold, see docs/measured.md).
 ``--loss-at-p8`` checks that assumption: it trains both schedules at P = 8 (the emulator,
 8 one-block stages, m = 8) and prints the time-to-loss ratio with P = 8's own steps ratio.
 Beside each figure: the limit the schedule allows, (m + P − 1)/m (1F1B's ideal bubble
