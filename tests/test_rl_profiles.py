@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_rl_engine import TINY as ENGINE_TINY
 
 from fedasync.errors import ConfigError
 from fedasync.events import read_events
@@ -16,22 +17,8 @@ from trainers.rl.engine import RLRun
 from trainers.rl.profiles import PROFILES, calibrate, makespan, tail_factor
 from trainers.rl.tasks import make_task
 
-TINY = [
-    "policy.d_model=32",
-    "policy.n_layers=1",
-    "policy.n_heads=2",
-    "policy.warm_start_steps=60",
-    "rollout.workers=3",
-    "rollout.group_size=4",
-    "rollout.batch_groups=3",
-    "run.max_steps=4",
-    "run.eval_every=2",
-    "run.eval_prompts=8",
-    "run.progress=false",
-    "run.plots=false",
-    "clock.gen_token_s=0.01",
-    "task.max_len=6",
-]
+# the engine tests' tiny run, less the learner's cost, which a profile sets itself
+TINY = [o for o in ENGINE_TINY if not o.startswith("clock.learn_token_s=")]
 
 
 def _run(tmp_path: Path, name: str, *extra: str) -> RLRun:
