@@ -151,7 +151,11 @@ def test_ray_actors_run_the_hf_policy_as_the_one_process_backend_does(warm, tmp_
     from fedasync.processes import alive
     from trainers.rl.ray_backend import RayBackend
 
-    cfg = _cfg(tmp_path, "ray", *warm, "rollout.backend=ray", "run.max_steps=2")
+    # two actors, not three: each imports transformers, which on a loaded 2-core machine took
+    # minutes for three (Ray's actor start-up limit is 180 s)
+    cfg = _cfg(
+        tmp_path, "ray", *warm, "rollout.backend=ray", "rollout.workers=2", "run.max_steps=2"
+    )
     backend = RayBackend(cfg, build_task(cfg), torch.device("cpu"))
     pids = set(backend.session_pids()) | set(backend.worker_pids())
 
@@ -160,7 +164,7 @@ def test_ray_actors_run_the_hf_policy_as_the_one_process_backend_does(warm, tmp_
         s_ray = RLRun(cfg, tmp_path / "ray", backend).run()
     finally:
         backend.close()
-    local = _run(tmp_path, "local", *warm, "run.max_steps=2")
+    local = _run(tmp_path, "local", *warm, "rollout.workers=2", "run.max_steps=2")
 
     # Assert: the same groups and rewards, weights to rounding, and no Ray process left
     keys = ("group", "worker", "behaviour", "tokens", "outcome")
