@@ -11,7 +11,7 @@ it that must agree); RLConfig checks what spans sections. A config is never chan
 is the core's fedasync.staleness.WeightFnName); omegaconf is shown each as a str carrying its
 Literal, for the reasons in trainers.configload's docstring.
 
-A little over 400 lines because every key is documented where it is declared (the docs and a
+About 540 lines because every key is documented where it is declared (the docs and a
 test read it).
 """
 

@@ -40,7 +40,7 @@ A signal (Ctrl-C, SIGTERM, SIGHUP) stops the run at the top of the loop's next p
 the scheduling state is whole, with a checkpoint of it (:meth:`RLRun.step_loop`); the
 :class:`fedasync.interrupt.Interrupted` it raises says where and names the checkpoint.
 
-One file (about 1100 lines) because the four schedules, the teacher stage, the two clocks, the
+One file (about 1200 lines) because the four schedules, the teacher stage, the two clocks, the
 checkpoint and the stop all read and write one scheduling state on :class:`RLRun`, saved and
 restored as a whole; split, each part would reach into that state from another module. The Ray
 backends are apart (:mod:`trainers.rl.ray_backend`).
