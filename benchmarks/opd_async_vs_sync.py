@@ -54,12 +54,11 @@ seed starts from the same student.
    Last lines: ``opd_speedup_vs_sync_<profile>=<x> (limit <y>)`` per profile, then
    ``opd_speedup_vs_sync=<x>``: the ``gen80`` profile's mean over seeds (the last profile's
    if gen80 is not run).
-5. Cost against RL: GRPO (``distill.loss=none``, the RL trainer's own loss, its default
-   correction) against OPD (forward_kl), both sync for the same steps: held-out accuracy
-   gained per million learner tokens.
+5. Cost against RL (GRPO against OPD per learner token, with a supervised and a DAgger-trained
+   teacher): ``benchmarks/opd_vs_grpo_cost.py``.
 
-Seeds: ``--seeds`` applies to every part; without it parts 2, 3 and 5 use seeds 0-2 and
-part 4 seeds 0-4.
+Seeds: ``--seeds`` applies to every part; without it parts 2 and 3 use seeds 0-2 and part 4
+seeds 0-4.
 
     .venv/bin/python benchmarks/opd_async_vs_sync.py              # every part (~1 h, 2 cores)
     .venv/bin/python benchmarks/opd_async_vs_sync.py --quick      # 1 seed, short (~5 min)
@@ -314,7 +313,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if not (args.sweep_only or args.throughput_only) and "forward_kl" not in args.arms:
-        ap.error("parts 3-5 use the forward_kl arm: keep it in --arms or pass --sweep-only")
+        ap.error("part 3 uses the forward_kl arm: keep it in --arms or pass --sweep-only")
     args.tput_seeds = args.seeds or [0, 1, 2, 3, 4]
     args.seeds = args.seeds or [0, 1, 2]
     if args.quick:
@@ -391,21 +390,6 @@ def main() -> None:
                         ),
                     )
                 )
-        jobs.append(
-            (
-                f"rl-grpo-s{seed}",
-                overrides(
-                    args,
-                    seed,
-                    **{
-                        "distill.loss": "none",
-                        "rollout.mode": "sync",
-                        "learner.correction": "decoupled",
-                        "learner.lr": 3e-4,
-                    },
-                ),
-            )
-        )
     if not args.sweep_only:
         for p in args.profiles:
             for seed in args.tput_seeds:
@@ -418,7 +402,6 @@ def main() -> None:
                     if mode == "streaming":
                         extra["rollout.max_staleness"] = args.throughput_staleness
                     jobs.append((f"tput-{p}-{mode}-s{seed}", overrides(args, seed, p, **extra)))
-    # the sweep's S=0 run of forward_kl is the sync OPD run of part 5 (bit for bit)
     res = run_all(args, jobs)
     for s in res.values():
         s["final_rkl"] = s["evals"][-1].get("teacher_rkl")
@@ -504,20 +487,6 @@ def report(args: argparse.Namespace, res: dict[str, Any], t_start: float) -> Non
                 )
 
     table = throughput_report(args, res)
-
-    if not args.throughput_only:
-        print(f"\n## Cost against RL (sync, {args.steps} steps)")
-        print("| trainer | accuracy gain | learner tokens | gain per 1M learner tokens |")
-        print("|---|---|---|---|")
-        for label, key in (
-            ("GRPO (rewards)", "rl-grpo"),
-            ("OPD forward_kl", "sweep-forward_kl-S0"),
-        ):
-            rows = [res[f"{key}-s{x}"] for x in args.seeds]
-            gains = [r["final_accuracy"] - r["initial_accuracy"] for r in rows]
-            toks = [r["learner_tokens"] for r in rows]
-            per = [g / t * 1e6 for g, t in zip(gains, toks)]
-            print(f"| {label} | {stats(gains)} | {statistics.fmean(toks):.0f} | {stats(per)} |")
 
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s; results in {args.out}/results.json")
     for t in table:

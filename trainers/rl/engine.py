@@ -1196,16 +1196,20 @@ def teacher_divergence(
     seed: int,
     temperature: float,
     device: torch.device,
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Per-token KL between student and teacher (whole vocabulary) on one student sample of
     each prompt ``task.sample(i, seed)``: ``teacher_rkl`` = KL(π‖p_T), ``teacher_fkl`` =
-    KL(p_T‖π), means over the sampled tokens."""
+    KL(p_T‖π), means over the sampled tokens; ``teacher_recovery`` / ``teacher_on_path``: how
+    often the teacher's argmax is the task's expert token after / up to a sample's first
+    mistake (:func:`trainers.rl.teacher.agreement`; None without such positions)."""
     from trainers.rl.policy import generate, sequence_distributions
     from trainers.rl.rollout import sample_generator
+    from trainers.rl.teacher import agreement, expert_targets
 
-    prompts, comps = [], []
+    prompts, comps, asked = [], [], []
     for i in indices:
         p = task.sample(i, seed)
+        asked.append(p)
         s = generate(
             student,
             p.tokens,
@@ -1221,7 +1225,10 @@ def teacher_divergence(
     t_all, _, _ = sequence_distributions(teacher, prompts, comps, 1.0, device)
     rkl, fkl = kl_divergence(s_all, t_all), kl_divergence(t_all, s_all)
     n = mask.sum().clamp(min=1)
+    agree = agreement(t_all, mask, *expert_targets(task, asked, comps, t_all.device))
     return {
         "teacher_rkl": float((rkl * mask).sum() / n),
         "teacher_fkl": float((fkl * mask).sum() / n),
+        "teacher_recovery": agree["recovery"],
+        "teacher_on_path": agree["on_path"],
     }

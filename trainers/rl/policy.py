@@ -349,6 +349,30 @@ def greedy_completions(
     return [decode(o[0]) for o in out]
 
 
+@torch.no_grad()
+def sample_completions(
+    policy: Policy,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    generator: torch.Generator,
+    temperature: float = 1.0,
+    device: str | torch.device | None = None,
+) -> list[list[int]]:
+    """One sampled completion (ids, ending with EOS unless cut) of each of several prompts,
+    decoded together: :func:`generate` across prompts instead of across samples of one."""
+
+    def sample(logits: Tensor) -> tuple[Tensor, Tensor]:
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        return torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1), logp
+
+    was_training = policy.training if isinstance(policy, nn.Module) else False
+    policy.eval()
+    rows = [list(p) for p in prompts]
+    out = _decode(policy, rows, [max_new_tokens] * len(rows), sample, _device_of(policy, device))
+    policy.train(was_training)
+    return [o[0] for o in out]
+
+
 def greedy_accuracy(
     policy: Policy,
     task: Task,
@@ -372,13 +396,16 @@ def warm_start(
     seed: int,
     device: str | torch.device | None = None,
     progress: bool = False,
-) -> dict[str, float]:
+    snapshot_at: int | None = None,
+) -> dict[str, Any]:
     """Supervised warm start: teacher forcing on BOS + prompt -> answer + EOS, with Adam.
 
     Step s trains on prompts ``task.sample(WARM_START_INDEX + s * batch_size + j, seed)``;
     the loss is the mean negative log-prob of the answer tokens (EOS included). Returns the
     final ``loss`` and the greedy exact-match ``accuracy`` on 64 held-out prompts
     (indices from ``HELD_OUT_INDEX``). Deterministic given the initial weights and ``seed``.
+    With ``snapshot_at`` = k, also ``snapshot``: a CPU copy of the weights after k steps
+    (a weaker model of the same shape; the training itself is unchanged).
     """
     from tqdm import tqdm
 
@@ -387,10 +414,13 @@ def warm_start(
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     policy.train()
     loss = torch.tensor(float("nan"))
+    out: dict[str, Any] = {}
     with make_progress(
         steps, f"warm start {task.name}", tty_bar=tqdm, disable=not progress, leave=False
     ) as bar:
         for s in range(steps):
+            if s == snapshot_at:
+                out["snapshot"] = _cpu_copy(policy)
             batch = [
                 task.sample(WARM_START_INDEX + s * batch_size + j, seed) for j in range(batch_size)
             ]
@@ -404,6 +434,14 @@ def warm_start(
             opt.step()
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             bar.update(1)
+    if snapshot_at is not None and snapshot_at >= steps:
+        out["snapshot"] = _cpu_copy(policy)
     policy.eval()
     held_out = range(HELD_OUT_INDEX, HELD_OUT_INDEX + 64)
-    return {"loss": loss.item(), "accuracy": greedy_accuracy(policy, task, held_out, seed, device)}
+    acc = greedy_accuracy(policy, task, held_out, seed, device)
+    return {**out, "loss": loss.item(), "accuracy": acc}
+
+
+def _cpu_copy(policy: Policy) -> dict[str, Tensor]:
+    assert isinstance(policy, nn.Module)
+    return {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}

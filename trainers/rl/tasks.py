@@ -155,6 +155,30 @@ class Task:
         """The exact answer to ``prompt``."""
         return prompt.answer
 
+    def expert_labels(self, prompt: Prompt, completion: Sequence[int]) -> list[int]:
+        """The expert's next token before each token of ``completion`` (ids, EOS included):
+        label ``j`` is the best continuation of ``completion[:j]``, right or wrong so far.
+
+        ``sort``: the smallest prompt digit not yet written (a written digit with no copy
+        left in the prompt is ignored), EOS once every digit is written: after a mistake the
+        rest of the list still comes out in order. The other tasks: the exact answer's token
+        at position ``j``, EOS from the answer's length on. An imitation learner trained on
+        these labels at its own prefixes (DAgger) learns to recover, not only to continue a
+        right answer.
+        """
+        answer = encode(prompt.answer)
+        labels: list[int] = []
+        if self.name == "sort":
+            left = sorted(answer)
+            for tok in completion:
+                labels.append(left[0] if left else EOS)
+                if tok in left:
+                    left.remove(tok)
+            return labels
+        for j in range(len(completion)):
+            labels.append(answer[j] if j < len(answer) else EOS)
+        return labels
+
     def score(self, prompt: Prompt, completion: str) -> float:
         """Reward in [0, 1]: 1.0 if ``completion`` equals the answer exactly, else 0.0."""
         return 1.0 if completion == prompt.answer else 0.0
