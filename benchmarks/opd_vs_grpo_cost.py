@@ -42,8 +42,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the sibling script, by its folder (an installed package also calls itself "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.opd_async_vs_sync import overrides, run_all, run_one, stats  # noqa: E402
+from opd_async_vs_sync import overrides, run_all, run_one, stats  # noqa: E402
 
 GRPO = {"distill.loss": "none", "learner.correction": "decoupled"}
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -396,16 +396,13 @@ def warm_start(
     seed: int,
     device: str | torch.device | None = None,
     progress: bool = False,
-    snapshot_at: int | None = None,
-) -> dict[str, Any]:
+) -> dict[str, float]:
     """Supervised warm start: teacher forcing on BOS + prompt -> answer + EOS, with Adam.
 
     Step s trains on prompts ``task.sample(WARM_START_INDEX + s * batch_size + j, seed)``;
     the loss is the mean negative log-prob of the answer tokens (EOS included). Returns the
     final ``loss`` and the greedy exact-match ``accuracy`` on 64 held-out prompts
     (indices from ``HELD_OUT_INDEX``). Deterministic given the initial weights and ``seed``.
-    With ``snapshot_at`` = k, also ``snapshot``: a CPU copy of the weights after k steps
-    (a weaker model of the same shape; the training itself is unchanged).
     """
     from tqdm import tqdm
 
@@ -414,13 +411,10 @@ def warm_start(
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     policy.train()
     loss = torch.tensor(float("nan"))
-    out: dict[str, Any] = {}
     with make_progress(
         steps, f"warm start {task.name}", tty_bar=tqdm, disable=not progress, leave=False
     ) as bar:
         for s in range(steps):
-            if s == snapshot_at:
-                out["snapshot"] = _cpu_copy(policy)
             batch = [
                 task.sample(WARM_START_INDEX + s * batch_size + j, seed) for j in range(batch_size)
             ]
@@ -434,14 +428,6 @@ def warm_start(
             opt.step()
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             bar.update(1)
-    if snapshot_at is not None and snapshot_at >= steps:
-        out["snapshot"] = _cpu_copy(policy)
     policy.eval()
     held_out = range(HELD_OUT_INDEX, HELD_OUT_INDEX + 64)
-    acc = greedy_accuracy(policy, task, held_out, seed, device)
-    return {**out, "loss": loss.item(), "accuracy": acc}
-
-
-def _cpu_copy(policy: Policy) -> dict[str, Tensor]:
-    assert isinstance(policy, nn.Module)
-    return {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}
+    return {"loss": loss.item(), "accuracy": greedy_accuracy(policy, task, held_out, seed, device)}

@@ -163,54 +163,59 @@ def load_or_train_teacher(
     return teacher, {**info, "source": str(weights), "trained": True}
 
 
+def _train(
+    cfg: RLConfig,
+    model: TinyLM,
+    task: Task,
+    steps: int,
+    device: torch.device,
+    progress: bool = False,
+) -> dict[str, Any]:
+    d = cfg.distill
+    return warm_start(
+        model,
+        task,
+        steps=steps,
+        batch_size=d.teacher_batch,
+        lr=d.teacher_lr,
+        seed=d.teacher_seed + TEACHER_SEED_OFFSET,
+        device=device,
+        progress=progress,
+    )
+
+
+def _weaker(cfg: RLConfig, task: Task, device: torch.device) -> TinyLM:
+    """The teacher's own weights after ``distill.teacher_weak_steps`` supervised steps (the
+    same initial weights and prompts as the teacher's, so the same as its run was then)."""
+    weak = build_teacher(cfg).to(device)
+    _train(cfg, weak, task, min(cfg.distill.teacher_weak_steps, cfg.distill.teacher_steps), device)
+    return weak.eval()
+
+
 def _train_supervised(
     cfg: RLConfig, task: Task, device: torch.device, progress: bool
 ) -> tuple[TinyLM, dict[str, Any]]:
-    """A teacher trained by teacher forcing, and its accuracy and recovery on the samples of
-    its own weights after ``distill.teacher_weak_steps`` steps."""
+    """A teacher trained by teacher forcing, its accuracy, and its recovery on the weaker
+    model's samples."""
     d = cfg.distill
-    seed = d.teacher_seed + TEACHER_SEED_OFFSET
     teacher = build_teacher(cfg).to(device)
-    stats = warm_start(
-        teacher,
-        task,
-        steps=d.teacher_steps,
-        batch_size=d.teacher_batch,
-        lr=d.teacher_lr,
-        seed=seed,
-        device=device,
-        progress=progress,
-        snapshot_at=min(d.teacher_weak_steps, d.teacher_steps),
-    )
-    weak = build_teacher(cfg)
-    weak.load_state_dict(stats["snapshot"])
-    weak.to(device).eval()
+    stats = _train(cfg, teacher, task, d.teacher_steps, device, progress)
     teacher.eval()
     info = {"loss": stats["loss"], "steps": d.teacher_steps, "accuracy": stats["accuracy"]}
-    return teacher, info | recovery(teacher, weak, task, seed, device)
+    seed = d.teacher_seed + TEACHER_SEED_OFFSET
+    return teacher, info | recovery(teacher, _weaker(cfg, task, device), task, seed, device)
 
 
 def _train_dagger(
     cfg: RLConfig, task: Task, device: torch.device, progress: bool
 ) -> tuple[TinyLM, dict[str, Any]]:
     """The supervised teacher of the same settings (loaded from the cache, or trained and
-    cached), then :func:`dagger`. The weaker model is retrained for its few steps from the
-    same initial weights and seed, which gives the supervised run's snapshot exactly."""
+    cached), then :func:`dagger`."""
     d = cfg.distill
     seed = d.teacher_seed + TEACHER_SEED_OFFSET
     base = replace(cfg, distill=replace(d, teacher_dagger_steps=0))
     teacher, before = load_or_train_teacher(base, task, device, progress)
-    weak = build_teacher(cfg).to(device)
-    warm_start(
-        weak,
-        task,
-        steps=min(d.teacher_weak_steps, d.teacher_steps),
-        batch_size=d.teacher_batch,
-        lr=d.teacher_lr,
-        seed=seed,
-        device=device,
-    )
-    weak.eval()
+    weak = _weaker(cfg, task, device)
     supervised = recovery(teacher, weak, task, seed, device)
     dag = dagger(
         teacher,
