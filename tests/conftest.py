@@ -7,6 +7,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# One intra-op thread per process (this pytest, its xdist workers and every command a test
+# starts, which inherit the variable; set before any test module imports torch). The suite runs
+# three workers on two cores, each starting processes of its own: with torch's default of a
+# thread per core, OpenMP's spinning threads fought over the cores and the tiny models' steps
+# ran many times slower (test_rl_profiles, test_rl_engine and test_pipeline_dist together on
+# three workers: 11.3 min with the default, 2.9 min with one thread). The library sets its own
+# counts where it means them (client.num_threads, the pipeline's threads, Ray's actors).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
