@@ -53,6 +53,7 @@ from server.config import FedAsyncConfig
 from server.loop import AsyncServer
 from server.roster import exchange
 from server.summary import build_summary, write_summary
+from server.unlearning import ErasureCoordinator
 
 log = logging.getLogger("fedasync.server")
 
@@ -304,8 +305,8 @@ def run_server(
         srv.events.write(
             "end", t=srv.clock.now, version=srv.version, final_score=summary["final_accuracy"]
         )
-        if srv.erasure is not None:
-            summary["erasures"] = erasure_summary(srv)
+        if isinstance(srv.erasure, ErasureCoordinator):
+            summary["erasures"] = erasure_summary(srv.erasure, srv.params)
         if srv.privacy.ledger is not None:
             summary["central_dp"] = central_dp_summary(srv)
         write_summary(run_dir / "summary.json", summary)
@@ -461,11 +462,18 @@ def _attach_erasure(
     the erasure gRPC service. Returns the gRPC server to stop, or None. Without ``fed`` (no
     silo data here) requests are checked against the ids' digests the silos reported."""
     from server.erasure.store import ErasureStore
-    from server.unlearning import ErasureCoordinator
 
     verify_fn = _verifier(cfg, fed, spec=spec, test=test)
     store = ErasureStore(run_dir / "erasures.sqlite")
-    srv.erasure = ErasureCoordinator(srv, store, verify_fn)
+    srv.erasure = ErasureCoordinator(
+        srv,
+        store,
+        verify_fn,
+        # what it needs of the server's parts: the norm bound an erasure delta gets like any
+        # update, and the calibration of what the pipeline carries past a boundary
+        norm_threshold=lambda: srv.intake.norms.threshold(),
+        at_boundary=srv.pipeline.at_boundary,
+    )
     if not cfg.unlearning.service:
         return None
     from server.erasure.auth import Authorizer, generate_credentials, write_private
@@ -561,17 +569,16 @@ class _Catalog:
         return silo in self.srv.roster and not self.srv.is_down(silo)
 
 
-def erasure_summary(srv: AsyncServer) -> dict[str, Any]:
+def erasure_summary(co: ErasureCoordinator, params: Any) -> dict[str, Any]:
     """Every request's final state, the verification report of each verified one, and the
-    same metrics on the final model for every applied erasure (``at_end``)."""
-    co = srv.erasure
+    same metrics on the final model ``params`` for every applied erasure (``at_end``)."""
     requests = co.store.list()
     ids_of = {r.id: list(r.sample_ids) for r in requests}
     calibrating = [
         {**co.row(e), "after_relearn": None} for e in co.active.values() if e.boundary is not None
     ]
     for row in [*co.report, *calibrating]:
-        row["at_end"] = co.verify_fn(srv.params, row["silo"], ids_of.get(row["request"], []))
+        row["at_end"] = co.verify_fn(params, row["silo"], ids_of.get(row["request"], []))
     return {
         "applied": [*co.report, *calibrating],
         "requests": [

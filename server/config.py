@@ -307,7 +307,7 @@ class SilosConfig:
     exclude_samples: list[SampleShare] = field(default_factory=list)
     """Seeded shares of silos' samples that are never trained on: retraining from scratch
     without the samples a sample-level erasure of the same share erases (the same seeded
-    choice as ``erasures[].fraction``, server/unlearning.py ``fraction_ids``)."""
+    choice as ``erasures[].fraction``, server/unlearning/lifecycle.py ``_fraction_ids``)."""
 
     def __post_init__(self) -> None:
         """Checked when built: ranges, the speed profile, and that excluded silos exist."""

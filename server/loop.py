@@ -20,12 +20,13 @@ counts from the first dispatch, not from the roster query.
 One silo, at most one job (train, unlearn or calibration) in flight, always: every message
 leaves through the dispatcher's ``send``, which refuses (logs, counts in ``dispatches_refused``
 and writes a ``dispatch_refused`` event) work for a silo that already holds a job or waits out a failure,
-instead of sending it. Erasure work is started only on an idle silo (server/unlearning.py).
+instead of sending it. Erasure work is started only on an idle silo (server/unlearning/).
 
 The server is made of parts it owns, each with its own ``state_dict``: the dispatcher and the
 fault schedule (server/dispatch.py), the intake (server/intake.py), the correction pipeline
 (server/pipeline.py), privacy (server/privacy.py), the run statistics (server/stats.py) and
-the erasure coordinator (server/unlearning.py). A training reply reads top-down from
+the erasure coordinator (server/unlearning/; ``NoErasure`` in a run that cannot erase, so
+the loop never asks whether there is one). A training reply reads top-down from
 ``pull_messages`` (``_poll``) through ``run`` → ``_take`` (intake's ``read_reply`` and
 ``check_reply``) → ``_fold`` (the pipeline's ``fold``) → ``_publish`` → ``_new_version``.
 One module (about 700 lines) because that event loop is one state machine: dispatching, taking
@@ -67,6 +68,7 @@ from server.privacy import ServerPrivacy, Stop
 from server.roster import discover_silos
 from server.stats import RunStats
 from server.unlearn_messages import SiloLost, read_unlearn_reply
+from server.unlearning import ErasureCoordinator, NoErasure, UpdateCalibration
 
 log = logging.getLogger("fedasync.server")
 
@@ -77,8 +79,9 @@ class AsyncServer:
     Made of parts it owns, each with a ``state_dict`` that ``state_dict`` combines: the
     dispatcher (jobs in flight, retries) and the fault schedule (server/dispatch.py), the
     intake (server/intake.py), the correction pipeline (server/pipeline.py), privacy
-    (server/privacy.py), the run statistics (server/stats.py) and, when erasures are possible,
-    the erasure coordinator (server/unlearning.py, set by the caller).
+    (server/privacy.py), the run statistics (server/stats.py) and the erasure part: the
+    erasure coordinator when erasures are possible (server/unlearning/, set by the caller),
+    else ``NoErasure``; its ``calibration`` calibrates every accepted update (a no-op then).
     """
 
     def __init__(
@@ -132,12 +135,17 @@ class AsyncServer:
         )
         self.ckpt_path = run_dir / "checkpoint.pt"
         self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
-        self.erasure: Any = None  # an ErasureCoordinator when erasures are possible
+        self.erasure: ErasureCoordinator | NoErasure = NoErasure()  # (coordinator: the caller's)
         self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
         self._never: dict[int, tuple[str, ...]] = {}  # silos.exclude_samples, by silo
         self.id_salt = ""  # set by the caller: the silos report salted id digests (deployment)
         self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
+
+    @property
+    def calibration(self) -> UpdateCalibration:
+        """The erasure part's calibration of accepted updates (a no-op without erasures)."""
+        return self.erasure.calibration
 
     @property
     def inflight(self) -> InFlight[Job]:
@@ -187,7 +195,7 @@ class AsyncServer:
             return  # retraining without this silo's data
         if silo in self.privacy.stopped:
             return  # it refused further work (out of privacy budget)
-        if self.erasure is not None and not self.erasure.may_train(silo):
+        if not self.erasure.may_train(silo):
             return  # retired by a whole-silo erasure, erasing or about to, or halted
         why = self.jobs.holding(silo)
         if why is not None:  # (before a fault or a job id is spent on it; send checks again)
@@ -322,7 +330,7 @@ class AsyncServer:
     def excluded_ids(self, silo: int) -> tuple[str, ...]:
         """The samples ``silo`` trains without: those erased before, and a seeded share it
         never trains on (``silos.exclude_samples``: a sample-level erasure's retraining)."""
-        gone = self.erasure.excluded.get(silo, []) if self.erasure else []
+        gone = self.erasure.excluded.get(silo, [])
         if silo not in self._never:
             share = self.cfg.silos.excluded_share(silo)
             ids = self.silo_sample_ids(silo)
@@ -412,11 +420,10 @@ class AsyncServer:
         while True:
             if self._at_cap():
                 break
-            if self.erasure is not None:
-                self.erasure.poll()
+            self.erasure.poll()
             t_job = self.clock.next_event_time(self.inflight)
             t_retry = self.jobs.retries[0][0] if self.jobs.retries else float("inf")
-            t_erase = self.erasure.next_time() if self.erasure is not None else float("inf")
+            t_erase = self.erasure.next_time()
             what, t_next = self.clock.next(t_job, t_retry, t_erase)
             if t_next > budget or (
                 not self.inflight and not self.jobs.retries and t_erase == float("inf")
@@ -496,25 +503,22 @@ class AsyncServer:
             ):
                 return None  # the loop's top re-sends work to silos that are due
             if not self.inflight and not self.jobs.retries:
-                if self.erasure is not None and self.erasure.next_time() < float("inf"):
+                if self.erasure.next_time() < float("inf"):
                     # nothing in flight (a halted federation) while an erasure waits out its
                     # pause: the loop's top would otherwise spin until it is due
                     time.sleep(self.cfg.server.poll_interval_s)
                 return None
-            if self.erasure is not None and time.monotonic() - entered > 1.0:
+            if self.erasure.enabled and time.monotonic() - entered > 1.0:
                 return None  # the loop's top starts live erasure requests within a second
             time.sleep(self.cfg.server.poll_interval_s)
 
     def _close_round(self) -> None:
         """Sync mode: average what the round brought, then send everyone the new model."""
-        project = None
-        if self.erasure is not None and self.erasure.projects_applied:
-            project = self.erasure.project
-        res = self.pipeline.flush(self.params, project)
+        cal = self.calibration
+        res = self.pipeline.flush(self.params, cal.project if cal.projects_applied else None)
         if res is not None and res.params is not None:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)
-            if self.erasure is not None:
-                self.erasure.record(None, res.contributions, self.version)
+            self.erasure.record(None, res.contributions, self.version)
             self._publish(res.params, "round")
         # silos that were down rejoin at the start of the next round
         self.jobs.clear_retries()
@@ -617,21 +621,25 @@ class AsyncServer:
     def _fold(self, job: Job, acc: Accepted) -> None:
         """Correct and fold an accepted update (server/pipeline.py), count it, and publish the
         new model when the fold made one."""
-        update = acc.update
-        calibrate = project = None
+        update, cal = acc.update, self.calibration
         w_base = self.jobs.sent.get(job.base_version)
         # its base weights dropped (server.corrections.max_snapshots): no delay compensation
         dc_skipped = w_base is None and acc.staleness > 0 and self.dc_lambda > 0
-        if self.erasure is not None:
-            erasure = self.erasure
+        if not cal.compensates(job):
+            w_base, dc_skipped = None, False
+        overlaps: list[float] = []  # what the calibration measured, the last one logged
 
-            def calibrate(tensors: Params) -> Params | Rejection:
-                return erasure.calibrate(job, tensors)
+        def calibrate(tensors: Params) -> Params | Rejection:
+            calibrated, overlap = cal.calibrate(job, tensors)
+            if overlap is not None:
+                overlaps.append(overlap)
+            return calibrated
 
-            if erasure.projects_applied:
-                project = erasure.project
-            if not erasure.compensates(job):
-                w_base, dc_skipped = None, False
+        def project(change: Params) -> Params:
+            projected, overlap = cal.project_measured(change)
+            if overlap is not None:
+                overlaps.append(overlap)
+            return projected
 
         res = self.pipeline.fold(
             self.params,
@@ -641,10 +649,10 @@ class AsyncServer:
             norm=acc.norm,
             w_base=w_base,
             calibrate=calibrate,
-            project=project,
+            project=project if cal.projects_applied else None,
         )
-        if self.erasure is not None and self.erasure.last_overlap is not None:
-            update.metrics["calibration_overlap"] = self.erasure.last_overlap
+        if overlaps:
+            update.metrics["calibration_overlap"] = overlaps[-1]
         if isinstance(res, Rejection):
             self._reject(job, res)
             return
@@ -654,8 +662,8 @@ class AsyncServer:
         self.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.clock.now)
         if dc_skipped:
             self.stats.dc_skipped += 1
-        if self.erasure is not None:  # the silos' exact shares of what this fold applied
-            self.erasure.record(job.silo, res.contributions, self.version, acc.norm)
+        # the silos' exact shares of what this fold applied (kept only by an erasure part)
+        self.erasure.record(job.silo, res.contributions, self.version, acc.norm)
         self.events.write(
             "update",
             t=self.clock.now,
@@ -706,8 +714,7 @@ class AsyncServer:
         every = self.cfg.server.checkpoint_every
         if every and self.version % every == 0:
             self.checkpoint()
-        if self.erasure is not None:
-            self.erasure.on_version()
+        self.erasure.on_version()
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate the global model (``evaluate_fn``), record it and write an ``eval`` event."""
@@ -758,7 +765,7 @@ class AsyncServer:
                 "stats": self.stats.state_dict(),
                 "privacy": self.privacy.state_dict(),
                 "cancels": self.cancels.state_dict(),
-                "erasure": self.erasure.state_dict() if self.erasure is not None else None,
+                "erasure": self.erasure.state_dict(),  # (None without erasures)
             },
         }
 
@@ -778,7 +785,7 @@ class AsyncServer:
         self.privacy.load_state_dict(parts["privacy"])
         if "cancels" in parts:  # (checkpoints written before cancellation have none)
             self.cancels.load_state_dict(parts["cancels"])
-        if self.erasure is not None and parts["erasure"] is not None:
+        if parts["erasure"] is not None:  # (ignored by a run that cannot erase)
             self.erasure.load_state_dict(parts["erasure"])
         return list(state["jobs"])
 
@@ -800,8 +807,7 @@ class AsyncServer:
             )
         jobs = self.load_state_dict(state.as_dict())
         self.events.truncate(state.events_offset)
-        if self.erasure is not None:
-            self.erasure.reconcile()
+        self.erasure.reconcile()
         self.events.write("resume", t=self.clock.now, version=self.version)
         log.info(
             "resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now

@@ -190,7 +190,11 @@ def _run(small_cfg, monkeypatch, target, protect="subspace"):
     def spy(self, params):
         seen["srv"] = self
         seen["versions"].append(
-            (self.version + 1, {k: v.clone() for k, v in params.items()}, self.erasure.boundary)
+            (
+                self.version + 1,
+                {k: v.clone() for k, v in params.items()},
+                self.erasure.calibration.boundary,
+            )
         )
         new_version(self, params)
 
@@ -208,9 +212,9 @@ def test_after_the_boundary_no_version_moves_along_the_erased_signature(
     seen = _run(small_cfg, monkeypatch, target)
 
     # Assert: every step after the boundary, measured against the signature in force
-    sig = seen["srv"].erasure.signature
+    sig = seen["srv"].erasure.calibration.signature
     assert sig is not None
-    boundary = seen["srv"].erasure.boundary
+    boundary = seen["srv"].erasure.calibration.boundary
     versions = seen["versions"]
     overlaps = []
     for (v0, p0, _), (_v1, p1, _) in zip(versions, versions[1:]):
@@ -232,7 +236,7 @@ def test_with_the_jump_protected_the_model_never_reverts_toward_the_pre_erasure_
     seen = _run(small_cfg, monkeypatch, "applied", protect="jump")
 
     # Assert: rho(t) = <w_t - w_B, w_pre - w_B> / |w_pre - w_B|^2 <= 0 after the boundary
-    boundary = seen["srv"].erasure.boundary
+    boundary = seen["srv"].erasure.calibration.boundary
     params = {v: p for v, p, _ in seen["versions"]}
     names = [k for k, t in params[boundary].items() if t.is_floating_point()]
 

@@ -34,7 +34,7 @@ from protocol.erasure_messages import UnlearnReply, UnlearnRequest
 from protocol.reading import Malformed
 from server.app import run_server
 from server.loop import AsyncServer
-from server.unlearning import ErasureCoordinator
+from server.unlearning import Calibration, ErasureCoordinator
 
 E = torch.eye(4)
 
@@ -173,18 +173,20 @@ def test_the_window_keeps_the_latest_updates_leaves_out_the_erased_silo_and_is_c
     coord = _coordinator(small_cfg)
     for silo, values in [(1, (0.0, 0.0, 0.0, 9.0)), (1, (1.0, 0.0, 0.0, 0.0)),
                          (0, (0.0, 1.0, 0.0, 0.0)), (2, (0.0, 0.0, 1.0, 0.0))]:  # fmt: skip
-        assert coord.calibrate(_job(silo), _w(*values)) is not None
-    assert [s for s, _ in coord.recent] == [1, 0, 2]
-    assert all("n" not in p and p["w"].dtype == torch.float32 for _, p in coord.recent)
+        assert coord.calibration.calibrate(_job(silo), _w(*values))[0] is not None
+    assert [s for s, _ in coord.calibration.recent] == [1, 0, 2]
+    assert all("n" not in p and p["w"].dtype == torch.float32 for _, p in coord.calibration.recent)
 
     # Execute: a restart in between (the window is in the coordinator's state)
     again = _coordinator(small_cfg)
     again.load_state_dict(coord.state_dict())
     erasure = SimpleNamespace(silo=0, request_id="r")
-    unique, report = again._unique(erasure, GradientSignature.from_basis(E[:, :3], ["w"]))
+    unique, report = again.calibration._unique(
+        erasure, GradientSignature.from_basis(E[:, :3], ["w"])
+    )
 
     # Assert: e1 and e3 (silos 1 and 2) removed; e2 (the erasing silo's own update) kept
-    assert [s for s, _ in again.recent] == [1, 0, 2]
+    assert [s for s, _ in again.calibration.recent] == [1, 0, 2]
     assert unique is not None and unique.rank == 1
     torch.testing.assert_close(unique.basis[:, 0].abs(), E[:, 1])
     assert report == {
@@ -198,8 +200,8 @@ def test_the_window_keeps_the_latest_updates_leaves_out_the_erased_silo_and_is_c
 def test_without_signature_unique_no_window_is_kept(small_cfg):
     cfg = small_cfg("unlearning.server_removal_part=total")  # (the unique removal keeps one)
     coord = ErasureCoordinator(SimpleNamespace(cfg=cfg, params={}), None, None)  # type: ignore[arg-type]
-    coord.calibrate(_job(1), _w(1.0, 0.0, 0.0, 0.0))
-    assert not coord.recent and coord.state_dict()["recent"] == []
+    coord.calibration.calibrate(_job(1), _w(1.0, 0.0, 0.0, 0.0))
+    assert not coord.calibration.recent and coord.state_dict()["recent"] == []
 
 
 # ---------------------------------------------------------------- the whole run
@@ -257,14 +259,14 @@ def test_a_run_with_the_unique_signature_is_verified_and_says_what_it_removed(
 ):
     # Prepare: catch the signature as sent and the window it met
     caught: dict = {}
-    unique = ErasureCoordinator._unique
+    unique = Calibration._unique
 
     def catch(self, erasure, sig):
         caught["sent"] = sig
         caught["window"] = [flatten(p, sig.names) for s, p in self.recent if s != erasure.silo]
         return unique(self, erasure, sig)
 
-    monkeypatch.setattr(ErasureCoordinator, "_unique", catch)
+    monkeypatch.setattr(Calibration, "_unique", catch)
 
     # Execute
     seen = _run(small_cfg, monkeypatch, "unlearning.signature_unique=true")
@@ -278,7 +280,7 @@ def test_a_run_with_the_unique_signature_is_verified_and_says_what_it_removed(
     updates = [{"u": w} for w in caught["window"]]
     sent = GradientSignature(caught["sent"].basis, ["u"])
     assert max(sent.overlap(u) for u in updates) > 1e-3
-    sig = seen["srv"].erasure.signature
+    sig = seen["srv"].erasure.calibration.signature
     if sig is not None:  # (None: all of it lay in their span)
         in_force = GradientSignature(sig.basis, ["u"])
         assert max(in_force.overlap(u) for u in updates) < 1e-4
@@ -300,7 +302,7 @@ def _along_after_boundary(seen, direction) -> list[float]:
     versions = seen["versions"]
     out = []
     for (v0, p0), (_v1, p1) in zip(versions, versions[1:]):
-        if v0 >= srv.erasure.boundary:
+        if v0 >= srv.erasure.calibration.boundary:
             out.append(direction.along({k: p1[k] - p0[k] for k in direction.names}))
     assert out, "no version after the boundary"
     return out
@@ -321,17 +323,17 @@ def test_with_the_forget_gradient_protected_no_version_lowers_the_forget_loss(
 
     # Assert: the silo's gradient came; with it no step after the boundary descends along it
     erasure = seen["srv"].erasure
-    (jump,) = erasure.jumps
+    (jump,) = erasure.calibration.jumps
     assert min(_along_after_boundary(seen, jump)) > -1e-4  # the jump is held in both arms
     if protect == "onesided":
         assert seen["calibrating"]["forget_gradient"] == 1.0
-        (grad,) = erasure.gradients
+        (grad,) = erasure.calibration.gradients
         assert min(_along_after_boundary(seen, grad)) > -1e-4
         again = ErasureCoordinator(erasure.srv, None, None)
         again.load_state_dict(erasure.state_dict())
-        assert torch.equal(again.gradients[0].direction, grad.direction)
+        assert torch.equal(again.calibration.gradients[0].direction, grad.direction)
     else:  # the jump alone lets the others' training lower the erased data's loss
-        assert not erasure.gradients and "forget_gradient" not in seen["calibrating"]
+        assert not erasure.calibration.gradients and "forget_gradient" not in seen["calibrating"]
         grad = ForgetGradient.unit(*gradient_glue["last"])
         assert grad is not None and min(_along_after_boundary(seen, grad)) < -1e-3
 
@@ -347,4 +349,5 @@ def test_onesided_without_a_gradient_from_the_silo_is_verified_and_says_so(small
         "unlearning.protect=onesided",
     )  # fmt: skip
     assert seen["calibrating"]["forget_gradient"] == 0.0
-    assert not seen["srv"].erasure.gradients and len(seen["srv"].erasure.jumps) == 1
+    assert not seen["srv"].erasure.calibration.gradients
+    assert len(seen["srv"].erasure.calibration.jumps) == 1

@@ -123,7 +123,7 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
 
     def spy(self, silo, start, e):
         coord = self.erasure
-        others = [p for s, p in coord.recent if s != silo]
+        others = [p for s, p in coord.calibration.recent if s != silo]
         params = {k: v.clone() for k, v in self.params.items()}
         seen.append((params, dict(start), coord.ledger.total(str(silo)), others, e))
         return dispatch(self, silo, start, e)

@@ -1,0 +1,332 @@
+"""The invariance calibration of training after an erasure (AFU-IC style; docs/erasure.md).
+
+Owns: the erased data's merged gradient signature, each applied erasure's jump and forget
+gradient (the one-sided directions), the latest erasure boundary, and the window of recent
+accepted updates (``unlearning.signature_unique``, ``server_removal_part=unique``); all of it
+in its ``state_dict``. From the boundary B on every accepted update is calibrated: projected
+out of the signature subspace, so that neither other silos' data nor stale work can pull the
+model back along the erased data's directions (``calibrate``, on the update as it came;
+``project``, on the change a fold makes to the model, ``calibration_target=applied``). Work
+based before B is projected (rule ``project``) or dropped (rule ``drop``).
+
+It does not know the request lifecycle: the erasure coordinator (lifecycle.py) hands it the
+erasure's signature, jump and gradient when one is applied (``protect``), and tells it which
+updates to refuse outright (``refuses``: a retired or erasing silo's). ``NoCalibration`` is
+the calibration of a run that cannot erase: every update passes as it is.
+
+Each projection returns the share of the change's norm that lay in the signature subspace
+(the ``calibration_overlap`` the loop logs with an update; None: not projected).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from fedasync import Params, Rejection, RejectReason
+from fedasync.tensors import clone
+from fedasync.unlearning import (
+    ErasureJump,
+    ForgetGradient,
+    GradientSignature,
+    OneSided,
+    block_one_sided,
+    flatten,
+)
+
+if TYPE_CHECKING:
+    from server.config import UnlearningConfig
+    from server.intake import Job
+    from server.pipeline import Project
+    from server.unlearning.lifecycle import Erasure
+
+log = logging.getLogger("fedasync.server")
+
+PROTECTS: dict[str, frozenset[str]] = {
+    "subspace": frozenset({"subspace"}),
+    "jump": frozenset({"jump"}),
+    "both": frozenset({"subspace", "jump"}),
+    "gradient": frozenset({"gradient"}),
+    "onesided": frozenset({"jump", "gradient"}),
+}
+"""What each ``unlearning.protect`` holds a change to (server.config.Protect's choices)."""
+
+Calibrated = tuple[Params | Rejection, float | None]
+"""A calibrated update (or why it is refused) and its overlap with the signature."""
+
+
+class UpdateCalibration(Protocol):
+    """What the server loop asks of the calibration (``Calibration`` or ``NoCalibration``)."""
+
+    @property
+    def projects_applied(self) -> bool:
+        """Whether folds' changes to the model are projected (``project``)."""
+        ...
+
+    def calibrate(self, job: Job, tensors: Params) -> Calibrated:
+        """One accepted update calibrated (or refused), and its overlap."""
+        ...
+
+    def project(self, change: Params) -> Params:
+        """``change`` to the model calibrated."""
+        ...
+
+    def project_measured(self, change: Params) -> tuple[Params, float | None]:
+        """``change`` calibrated, and the share of it that lay in the signature subspace."""
+        ...
+
+    def compensates(self, job: Job) -> bool:
+        """Whether delay compensation may use ``job``'s base weights."""
+        ...
+
+
+class NoCalibration:
+    """The calibration of a run that cannot erase: every update passes as it is."""
+
+    projects_applied = False
+
+    def calibrate(self, job: Job, tensors: Params) -> Calibrated:
+        """``tensors`` unchanged, not measured."""
+        return tensors, None
+
+    def project(self, change: Params) -> Params:
+        """``change`` unchanged."""
+        return change
+
+    def project_measured(self, change: Params) -> tuple[Params, float | None]:
+        """``change`` unchanged, not measured."""
+        return change, None
+
+    def compensates(self, job: Job) -> bool:
+        """Always: there is no erasure boundary to cross."""
+        return True
+
+
+def _refuses_none(job: Job) -> Rejection | None:
+    return None
+
+
+def carries_nothing(silo: str, project: Project) -> int:
+    """A server that carries nothing past an erasure boundary: nothing dropped."""
+    return 0
+
+
+class Calibration:
+    """The erased data's signature and directions, and the calibration of later updates."""
+
+    def __init__(
+        self,
+        cfg: UnlearningConfig,
+        *,
+        refuses: Callable[[Job], Rejection | None] = _refuses_none,
+        at_boundary: Callable[[str, Project], int] = carries_nothing,
+    ):
+        """``refuses``: the coordinator's refusal of an update before it is calibrated (its
+        silo's data is under erasure); ``at_boundary``: what the server carries past an
+        erasure of a silo (the pipeline's buffer, moment and residuals) calibrated by a
+        projection, returning how many buffered updates of that silo it dropped."""
+        self.cfg = cfg
+        self.refuses = refuses
+        self.at_boundary = at_boundary
+        self.signature: GradientSignature | None = None
+        self.jumps: list[ErasureJump] = []
+        """Each applied erasure's jump (``unlearning.protect`` jump, both or onesided)."""
+        self.gradients: list[ForgetGradient] = []
+        """Each applied erasure's mean forget gradient, as its silo sent it
+        (``unlearning.protect`` gradient or onesided)."""
+        self.recent: deque[tuple[int, Params]] = deque(maxlen=int(cfg.unique_window))
+        """``unlearning.signature_unique`` or ``server_removal_part=unique``: the latest
+        accepted updates as received (silo, float32 copies of the floating tensors), at most
+        ``unique_window``: what the other silos' data moves the model along. Checkpointed
+        (``state_dict``), so a resumed server has the same window as before the restart."""
+        self._keeps_recent = cfg.signature_unique or (
+            cfg.server_removal and cfg.server_removal_part == "unique"
+        )
+        self.boundary = -1
+        """The version of the latest erasure boundary (-1: none yet)."""
+
+    # -------------------------------------------------------------- updates
+    def calibrate(self, job: Job, tensors: Params) -> Calibrated:
+        """Calibrate one accepted train update (or reject it) before it is folded; with the
+        share of the update's norm that lay in the erased data's signature subspace before
+        the projection (None: uncalibrated)."""
+        refused = self.refuses(job)
+        if refused is not None:
+            return refused, None
+        if job.base_version < self.boundary and self.cfg.pre_boundary == "drop":
+            return Rejection(  # with or without calibration: drop-all-stale is its own policy
+                RejectReason.CROSSED_BOUNDARY,
+                f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
+            ), None
+        if self._keeps_recent:  # accepted: the pipeline folds it after this
+            floats = {
+                k: v.detach().cpu().float().clone()
+                for k, v in tensors.items()
+                if v.is_floating_point()
+            }
+            self.recent.append((job.silo, floats))
+        if self.signature is None or not self.cfg.calibration:
+            return tensors, None
+        if self.cfg.calibration_target == "applied":
+            return tensors, None  # what the fold applies is projected instead (``project``)
+        overlap = self.signature.overlap(tensors)
+        return self.signature.project_out(tensors, strength=self.cfg.calibration_strength), overlap
+
+    @property
+    def projects_applied(self) -> bool:
+        """Whether folds' changes to the model are projected (``calibration_target=applied``,
+        with a signature or an erasure jump to protect)."""
+        if not self.cfg.calibration or self.cfg.calibration_target != "applied":
+            return False
+        return self._subspace is not None or bool(self._one_sided)
+
+    @property
+    def _protects(self) -> frozenset[str]:
+        """What the calibration holds changes to: ``subspace``, ``jump``, ``gradient`` (by
+        ``unlearning.protect``; a reply, ``calibration_target=reply``, is only ever projected
+        out of the signature)."""
+        if self.cfg.calibration_target != "applied":
+            return frozenset({"subspace"})
+        return PROTECTS[self.cfg.protect]
+
+    @property
+    def _subspace(self) -> GradientSignature | None:
+        return self.signature if "subspace" in self._protects else None
+
+    @property
+    def _one_sided(self) -> list[OneSided]:
+        """The one-sided directions the calibration holds changes to: the erasures' jumps and
+        forget gradients, as ``_protects`` says."""
+        protects = self._protects
+        jumps = self.jumps if "jump" in protects else []
+        grads = self.gradients if "gradient" in protects else []
+        return [*jumps, *grads]
+
+    def project(self, change: Params) -> Params:
+        """``change`` calibrated (``project_measured``, without the overlap)."""
+        return self.project_measured(change)[0]
+
+    def project_measured(self, change: Params) -> tuple[Params, float | None]:
+        """``change`` (to the model, or a direction the server carries) calibrated by
+        ``unlearning.protect``: projected out of the erased data's signature, and/or without
+        its component moving back along each erasure's jump or lowering its forget loss
+        (one-sided; with several directions the nearest change that goes against none,
+        `fedasync.unlearning.block_one_sided`); with the share of it that lay in the
+        signature (None: no signature is protected)."""
+        sig, overlap = self._subspace, None
+        if sig is not None:
+            overlap = sig.overlap(change)
+            change = sig.project_out(change, strength=self.cfg.calibration_strength)
+        return block_one_sided(change, self._one_sided), overlap
+
+    def compensates(self, job: Job) -> bool:
+        """Whether delay compensation may use ``job``'s base weights: not across an erasure
+        boundary when the applied change is calibrated (w_now − w_base would hold the erasure
+        itself, and compensating would pull the model back toward the pre-erasure one)."""
+        applied = self.cfg.calibration and self.cfg.calibration_target == "applied"
+        return not (applied and job.base_version < self.boundary)
+
+    # -------------------------------------------------------------- an erasure applied
+    def protect(
+        self,
+        erasure: Erasure,
+        old: Params,
+        new: Params,
+        sig: GradientSignature | None,
+        gradient: ForgetGradient | None,
+    ) -> dict[str, float]:
+        """An erasure moves the model from ``old`` to ``new``: hold later changes to what
+        ``unlearning.protect`` says (its signature merged in, its jump, its forget gradient)
+        and calibrate what the server carries past it. Returns what the calibrating event
+        says of what is protected (``signature_unique``'s share removed; whether a forget
+        gradient came)."""
+        protects = self._protects
+        kept: dict[str, float] = {}
+        if sig is not None and self.cfg.signature_unique:
+            sig, kept = self._unique(erasure, sig)
+        if sig is not None:
+            self.signature = sig if self.signature is None else self.signature.merge(sig)
+        jump = ErasureJump.between(old, new) if "jump" in protects else None
+        if jump is not None:
+            self.jumps.append(jump)
+        if "gradient" in protects:
+            kept["forget_gradient"] = float(gradient is not None)
+            if gradient is not None:
+                self.gradients.append(gradient)
+            else:
+                log.warning(
+                    "erasure %s: unlearning.protect=%s but silo %d sent no forget gradient "
+                    "(an older silo, or FedEraser): it is not protected against",
+                    erasure.request_id,
+                    self.cfg.protect,
+                    erasure.silo,
+                )
+        if self.projects_applied:  # what the server carries past the boundary, calibrated
+            dropped = self.at_boundary(str(erasure.silo), self.project)
+            log.info(
+                "erasure %s: %d buffered update(s) of silo %d dropped; the buffer, the server "
+                "optimiser's moment and error-feedback residuals projected",
+                erasure.request_id,
+                dropped,
+                erasure.silo,
+            )
+        return kept
+
+    def _unique(
+        self, erasure: Erasure, sig: GradientSignature
+    ) -> tuple[GradientSignature | None, dict[str, float]]:
+        """``unlearning.signature_unique``: ``sig`` without the span of the other silos'
+        latest accepted updates (`GradientSignature.without_span`; None: nothing of it is
+        unique), and what that did: ``signature_shared``, the share of the signature in that
+        span (`GradientSignature.span_share`), the ranks before and after, and how many
+        updates spanned it."""
+        vectors = [
+            flatten(p, sig.names)
+            for silo, p in self.recent
+            if silo != erasure.silo and all(n in p for n in sig.names)
+        ]
+        shared = sig.span_share(vectors)
+        unique = sig.without_span(vectors)
+        report = {
+            "signature_shared": shared,
+            "signature_rank_sent": float(sig.rank),
+            "signature_rank_unique": float(0 if unique is None else unique.rank),
+            "unique_updates": float(len(vectors)),
+        }
+        log.info(
+            "erasure %s: %.1f%% of its signature lies in the span of %d update(s) of other "
+            "silos; rank %d -> %d",
+            erasure.request_id,
+            100 * shared,
+            len(vectors),
+            sig.rank,
+            0 if unique is None else unique.rank,
+        )
+        return unique, report
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The signature, the one-sided directions, the boundary and the window."""
+        return {
+            "jumps": [j.state_dict() for j in self.jumps],
+            "gradients": [g.state_dict() for g in self.gradients],
+            "recent": [{"silo": silo, "tensors": clone(p)} for silo, p in self.recent],
+            "signature": None if self.signature is None else self.signature.state_dict(),
+            "boundary": self.boundary,
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.jumps = [ErasureJump.from_state(j) for j in d.get("jumps", [])]
+        self.gradients = [ForgetGradient.from_state(g) for g in d.get("gradients", [])]
+        self.recent.clear()  # (absent in older checkpoints: the window starts empty)
+        for r in d.get("recent", []):
+            self.recent.append((int(r["silo"]), clone(r["tensors"])))
+        if d["signature"] is not None:
+            self.signature = GradientSignature(basis=torch.zeros(0, 0), names=[])
+            self.signature.load_state_dict(d["signature"])
+        self.boundary = int(d["boundary"])

@@ -1,0 +1,488 @@
+"""The erasure request lifecycle: queued -> erasing -> calibrating -> verified (or failed).
+
+Owns (``ErasureCoordinator``, in its ``state_dict``): the requests in progress, applied and
+scheduled, the verification reports, the silos retired or with samples excluded, the ledger
+(the server's removal at a request's start), the audit rows and ``erasure`` events; and, as
+parts with a ``state_dict`` each, the calibration (calibration.py) and FedEraser's rebuild
+(rebuild.py). The package's docstring (__init__.py) tells the whole design.
+
+A silo that goes down while erasing (its reply is an error: its ClientApp crashed or raised,
+its SuperNode restarted, the SuperLink reports it offline; or no reply within
+``server.reply_timeout_s``) sends its request back: erasing -> queued, the audit row saying
+why, and it is started again (from the then-current model) when the silo is back. Nothing of
+an erasure is in the model before erasing -> calibrating, so it is applied once however often
+it was started. An offline silo (the SuperLink's word) is tried again after
+``server.offline_retry_s`` and not counted; any other loss counts, and the
+``unlearning.max_attempts``-th one (default 3) fails the request with the reason. A reply
+that arrives but is malformed fails it at once, as do requests a method cannot carry out.
+
+A whole-silo erasure retires the silo; a sample-level one lets it train without the erased
+samples (bounded: bounds.py). One silo, one job: an erasure starts only on an idle silo (the
+loop refuses a second job); while a request waits for its silo, it is sent no training.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fedasync import Params, Rejection, RejectReason
+from fedasync.unlearning import ContributionLedger, ForgetGradient, GradientSignature
+from protocol.ids import fraction_ids
+from server.erasure.states import State
+from server.intake import JobKind
+from server.removal import removal
+from server.unlearn_messages import SiloLost
+from server.unlearning import resume
+from server.unlearning.bounds import bound_delta, size
+from server.unlearning.calibration import Calibration, carries_nothing
+from server.unlearning.rebuild import FedEraserRebuild
+from server.unlearning.requests import WENT_DOWN, WENT_OFFLINE, Erasure, Federation, add_floats
+
+if TYPE_CHECKING:
+    from server.erasure.store import ErasureStore
+    from server.intake import Job
+    from server.pipeline import Project
+
+log = logging.getLogger("fedasync.server")
+
+
+class ErasureCoordinator:
+    """Drives erasure requests through their states from inside the server loop."""
+
+    enabled = True
+    """Live erasure requests may come (the loop looks for them at least every second)."""
+
+    def __init__(
+        self,
+        srv: Federation,
+        store: ErasureStore,
+        verify_fn: Any,
+        *,
+        norm_threshold: Callable[[], float | None] = lambda: None,
+        at_boundary: Callable[[str, Project], int] = carries_nothing,
+    ):
+        """``verify_fn``: (params, silo, sample_ids) -> the verification metrics;
+        ``norm_threshold``: the accepted-update norm outlier threshold now (None: not enough
+        updates yet), one of an erasure delta's bounds (``bound_delta``); ``at_boundary``:
+        calibrates what the server carries past an erasure boundary (the correction
+        pipeline's ``at_boundary``; by default nothing is carried)."""
+        self.srv = srv
+        self.store = store
+        self.cfg = srv.cfg.unlearning
+        self.verify_fn = verify_fn
+        self.norm_threshold = norm_threshold
+        self.ledger = ContributionLedger()
+        self.calibration = Calibration(self.cfg, refuses=self._refuses, at_boundary=at_boundary)
+        self.rebuild: FedEraserRebuild | None = None  # the halting baseline's (federaser)
+        if self.cfg.federaser:
+            self.rebuild = FedEraserRebuild(  # its rebuilt model is applied as any erasure's
+                srv,
+                srv.params,
+                is_retired=lambda s: s in self.retired,
+                done=lambda e, model, metrics: self._apply(e, model, None, metrics),
+            )
+        self.retired: set[int] = set()
+        self.excluded: dict[int, list[str]] = {}
+        self.active: dict[str, Erasure] = {}
+        self.applied: set[str] = set()
+        self.schedule = sorted(
+            ((e.at_s, e.silo, e.fraction) for e in srv.cfg.erasures), key=lambda x: x[0]
+        )
+        self.report: list[dict[str, Any]] = []
+        self.seen: dict[str, float] = {}  # request id -> clock time it was first seen queued
+        self.halting = False
+        self.max_attempts = int(self.cfg.max_attempts)
+        self.not_before: dict[str, float] = {}  # requeued id -> clock time it may start again
+        self.waiting: set[int] = set()  # silos with a queued request: sent no new training
+
+    # -------------------------------------------------------------- scheduling
+    def next_time(self) -> float:
+        """The next clock time at which ``poll`` has something to do by itself: a scheduled
+        erasure to submit, or a requeued one whose pause is over."""
+        now = self.srv.clock.now
+        times = [t for t in self.not_before.values() if t > now]
+        if self.schedule:
+            times.append(self.schedule[0][0])
+        return min(times, default=float("inf"))
+
+    def erasing(self, silo: int) -> bool:
+        """Whether ``silo`` is carrying out an erasure not yet applied."""
+        return any(e.silo == silo and e.boundary is None for e in self.active.values())
+
+    def may_train(self, silo: int) -> bool:
+        """Whether ``silo`` may be sent training (not retired, erasing, or halted)."""
+        if self.cfg.halt and (
+            self.halting or any(e.boundary is None for e in self.active.values())
+        ):
+            return False  # the synchronous baseline: everyone waits for the erasure
+        return silo not in self.retired and silo not in self.waiting and not self.erasing(silo)
+
+    def halted_silos(self) -> list[int]:
+        """Silos with no work in flight, not down, that may train again (after a halt)."""
+        srv = self.srv
+        return [s for s in sorted(srv.roster) if srv.holding(s) is None and self.may_train(s)]
+
+    def poll(self) -> None:
+        """Submit due scheduled erasures; start queued requests whose silo is online."""
+        now = self.srv.clock.now
+        while self.schedule and self.schedule[0][0] <= now:
+            _, silo, fraction = self.schedule.pop(0)
+            ids = self._fraction_ids(silo, fraction)
+            req, _ = self.store.submit(silo, ids or None, "schedule", self.srv.version)
+            log.info("scheduled erasure %s of silo %d submitted at t=%.1f", req.id, silo, now)
+        queued = [r for r in self.store.unfinished() if r.state is State.QUEUED]
+        for req in queued:
+            self.seen.setdefault(req.id, now)
+        before, self.waiting = self.waiting, {r.silo for r in queued}
+        self._start_queued(queued, now)
+        if not self.srv.barrier:  # silos whose request left the queue otherwise (failed) train
+            for silo in sorted(before - self.waiting):
+                if self.srv.holding(silo) is None and self.may_train(silo):
+                    self.srv.dispatch(silo)
+
+    def _startable(self, req: Any, now: float) -> bool:
+        """Whether ``req`` may start now but for its silo's job in flight."""
+        if req.id in self.active or req.silo in self.retired or req.silo not in self.srv.roster:
+            return False
+        if self.srv.is_down(req.silo) or self.erasing(req.silo):
+            return False  # offline: it waits, queued, until the silo returns
+        return self.not_before.get(req.id, now) <= now
+
+    def _start_queued(self, queued: list[Any], now: float) -> None:
+        # a request cancels its silo's training job in flight (server/cancel.py): it starts
+        # now instead of after a job that may be a straggler's (unlearning.cancel_inflight).
+        # On the wall clock only with the erasure service: Flower's SuperNode takes one message
+        # at a time, so a deployed node pulls the erasure only after the job it runs; its node
+        # stops that job when it sees the request enter erasing there (clients/preempt.py).
+        # Without the service a cancel would gain nothing and start the erasure message's
+        # reply timeout behind the job
+        if self.cfg.cancel_inflight and (not self.srv.clock.realtime or self.cfg.service):
+            for req in queued:
+                if self._startable(req, now) and self.srv.holding(req.silo) is not None:
+                    self.srv.cancel_for_erasure(req.silo, req.id)
+        # the synchronous baseline halts: no new work while a request waits, and the erasure
+        # starts only once the (other silos') work in flight has drained
+        self.halting = self.cfg.halt and bool(queued)
+        if self.halting and any(j.kind is JobKind.TRAIN for j in self.srv.inflight.values()):
+            return
+        for req in queued:
+            if not self._startable(req, now):
+                continue  # (a requeued one waits out its pause after its silo went down)
+            if self.srv.holding(req.silo) is not None:
+                continue  # one job per silo: it starts when the silo's job in flight is back
+            self.not_before.pop(req.id, None)
+            if not any(r.silo == req.silo and r.id != req.id for r in queued):
+                self.waiting.discard(req.silo)  # (a silo erasing is sent no training anyway)
+            self._start(req)
+
+    def _fraction_ids(self, silo: int, fraction: float) -> list[str]:
+        if fraction >= 1.0:
+            return []
+        return fraction_ids(self.srv.silo_sample_ids(silo), self.srv.cfg.run.seed, silo, fraction)
+
+    def _start(self, req: Any, resumed: bool = False) -> None:
+        srv = self.srv
+        submitted_t, wall_ms = self._submitted(req)
+        e = Erasure(req.id, req.silo, list(req.sample_ids), submitted_t, submitted_wall_ms=wall_ms)
+        e.started_t = srv.clock.now
+        self.active[req.id] = e
+        note = self._size(e)
+        e.removal = removal(
+            self.cfg,
+            self.ledger,
+            self.calibration.recent,
+            e.silo,
+            e.request_id,
+            e.start_report,
+            sample_level=bool(e.sample_ids),
+        )
+        if resumed:
+            self.store.note(
+                req.id,
+                actor="server",
+                model_version=srv.version,
+                detail=f"resumed after restart: sent train.unlearn to silo {req.silo} again{note}",
+            )
+        else:
+            self.store.transition(
+                req.id,
+                State.ERASING,
+                actor="server",
+                model_version=srv.version,
+                detail=f"sent train.unlearn to silo {req.silo}{note}",
+            )
+        if self.rebuild is not None:  # FedEraser (the halting baseline): whole silos only
+            if e.sample_ids:
+                self.failed(e, "FedEraser (the halting baseline) erases whole silos only")
+                return
+            self.event(e, "erasing", method="federaser")
+            self.rebuild.start(e)
+            return
+        start = srv.params if e.removal is None else add_floats(srv.params, e.removal)
+        srv.dispatch_unlearn(req.silo, start, e)
+
+    def _submitted(self, req: Any) -> tuple[float, int | None]:
+        """``(submitted_t, submitted_wall_ms)`` of ``req`` (`resume.submitted`)."""
+        return resume.submitted(req, self.srv.clock, self.store.opened_ms, self.seen)
+
+    def _size(self, e: Erasure) -> str:
+        """Scope and size of ``e`` before it is sent (`bounds.size`); a note for the audit."""
+        srv = self.srv
+        held, n = set(srv.silo_sample_ids(e.silo)), int(srv.num_samples.get(e.silo, 0))
+        return size(e, self.cfg, held, n, set(self.excluded.get(e.silo, [])))
+
+    def take_calibration(self, job: Job, update: Any) -> None:
+        """One silo's FedEraser calibration update (None: it failed, the round goes on)."""
+        if self.rebuild is not None:
+            self.rebuild.take(job, update)
+
+    # -------------------------------------------------------------- replies
+    def _refuses(self, job: Job) -> Rejection | None:
+        """Why a train update is refused before it is calibrated: its silo's data is under
+        erasure, or it trained on samples erased since (None: it is not)."""
+        if job.silo in self.retired or self.erasing(job.silo):
+            return Rejection(RejectReason.ERASED, f"silo {job.silo}'s data is under erasure")
+        if job.silo in self.excluded and job.base_version < self.calibration.boundary:
+            return Rejection(RejectReason.ERASED, "trained on samples erased since")
+        return None
+
+    def record(
+        self,
+        silo: int | None,
+        contributions: dict[str, Params],
+        version: int,
+        norm: float | None = None,
+    ) -> None:
+        """What a fold applied: each silo's exact share (the ledger; empty unless
+        ``unlearning.server_removal`` asks for it), and the raw norm of the update of ``silo``
+        that was folded (FedEraser's history; None at a round's flush)."""
+        for s, part in contributions.items():
+            self.ledger.record(s, part, version)
+        if silo is not None and norm is not None and self.rebuild is not None:
+            self.rebuild.record(version, silo, norm)
+
+    def take_unlearn(self, erasure: Erasure, decoded: tuple) -> None:
+        """Apply a silo's erasure: removal + its delta onto the current model; boundary."""
+        srv = self.srv
+        if self.active.get(erasure.request_id) is not erasure:
+            log.warning("ignored a reply to erasure %s: not in progress", erasure.request_id)
+            return  # requeued or finished meanwhile: only the attempt in progress is applied
+        delta, basis, names, metrics, gradient = decoded
+        delta, bounds = self.bound_delta(erasure, delta)
+        new = add_floats(srv.params, delta)
+        if erasure.removal is not None:
+            new = add_floats(new, erasure.removal)
+        sig = GradientSignature.from_basis(basis, names)
+        grad = None if gradient is None else ForgetGradient.unit(gradient, names)
+        self._apply(erasure, new, sig, metrics, bounds, grad)
+
+    def bound_delta(self, erasure: Erasure, delta: Params) -> tuple[Params, dict[str, float]]:
+        """``delta`` clipped to the erasure bound, and what was done (`bounds.bound_delta`):
+        by the accepted-update norm threshold now, ``server.clip_norm`` and PGA's radius."""
+        return bound_delta(
+            erasure,
+            delta,
+            self.cfg,
+            threshold=self.norm_threshold(),
+            clip_norm=self.srv.cfg.server.clip_norm,
+        )
+
+    def _apply(
+        self,
+        erasure: Erasure,
+        new: Params,
+        sig: GradientSignature | None,
+        metrics: dict[str, float],
+        bounds: dict[str, float] | None = None,
+        gradient: ForgetGradient | None = None,
+    ) -> None:
+        """Put the erased model in force: the erasure boundary, verification, durability."""
+        srv = self.srv
+        # what the calibrating event says of what is protected
+        kept = self.calibration.protect(erasure, srv.params, new, sig, gradient)
+        if erasure.sample_ids:
+            self.excluded.setdefault(erasure.silo, []).extend(erasure.sample_ids)
+        else:
+            self.retired.add(erasure.silo)
+            self.ledger.forget(str(erasure.silo))
+        before = float(srv.evaluate_fn(srv.params)["score"])  # just before the boundary
+        erasure.around_boundary = (srv.params, new)
+        srv.apply_erasure(new)
+        erasure.boundary = self.calibration.boundary = srv.version
+        erasure.applied_t = srv.clock.now
+        after = float(srv.evaluate_fn(srv.params)["score"])  # just after it
+        erasure.metrics_at_boundary = {
+            **self.verify_fn(srv.params, erasure.silo, erasure.sample_ids),
+            **{f"silo_{k}": v for k, v in metrics.items()},  # what the silo reported
+            **(bounds or {}),  # the server's bound on the silo's delta (bound_delta)
+            **kept,  # signature_unique's share removed; whether a forget gradient came
+            "score_before": before,
+            "score_after": after,
+            "boundary_dip": before - after,
+        }
+        self.applied.add(erasure.request_id)
+        srv.checkpoint()  # the model with the erasure is durable before the store says so
+        self.store.transition(
+            erasure.request_id,
+            State.CALIBRATING,
+            actor="server",
+            model_version=srv.version,
+            boundary_version=srv.version,
+            metrics=erasure.metrics_at_boundary,
+            detail=f"erasure applied at version {srv.version}; calibrating",
+        )
+        self.event(erasure, "calibrating", **erasure.metrics_at_boundary)
+        self.halting = False  # re-evaluated by the next poll if more requests wait
+        if self.cfg.halt and not srv.barrier:  # (a sync round restarts everyone by itself)
+            for silo in self.halted_silos():
+                srv.dispatch(silo)  # the halted federation resumes
+
+    def failed(self, erasure: Erasure, why: str) -> None:
+        """The erasure cannot be carried out: ``failed`` with ``why`` (a silo that went down
+        is ``requeue``'s, not this)."""
+        if self.active.get(erasure.request_id) is not erasure:
+            return  # an attempt already given up (requeued): its request has moved on
+        self.active.pop(erasure.request_id, None)
+        self.store.transition(
+            erasure.request_id,
+            State.FAILED,
+            actor="server",
+            model_version=self.srv.version,
+            detail=why,
+        )
+        self.event(erasure, "failed", detail=why)
+
+    def requeue(self, erasure: Erasure, why: SiloLost) -> None:
+        """Its silo went down mid-erasure: back to ``queued`` (the audit row says why), to be
+        started again by ``poll`` when the silo is back; ``failed`` after
+        ``unlearning.max_attempts`` losses that were not the silo being offline."""
+        srv, rid = self.srv, erasure.request_id
+        if self.active.get(rid) is not erasure or erasure.boundary is not None:
+            return  # not in progress, or already applied (then it is not lost)
+        if why.offline:
+            detail = (
+                f"{WENT_OFFLINE}: {why}; will retry when it returns "
+                "(not counted against unlearning.max_attempts)"
+            )
+            self.not_before[rid] = srv.clock.now + srv.cfg.server.offline_retry_s
+        else:
+            n = 1 + sum(1 for a in self.store.requeues(rid) if a.detail.startswith(WENT_DOWN))
+            if n >= self.max_attempts:
+                self.failed(
+                    erasure,
+                    f"{WENT_DOWN} {n} times (unlearning.max_attempts={self.max_attempts}); "
+                    f"last: {why}",
+                )
+                return
+            detail = (
+                f"{WENT_DOWN} (attempt {n} of {self.max_attempts}): {why}; "
+                "will retry when it returns"
+            )
+        del self.active[rid]
+        self.waiting.add(erasure.silo)  # no training for it before the erasure starts again
+        log.warning("erasure %s of silo %d back to queued: %s", rid, erasure.silo, detail)
+        self.store.transition(
+            rid, State.QUEUED, actor="server", model_version=srv.version, detail=detail
+        )
+        self.event(erasure, "queued", detail=detail)
+
+    def event(self, e: Erasure, state: str, **extra: Any) -> None:
+        """The ``erasure`` event of ``e`` entering ``state`` (metrics.jsonl)."""
+        srv = self.srv
+        srv.events.write(
+            "erasure",
+            t=srv.clock.now,
+            version=srv.version,
+            request=e.request_id,
+            silo=e.silo,
+            state=state,
+            **extra,
+        )
+
+    def row(self, e: Erasure) -> dict[str, Any]:
+        """What the summary reports of an applied erasure (`resume.row`)."""
+        return resume.row(e, self.store, self.srv.clock.kind, self.srv.updates_accepted_between)
+
+    def on_version(self) -> None:
+        """Verify erasures whose relearning window has passed."""
+        srv = self.srv
+        for rid, e in list(self.active.items()):
+            if e.boundary is None:
+                continue
+            since = srv.version - e.boundary
+            if since < self.cfg.relearn_versions:
+                every = self.cfg.watch_every
+                if every and since > 0 and since % every == 0:
+                    self._watch(e, since)
+                continue
+            after = e.measure(self.srv.params, self.verify_fn)
+            e.around_boundary = None
+            row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
+            self.report.append(row)
+            del self.active[rid]
+            self.store.transition(
+                rid,
+                State.VERIFIED,
+                actor="server",
+                model_version=srv.version,
+                metrics=after,
+                detail=f"verified after {self.cfg.relearn_versions} versions",
+            )
+            self.event(e, "verified", **after)
+
+    def _watch(self, e: Erasure, since: int) -> None:
+        """An ``erasure_watch`` event: the erased model's verification metrics ``since``
+        versions after the boundary, and its reversion ratio (``unlearning.watch_every``)."""
+        srv = self.srv
+        metrics = e.measure(self.srv.params, self.verify_fn)
+        srv.events.write(
+            "erasure_watch",
+            t=srv.clock.now,
+            version=srv.version,
+            request=e.request_id,
+            silo=e.silo,
+            since_boundary=since,
+            **metrics,
+        )
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The erasures in progress, applied and scheduled, the ledger, the verification
+        reports; beside them the keys of the calibration's and the rebuild's ``state_dict``."""
+        return {
+            "ledger": self.ledger.state_dict(),
+            "retired": sorted(self.retired),
+            "excluded": {str(k): list(v) for k, v in self.excluded.items()},
+            "applied": sorted(self.applied),
+            "schedule": [list(x) for x in self.schedule],
+            "report": list(self.report),
+            "calibrating": {
+                rid: e.state_dict() for rid, e in self.active.items() if e.boundary is not None
+            },
+            # the parts' keys beside these (disjoint): the checkpoint's layout as it always was
+            **self.calibration.state_dict(),
+            **({"history": None} if self.rebuild is None else self.rebuild.state_dict()),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (the parts pick their own keys)."""
+        self.calibration.load_state_dict(d)
+        if self.rebuild is not None and d.get("history"):  # (absent: FedEraser was off)
+            self.rebuild.load_state_dict(d)
+        self.ledger.load_state_dict(d["ledger"])
+        self.retired = set(d["retired"])
+        self.excluded = {int(k): list(v) for k, v in d["excluded"].items()}
+        self.applied = set(d["applied"])
+        self.schedule = [tuple(x) for x in d["schedule"]]  # type: ignore[misc]
+        self.report = list(d["report"])
+        for rid, c in d["calibrating"].items():
+            self.active[rid] = Erasure.from_state(rid, c)
+
+    def reconcile(self) -> None:
+        """After a restart: match the store's unfinished requests with the restored model
+        (`resume.reconcile`; an erasing request not applied is started again)."""
+        resume.reconcile(
+            self.store, self.active, self.applied, self.srv, lambda req: self._start(req, True)
+        )

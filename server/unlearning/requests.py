@@ -1,0 +1,210 @@
+"""What the erasure parts share: one request in progress as the server tracks it
+(``Erasure``), what they see of the server (``Federation``), and the erasure part of a run
+that cannot erase (``NoErasure``, with ``NoCalibration``), so that the server loop calls its
+erasure part without asking whether there is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+from fedasync import Params
+from fedasync.erasure_metrics import reversion_ratio
+from server.unlearning.calibration import NoCalibration
+
+if TYPE_CHECKING:
+    from fedasync.clock import Clock
+    from fedasync.events import EventLog
+    from server.config import FedAsyncConfig
+    from server.intake import Job
+
+WENT_DOWN = "silo went down mid-erasure"
+"""Audit detail of an erasing -> queued that counts against ``unlearning.max_attempts``."""
+WENT_OFFLINE = "silo went offline mid-erasure"
+"""Audit detail of an erasing -> queued that does not (the SuperLink reported it offline)."""
+
+
+class Federation(Protocol):
+    """What the erasure coordinator sees of the server: the model and its version, the clock,
+    the silos and their jobs, the event log, and the few actions it may ask for. The server
+    (``server.loop.AsyncServer``) is one; a test may pass another. What it needs of the
+    server's parts (the accepted-update norm threshold, the pipeline's state at a boundary)
+    it is given as callables instead (``ErasureCoordinator``)."""
+
+    cfg: FedAsyncConfig
+    version: int
+    params: Params
+    clock: Clock
+    roster: dict[int, int]
+    num_samples: dict[int, int]
+    barrier: bool
+    events: EventLog
+    evaluate_fn: Any
+
+    @property
+    def inflight(self) -> Mapping[str, Job]:
+        """The jobs in flight, by message id."""
+        ...
+
+    def holding(self, silo: int) -> str | None:
+        """Why ``silo`` may not be sent work now (None: it is idle)."""
+        ...
+
+    def is_down(self, silo: int) -> bool:
+        """Whether ``silo`` waits out a failure."""
+        ...
+
+    def dispatch(self, silo: int) -> None:
+        """Send ``silo`` regular training work."""
+        ...
+
+    def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
+        """Send ``silo`` an erasure; False when refused."""
+        ...
+
+    def cancel_for_erasure(self, silo: int, request_id: str) -> bool:
+        """Cancel ``silo``'s training job in flight; True when it is idle now."""
+        ...
+
+    def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> bool:
+        """Send ``silo`` FedEraser calibration training; False when refused."""
+        ...
+
+    def apply_erasure(self, params: Params) -> None:
+        """Make ``params`` the newest version (the erasure boundary)."""
+        ...
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint now."""
+        ...
+
+    def silo_sample_ids(self, silo: int) -> list[str]:
+        """The sample ids ``silo`` holds."""
+        ...
+
+    def updates_accepted_between(self, t0: float, t1: float) -> int:
+        """Updates accepted in the clock interval ``(t0, t1]``."""
+        ...
+
+
+@dataclass
+class Erasure:
+    """What the server tracks of one request in progress."""
+
+    request_id: str
+    silo: int
+    sample_ids: list[str]  # empty = whole silo
+    submitted_t: float
+    started_t: float | None = None
+    submitted_wall_ms: int | None = None
+    """Set when ``submitted_t`` is unknown (submitted before a restart, on the virtual
+    clock): the request's wall-clock submit time; ``row`` then reports wall-clock latency."""
+    removal: Params | None = None  # what the server subtracted at dispatch (minus ledger)
+    boundary: int | None = None
+    applied_t: float | None = None
+    metrics_at_boundary: dict[str, float] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """unlearning.* values this erasure is sent instead of the config's (its scaled size)."""
+    start_report: dict[str, Any] = field(default_factory=dict)
+    """What the ``erasing`` event says of the erasure's scope and size."""
+    around_boundary: tuple[Params, Params] | None = None
+    """(w_pre, w_B): the model just before and just after the boundary, for the reversion
+    ratio at verification (not checkpointed: after a restart it is not reported)."""
+
+    def measure(self, params: Params, verify_fn: Any) -> dict[str, float]:
+        """The verification metrics of ``params`` for this erasure (``verify_fn``), with how
+        far it went back toward the pre-erasure model (``reversion_ratio``; not after a
+        restart)."""
+        metrics = verify_fn(params, self.silo, self.sample_ids)
+        if self.around_boundary is not None:
+            w_pre, w_b = self.around_boundary
+            metrics["reversion_ratio"] = reversion_ratio(params, w_b, w_pre)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of an applied erasure (one calibrating)."""
+        return {
+            "silo": self.silo,
+            "sample_ids": self.sample_ids,
+            "boundary": self.boundary,
+            "submitted_t": self.submitted_t,
+            "submitted_wall_ms": self.submitted_wall_ms,
+            "started_t": self.started_t,
+            "applied_t": self.applied_t,
+            "metrics": self.metrics_at_boundary,
+        }
+
+    @classmethod
+    def from_state(cls, request_id: str, c: dict[str, Any]) -> Erasure:
+        """The applied erasure ``request_id`` as ``state_dict`` returned it."""
+        return cls(
+            request_id,
+            c["silo"],
+            c["sample_ids"],
+            c["submitted_t"],
+            started_t=c["started_t"],
+            submitted_wall_ms=c.get("submitted_wall_ms"),  # absent in older checkpoints
+            boundary=c["boundary"],
+            applied_t=c["applied_t"],
+            metrics_at_boundary=c["metrics"],
+        )
+
+
+class NoErasure:
+    """The erasure part of a run that cannot erase (no ``erasures``, no service): every silo
+    may train, nothing is ever due, nothing is recorded or checkpointed, and updates pass
+    uncalibrated. Erasure jobs (``train.unlearn``, FedEraser's calibration) are never sent
+    in such a run, so their replies never reach it."""
+
+    enabled = False
+    """Whether live erasure requests may come (the loop then looks for them every second)."""
+    calibration = NoCalibration()
+    excluded: Mapping[int, list[str]] = MappingProxyType({})
+
+    def may_train(self, silo: int) -> bool:
+        """Always."""
+        return True
+
+    def poll(self) -> None:
+        """Nothing to submit or start."""
+
+    def next_time(self) -> float:
+        """Never."""
+        return float("inf")
+
+    def record(
+        self,
+        silo: int | None,
+        contributions: dict[str, Params],
+        version: int,
+        norm: float | None = None,
+    ) -> None:
+        """Nothing is kept."""
+
+    def on_version(self) -> None:
+        """Nothing to verify."""
+
+    def reconcile(self) -> None:
+        """Nothing to resume."""
+
+    def state_dict(self) -> None:
+        """Nothing to checkpoint (the loop's ``parts["erasure"]`` is None)."""
+        return None
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """An erasure state from an earlier run that could erase: ignored, as before."""
+
+    def _no_erasure_job(self, *args: Any) -> NoReturn:
+        raise RuntimeError("an erasure job's reply in a run that cannot erase")
+
+    # (the replies of erasure jobs, which such a run never sends)
+    take_unlearn = take_calibration = requeue = failed = event = _no_erasure_job
+
+
+def add_floats(a: Params, b: Params) -> Params:
+    """``a + b`` on ``a``'s floating tensors. Unlike ``fedasync.tensors.add``, ``b`` may hold
+    only the floating tensors (the ledger records nothing else)."""
+    return {k: (a[k] + b[k]) if a[k].is_floating_point() else a[k] for k in a}
