@@ -40,6 +40,7 @@ from clients.faults import inject_fault
 from clients.local import train_local
 from clients.preempt import JobStop, Preempted
 from clients.privacy import BudgetExhausted, Refusal, ledger_path
+from fedasync.devices import pick_device
 from fedasync.stopping import MembershipStop
 from fedasync.tensors import sub
 from medical_data.federation import Federation, SiloData
@@ -49,7 +50,6 @@ from medical_data.tasks import (
     backdoored,
     concat,
     evaluate,
-    pick_device,
     relearning_data,
     select,
     site_heldout,

@@ -104,13 +104,6 @@ def concat(a: SiloData, b: SiloData) -> SiloData:
     )
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    """CUDA when present and asked for ('auto'), else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def loss_fn(task: str) -> nn.Module:
     """Cross-entropy for classification; MONAI's DiceCE (softmax, one-hot) for segmentation."""
     if task == "classification":

@@ -49,7 +49,8 @@ def with_backend(cfg: RLConfig) -> tuple[RLConfig, Any]:
     else:
         reason = ray_available()
         if reason is None:
-            from trainers.rl.engine import build_task, pick_device
+            from fedasync.devices import pick_device
+            from trainers.rl.engine import build_task
 
             return cfg, RayBackend(cfg, build_task(cfg), pick_device(cfg.run.device))
     log.warning(

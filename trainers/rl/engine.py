@@ -62,6 +62,7 @@ import torch
 
 from fedasync.checkpoint import load_checkpoint, save_checkpoint
 from fedasync.clock import VirtualClock, WallClock
+from fedasync.devices import pick_device
 from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
 from fedasync.interrupt import DeferredStop, Interrupted, shielded
@@ -189,13 +190,6 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Stop the workers."""
-
-
-def pick_device(name: str) -> torch.device:
-    """CUDA for ``cuda``, or for ``auto`` when present; else the CPU."""
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def build_policy(cfg: RLConfig) -> torch.nn.Module:

@@ -10,7 +10,7 @@ trainers need for their importance ratios (AReaL, arXiv:2505.24298).
 Departures: no KV cache (every decoding step recomputes the full forward; the sequences are
 short); sampling always draws on the CPU from CPU probabilities with a caller's CPU
 ``torch.Generator``, so a run reproduces on any device. Functions take ``device=None`` to mean
-the device of the policy's parameters; :func:`pick_device` chooses CUDA when present.
+the device of the policy's parameters; :func:`fedasync.devices.pick_device` chooses CUDA when present.
 
 One file (just over 400 lines) because the model, sampling, log-probs and the warm start share
 one padding and sampling convention, which the workers, the learner and the teacher all rely
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedasync.devices import pick_device  # noqa: F401  (re-exported)
 from trainers.rl.tasks import EOS, PAD, Task, decode, encode
 
 WARM_START_INDEX = 10_000_000
@@ -139,13 +140,6 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
-
-
-def pick_device(device: str | torch.device | None = None) -> torch.device:
-    """``device`` if given, else CUDA when present, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _device_of(policy: Policy, device: str | torch.device | None) -> torch.device:
