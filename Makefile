@@ -42,7 +42,7 @@ test: data lint
 	$(BIN)/python -m pytest -m serial
 	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --dist loadfile --durations=25
 
-# line coverage of the seven packages, subprocesses included (runs/coverage/)
+# line coverage of the eight packages, subprocesses included (runs/coverage/)
 coverage: data
 	rm -rf runs/coverage && mkdir -p runs/coverage
 	$(BIN)/python -m coverage run -m pytest -m serial

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fedasync.errors import ConfigError, UserError
+from runkit import configload
 from fedasync.optim import OptimizerKind
 from fedasync.ranges import (
     AT_LEAST_ONE,
@@ -829,16 +829,6 @@ def from_container(data: dict[str, Any]) -> FedAsyncConfig:
     return cfg
 
 
-MESSAGE_LIMIT = 300
-"""Characters an error message may take from its input (``bounded``)."""
-
-
-def bounded(text: object, limit: int = MESSAGE_LIMIT) -> str:
-    """``str(text)`` cut to ``limit`` characters: an error never echoes unbounded input."""
-    s = str(text)
-    return s if len(s) <= limit else s[:limit] + "..."
-
-
 def build(*layers: Any, source: str) -> FedAsyncConfig:
     """The config that the schema's defaults, overlaid with ``layers`` in turn (plain dicts or
     omegaconf containers), describe, checked as it is built; ``layers`` are left as they were.
@@ -849,21 +839,4 @@ def build(*layers: Any, source: str) -> FedAsyncConfig:
     ConfigError naming the key: omegaconf's (unknown key, wrong type), with ``source`` (where
     the values came from) appended, or a section's own check; every message is bounded.
     """
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(FedAsyncConfig), *layers)
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        key = bounded(getattr(e, "full_key", None) or "?", 100)
-        lines = str(e).splitlines()
-        first = bounded(lines[0] if lines else type(e).__name__)
-        raise ConfigError(f"bad configuration key {key}: {first} ({source})") from e
-    except ValueError as e:  # a config dataclass's own check (ConfigError), or a plain one
-        msg = str(e)
-        if isinstance(e, UserError) and len(msg) <= MESSAGE_LIMIT:
-            raise
-        raise ConfigError(bounded(msg)) from e
-    assert isinstance(cfg, FedAsyncConfig)
-    return cfg
+    return configload.build(FedAsyncConfig, *layers, source=source)

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from runkit.configload import bounded
 from fedasync.errors import ConfigError
-from server.config import FedAsyncConfig, bounded, build
+from server.config import FedAsyncConfig, build
 
 RunConfigValue = bool | int | float | str
 """What a Flower run config can hold (flwr.app.user_config.UserConfigValue)."""

@@ -15,11 +15,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import OmegaConf
 
+from runkit.configload import bounded, read_layers
 from fedasync.errors import ConfigError
-from server.config import FedAsyncConfig, bounded, build
+from server.config import FedAsyncConfig, build
 
 DEFAULT_CONFIG = "default.yaml"
 
@@ -36,26 +36,8 @@ def load_config(
     the packaged default. Raises ConfigError, DataError or CheckpointError naming the key or
     file."""
     path = Path(path) if path is not None else default_config_path()
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (--config)")
-    try:
-        loaded = OmegaConf.load(path)
-    except Exception as e:  # YAML syntax (yaml.YAMLError), or an unreadable file
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-    if not isinstance(loaded, DictConfig):
-        raise ConfigError(
-            f"config file {path} must map keys to values (run:, server:, ...), not hold a list"
-        )
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. server.mode=fedbuff)")
-    try:
-        dotlist = OmegaConf.from_dotlist(list(overrides or []))
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        first = bounded(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        raise ConfigError(f"bad configuration key {key}: {first} (config: {path})") from e
-    return preflight(build(loaded, dotlist, source=f"config: {path}"))
+    layers = read_layers(path, overrides, "server.mode=fedbuff", sections_hint="run:, server:, ...")
+    return preflight(build(*layers, source=f"config: {bounded(path, 200)}"))
 
 
 def checkpoint_path(cfg: FedAsyncConfig) -> Path:

@@ -4,6 +4,8 @@
 - ``server/`` never imports ``clients/``: what the two sides share is the protocol; the task
   arithmetic both need (evaluation, subsets) is ``medical_data``'s.
 - ``clients/`` never imports ``server/``.
+- ``runkit/`` (the run kit) imports only the core: every run command stands on it.
+- ``trainers/`` import the core and the run kit, never the federated packages.
 """
 
 import ast
@@ -32,6 +34,8 @@ def _imports(path: Path) -> set[str]:
         ("server", {"clients", "simulations", "trainers"}),
         ("clients", {"server", "simulations", "trainers"}),
         ("medical_data", {"server", "clients", "simulations", "trainers"}),
+        ("runkit", {"protocol", "server", "clients", "medical_data", "simulations", "trainers"}),
+        ("trainers", {"protocol", "server", "clients", "medical_data", "simulations"}),
     ],
 )
 def test_a_package_imports_only_the_layers_below_it(package, forbidden):

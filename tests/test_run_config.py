@@ -17,9 +17,9 @@ from flwr.common.config import (
 )
 from omegaconf import OmegaConf
 
+from runkit.configload import MESSAGE_LIMIT
 from fedasync.errors import ConfigError
 from server.config import (
-    MESSAGE_LIMIT,
     ErasureRequestConfig,
     FaultConfig,
     FedAsyncConfig,

@@ -1,7 +1,7 @@
 """Typed configuration of a pricing-market run (``fedasync market``), validated where it starts.
 
 defaults <- YAML file (``--config``) <- ``key=value`` overrides, on the conventions of the
-other trainers (trainers.configload): an unknown key, a wrong type or a value out of range is
+other trainers (runkit.configload): an unknown key, a wrong type or a value out of range is
 a ``fedasync.errors.ConfigError`` naming the key (one line, exit 2). Every key is documented
 by the docstring under its field; docs/market.md lists them all (a test checks).
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from runkit import configload
+from runkit.configload import check, check_ranges, choices, load_structured, recheck
 from fedasync.ranges import NON_NEGATIVE, POSITIVE, Range
-from trainers import configload
-from trainers.configload import check, check_ranges, choices, load_structured, recheck
 
 ClockMode = Literal["async", "sync"]
 """``market.clock``."""

@@ -2,7 +2,7 @@
 the run starts.
 
 defaults <- YAML file (``--config``) <- ``key=value`` overrides, loaded by
-:func:`trainers.configload.load_structured` on the same omegaconf conventions as ``fedasync
+:func:`runkit.configload.load_structured` on the same omegaconf conventions as ``fedasync
 simulate`` and ``fedasync rl``: unknown keys, wrong types and values out of range are errors
 that name the key as ``section.key`` (``fedasync.errors.ConfigError``: one line, exit 2). Every
 key is documented by the docstring under its field (a test checks). String choices avoid
@@ -12,7 +12,7 @@ Each section checks its own keys in ``__post_init__`` (ranges in RANGES, choices
 it that must agree, such as PACI's drift bound); PipelineConfig checks what spans sections. A
 config is never changed once built (``dataclasses.replace`` derives another). Choices are
 ``Literal`` types; omegaconf is shown each as a str carrying its Literal, for the reasons in
-trainers.configload's docstring.
+runkit.configload's docstring.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from runkit import configload
+from runkit.configload import check, check_ranges, choices, load_structured, recheck
 from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
-from trainers import configload
-from trainers.configload import check, check_ranges, choices, load_structured, recheck
 from trainers.pipeline.schedule import SCHEDULES, SYNCHRONOUS, max_drift, micro_for_drift
 
 Device = Literal["auto", "cpu", "cuda"]

@@ -9,7 +9,7 @@ Each section checks its own keys in ``__post_init__`` (ranges in RANGES, choices
 it that must agree); RLConfig checks what spans sections. A config is never changed once built
 (``dataclasses.replace`` derives another). Choices are ``Literal`` types (``learner.weight_fn``
 is the core's fedasync.staleness.WeightFnName); omegaconf is shown each as a str carrying its
-Literal, for the reasons in trainers.configload's docstring.
+Literal, for the reasons in runkit.configload's docstring.
 
 About 540 lines because every key is documented where it is declared (the docs and a
 test read it).
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from runkit import configload
+from runkit.configload import check, check_ranges, choices, load_structured, recheck
 from fedasync.errors import ConfigError
 from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
-from trainers import configload
-from trainers.configload import check, check_ranges, choices, load_structured, recheck
 from trainers.rl.tasks import VOCAB_SIZE
 
 Device = Literal["auto", "cpu", "cuda"]
