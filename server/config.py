@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from runkit import configload
 from fedasync.optim import OptimizerKind
 from fedasync.ranges import (
     AT_LEAST_ONE,
@@ -48,6 +47,7 @@ from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from fedasync.unlearning import SHARE_RULES
 from medical_data.backdoor import PATTERNS
 from protocol.config import ClientConfig, DataConfig
+from runkit import configload
 
 ServerMode = Literal["fedasync", "fedbuff", "sync"]
 """``server.mode``."""

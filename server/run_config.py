@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from runkit.configload import bounded
 from fedasync.errors import ConfigError
+from runkit.configload import bounded
 from server.config import FedAsyncConfig, build
 
 RunConfigValue = bool | int | float | str

@@ -17,8 +17,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from runkit.configload import bounded, read_layers
 from fedasync.errors import ConfigError
+from runkit.configload import bounded, read_layers
 from server.config import FedAsyncConfig, build
 
 DEFAULT_CONFIG = "default.yaml"

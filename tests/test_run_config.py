@@ -17,8 +17,8 @@ from flwr.common.config import (
 )
 from omegaconf import OmegaConf
 
-from runkit.configload import MESSAGE_LIMIT
 from fedasync.errors import ConfigError
+from runkit.configload import MESSAGE_LIMIT
 from server.config import (
     ErasureRequestConfig,
     FaultConfig,

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from fedasync.ranges import NON_NEGATIVE, POSITIVE, Range
 from runkit import configload
 from runkit.configload import check, check_ranges, choices, load_structured, recheck
-from fedasync.ranges import NON_NEGATIVE, POSITIVE, Range
 
 ClockMode = Literal["async", "sync"]
 """``market.clock``."""

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
 from runkit import configload
 from runkit.configload import check, check_ranges, choices, load_structured, recheck
-from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
 from trainers.pipeline.schedule import SCHEDULES, SYNCHRONOUS, max_drift, micro_for_drift
 
 Device = Literal["auto", "cpu", "cuda"]

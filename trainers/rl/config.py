@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from runkit import configload
-from runkit.configload import check, check_ranges, choices, load_structured, recheck
 from fedasync.errors import ConfigError
 from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
+from runkit import configload
+from runkit.configload import check, check_ranges, choices, load_structured, recheck
 from trainers.rl.tasks import VOCAB_SIZE
 
 Device = Literal["auto", "cpu", "cuda"]
