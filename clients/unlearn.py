@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedasync import seeds
 from fedasync.erasure_metrics import logit_scale, true_label_confidence
 from fedasync.stopping import MembershipStop, Track
 from fedasync.types import Params
@@ -196,7 +197,7 @@ class _Judge:
         task: str,
         device: torch.device,
     ) -> None:
-        rng = np.random.default_rng([seed, 0x570])
+        rng = seeds.rng(seed, "unlearn.probe")
         self.rule, self.forget, self.heldout = rule, forget, heldout
         self.f_idx = np.sort(rng.permutation(len(forget))[:probe])
         self.h_idx = np.sort(rng.permutation(len(heldout))[:probe])

@@ -31,6 +31,8 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from fedasync import seeds
+
 
 class Timed(Protocol):
     """Anything with a dispatch and a finish time (a job in flight)."""
@@ -217,7 +219,7 @@ class VirtualClock:
 
     def duration(self, worker: int, job_id: int, units: float) -> float:
         """Virtual seconds of job ``job_id`` of ``units`` work units on ``worker``."""
-        rng = np.random.default_rng([self.seed, worker, job_id, 104729])
+        rng = seeds.rng(self.seed, "job.duration", worker, job_id)
         jitter = 1.0 + self.jitter * float(rng.uniform(-1.0, 1.0))
         compute = units * self.unit_time_s / self.speeds[worker]
         return compute * jitter + self.latency_s

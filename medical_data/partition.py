@@ -30,6 +30,7 @@ from monai.transforms import (
     RandGaussianSmooth,
 )
 
+from fedasync import seeds
 from fedasync.errors import ConfigError
 from medical_data.registry import is_tabular
 
@@ -226,14 +227,14 @@ def _tabular_site_shift(
     zero = {"gain": 0.0, "offset": 0.0, "noise_std": 0.0}
     if strength <= 0 or len(x) == 0:
         return x.copy(), zero
-    site = np.random.default_rng([int(seed) % (2**32), 0x7AB])
+    site = seeds.rng(int(seed) % (2**32), "site.shift")
     shape = (1, *x.shape[1:])
     log_gain = site.normal(0.0, TABULAR_SHIFT["gain"] * strength, size=shape)
     offset = site.normal(0.0, TABULAR_SHIFT["offset"] * strength, size=shape)
     noise_std = TABULAR_SHIFT["noise_std"] * strength
-    noise = np.random.default_rng([int(seed) % (2**32), 0x7AB, len(x)]).normal(
-        0.0, noise_std, size=x.shape
-    )
+    noise = np.random.default_rng(  # the site stream, one more word: its noise
+        [*seeds.entropy(int(seed) % (2**32), "site.shift"), len(x)]
+    ).normal(0.0, noise_std, size=x.shape)
     out = (x * np.exp(log_gain) + offset + noise).astype(np.float32)
     params = {
         "gain": round(float(np.abs(log_gain).mean()), 3),

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedasync import seeds
 from medical_data.federation import SiloData
 
 
@@ -74,7 +75,7 @@ def relearning_data(fed: Any, backdoor: dict, seed: int) -> SiloData:
     idx = poisoned_indices(len(fed.silos[silo]), float(backdoor["fraction"]), seed)
     n = backdoor.get("relearn_samples")
     if n is not None and int(n) < len(idx):
-        rng = np.random.default_rng([seed, 0x5E1EA5])
+        rng = seeds.rng(seed, "backdoor.relearn")
         idx = np.sort(rng.choice(idx, size=int(n), replace=False))
     return subset(data, idx)
 

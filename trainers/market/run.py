@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from fedasync import seeds
 from fedasync.events import EventLog, json_safe
 from fedasync.interrupt import Interrupted, children_start_deaf, ignore_interrupts, shielded
 from trainers.market.config import MarketConfig, to_container
@@ -149,7 +150,7 @@ class MarketRun:
         self.market = build_market(cfg)
         self.bench = benchmarks(self.market)
         self.lo, self.hi = self.market.price_bounds(cfg.market.xi)
-        rng = np.random.default_rng([seed, 0x3A7E])
+        rng = seeds.rng(seed, "market.start")
         self.env = ContinuousMarket(
             self.market,
             rate=cfg.market.rate,

@@ -1,0 +1,65 @@
+"""The run section's common keys: what every run command's ``run.*`` holds.
+
+``fedasync simulate`` (server.config.RunConfig), ``fedasync rl``, ``fedasync pipeline`` and
+``fedasync market`` each extend `RunKeys` with their own keys (length, evaluation cadence,
+workers), so ``run.seed``, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.progress``,
+``run.plots`` and ``run.device`` mean the same in every command, with the same defaults except
+the name. A section that extends it and has checks of its own calls ``super().__post_init__()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from fedasync.errors import ConfigError
+from runkit.configload import choices
+
+Device = Literal["auto", "cpu", "cuda"]
+"""``run.device``: auto (CUDA when present, fedasync.devices.pick_device), cpu or cuda."""
+
+DEVICES: tuple[str, ...] = choices(Device)
+
+if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (runkit.configload)
+    Device = Annotated[str, Device]
+
+NAME_LIMIT = 200
+"""Characters a run name may have (it names a folder)."""
+
+
+@dataclass
+class RunKeys:
+    """``run.*`` keys every run command has."""
+
+    seed: int = 0
+    """The run's seed: every random draw of the run derives from it (fedasync.seeds)."""
+    name: str = "run"
+    """Run folder name under ``run.out_dir``."""
+    out_dir: str = "runs"
+    """Where run folders go (metrics.jsonl, summary.json, checkpoints, PNGs)."""
+    resume: bool = False
+    """Continue from the run folder's checkpoint (same config, except ``run.*``)."""
+    progress: bool = True
+    """A progress bar on stderr while it runs."""
+    plots: bool = True
+    """Write the run's PNGs at the end."""
+    device: Device = "auto"
+    """auto (CUDA when present), cpu or cuda."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: a device there is a name for, a name that can be a folder."""
+        if self.device not in DEVICES:
+            raise ConfigError(f"run.device={str(self.device)[:40]!r}: use one of {DEVICES}")
+        if (
+            not self.name
+            or len(self.name) > NAME_LIMIT
+            or "/" in self.name
+            or self.name
+            in {
+                ".",
+                "..",
+            }
+        ):
+            raise ConfigError(
+                f"run.name={self.name[:60]!r}: a folder name (1-{NAME_LIMIT} characters, no '/')"
+            )
