@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,8 @@ def check_compatible(
 class RunFolder:
     """``<out_dir>/<name>``: the event log, summary.json and the checkpoint of one run.
 
-    ``owned``: the names (files or folders) a fresh run clears, beyond the three above.
+    ``owned``: the names (files or folders; ``*`` patterns too) a fresh run clears, beyond the
+    three above.
     ``may_differ``: the config keys a resumed run may change (`check_compatible`).
     """
 
@@ -122,14 +123,40 @@ class RunFolder:
         """A fresh run: clear what an earlier run left, open an empty event log."""
         self.path.mkdir(parents=True, exist_ok=True)
         for name in self.owned:
-            p = self.path / name
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink(missing_ok=True)
+            for p in self.path.glob(name) if "*" in name else [self.path / name]:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink(missing_ok=True)
+        return self.open_events(config)
+
+    def open_events(self, config: dict[str, Any]) -> EventLog:
+        """Open the event log for appending as it is (a run that keeps checkpoints of its own
+        and resumes from them; `keep_events` then drops what came after)."""
+        self.path.mkdir(parents=True, exist_ok=True)
         self.config = config
         self.events = EventLog(self.events_path)
         return self.events
+
+    def keep_events(self, keep: Callable[[dict[str, Any]], bool]) -> None:
+        """Rewrite the event log with only the events ``keep`` accepts (atomically; a torn last
+        line is dropped): a run resumed from a checkpoint of its own drops the events of the
+        steps after it, so none is reported twice."""
+        if not self.events_path.exists():
+            return
+        kept = [e for e in read_events(self.events_path, skip_bad=True) if keep(e)]
+        reopen = self.events is not None
+        self.close()
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".metrics-", suffix=".jsonl")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.writelines(json.dumps(e) + "\n" for e in kept)
+            os.replace(tmp, self.events_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        if reopen:
+            self.events = EventLog(self.events_path)
 
     def resume(self, config: dict[str, Any]) -> dict[str, Any]:
         """A resumed run: the checkpoint's run state, once the checkpoint is verified and its

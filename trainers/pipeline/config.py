@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
 from runkit import configload
 from runkit.configload import check, check_ranges, choices, load_structured, recheck
+from runkit.keys import DEVICES as DEVICES  # re-exported: the choices of run.device
+from runkit.keys import RunKeys
 from trainers.pipeline.schedule import SCHEDULES, SYNCHRONOUS, max_drift, micro_for_drift
 
-Device = Literal["auto", "cpu", "cuda"]
-"""``run.device``."""
 Schedule = Literal["gpipe", "1f1b", "2bw", "paci"]
 """``pipeline.schedule``: trainers.pipeline.schedule.SCHEDULES (checked equal at import)."""
 Backend = Literal["emulate", "processes"]
@@ -41,7 +41,6 @@ MuonDtype = Literal["auto", "float32", "bfloat16"]
 
 BACKENDS: tuple[str, ...] = choices(Backend)
 COMMS: tuple[str, ...] = choices(Comm)
-DEVICES: tuple[str, ...] = choices(Device)
 OPTIMIZERS: tuple[str, ...] = choices(OptimizerName)
 MUON_DTYPES: tuple[str, ...] = choices(MuonDtype)
 
@@ -49,22 +48,19 @@ if choices(Schedule) != tuple(SCHEDULES):  # not an assert: kept under python -O
     raise AssertionError(f"Schedule {choices(Schedule)} != SCHEDULES {SCHEDULES}")
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
-    Device, Schedule, Backend, Comm, OptimizerName, MuonDtype = (
-        Annotated[str, t] for t in (Device, Schedule, Backend, Comm, OptimizerName, MuonDtype)
+    Schedule, Backend, Comm, OptimizerName, MuonDtype = (
+        Annotated[str, t] for t in (Schedule, Backend, Comm, OptimizerName, MuonDtype)
     )
 
 
 @dataclass
-class RunSection:
-    """``run.*``: the run's name, folder, seed, device and length."""
+class RunSection(RunKeys):
+    """``run.*``: the common run keys (runkit.keys.RunKeys: ``run.seed`` seeds the model's
+    initialisation, the same weights however the model is cut into stages) and the run's
+    length, evaluation, checkpoints and threads."""
 
-    seed: int = 0
-    """Seeds the model's initialisation (the same weights however the model is cut into
-    stages)."""
     name: str = "pipeline"
     """Run folder name under ``run.out_dir``."""
-    out_dir: str = "runs"
-    """Where run folders go (metrics.jsonl, summary.json, checkpoints, PNGs)."""
     steps: int = 200
     """Optimiser steps to train; one batch (``data.batch`` sequences) per step."""
     eval_every: int = 25
@@ -73,24 +69,13 @@ class RunSection:
     """Held-out batches per evaluation (drawn from the validation stream)."""
     checkpoint_every: int = 50
     """Write a checkpoint every this many steps (0: never)."""
-    resume: bool = False
-    """Resume from the run folder's checkpoint (same config)."""
-    progress: bool = True
-    """A progress bar on stderr while it runs."""
-    plots: bool = True
-    """Write PNGs at the end (timeline.png: four batches of the run, stage by time; loss.png)."""
-    device: Device = "auto"
-    """auto (CUDA when present), cpu or cuda."""
     threads: int = 1
     """Torch threads per process (per stage process with ``pipeline.backend=processes``)."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges and the device."""
+        """Checked when built: the common keys, then ranges."""
+        super().__post_init__()
         check_ranges(self, "run.", RANGES)
-        check(
-            self.device in DEVICES,
-            f"run.device must be auto, cpu or cuda, got {self.device!r:.40}",
-        )
 
 
 @dataclass

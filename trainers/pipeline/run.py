@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -43,8 +42,9 @@ import torch
 
 from fedasync.checkpoint import load_checkpoint
 from fedasync.errors import CheckpointError, ConfigError
-from fedasync.events import read_events
+from fedasync.events import EventLog, read_events
 from fedasync.interrupt import Interrupted
+from runkit.folder import RunFolder, check_compatible
 from trainers.pipeline.config import PipelineConfig, to_container
 from trainers.pipeline.dist import (
     BatchSource,
@@ -63,7 +63,10 @@ from trainers.pipeline.optim import resolve_muon_dtype
 
 log = logging.getLogger("fedasync.pipeline")
 
-MAY_DIFFER_ON_RESUME = (
+OWNED = ("evals", "checkpoints", "events.json", "rank*.json", "stage*.pt")
+"""What a fresh run clears from its folder besides metrics.jsonl and summary.json."""
+
+MAY_DIFFER_ON_RESUME = (  # the checkpoint's config against the run's (runkit.folder)
     "run.steps",
     "run.resume",
     "run.progress",
@@ -72,16 +75,6 @@ MAY_DIFFER_ON_RESUME = (
     "faults.kill_stage",
     "faults.kill_at_step",
 )
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def resolve_device(cfg: PipelineConfig) -> tuple[str, str]:
@@ -154,19 +147,13 @@ def _resume_step(cfg: PipelineConfig, run_dir: Path) -> int:
             f"of the {cfg.pipeline.stages} stages saved (run.checkpoint_every="
             f"{cfg.run.checkpoint_every}); start without run.resume"
         )
-    saved = _flat(load_checkpoint(checkpoint_path(run_dir, step, 0)).get("config") or {})
-    now = _flat(to_container(cfg))
-    differ = sorted(
-        k
-        for k in set(saved) | set(now)
-        if k not in MAY_DIFFER_ON_RESUME and saved.get(k) != now.get(k)
+    saved = load_checkpoint(checkpoint_path(run_dir, step, 0)).get("config") or {}
+    check_compatible(
+        saved,
+        to_container(cfg),
+        MAY_DIFFER_ON_RESUME,
+        what=f"the checkpoint in {str(run_dir)[:200]}",
     )
-    if differ:
-        shown = ", ".join(f"{k}: {saved.get(k)!r:.40} -> {now.get(k)!r:.40}" for k in differ[:5])
-        raise CheckpointError(
-            f"the checkpoint in {str(run_dir)[:200]} is of another configuration ({shown}"
-            f"{', ...' if len(differ) > 5 else ''}); resume with the same config"
-        )
     if step >= cfg.run.steps:
         raise CheckpointError(
             f"the checkpoint is at step {step}, not before run.steps={cfg.run.steps}"
@@ -177,15 +164,6 @@ def _resume_step(cfg: PipelineConfig, run_dir: Path) -> int:
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     # a line torn by a crash stays in the middle once the resumed run appends: skipped
     return read_events(path, skip_bad=True) if path.exists() else []
-
-
-def _fresh(run_dir: Path) -> None:
-    for name in ("evals", "checkpoints"):
-        shutil.rmtree(run_dir / name, ignore_errors=True)
-    for f in [*run_dir.glob("rank*.json"), *run_dir.glob("stage*.pt")]:
-        f.unlink()
-    for name in ("metrics.jsonl", "summary.json", "events.json"):
-        (run_dir / name).unlink(missing_ok=True)
 
 
 class _Where:
@@ -214,9 +192,9 @@ class _Progress:
     """The progress bar, and the ``step`` lines of metrics.jsonl written as the last stage
     reports each step (so a run that dies keeps the steps it made)."""
 
-    def __init__(self, cfg: PipelineConfig, start: int, metrics: Path, where: _Where) -> None:
+    def __init__(self, cfg: PipelineConfig, start: int, events: EventLog, where: _Where) -> None:
         self.where = where
-        self.metrics = metrics.open("a")
+        self.events = events
         self.t0 = time.perf_counter()
         self.bar: Any = None
         if cfg.run.progress:
@@ -234,14 +212,9 @@ class _Progress:
             )
 
     def __call__(self, step: int, loss: float) -> None:
-        line = {
-            "event": "step",
-            "step": step,
-            "loss": loss,
-            "time_s": round(time.perf_counter() - self.t0, 4),
-        }
-        self.metrics.write(json.dumps(line) + "\n")
-        self.metrics.flush()
+        self.events.write(
+            "step", step=step, loss=loss, time_s=round(time.perf_counter() - self.t0, 4)
+        )
         self.where.step = step
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -249,7 +222,6 @@ class _Progress:
             self.bar.refresh()
 
     def close(self) -> None:
-        self.metrics.close()
         if self.bar is not None:
             self.bar.close()
 
@@ -351,21 +323,34 @@ def run_config(cfg: PipelineConfig) -> dict[str, Any]:
 def _run_config(cfg: PipelineConfig, where: _Where) -> dict[str, Any]:
     from trainers.pipeline.corpus import load_corpus
 
-    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    folder = RunFolder(cfg.run.out_dir, cfg.run.name, owned=OWNED, may_differ=MAY_DIFFER_ON_RESUME)
+    run_dir = folder.path
     run_dir.mkdir(parents=True, exist_ok=True)
     where.ours, where.steps = cfg.run.resume, cfg.run.steps
     start = _resume_step(cfg, run_dir) if cfg.run.resume else 0
-    if not cfg.run.resume:
-        _fresh(run_dir)
+    if start:  # the steps after the checkpoint are made again: their events go
+        folder.open_events(to_container(cfg))
+        folder.keep_events(lambda e: int(e.get("step") or 0) <= start)
+        assert folder.events is not None
+        folder.events.write("resume", step=start)
+        log.info("resuming %s at step %d", run_dir, start)
+    else:
+        folder.start(to_container(cfg))
         where.ours = True
     corpus = load_corpus(val_fraction=cfg.data.val_fraction)
     job = job_of(cfg, corpus.vocab.size, start)
-    metrics = run_dir / "metrics.jsonl"
-    with metrics.open("a") as f:
-        if start:
-            f.write(json.dumps({"event": "resume", "step": start}) + "\n")
-            log.info("resuming %s at step %d", run_dir, start)
-    progress = _Progress(cfg, start, metrics, where)
+    try:
+        return _train_and_measure(cfg, folder, job, corpus, start, where)
+    finally:
+        folder.close()
+
+
+def _train_and_measure(
+    cfg: PipelineConfig, folder: RunFolder, job: PipeJob, corpus: Any, start: int, where: _Where
+) -> dict[str, Any]:
+    run_dir, elog = folder.path, folder.events
+    assert elog is not None
+    progress = _Progress(cfg, start, elog, where)
     t0 = time.perf_counter()
     where.phase = "training"
     try:
@@ -386,7 +371,11 @@ def _run_config(cfg: PipelineConfig, where: _Where) -> dict[str, Any]:
     losses = {int(k): v for k, v in ranks[-1]["losses"].items()}
     m = job.micro
     # evaluations recorded before a resume, and those of this run's saved weights
-    vals = {e["step"]: e["val_loss"] for e in _read_metrics(metrics) if e.get("event") == "eval"}
+    vals = {
+        e["step"]: e["val_loss"]
+        for e in _read_metrics(folder.events_path)
+        if e.get("event") == "eval"
+    }
     eval_steps = sorted(
         step
         for p in (run_dir / "evals").glob("step*_stage0.pt")
@@ -394,9 +383,8 @@ def _run_config(cfg: PipelineConfig, where: _Where) -> dict[str, Any]:
         and all(eval_path(run_dir, step, r).exists() for r in range(job.stages))
     )
     new = evaluate_saved(job, run_dir, eval_steps, corpus)
-    with metrics.open("a") as f:
-        for step in eval_steps:
-            f.write(json.dumps({"event": "eval", "step": step, "val_loss": new[step]}) + "\n")
+    for step in eval_steps:
+        elog.write("eval", step=step, val_loss=new[step])
     vals.update(new)
     tokens = (cfg.run.steps - start) * cfg.data.batch * cfg.model.context
     measured = measure(job, ranks)
@@ -436,7 +424,7 @@ def _run_config(cfg: PipelineConfig, where: _Where) -> dict[str, Any]:
         "correction": job.correction,
         "run_dir": str(run_dir),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    folder.write_summary(summary)
     if cfg.run.plots:
         summary["plots"] = [str(p) for p in plot_run(run_dir, job, events, losses, vals, start)]
     return summary
