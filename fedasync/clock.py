@@ -20,6 +20,7 @@ continuous-time pricing market (after Calvano et al., AER 2020).
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 import time
@@ -27,7 +28,7 @@ from collections.abc import ItemsView, Iterator, Mapping, MutableMapping, Sequen
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -364,6 +365,15 @@ class PoissonClocks:
     def now(self) -> float:
         """Time of the last event (``start`` before the first)."""
         return self._now
+
+    def state_dict(self) -> dict[str, Any]:
+        """The time of the last event and the generator's state."""
+        return {"now": self._now, "rng": copy.deepcopy(self._rng.bit_generator.state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what `state_dict` gave: the same times follow."""
+        self._now = float(state["now"])
+        self._rng.bit_generator.state = copy.deepcopy(state["rng"])
 
     def next(self) -> tuple[float, tuple[int, ...]]:
         """Advance to the next event: (its time, the agents that revise then, sorted)."""

@@ -205,3 +205,22 @@ class TimedHistory(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._times) - self._start
+
+    def state_dict(self) -> dict[str, Any]:
+        """The entries still retained, their versions' base and the first record's time."""
+        return {
+            "retain": self.retain,
+            "times": self._times[self._start :],
+            "values": self._values[self._start :],
+            "base": self._base + self._start,
+            "first_time": self._first_time,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` gave (the same ``retain``)."""
+        if state["retain"] != self.retain:
+            raise ValueError(f"state retains {state['retain']}, this history {self.retain}")
+        self._times = [float(t) for t in state["times"]]
+        self._values = list(state["values"])
+        self._start, self._base = 0, int(state["base"])
+        self._first_time = state["first_time"]

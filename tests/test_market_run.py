@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +264,43 @@ def test_a_horizon_in_revisions_is_the_same_work_at_every_rate():
     # two firms, 30 expected revisions each: Poisson counts, seeded (sd about 8)
     for r in (a, b):
         assert 30 <= r["revisions"] <= 90
+
+
+@pytest.mark.parametrize("stop_after", [1, 37])
+def test_a_seed_stopped_mid_run_resumes_to_the_result_of_one_never_stopped(tmp_path, stop_after):
+    cfg = tiny("run.deviation=true", "market.latency=0.5")
+    whole = run_seed(cfg, 3, tmp_path / "whole")
+    asked = iter(range(10**6))
+
+    stopped = run_seed(cfg, 3, tmp_path / "cut", should_stop=lambda: next(asked) >= stop_after)
+    assert stopped == {"seed": 3, "status": "stopped"}
+    assert (tmp_path / "cut" / "checkpoint.pt").is_file()
+    assert not (tmp_path / "cut" / "result.json").exists()
+    resumed = run_seed(replace(cfg, run=replace(cfg.run, resume=True)), 3, tmp_path / "cut")
+
+    for r in (whole, resumed):
+        r.pop("seconds")
+    assert resumed == whole
+    assert not (tmp_path / "cut" / "checkpoint.pt").exists()  # result.json stands for it
+    with (
+        np.load(tmp_path / "whole" / "trace.npz") as x,
+        np.load(tmp_path / "cut" / "trace.npz") as y,
+    ):
+        assert np.array_equal(x["prices"], y["prices"]) and np.array_equal(x["times"], y["times"])
+
+    def windows(folder):
+        events = [json.loads(line) for line in (folder / "metrics.jsonl").open()]
+        return [e for e in events if e["event"] == "window"], [e["event"] for e in events]
+
+    (w_whole, _), (w_cut, kinds) = windows(tmp_path / "whole"), windows(tmp_path / "cut")
+    assert w_cut == w_whole and kinds.count("resume") == 1  # no window twice, none lost
+
+
+def test_a_seed_checkpoint_of_another_config_is_refused_by_name(tmp_path):
+    from fedasync.errors import CheckpointError
+
+    cfg = tiny()
+    run_seed(cfg, 0, tmp_path / "s", should_stop=lambda: True)
+    other = tiny("run.resume=true", "agent.hidden=16")
+    with pytest.raises(CheckpointError, match="agent.hidden"):
+        run_seed(other, 0, tmp_path / "s")

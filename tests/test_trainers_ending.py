@@ -271,31 +271,37 @@ def test_a_finished_seed_is_saved_and_loaded_only_for_the_same_config(tmp_path):
     assert load_result(tmp_path / "seed-3", cfg, 3) is None
 
 
-def test_a_market_stopped_between_seeds_resumes_with_the_seeds_it_finished(tmp_path, monkeypatch):
+def test_a_market_stopped_in_a_seed_resumes_with_the_seeds_it_finished_and_the_one_it_saved(
+    tmp_path, monkeypatch
+):
     import trainers.market.run as market_run
 
     whole = market_run.run_settings([_market()], tmp_path / "whole")
     run_seed = market_run.run_seed
 
-    def signal_at_seed_1(cfg, seed, run_dir=None, on_time=None):
+    def signal_at_seed_1(cfg, seed, run_dir=None, **kw):
         if seed == 1:
-            _signal_self()
-        return run_seed(cfg, seed, run_dir, on_time)
+            _signal_self()  # the seed stops at its first event, with a checkpoint
+        return run_seed(cfg, seed, run_dir, **kw)
 
     monkeypatch.setattr(market_run, "run_seed", signal_at_seed_1)
     with pytest.raises(Interrupted) as e, interruptible():
         market_run.run_settings([_market()], tmp_path / "r")
-    assert e.value.where == "with 1 of 2 seed runs done"
+    assert e.value.where == "with 1 of 2 seed runs done and 1 checkpointed mid-run (seed 1)"
+    assert (
+        e.value.at_safe_point
+        and (tmp_path / "r" / "async-r1-d0" / "seed-1" / "checkpoint.pt").is_file()
+    )
 
     ran = []
 
-    def counted(cfg, seed, run_dir=None, on_time=None):
+    def counted(cfg, seed, run_dir=None, **kw):
         ran.append(seed)
-        return run_seed(cfg, seed, run_dir, on_time)
+        return run_seed(cfg, seed, run_dir, **kw)
 
     monkeypatch.setattr(market_run, "run_seed", counted)
     resumed = market_run.run_settings([_market("run.resume=true")], tmp_path / "r")
-    assert ran == [1], "seed 0 is loaded, seed 1 runs"
+    assert ran == [1], "seed 0 is loaded, seed 1 continues from its checkpoint"
     (label,) = whole
     assert resumed[label]["deltas"] == whole[label]["deltas"]
     # without run.resume every seed runs again
@@ -449,7 +455,14 @@ def test_fedasync_market_stops_its_pool_and_resumes_with_the_finished_seeds(tmp_
     finally:
         cmd.kill()
     done = sorted(p.parent.name for p in run_dir.glob("*/seed-*/result.json"))
-    assert f"of 4 seed runs done; finished seeds in {run_dir}; resume with: " in line
+    assert "of 4 seed runs done" in line
+    assert (
+        f"; finished seeds and checkpoints of unfinished ones in {run_dir}; resume with: " in line
+    )
+    saved = sorted(p.parent.name for p in run_dir.glob("*/seed-*/checkpoint.pt"))
+    assert len(done) + len(saved) <= 4 and not set(done) & set(saved)
+    if saved:  # the seeds running when the signal came stopped at an event, with a checkpoint
+        assert "checkpointed mid-run" in line
     assert 1 <= len(done) < 4 and not (run_dir / "summary.json").exists()
     before = {d: (run_dir / "async-r1-d0" / d / "result.json").read_bytes() for d in done}
     resumed = _resume(tmp_path, line)

@@ -154,4 +154,9 @@ def _stopped(args: argparse.Namespace, cfg: MarketConfig | None, e: KeyboardInte
     if cfg is None:
         return stop_line("market", e, where, f"resume with: {resume}")
     root = Path(cfg.run.out_dir) / cfg.run.name
-    return stop_line("market", e, where, f"finished seeds in {root}; resume with: {resume}")
+    return stop_line(
+        "market",
+        e,
+        where,
+        f"finished seeds and checkpoints of unfinished ones in {root}; resume with: {resume}",
+    )

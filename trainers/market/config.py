@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fedasync.ranges import NON_NEGATIVE, POSITIVE, Range
 from runkit import configload
 from runkit.configload import check, check_ranges, choices, load_structured, recheck
+from runkit.keys import RunKeys
 
 ClockMode = Literal["async", "sync"]
 """``market.clock``."""
@@ -131,17 +132,14 @@ class AgentSection:
 
 
 @dataclass
-class RunSection:
-    """``run.*``: seeds, length, measures, parallelism and output."""
+class RunSection(RunKeys):
+    """``run.*``: the common run keys (runkit.keys.RunKeys; ``run.seed`` is the first seed, the
+    run's seeds are seed, seed + 1, ..., seed + seeds - 1), length, measures and parallelism."""
 
-    seed: int = 0
-    """The first seed; the run's seeds are seed, seed + 1, ..., seed + seeds - 1."""
     seeds: int = 3
     """Independent runs (seeds) of every setting, for the 95% intervals."""
     name: str = "market"
     """Run folder name under ``run.out_dir``."""
-    out_dir: str = "runs"
-    """Where run folders go (metrics.jsonl per seed, summary.json, PNGs)."""
     horizon: float = 2000.0
     """Training length in time units (each firm revises about rate x horizon times)."""
     revisions: int = 0
@@ -158,17 +156,16 @@ class RunSection:
     within it)."""
     workers: int = 0
     """Processes running seeds and cells in parallel (0: one per core, at most the runs)."""
-    progress: bool = True
-    """A progress bar on stderr while it runs."""
-    plots: bool = True
-    """Write PNGs at the end (price paths, the deviation trace, the phase diagram)."""
-    resume: bool = False
-    """Load every seed whose result.json (written when the seed finished) is in its seed folder,
-    of the same config, instead of running it again; run the others."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges."""
+        """Checked when built: the common keys, ranges, a device the agents run on."""
+        super().__post_init__()
         check_ranges(self, "run.", RANGES)
+        check(
+            self.device != "cuda",
+            "run.device=cuda: the market's agents are small networks that run on the CPU "
+            "(run.device=auto or cpu)",
+        )
 
 
 @dataclass

@@ -185,6 +185,28 @@ class ReplayBuffer:
         self._next = (i + 1) % self.capacity
         self._size = min(self._size + 1, self.capacity)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The stored transitions (as tensors) and the ring's position."""
+        n = self._size
+        return {
+            "capacity": self.capacity,
+            "next": self._next,
+            "size": n,
+            **{
+                k: torch.from_numpy(getattr(self, k)[:n].copy())
+                for k in ("state", "action", "reward", "discount", "next_state")
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` gave (the same capacity and shapes)."""
+        if int(state["capacity"]) != self.capacity:
+            raise ValueError(f"state is of capacity {state['capacity']}, not {self.capacity}")
+        n = int(state["size"])
+        for k in ("state", "action", "reward", "discount", "next_state"):
+            getattr(self, k)[:n] = state[k].numpy()
+        self._next, self._size = int(state["next"]), n
+
     def sample(self, batch_size: int, generator: np.random.Generator) -> dict[str, torch.Tensor]:
         """``batch_size`` stored transitions drawn uniformly with replacement: ``state`` and
         ``next_state`` shape ``(b, state_dim)``, ``action`` ``(b, action_dim)``, ``reward`` and

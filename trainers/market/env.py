@@ -22,6 +22,7 @@ post when ``latency`` is 0 (it is in effect from ``now`` on).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -159,6 +160,27 @@ class ContinuousMarket:
         self._reward[i] = 0.0
         self._since[i] = self.now
         return reward, discount, elapsed
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clocks, the prices, every firm's posts still seen and its accruals."""
+        return {
+            "clocks": self._clocks.state_dict(),
+            "prices": self._prices.tolist(),
+            "posted": [h.state_dict() for h in self._posted],
+            "integral": self._integral.tolist(),
+            "reward": self._reward.tolist(),
+            "since": self._since.tolist(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what `state_dict` gave: the same events and profits follow."""
+        self._clocks.load_state_dict(state["clocks"])
+        self._prices = np.array(state["prices"], dtype=np.float64)
+        for h, saved in zip(self._posted, state["posted"], strict=True):
+            h.load_state_dict(saved)
+        self._integral = np.array(state["integral"], dtype=np.float64)
+        self._reward = np.array(state["reward"], dtype=np.float64)
+        self._since = np.array(state["since"], dtype=np.float64)
 
     def profit_integral(self) -> np.ndarray:
         """Each firm's undiscounted ∫_0^now π_i dt, shape ``(n,)`` (a copy); differences over

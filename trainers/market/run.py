@@ -50,9 +50,9 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, as_completed, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,14 @@ import numpy as np
 
 from fedasync import seeds
 from fedasync.events import EventLog, json_safe
-from fedasync.interrupt import Interrupted, children_start_deaf, ignore_interrupts, shielded
+from fedasync.interrupt import (
+    DeferredStop,
+    Interrupted,
+    children_start_deaf,
+    ignore_interrupts,
+    shielded,
+)
+from runkit.folder import CHECKPOINT, RunFolder
 from trainers.market.config import MarketConfig, to_container
 from trainers.market.ddpg import CriticDiverged, DDPGAgent, DDPGSettings
 from trainers.market.env import ContinuousMarket
@@ -72,10 +79,12 @@ TOLERANCE = 0.05
 """The deviation test's tolerance, as a fraction of p_M - p_N."""
 TRACE_MAX = 20_000
 """At most this many points of a run's price path are kept in trace.npz (evenly thinned)."""
+STOP_GRACE_S = 10.0
+"""Seconds a stopped run waits for its running seeds to write their checkpoints."""
 RESULT = "result.json"
 """A finished seed's result, in its folder (what ``run.resume`` loads)."""
 MAY_DIFFER_ON_RESUME = frozenset(
-    {"seed", "seeds", "name", "out_dir", "workers", "progress", "plots", "resume"}
+    {"seed", "seeds", "name", "out_dir", "workers", "progress", "plots", "resume", "device"}
 )
 """``run.*`` keys a loaded seed's config may differ in (none changes one seed's result)."""
 
@@ -142,6 +151,28 @@ class Trace:
         return t, p
 
 
+@dataclass
+class _Loop:
+    """The training loop's running state (saved with the run, so a stop loses nothing)."""
+
+    trace: Trace
+    w_pi: np.ndarray  # the profit integral at the window's start
+    w_t: float = 0.0  # the window's start
+    w_stats: list[dict[str, float]] = field(default_factory=list)  # the window's updates
+    m_t: float | None = None  # when the measured span started
+    m_pi: np.ndarray | None = None  # the profit integral then
+    t: float = 0.0  # the last event's time
+    seconds: float = 0.0  # wall seconds trained before the last stop
+
+
+class SeedStopped(Exception):
+    """A seed's training was asked to stop between two events (its state is whole)."""
+
+    def __init__(self, t: float):
+        super().__init__(f"stopped at t={t:.1f}")
+        self.t = t
+
+
 class MarketRun:
     """One seed of one setting: the market, one DDPG agent per firm, and the event loop."""
 
@@ -168,6 +199,8 @@ class MarketRun:
         self.last: list[tuple[np.ndarray, float] | None] = [None] * self.market.n
         self.earned = np.zeros(self.market.n)  # each firm's profit integral at its last settle
         self.revisions = 0
+        self.loop: _Loop | None = None
+        """The training loop's state (None before it starts)."""
 
     def step(
         self,
@@ -204,44 +237,52 @@ class MarketRun:
         return t, movers, stats
 
     def train(
-        self, events: EventLog | None, on_time: Callable[[float], None] | None = None
+        self,
+        events: EventLog | None,
+        on_time: Callable[[float], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
-        """Train to the horizon (or to a critic's divergence); the run's measures."""
+        """Train to the horizon (or to a critic's divergence); the run's measures. Between
+        two events (the state whole: `state_dict`) ``should_stop`` is asked whether to stop;
+        if it says so, :class:`SeedStopped` is raised there and the run can be saved and
+        continued later, to the same result as one never stopped."""
         cfg, env = self.cfg, self.env
         horizon = cfg.horizon
         measure_from = horizon * (1.0 - cfg.run.measure_fraction)
-        trace = Trace([0.0], [env.prices])
-        w_t, w_pi = 0.0, env.profit_integral()
-        w_stats: list[dict[str, float]] = []
-        m_t: float | None = None
-        m_pi = None
+        lp = self.loop
+        if lp is None:
+            lp = self.loop = _Loop(trace=Trace([0.0], [env.prices]), w_pi=env.profit_integral())
         corrupted = None
-        t = 0.0
-        started = time.perf_counter()
+        started = time.perf_counter() - lp.seconds
         try:
             while True:
-                t, _, stats = self.step()
+                if should_stop is not None and should_stop():
+                    lp.seconds = time.perf_counter() - started
+                    raise SeedStopped(lp.t)
+                lp.t, _, stats = self.step()
+                t = lp.t
                 if t > horizon:
                     break
-                trace.times.append(t)
-                trace.prices.append(env.prices)
-                w_stats += stats
-                if m_t is None and t >= measure_from:
-                    m_t, m_pi = t, env.profit_integral()
-                if t - w_t >= cfg.run.window:
+                lp.trace.times.append(t)
+                lp.trace.prices.append(env.prices)
+                lp.w_stats += stats
+                if lp.m_t is None and t >= measure_from:
+                    lp.m_t, lp.m_pi = t, env.profit_integral()
+                if t - lp.w_t >= cfg.run.window:
                     pi = env.profit_integral()
-                    self._window(events, w_t, t, (pi - w_pi) / (t - w_t), w_stats)
-                    w_t, w_pi, w_stats = t, pi, []
+                    self._window(events, lp.w_t, t, (pi - lp.w_pi) / (t - lp.w_t), lp.w_stats)
+                    lp.w_t, lp.w_pi, lp.w_stats = t, pi, []
                 if on_time is not None:
                     on_time(t)
         except CriticDiverged as e:
-            corrupted = {"reason": e.reason, "t": t, "step": e.step}
-            log.warning("seed %d: critic diverged at t=%.1f: %s", self.seed, t, e.reason)
+            corrupted = {"reason": e.reason, "t": lp.t, "step": e.step}
+            log.warning("seed %d: critic diverged at t=%.1f: %s", self.seed, lp.t, e.reason)
             if events is not None:
                 events.write("diverged", version=self.revisions, **corrupted)
         # the clock stands at the first event past the horizon (its prices not yet posted):
         # the profit integral runs to it, under the prices of the last event within
         end_t = env.now
+        m_t, m_pi, trace = lp.m_t, lp.m_pi, lp.trace
         result: dict[str, Any] = {
             "seed": self.seed,
             "status": "corrupted" if corrupted else "ok",
@@ -250,7 +291,7 @@ class MarketRun:
             "seconds": time.perf_counter() - started,
             **self.bench,
         }
-        if corrupted is None and m_t is not None and end_t > m_t:
+        if corrupted is None and m_t is not None and m_pi is not None and end_t > m_t:
             profit = (env.profit_integral() - m_pi) / (end_t - m_t)
             times, prices = trace.arrays(limit=len(trace.times))
             sel = times >= m_t
@@ -263,6 +304,55 @@ class MarketRun:
             )
         self.trace = trace
         return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a stopped training continues from: the market's clocks and posts, each
+        agent (networks, optimisers, generators, replay buffer), the firms' last transitions
+        and the loop's measures so far."""
+        assert self.loop is not None, "nothing to save before training starts"
+        lp = self.loop
+        return {
+            "seed": self.seed,
+            "env": self.env.state_dict(),
+            "agents": [{**a.state_dict(), "buffer": a.buffer.state_dict()} for a in self.agents],
+            "last": [None if x is None else (x[0].tolist(), x[1]) for x in self.last],
+            "earned": self.earned.tolist(),
+            "revisions": self.revisions,
+            "loop": {
+                "times": lp.trace.times,
+                "prices": [p.tolist() for p in lp.trace.prices],
+                "w_t": lp.w_t,
+                "w_pi": lp.w_pi.tolist(),
+                "w_stats": lp.w_stats,
+                "m_t": lp.m_t,
+                "m_pi": None if lp.m_pi is None else lp.m_pi.tolist(),
+                "t": lp.t,
+                "seconds": lp.seconds,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what `state_dict` gave (a run of the same config and seed)."""
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"state is of seed {state['seed']}, this run's is {self.seed}")
+        self.env.load_state_dict(state["env"])
+        for agent, saved in zip(self.agents, state["agents"], strict=True):
+            agent.load_state_dict(saved)
+            agent.buffer.load_state_dict(saved["buffer"])
+        self.last = [None if x is None else (np.array(x[0]), float(x[1])) for x in state["last"]]
+        self.earned = np.array(state["earned"], dtype=np.float64)
+        self.revisions = int(state["revisions"])
+        s = state["loop"]
+        self.loop = _Loop(
+            trace=Trace([float(t) for t in s["times"]], [np.array(p) for p in s["prices"]]),
+            w_t=float(s["w_t"]),
+            w_pi=np.array(s["w_pi"], dtype=np.float64),
+            w_stats=list(s["w_stats"]),
+            m_t=s["m_t"],
+            m_pi=None if s["m_pi"] is None else np.array(s["m_pi"], dtype=np.float64),
+            t=float(s["t"]),
+            seconds=float(s["seconds"]),
+        )
 
     def _window(
         self,
@@ -363,34 +453,62 @@ def run_seed(
     seed: int,
     run_dir: Path | None = None,
     on_time: Callable[[float], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Train one seed of ``cfg``'s setting and, when ``run.deviation``, run the deviation
-    test; the result (written with its events and trace under ``run_dir`` when given)."""
+    test; the result (written with its events and trace under ``run_dir`` when given).
+
+    With a ``run_dir``: a stop asked for by ``should_stop`` saves the seed's checkpoint there
+    (runkit.folder) and returns ``{"seed": seed, "status": "stopped"}``; with ``run.resume`` a
+    seed that has a checkpoint continues from it (its events truncated to it), to the result
+    an unstopped run gets."""
     with torch_threads(1):
         run = MarketRun(cfg, seed)
+        folder = None if run_dir is None else seed_folder(run_dir)
         events = None
-        if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            events = EventLog(run_dir / "metrics.jsonl")
-            events.write(
-                "start", t=0.0, version=0, seed=seed, config=to_container(cfg), **run.bench
-            )
+        if folder is not None:
+            config = to_container(cfg)
+            if cfg.run.resume and folder.checkpoint_path.is_file():
+                run.load_state_dict(folder.resume(config))
+                events = folder.events
+                assert events is not None
+                events.write("resume", t=run.loop.t if run.loop else 0.0, version=run.revisions)
+            else:
+                events = folder.start(config)
+                events.write("start", t=0.0, version=0, seed=seed, config=config, **run.bench)
         try:
-            result = run.train(events, on_time)
+            try:
+                result = run.train(events, on_time, should_stop if folder else None)
+            except SeedStopped:
+                assert folder is not None
+                folder.save_checkpoint(run.state_dict())
+                return {"seed": seed, "status": "stopped"}
             if cfg.run.deviation and result["status"] == "ok":
                 result["deviation"] = run.deviation_test(cfg.run.deviation_span)
             if events is not None:
                 summary = {k: v for k, v in result.items() if k != "deviation"}
                 events.write("end", t=run.env.now, version=run.revisions, **json_safe(summary))
         finally:
-            if events is not None:
-                events.close()
+            if folder is not None:
+                folder.close()
         if run_dir is not None:
             t, p = run.trace.arrays()
             np.savez_compressed(run_dir / "trace.npz", times=t, prices=p)
             save_result(run_dir, cfg, result)
+            (run_dir / CHECKPOINT).unlink(missing_ok=True)  # the result stands for it now
         return result
+
+
+def seed_folder(run_dir: Path) -> RunFolder:
+    """A seed's run folder: its events, its checkpoint while it is unfinished, result.json
+    and trace.npz once it is (a resume may differ in the ``run.*`` keys that do not change
+    one seed's result)."""
+    return RunFolder(
+        run_dir.parent,
+        run_dir.name,
+        owned=(RESULT, "trace.npz"),
+        may_differ=tuple(f"run.{k}" for k in MAY_DIFFER_ON_RESUME),
+    )
 
 
 def _same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -473,9 +591,36 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+_STOP: Any = None
+"""In a pool worker: the event its parent sets to ask every running seed to checkpoint."""
+
+
+def _worker_init(stop: Any) -> None:
+    """A pool worker's start: SIGINT ignored (its parent stops it), the stop event kept."""
+    global _STOP
+    ignore_interrupts()
+    _STOP = stop
+
+
 def _task(cfg: MarketConfig, seed: int, run_dir: str) -> dict[str, Any]:
     """A pool task: one seed (a module-level function, so that it pickles)."""
-    return run_seed(cfg, seed, Path(run_dir))
+    stop = _STOP
+    return run_seed(cfg, seed, Path(run_dir), should_stop=None if stop is None else stop.is_set)
+
+
+def _run_serial(
+    todo: list[tuple[MarketConfig, int, Path]],
+    done: Callable[[MarketConfig, dict[str, Any]], None],
+) -> None:
+    """``todo`` one after another in this process. The first signal asks the running seed to
+    stop at its next event with a checkpoint; then :class:`Interrupted` goes on (a second
+    signal, or a seed that does not get there within the grace, raises at once)."""
+    with DeferredStop(STOP_GRACE_S) as stop:
+        for cfg, seed, d in todo:
+            stop.check()
+            result = run_seed(cfg, seed, d, should_stop=lambda: stop.requested is not None)
+            done(cfg, result)
+        stop.check()
 
 
 def pool_size(cfg: MarketConfig, tasks: int) -> int:
@@ -522,15 +667,24 @@ def run_settings(
     if finished:
         log.info("resumed: %d of %d seed runs loaded from %s", finished, len(tasks), root)
     workers = pool_size(settings[0], len(todo)) if settings and todo else 1
+    saved: list[int] = []  # seeds stopped with a checkpoint
+
+    def finish(cfg: MarketConfig, result: dict[str, Any]) -> None:
+        if result["status"] == "stopped":
+            saved.append(int(result["seed"]))
+        else:
+            done(cfg, result)
+
     try:
         if workers == 1:
-            for cfg, seed, d in todo:
-                done(cfg, run_seed(cfg, seed, d))
+            _run_serial(todo, finish)
         else:
-            _run_pool(todo, workers, done)
+            _run_pool(todo, workers, finish)
     except Interrupted as e:
         e.run_dir = root
         e.where = f"with {finished} of {len(tasks)} seed runs done"
+        if saved:
+            e.where += f" and {len(saved)} checkpointed mid-run (seed {', '.join(map(str, saved))})"
         raise
     out = {}
     for cfg in settings:
@@ -557,16 +711,24 @@ def _run_pool(
     stopped before it goes on."""
     import multiprocessing as mp
 
-    pool = ProcessPoolExecutor(
-        workers, mp_context=mp.get_context("spawn"), initializer=ignore_interrupts
-    )
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(stop,))
+    futures: dict[Any, MarketConfig] = {}
     try:
         with children_start_deaf():  # the workers start as the tasks are submitted
             futures = {pool.submit(_task, cfg, seed, str(d)): cfg for cfg, seed, d in todo}
         for f in as_completed(futures):
             done(futures[f], f.result())
+            del futures[f]
     except BaseException:
-        with shielded():  # bounded: 5 s, then SIGKILL
+        with shielded():  # bounded: the grace, then 5 s, then SIGKILL
+            stop.set()  # the running seeds checkpoint at their next event and return
+            running = [f for f in futures if f.running()]
+            stopped, _ = wait(running, timeout=STOP_GRACE_S) if running else (set(), set())
+            for f in stopped:
+                if f.exception() is None:  # one that failed as it stopped has no checkpoint
+                    done(futures[f], f.result())
             _stop_pool(pool)
         raise
     pool.shutdown(wait=True)
