@@ -23,14 +23,13 @@ at its next local step, so the erasure starts without waiting for it (``clients.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from clients.preempt import STOP_FILE, STOP_FILE_ENV
+from fedasync.interrupt import Interrupted, interruptible, shielded
 from fedasync.processes import Proc, Processes, owner_token
 from simulations.erasure_watch import ErasureWatcher, WatchError, read_token
 
@@ -150,10 +149,6 @@ class WorkerSupervisor:
         return restarted
 
 
-class _Stop(Exception):
-    """SIGTERM arrived."""
-
-
 def stop_file_env(home: Path) -> dict[str, str]:
     """The environment that points a node's ClientApp processes at its stop file."""
     return {STOP_FILE_ENV: str(home / STOP_FILE)}
@@ -194,46 +189,42 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
         workers=args.workers,
     )
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise _Stop
-
-    previous = signal.signal(signal.SIGTERM, on_term)
     code = 0
     watch: ErasureWatcher | None = None
     try:
-        watch = start_watch(args, home)
-        if watch is not None:
-            echo(f"following this silo's erasure requests on {args.erasure_service}")
-        node = procs.start("supernode", cmd, home, env=env)
-        echo(f"SuperNode (pid {node.popen.pid}) -> {args.superlink}; log {node.log}")
-        supervisor = None
-        if args.workers == "warm":
-            supervisor = WorkerSupervisor(
-                procs, {0: home}, {0: args.port}, echo, env={0: stop_file_env(home)}
-            )
-            supervisor.start()
-            echo(f"warm worker (pid {supervisor.workers[0].popen.pid}); log {home}/worker-0.log")
-        while node.popen.poll() is None:
-            if supervisor is not None:
-                supervisor.check()
-            time.sleep(0.5)
-        code = int(node.popen.returncode or 0)
-        echo(f"the SuperNode exited with code {code}:\n{node.tail(5)}")
-    except KeyboardInterrupt:
+        with interruptible():  # SIGINT, SIGTERM, SIGHUP: Interrupted, exit 128 + the signal
+            watch = start_watch(args, home)
+            if watch is not None:
+                echo(f"following this silo's erasure requests on {args.erasure_service}")
+            node = procs.start("supernode", cmd, home, env=env)
+            echo(f"SuperNode (pid {node.popen.pid}) -> {args.superlink}; log {node.log}")
+            supervisor = None
+            if args.workers == "warm":
+                supervisor = WorkerSupervisor(
+                    procs, {0: home}, {0: args.port}, echo, env={0: stop_file_env(home)}
+                )
+                supervisor.start()
+                echo(
+                    f"warm worker (pid {supervisor.workers[0].popen.pid}); log {home}/worker-0.log"
+                )
+            while node.popen.poll() is None:
+                if supervisor is not None:
+                    supervisor.check()
+                time.sleep(0.5)
+            code = int(node.popen.returncode or 0)
+            echo(f"the SuperNode exited with code {code}:\n{node.tail(5)}")
+    except Interrupted as e:
+        code = e.exit_code
+    except KeyboardInterrupt:  # a Ctrl-C before the handler was in place
         code = 130
-    except _Stop:
-        code = 143
     except NodeError as e:
         echo(f"fedasync node: {e}")
         code = 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if watch is not None:
-            watch.stop()
-        left = procs.stop(grace_s=10.0)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, previous)
+        with shielded():  # a second Ctrl-C cannot cut the stop short and leave processes
+            if watch is not None:
+                watch.stop()
+            left = procs.stop(grace_s=10.0)
         if left:
             echo(f"fedasync node: processes {left} are still running")
     return code

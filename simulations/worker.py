@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedasync.interrupt import set_handlers
 from fedasync.processes import FLOWER_ENV
 from protocol.transport import FlowerInternalsMoved, short_backoff
 
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    set_handlers(stop, (signal.SIGTERM,))
     return worker.serve()
 
 

@@ -17,14 +17,13 @@ import pytest
 from fedasync.errors import ConfigError
 from trainers.market.config import load_market_config
 from trainers.market.run import (
-    MarketRun,
     aggregate,
     confidence_interval,
-    run_seed,
     run_settings,
     setting_label,
     sweep_settings,
 )
+from trainers.market.seed import MarketRun, run_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [

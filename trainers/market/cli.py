@@ -72,7 +72,7 @@ def _summarise(
     cfg: MarketConfig, root: Path, results: dict[str, Any], started: float
 ) -> dict[str, Any]:
     """summary.json and the plots of a finished run; the summary."""
-    from trainers.market.run import benchmarks, build_market
+    from trainers.market.seed import benchmarks, build_market
 
     summary: dict[str, Any] = {
         "config": to_container(cfg),
