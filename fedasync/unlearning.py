@@ -67,7 +67,7 @@ def _flat_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return dtype
 
 
-def flatten(p: Params, names: Sequence[str] | None = None) -> torch.Tensor:
+def params_to_vector(p: Params, names: Sequence[str] | None = None) -> torch.Tensor:
     """The floating tensors of ``p`` in ``names`` order as one vector, shape ``(d,)``.
 
     ``names`` defaults to the sorted names of all floating tensors. The vector has the widest
@@ -81,8 +81,8 @@ def flatten(p: Params, names: Sequence[str] | None = None) -> torch.Tensor:
     return torch.cat([t.reshape(-1).to(device=device, dtype=dtype) for t in ts])
 
 
-def unflatten(vec: torch.Tensor, like: Params, names: Sequence[str] | None = None) -> Params:
-    """Inverse of :func:`flatten`: cut ``vec (d,)`` back into ``like``'s shapes and dtypes.
+def vector_to_params(vec: torch.Tensor, like: Params, names: Sequence[str] | None = None) -> Params:
+    """Inverse of :func:`params_to_vector`: cut ``vec (d,)`` back into ``like``'s shapes and dtypes.
 
     Tensors of ``like`` not covered by ``names`` (non-floating ones, or floating ones left out
     of an explicit ``names``) are copied from ``like``. The result keeps ``like``'s key order.
@@ -194,13 +194,13 @@ def outside_span(
     recorded contributions that the other silos' latest updates do not move along, so that
     their training cannot have washed it out since. No vectors: a copy, share 1.
     """
-    x = flatten(params, names).detach().cpu().double()
+    x = params_to_vector(params, names).detach().cpu().double()
     norm2 = float(x.pow(2).sum())
     q = span_basis(vectors, x.numel(), tol)
     if q.shape[1] == 0 or norm2 == 0.0:
         return clone(params), 1.0
     r = _residual(q, x)
-    return unflatten(r, params, names), float(r.pow(2).sum()) / norm2
+    return vector_to_params(r, params, names), float(r.pow(2).sum()) / norm2
 
 
 def _residual(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -251,7 +251,7 @@ class GradientSignature:
         if not 0.0 < energy <= 1.0:
             raise ValueError(f"energy must be in (0, 1], got {energy}")
         keys = _float_names(grads[0], names)
-        g = torch.stack([flatten(p, keys).cpu().float() for p in grads])
+        g = torch.stack([params_to_vector(p, keys).cpu().float() for p in grads])
         _, s, vh = torch.linalg.svd(g, full_matrices=False)
         if s.numel() == 0 or float(s[0]) == 0.0:
             return cls(torch.zeros(g.shape[1], 0), keys)
@@ -320,7 +320,7 @@ class GradientSignature:
         u = self._layout_basis(update)
         if u is not None:
             return update.buffers[0], u  # type: ignore[attr-defined]
-        delta = flatten(update, self.names)
+        delta = params_to_vector(update, self.names)
         if delta.numel() != self.basis.shape[0]:
             raise ValueError(f"update has {delta.numel()} elements, basis {self.basis.shape[0]}")
         u = self.basis.to(device=delta.device, dtype=delta.dtype)
@@ -338,7 +338,7 @@ class GradientSignature:
         out = torch.addmv(delta, u, u.T @ delta, alpha=-strength)
         if isinstance(update, FlatParams) and delta is update.buffers[0]:
             return _flat.from_buffers(update.layout, [out], update.loose)
-        return unflatten(out, update, self.names)
+        return vector_to_params(out, update, self.names)
 
     def overlap(self, update: Params) -> float:
         """``||Uᵀ Δ|| / ||Δ||`` in [0, 1]: how much of the update lies in the erased subspace."""
@@ -436,7 +436,7 @@ class OneSided:
 
     def along(self, change: Params) -> float:
         """⟨Δ, a⟩: how far ``change`` moves along the direction (negative: against it)."""
-        delta = flatten(change, self.names)
+        delta = params_to_vector(change, self.names)
         return float(delta.float() @ self.direction.to(delta.device))
 
     def block(self, change: Params) -> Params:
@@ -445,9 +445,9 @@ class OneSided:
         c = self.along(change)
         if c >= 0.0:
             return change
-        delta = flatten(change, self.names)
+        delta = params_to_vector(change, self.names)
         fixed = delta - (c * self.direction.to(device=delta.device)).to(delta.dtype)
-        return unflatten(fixed, change, self.names)
+        return vector_to_params(fixed, change, self.names)
 
     def state_dict(self) -> dict[str, Any]:
         """The direction and its tensor names."""
@@ -486,7 +486,7 @@ class ErasureJump(OneSided):
     def between(cls, before: Params, after: Params) -> ErasureJump | None:
         """The jump from ``before`` to ``after`` (None when they are equal)."""
         names = _float_names(after, None)
-        return cls.unit(flatten(after, names) - flatten(before, names), names)
+        return cls.unit(params_to_vector(after, names) - params_to_vector(before, names), names)
 
     def block_reversal(self, change: Params) -> Params:
         """``change`` without its component moving back along the jump (one-sided)."""
@@ -526,10 +526,12 @@ def block_one_sided(change: Params, directions: Sequence[OneSided], sweeps: int 
     if len(directions) == 1:
         return directions[0].block(change)
     names = _float_names(change, None)
-    delta = flatten(change, names).double()
+    delta = params_to_vector(change, names).double()
     zeros = {k: torch.zeros_like(v) for k, v in change.items()}
     rows = [
-        flatten(unflatten(d.direction, zeros, d.names), names).double().to(delta.device)
+        params_to_vector(vector_to_params(d.direction, zeros, d.names), names)
+        .double()
+        .to(delta.device)
         for d in directions
     ]
     a = torch.stack(rows)  # (n, d)
@@ -549,7 +551,7 @@ def block_one_sided(change: Params, directions: Sequence[OneSided], sweeps: int 
         if moved < 1e-12:
             break
     fixed = delta + a.T @ lam
-    return unflatten(fixed.to(flatten(change, names).dtype), change, names)
+    return vector_to_params(fixed.to(params_to_vector(change, names).dtype), change, names)
 
 
 class ContributionLedger:
