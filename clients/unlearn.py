@@ -33,7 +33,7 @@ from fedasync import seeds
 from fedasync.erasure_metrics import logit_scale, true_label_confidence
 from fedasync.stopping import MembershipStop, Track
 from fedasync.types import Params
-from fedasync.unlearning import GradientSignature, flatten
+from fedasync.unlearning import GradientSignature, params_to_vector
 from medical_data.federation import SiloData
 from medical_data.tasks import evaluate, targets
 from medical_data.tasks import loss_fn as task_loss
@@ -391,7 +391,7 @@ def forget_signature_with_gradient(
         )
     model.zero_grad(set_to_none=True)
     sizes = torch.tensor([float(len(c)) for c in chunks])
-    stacked = torch.stack([flatten(g, names).float() for g in grads])
+    stacked = torch.stack([params_to_vector(g, names).float() for g in grads])
     mean = (sizes / sizes.sum()) @ stacked
     sig = GradientSignature.from_gradients(grads, rank=rank, energy=energy, names=names)
     return sig, mean

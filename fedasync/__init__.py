@@ -57,10 +57,10 @@ from fedasync.unlearning import (
     GradientSignature,
     UpdateHistory,
     federaser_step,
-    flatten,
     l2_distance,
+    params_to_vector,
     project_to_ball,
-    unflatten,
+    vector_to_params,
 )
 from fedasync.validation import NormOutlierDetector, Rejection, RejectReason, check_tensors
 from fedasync.versions import FutureVersionError, TimedHistory, VersionedSnapshots, staleness
@@ -71,10 +71,10 @@ __all__ = [
     "GradientSignature",
     "UpdateHistory",
     "federaser_step",
-    "flatten",
+    "params_to_vector",
     "l2_distance",
     "project_to_ball",
-    "unflatten",
+    "vector_to_params",
     "WEIGHT_FUNCTIONS",
     "BoundDecision",
     "DelayErrorFeedback",

@@ -72,7 +72,7 @@ def delay_compensate_delta(
     if lr <= 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     if flat.same(delta, w_now, w_base):  # one chunked pass over the flat buffers
-        return flat.delay_compensate_delta(delta, w_now, w_base, lam / lr)  # type: ignore[arg-type]
+        return flat.delay_compensate_flat(delta, w_now, w_base, lam / lr)  # type: ignore[arg-type]
     _check_names(delta, w_now, w_base)
     out: Params = {}
     for k, d in delta.items():

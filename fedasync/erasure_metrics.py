@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from fedasync.types import Params
-from fedasync.unlearning import flatten
+from fedasync.unlearning import params_to_vector
 
 
 def _flat(p: Params) -> torch.Tensor:
-    """The floating tensors of ``p`` as one float64 vector (sorted names, as ``flatten``)."""
-    return flatten(p).double().cpu()
+    """The floating tensors of ``p`` as one float64 vector (sorted names, as ``params_to_vector``)."""
+    return params_to_vector(p).double().cpu()
 
 
 def reversion_ratio(w_t: Params, w_boundary: Params, w_pre: Params) -> float:

@@ -6,7 +6,7 @@ few hundred tensors (DenseNet121: 364); a Python loop over them costs microsecon
 per operation, and every intermediate (``a + b``, then ``· c``) is a fresh model-sized
 allocation. On one contiguous buffer the same arithmetic is one vector operation, and a
 correction made of several operations runs chunk by chunk so that its intermediates stay in
-cache (:func:`delay_compensate_delta`, :func:`ErrorFeedbackState.apply`).
+cache (:func:`delay_compensate_flat`, :func:`ErrorFeedbackState.apply`).
 
 A :class:`FlatParams` *is* a ``Params`` (a ``dict`` of named tensors): every caller that reads
 tensors by name keeps working. Its floating (and complex) tensors are views of one 1-D buffer
@@ -564,7 +564,7 @@ def _chunks(n: int, device: torch.device) -> Iterable[slice]:
         yield slice(i, min(i + CHUNK, n))
 
 
-def delay_compensate_delta(
+def delay_compensate_flat(
     delta: FlatParams, w_now: FlatParams, w_base: FlatParams, coef: float
 ) -> FlatParams:
     """``Δ − coef·Δ⊙Δ⊙(w_now − w_base)`` into a new buffer, chunk by chunk (one read of each
@@ -705,7 +705,7 @@ def _compress_exact(
 ) -> tuple[FlatParams, FlatParams]:
     """:func:`compress_topk` with the exact threshold (c is built whole)."""
     if compensate is not None:
-        x, owned = delay_compensate_delta(x, *compensate), True
+        x, owned = delay_compensate_flat(x, *compensate), True
     corrected = []
     for i, b in enumerate(x.buffers):
         if residual is None:

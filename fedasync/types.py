@@ -1,9 +1,9 @@
 """Shared data types of the stale-update correction core.
 
 An *update* is what a worker (a silo, an RL actor, a pipeline stage) sends back: a dict of
-named tensors plus the version it started from. Terms follow DESIGN.md: the **base version**
-is the server version the worker started from, and **staleness** τ = version − base version
-(see :func:`fedasync.versions.staleness`).
+named tensors plus the version it started from. Terms follow docs/architecture.md: the **base
+version** is the server version the worker started from, and **staleness** τ = version − base
+version (see :func:`fedasync.versions.staleness`).
 
 Papers: the update/base-version pairing follows FedAsync (Xie et al. 2019,
 arXiv:1903.03934) and FedBuff (Nguyen et al. 2022). Departure: an update may carry either a

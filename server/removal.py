@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from fedasync import Params
-from fedasync.unlearning import ContributionLedger, flatten, outside_span
+from fedasync.unlearning import ContributionLedger, outside_span
+from fedasync.unlearning import params_to_vector as flatten
 
 log = logging.getLogger("fedasync.server")
 

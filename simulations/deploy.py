@@ -31,9 +31,11 @@ Everything lands in the run folder ``<run.out_dir>/<run.name>/``: the ServerApp'
 (summary.json, metrics.jsonl, run.log, checkpoint.pt), ``config.yaml``, ``deploy.json`` (what
 was measured) and ``deploy/`` (certificates and each process's FLWR_HOME, temp folder and log).
 
-One module (about 530 lines) because it is the one path from a config to a running local
-deployment (certificates, SuperLink, SuperNodes, the app bundle, the run, the teardown), read
-top to bottom; the process handling is fedasync/processes.py.
+This module is the one path from a config to a running local deployment (the run folder,
+the SuperLink, the SuperNodes, the run, the teardown), read top to bottom. The Flower
+processes' command lines and start-up are ``simulations.flower_commands``, the app bundle
+``flwr run`` ships is ``simulations.app_bundle``, and the process handling is
+fedasync/processes.py.
 """
 
 from __future__ import annotations
@@ -41,10 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -63,16 +61,27 @@ from fedasync.interrupt import (
     signal_of,
     stop_line,
 )
-from fedasync.processes import Proc, Processes, owner_token, sweep_orphans
-from protocol.keys import DATALIST, PRIVACY_DB
+from fedasync.processes import Processes, owner_token, sweep_orphans
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
 from server.run_config import run_config_toml
 from server.summary import no_version_reason
+from simulations.app_bundle import stage_app
 from simulations.certs import CertPaths, private_dir, write_certs, write_file
 from simulations.config import to_yaml
 from simulations.deploy_progress import EventTail, measurements, print_result, show
 from simulations.erasure_watch import ErasureWatcher, start_watches
+from simulations.flower_commands import (
+    FEDERATION,
+    DeployError,
+    free_ports,
+    pump_output,
+    register_nodes,
+    start_superlink,
+    supernode_command,
+    tool,
+    write_cli_config,
+)
 from simulations.node import (
     SUPEREXEC_ENV,
     WORKERS,
@@ -80,188 +89,7 @@ from simulations.node import (
     WorkerSupervisor,
     check_workers,
     stop_file_env,
-    supernode_args,
 )
-
-FEDERATION = "fedasync-local"
-"""The SuperLink connection's name in the flwr CLI's config.toml."""
-
-
-class DeployError(RuntimeError):
-    """The deployment could not start or the run did not finish."""
-
-
-def free_ports(k: int) -> list[int]:
-    """``k`` distinct TCP ports free on 127.0.0.1 now (all held open while choosing)."""
-    socks = [socket.socket() for _ in range(k)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def project_root() -> Path:
-    """The folder whose pyproject.toml declares the Flower app (``flwr run`` builds it)."""
-    root = Path(__file__).resolve().parent.parent
-    pyproject = root / "pyproject.toml"
-    if not pyproject.is_file() or "[tool.flwr.app" not in pyproject.read_text():
-        raise DeployError(f"{root} has no pyproject.toml with [tool.flwr.app]: install with -e")
-    return root
-
-
-APP_PACKAGES = ("fedasync", "protocol", "clients", "server", "medical_data")
-"""What the ServerApp and the ClientApp import: the Flower App Bundle carries these."""
-
-
-def stage_app(dest: Path, serverapp: str | None = None) -> Path:
-    """Copy the Flower app (pyproject.toml and the Python files of ``APP_PACKAGES``) to ``dest``
-    for ``flwr run`` to bundle: from the project folder it walks .venv too (about 9 s).
-    ``serverapp`` (``module:attribute``) replaces the ServerApp component in the copy."""
-    root = project_root()
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    pyproject = (root / "pyproject.toml").read_text()
-    if serverapp is not None:
-        pyproject, n = re.subn(
-            r'(?m)^serverapp = ".*"$', f"serverapp = {json.dumps(serverapp)}", pyproject
-        )
-        if n != 1:
-            raise DeployError("pyproject.toml names no [tool.flwr.app.components] serverapp")
-    (dest / "pyproject.toml").write_text(pyproject)
-    for pkg in APP_PACKAGES:
-        for src in (root / pkg).rglob("*.py"):
-            if "__pycache__" not in src.parts:
-                out = dest / src.relative_to(root)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, out)
-    return dest
-
-
-def tool(name: str) -> str:
-    """A Flower executable of this environment (the venv's bin folder)."""
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        raise DeployError(f"{name} not found next to {sys.executable}")
-    return str(path)
-
-
-def wait_for_port(port: int, alive: Callable[[], bool], timeout_s: float) -> None:
-    """Wait until something listens on ``port``; DeployError if ``alive()`` turns False or
-    ``timeout_s`` passes first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not alive():
-            raise DeployError("the SuperLink exited while starting")
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise DeployError(f"the SuperLink did not listen on port {port} within {timeout_s:.0f}s")
-
-
-def write_cli_config(home: Path, port: int, ca_cert: Path) -> None:
-    """The flwr CLI's config.toml: one connection, ``FEDERATION``, to the local SuperLink."""
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{FEDERATION}"\n\n'
-        f"[superlink.{FEDERATION}]\n"
-        f'address = "127.0.0.1:{port}"\n'
-        f"root-certificates = {json.dumps(str(ca_cert.resolve()))}\n"
-    )
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _pump(stream: Any, log_path: Path, echo: Callable[[str], None]) -> None:
-    """Copy ``flwr run``'s output to its log file and, without Flower's empty lines, to echo."""
-    with open(log_path, "a", encoding="utf-8") as log:
-        for line in stream:
-            log.write(line)
-            log.flush()
-            text = _ANSI.sub("", line).rstrip()
-            if text and text.split(":", 1)[-1].strip():
-                echo(f"  server | {text}")
-
-
-def register_nodes(procs: Processes, cli_home: Path, keys: dict[str, Path]) -> dict[str, int]:
-    """Register SuperNode public keys (name -> key file) with the SuperLink through its Control
-    API (``flwr supernode register``, all at once); their node ids by name."""
-    started = {
-        name: procs.start(
-            f"register-{name}",
-            [tool("flwr"), "supernode", "register", str(key), FEDERATION]
-            + ["--name", name, "--format", "json"],
-            cli_home,
-            pipe=True,
-        )
-        for name, key in keys.items()
-    }
-    ids: dict[str, int] = {}
-    for name, p in started.items():
-        try:
-            out, _ = p.popen.communicate(timeout=60.0)
-        except subprocess.TimeoutExpired as e:
-            raise DeployError(f"registering {name}'s key timed out") from e
-        try:
-            ids[name] = int(json.loads(out[out.index("{") :])["node-id"])
-        except (ValueError, KeyError) as e:
-            raise DeployError(f"registering {name}'s key failed:\n{out}") from e
-    return ids
-
-
-def node_config_string(value: str) -> str:
-    """``value`` as a string of a SuperNode's ``--node-config`` (``key="value"``: Flower parses
-    each value as TOML, and a bare path is no TOML value). Flower's parser ends a quoted value
-    at the next double quote, so a value holding one cannot be passed."""
-    if '"' in value:
-        raise DeployError(f"a node config value cannot contain a double quote: {value!r}")
-    return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
-
-
-def node_config(
-    silo: int, num_silos: int, privacy_db: Path | None = None, datalist: Path | None = None
-) -> str:
-    """A SuperNode's ``--node-config``: its silo, the number of silos and, when given, its
-    privacy ledger (``protocol.keys.PRIVACY_DB``) and its own data, a Decathlon datalist
-    (``protocol.keys.DATALIST``; without one the silo splits the benchmark)."""
-    config = f"partition-id={silo} num-partitions={num_silos}"
-    if privacy_db is not None:
-        config += f" {PRIVACY_DB}={node_config_string(str(privacy_db))}"
-    if datalist is not None:
-        config += f" {DATALIST}={node_config_string(str(Path(datalist).resolve()))}"
-    return config
-
-
-def supernode_command(
-    link_port: int,
-    port: int,
-    paths: CertPaths,
-    silo: int,
-    num_silos: int,
-    privacy_db: Path | None = None,
-    *,
-    datalist: Path | None = None,
-    workers: str = "warm",
-) -> list[str]:
-    """The SuperNode of ``silo`` (``simulations.node.supernode_args``: Flower's SuperNode,
-    its sleeps capped): TLS to the SuperLink, its auth key, its partition, its privacy
-    ledger and its own data (``datalist``); ``--isolation process`` with warm workers."""
-    try:
-        return supernode_args(
-            f"127.0.0.1:{link_port}",
-            paths.ca_cert,
-            paths.node_key(silo),
-            node_config(silo, num_silos, privacy_db, datalist),
-            port,
-            workers=workers,
-        )
-    except NodeError as e:
-        raise DeployError(str(e)) from e
 
 
 def privacy_ledgers(folder: Path, num_silos: int) -> dict[int, Path]:
@@ -297,25 +125,6 @@ def write_run_config(cfg: FedAsyncConfig, path: Path) -> None:
     own (``deploy_local`` has said it, once). ``cfg`` itself is left as it was."""
     server_cfg = replace(cfg, run=replace(cfg.run, progress=False, compare_sync=False))
     path.write_text(run_config_toml(server_cfg))  # flat keys, as pyproject.toml declares
-
-
-def superlink_command(port: int, paths: CertPaths) -> list[str]:
-    """flower-superlink on 127.0.0.1:``port``: TLS, SuperNode authentication, no installs."""
-    return [
-        tool("flower-superlink"),
-        *("--ssl-certfile", str(paths.server_cert), "--ssl-keyfile", str(paths.server_key)),
-        *("--ssl-ca-certfile", str(paths.ca_cert), "--enable-supernode-auth"),
-        "--disable-runtime-dependency-installation",
-        *("--host", "127.0.0.1", "--port", str(port)),
-    ]
-
-
-def start_superlink(procs: Processes, work: Path, paths: CertPaths) -> tuple[Proc, int]:
-    """Start the SuperLink and wait until it listens; (its process, its port)."""
-    (port,) = free_ports(1)
-    link = procs.start("superlink", superlink_command(port, paths), work / "superlink")
-    wait_for_port(port, lambda: link.popen.poll() is None, timeout_s=60.0)
-    return link, port
 
 
 def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> FedAsyncConfig:
@@ -471,7 +280,7 @@ def deploy_local(
             pipe=True,
         )
         pump = threading.Thread(
-            target=_pump, args=(flwr_run.popen.stdout, flwr_run.log, echo), daemon=True
+            target=pump_output, args=(flwr_run.popen.stdout, flwr_run.log, echo), daemon=True
         )
         pump.start()
         last_scan = 0.0

@@ -25,7 +25,7 @@ from fedasync.unlearning import (
     ForgetGradient,
     GradientSignature,
     block_one_sided,
-    flatten,
+    params_to_vector,
 )
 from protocol import keys as P
 from protocol import wire
@@ -263,7 +263,9 @@ def test_a_run_with_the_unique_signature_is_verified_and_says_what_it_removed(
 
     def catch(self, erasure, sig):
         caught["sent"] = sig
-        caught["window"] = [flatten(p, sig.names) for s, p in self.recent if s != erasure.silo]
+        caught["window"] = [
+            params_to_vector(p, sig.names) for s, p in self.recent if s != erasure.silo
+        ]
         return unique(self, erasure, sig)
 
     monkeypatch.setattr(Calibration, "_unique", catch)

@@ -1,4 +1,5 @@
-"""The core imports only torch, numpy and the stdlib: never flwr, monai, grpc (DESIGN.md)."""
+"""The core imports only torch, numpy and the stdlib: never flwr, monai, grpc
+(docs/architecture.md)."""
 
 import ast
 import subprocess

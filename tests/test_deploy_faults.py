@@ -54,22 +54,21 @@ from fedasync.events import read_events
 from fedasync.processes import MARKER_ENV, Proc, Processes, alive, pids_with_env
 from protocol.config import build_silos
 from server.checkpoint import load_state
+from simulations.app_bundle import stage_app
 from simulations.config import load_config
-from simulations.deploy import (
-    FEDERATION,
-    free_ports,
-    node_config,
-    prepare,
-    register_nodes,
-    stage_app,
-    start_superlink,
-    tool,
-    write_cli_config,
-    write_run_config,
-)
+from simulations.deploy import prepare, write_run_config
 from simulations.deploy_progress import EventTail
 from simulations.erase_cli import main as erase
 from simulations.erasure_watch import ErasureWatcher, start_watches
+from simulations.flower_commands import (
+    FEDERATION,
+    free_ports,
+    node_config,
+    register_nodes,
+    start_superlink,
+    tool,
+    write_cli_config,
+)
 
 pytestmark = pytest.mark.slow
 

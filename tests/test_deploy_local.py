@@ -17,8 +17,8 @@ import pytest
 from fedasync.events import read_events
 from fedasync.processes import MARKER_ENV, Processes, alive, pids_with_env
 from simulations.certs import write_certs
-from simulations.deploy import (
-    deploy_local,
+from simulations.deploy import deploy_local
+from simulations.flower_commands import (
     free_ports,
     register_nodes,
     start_superlink,

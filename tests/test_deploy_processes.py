@@ -21,17 +21,9 @@ from protocol.keys import PRIVACY_DB
 from server.run_config import config_from_run_config
 from simulations.certs import CertPaths
 from simulations.config import to_container
-from simulations.deploy import (
-    FEDERATION,
-    SYNC_NOT_RUN,
-    DeployError,
-    deploy_local,
-    privacy_ledgers,
-    run_config_toml,
-    supernode_command,
-    write_cli_config,
-)
+from simulations.deploy import SYNC_NOT_RUN, deploy_local, privacy_ledgers, run_config_toml
 from simulations.deploy_progress import EventTail, measurements, round_trips
+from simulations.flower_commands import FEDERATION, DeployError, supernode_command, write_cli_config
 
 
 def _wait_for(pred, timeout_s: float = 10.0) -> None:

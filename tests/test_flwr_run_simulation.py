@@ -20,7 +20,7 @@ import pytest
 from fedasync.events import read_events
 from fedasync.processes import Processes, alive
 from server.run_config import run_config_toml
-from simulations.deploy import stage_app
+from simulations.app_bundle import stage_app
 from simulations.launcher import simulate
 
 pytestmark = pytest.mark.slow

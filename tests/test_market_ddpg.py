@@ -29,9 +29,18 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+TUNED = {"actor_lr": 1e-3, "noise_decay": 1e-4, "action_reg": 0.0}
+"""What these tests were tuned with, where it differs from the config's ``agent`` defaults."""
+
+
+def settings(**kw) -> DDPGSettings:
+    """The config's ``agent`` defaults, with :data:`TUNED` and ``kw`` on top."""
+    return DDPGSettings.from_section(None, **(TUNED | kw))
+
+
 def small(**kw) -> DDPGSettings:
     base = {"hidden": 16, "batch_size": 16, "warmup": 16, "buffer_size": 1000}
-    return DDPGSettings(**(base | kw))
+    return settings(**(base | kw))
 
 
 def fill(agent: DDPGAgent, n: int, reward: float = 0.0, discount: float = 0.9, seed: int = 0):
@@ -65,7 +74,7 @@ def params(net: torch.nn.Module) -> list[torch.Tensor]:
 )
 def test_settings_reject_values_out_of_range(kw, words):
     with pytest.raises(ValueError, match=words):
-        DDPGSettings(**kw)
+        settings(**kw)
     assert issubclass(ConfigError, ValueError)
 
 
@@ -202,8 +211,13 @@ def test_td_target_computed_by_hand_for_a_semi_mdp_discount():
 def _bandit(best: float, seed: int, steps: int) -> tuple[float, float]:
     """Greedy price before and after ``steps`` acts+updates on reward -(a - best)^2, one state,
     discount 0."""
-    settings = DDPGSettings(hidden=32, batch_size=32, warmup=32, noise_sd=0.5, noise_min=0.5)
-    agent = DDPGAgent(2, LOW, HIGH, settings, seed=seed)
+    agent = DDPGAgent(
+        2,
+        LOW,
+        HIGH,
+        settings(hidden=32, batch_size=32, warmup=32, noise_sd=0.5, noise_min=0.5),
+        seed=seed,
+    )
     start = agent.act(STATE, explore=False)
     for _ in range(steps):
         a = agent.act(STATE, explore=True)
@@ -376,10 +390,8 @@ def test_action_reg_keeps_the_actor_out_of_tanh_saturation():
     gradient (|pre-tanh| < 1.2)."""
 
     def pre_tanh(action_reg: float) -> float:
-        settings = DDPGSettings(
-            hidden=16, batch_size=16, warmup=16, actor_lr=1e-2, action_reg=action_reg
-        )
-        agent = DDPGAgent(2, LOW, HIGH, settings, seed=0)
+        chosen = settings(hidden=16, batch_size=16, warmup=16, actor_lr=1e-2, action_reg=action_reg)
+        agent = DDPGAgent(2, LOW, HIGH, chosen, seed=0)
         for _ in range(300):
             a = agent.act(STATE, explore=True)
             agent.remember(STATE, a, 10.0 * a, 0.0, STATE)

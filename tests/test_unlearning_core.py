@@ -9,11 +9,11 @@ from fedasync.unlearning import (
     GradientSignature,
     UpdateHistory,
     federaser_step,
-    flatten,
     l2_distance,
     outside_span,
+    params_to_vector,
     project_to_ball,
-    unflatten,
+    vector_to_params,
 )
 
 
@@ -21,7 +21,7 @@ def _p(**kw):
     return {k: torch.tensor(v) for k, v in kw.items()}
 
 
-def test_flatten_unflatten_round_trip_mixed_dtypes():
+def test_params_to_vector_round_trip_mixed_dtypes():
     # Prepare
     p = {
         "w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
@@ -31,9 +31,9 @@ def test_flatten_unflatten_round_trip_mixed_dtypes():
     }
 
     # Execute
-    vec = flatten(p)
-    vec_named = flatten(p, ["w", "b"])
-    back = unflatten(vec * 2, p)
+    vec = params_to_vector(p)
+    vec_named = params_to_vector(p, ["w", "b"])
+    back = vector_to_params(vec * 2, p)
 
     # Assert
     assert vec.dtype == torch.float64  # widest floating dtype present
@@ -44,11 +44,13 @@ def test_flatten_unflatten_round_trip_mixed_dtypes():
     assert back["b"].tolist() == [10.0] and back["b"].dtype == torch.float16
     assert back["a"].tolist() == [12.0] and back["a"].dtype == torch.float64
     assert back["num_batches_tracked"].item() == 7
-    assert unflatten(flatten(p, ["w"]), p, ["w"])["a"].tolist() == [6.0]  # left out: copied
+    assert vector_to_params(params_to_vector(p, ["w"]), p, ["w"])["a"].tolist() == [
+        6.0
+    ]  # left out: copied
     with pytest.raises(TypeError):
-        flatten(p, ["num_batches_tracked"])
+        params_to_vector(p, ["num_batches_tracked"])
     with pytest.raises(ValueError):
-        unflatten(torch.zeros(3), p)
+        vector_to_params(torch.zeros(3), p)
 
 
 def test_project_to_ball_by_hand():
@@ -200,7 +202,7 @@ def test_outside_span_keeps_what_the_others_updates_do_not_move_along():
     # Prepare: the silo's sum (3, 4, 12) over tensors w (2) and b (1); the others' updates span
     # the first axis (two parallel ones, different lengths: one direction)
     total = {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0]), "n": torch.tensor(7)}
-    names = ["b", "w"]  # flatten order: b, then w -> coordinates (12, 3, 4)
+    names = ["b", "w"]  # params_to_vector order: b, then w -> coordinates (12, 3, 4)
     others = [torch.tensor([0.0, 2.0, 0.0]), torch.tensor([0.0, -0.5, 0.0])]
 
     # Execute
@@ -213,7 +215,7 @@ def test_outside_span_keeps_what_the_others_updates_do_not_move_along():
     assert share == pytest.approx(160 / 169) and kept["n"].item() == 7
     assert kept["w"].dtype == torch.float32
     assert untouched["w"].tolist() == [3.0, 4.0] and share_none == 1.0
-    assert flatten(everything, names).abs().max() < 1e-9 and share_all < 1e-12
+    assert params_to_vector(everything, names).abs().max() < 1e-9 and share_all < 1e-12
     assert total["w"].tolist() == [3.0, 4.0]  # the input is not changed
 
 

@@ -35,8 +35,8 @@ from fedasync.unlearning import (
     GradientSignature,
     OneSided,
     block_one_sided,
-    flatten,
 )
+from fedasync.unlearning import params_to_vector as flatten
 
 if TYPE_CHECKING:
     from server.config import UnlearningConfig

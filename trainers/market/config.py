@@ -88,7 +88,8 @@ class MarketSection:
 
 @dataclass
 class AgentSection:
-    """``agent.*``: each firm's DDPG agent (trainers.market.ddpg.DDPGSettings)."""
+    """``agent.*``: each firm's DDPG agent; the one place of its defaults (trainers.market.ddpg.
+    DDPGSettings is built from this section and has none of its own)."""
 
     hidden: int = 64
     """Width of the actor's and the critic's hidden layers."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,7 @@ from fedasync.ranges import (
     check,
     check_ranges,
 )
+from trainers.market.config import AgentSection
 
 FINAL_INIT = 3e-3
 """Final layers' weights and biases are drawn from ``U(-FINAL_INIT, FINAL_INIT)``."""
@@ -62,43 +63,45 @@ FINAL_INIT = 3e-3
 class DDPGSettings:
     """One DDPG agent's hyper-parameters (every firm's agent gets the same).
 
-    Errors name the keys as the market config's ``agent`` section does (``agent.tau``).
+    No defaults of its own: the values, and their defaults, come from the market config's
+    ``agent`` section (:class:`trainers.market.config.AgentSection`, see :meth:`from_section`).
+    Errors name the keys as that section does (``agent.tau``).
     """
 
-    hidden: int = 64
+    hidden: int
     """Width of each hidden layer of the actor and the critic."""
-    layers: int = 2
+    layers: int
     """Hidden layers (ReLU) of the actor and the critic."""
-    actor_lr: float = 1e-3
+    actor_lr: float
     """Adam learning rate of the actor."""
-    critic_lr: float = 1e-3
+    critic_lr: float
     """Adam learning rate of the critic."""
-    batch_size: int = 64
+    batch_size: int
     """Transitions per update, sampled with replacement."""
-    buffer_size: int = 100_000
+    buffer_size: int
     """Replay capacity in transitions; the oldest is overwritten."""
-    tau: float = 0.01
+    tau: float
     """Soft target update: target <- tau·online + (1 - tau)·target after each update."""
-    warmup: int = 256
+    warmup: int
     """Transitions in the buffer before learning starts."""
-    noise_sd: float = 0.2
+    noise_sd: float
     """Initial sd of the Gaussian exploration noise, as a fraction of the range's half width."""
-    noise_min: float = 0.01
+    noise_min: float
     """Floor of the noise sd (same units as ``noise_sd``)."""
-    noise_decay: float = 1e-4
+    noise_decay: float
     """Noise sd = max(noise_min, noise_sd·exp(-noise_decay·acted)), acted = exploring acts."""
-    critic_grad_clip: float = 0.0
+    critic_grad_clip: float
     """Clip of the critic's gradient norm per update; 0: off. Under Adam this damps a spike
     against the running second moment; it does not bound the step to lr·clip."""
-    target_q_clip: bool = False
+    target_q_clip: bool
     """Clamp TD targets to ±q_bound/2 (module docstring: it can hide a divergence)."""
-    action_reg: float = 0.0
+    action_reg: float
     """Weight of a penalty on the actor's pre-tanh output squared (mean over the batch),
     added to the actor's loss: keeps the tanh out of saturation, where an actor that
     overshot to an end of the range would stay (module docstring); 0: off."""
-    q_bound: float = 1e4
+    q_bound: float
     """Divergence: any |Q| of an update's batch above this."""
-    loss_bound: float = 1e8
+    loss_bound: float
     """Divergence: a critic loss above this."""
 
     def __post_init__(self) -> None:
@@ -117,6 +120,15 @@ class DDPGSettings:
             self.batch_size <= self.buffer_size,
             f"agent.batch_size ({self.batch_size}) must be <= agent.buffer_size ({self.buffer_size})",
         )
+
+    @classmethod
+    def from_section(cls, agent: AgentSection | None = None, **changes: Any) -> DDPGSettings:
+        """The settings of the market config's ``agent`` section (its defaults when ``None``):
+        every key of it that DDPGSettings has (all but ``updates_per_revision``, the run's),
+        with ``changes`` (field name: value) on top."""
+        section = AgentSection() if agent is None else agent
+        values = {f.name: getattr(section, f.name) for f in fields(cls)}
+        return cls(**(values | changes))
 
 
 RANGES: dict[str, Range] = {

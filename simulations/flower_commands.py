@@ -1,0 +1,186 @@
+"""The Flower processes of a local deployment: the SuperLink's and the SuperNodes' command
+lines, starting the SuperLink, registering the SuperNodes' keys through its Control API, and
+the flwr CLI's config and console output.
+
+``simulations.deploy`` starts them in order; every process goes through a
+``fedasync.processes.Processes`` so that it is stopped when the deployment ends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedasync.processes import Proc, Processes
+from protocol.keys import DATALIST, PRIVACY_DB
+from simulations.certs import CertPaths
+from simulations.node import NodeError, supernode_args
+
+FEDERATION = "fedasync-local"
+"""The SuperLink connection's name in the flwr CLI's config.toml."""
+
+
+class DeployError(RuntimeError):
+    """The deployment could not start or the run did not finish."""
+
+
+def free_ports(k: int) -> list[int]:
+    """``k`` distinct TCP ports free on 127.0.0.1 now (all held open while choosing)."""
+    socks = [socket.socket() for _ in range(k)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tool(name: str) -> str:
+    """A Flower executable of this environment (the venv's bin folder)."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise DeployError(f"{name} not found next to {sys.executable}")
+    return str(path)
+
+
+def wait_for_port(port: int, alive: Callable[[], bool], timeout_s: float) -> None:
+    """Wait until something listens on ``port``; DeployError if ``alive()`` turns False or
+    ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise DeployError("the SuperLink exited while starting")
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise DeployError(f"the SuperLink did not listen on port {port} within {timeout_s:.0f}s")
+
+
+def write_cli_config(home: Path, port: int, ca_cert: Path) -> None:
+    """The flwr CLI's config.toml: one connection, ``FEDERATION``, to the local SuperLink."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{FEDERATION}"\n\n'
+        f"[superlink.{FEDERATION}]\n"
+        f'address = "127.0.0.1:{port}"\n'
+        f"root-certificates = {json.dumps(str(ca_cert.resolve()))}\n"
+    )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def pump_output(stream: Any, log_path: Path, echo: Callable[[str], None]) -> None:
+    """Copy ``flwr run``'s output to its log file and, without Flower's empty lines, to echo."""
+    with open(log_path, "a", encoding="utf-8") as log:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            text = _ANSI.sub("", line).rstrip()
+            if text and text.split(":", 1)[-1].strip():
+                echo(f"  server | {text}")
+
+
+def register_nodes(procs: Processes, cli_home: Path, keys: dict[str, Path]) -> dict[str, int]:
+    """Register SuperNode public keys (name -> key file) with the SuperLink through its Control
+    API (``flwr supernode register``, all at once); their node ids by name."""
+    started = {
+        name: procs.start(
+            f"register-{name}",
+            [tool("flwr"), "supernode", "register", str(key), FEDERATION]
+            + ["--name", name, "--format", "json"],
+            cli_home,
+            pipe=True,
+        )
+        for name, key in keys.items()
+    }
+    ids: dict[str, int] = {}
+    for name, p in started.items():
+        try:
+            out, _ = p.popen.communicate(timeout=60.0)
+        except subprocess.TimeoutExpired as e:
+            raise DeployError(f"registering {name}'s key timed out") from e
+        try:
+            ids[name] = int(json.loads(out[out.index("{") :])["node-id"])
+        except (ValueError, KeyError) as e:
+            raise DeployError(f"registering {name}'s key failed:\n{out}") from e
+    return ids
+
+
+def node_config_string(value: str) -> str:
+    """``value`` as a string of a SuperNode's ``--node-config`` (``key="value"``: Flower parses
+    each value as TOML, and a bare path is no TOML value). Flower's parser ends a quoted value
+    at the next double quote, so a value holding one cannot be passed."""
+    if '"' in value:
+        raise DeployError(f"a node config value cannot contain a double quote: {value!r}")
+    return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+
+
+def node_config(
+    silo: int, num_silos: int, privacy_db: Path | None = None, datalist: Path | None = None
+) -> str:
+    """A SuperNode's ``--node-config``: its silo, the number of silos and, when given, its
+    privacy ledger (``protocol.keys.PRIVACY_DB``) and its own data, a Decathlon datalist
+    (``protocol.keys.DATALIST``; without one the silo splits the benchmark)."""
+    config = f"partition-id={silo} num-partitions={num_silos}"
+    if privacy_db is not None:
+        config += f" {PRIVACY_DB}={node_config_string(str(privacy_db))}"
+    if datalist is not None:
+        config += f" {DATALIST}={node_config_string(str(Path(datalist).resolve()))}"
+    return config
+
+
+def supernode_command(
+    link_port: int,
+    port: int,
+    paths: CertPaths,
+    silo: int,
+    num_silos: int,
+    privacy_db: Path | None = None,
+    *,
+    datalist: Path | None = None,
+    workers: str = "warm",
+) -> list[str]:
+    """The SuperNode of ``silo`` (``simulations.node.supernode_args``: Flower's SuperNode,
+    its sleeps capped): TLS to the SuperLink, its auth key, its partition, its privacy
+    ledger and its own data (``datalist``); ``--isolation process`` with warm workers."""
+    try:
+        return supernode_args(
+            f"127.0.0.1:{link_port}",
+            paths.ca_cert,
+            paths.node_key(silo),
+            node_config(silo, num_silos, privacy_db, datalist),
+            port,
+            workers=workers,
+        )
+    except NodeError as e:
+        raise DeployError(str(e)) from e
+
+
+def superlink_command(port: int, paths: CertPaths) -> list[str]:
+    """flower-superlink on 127.0.0.1:``port``: TLS, SuperNode authentication, no installs."""
+    return [
+        tool("flower-superlink"),
+        *("--ssl-certfile", str(paths.server_cert), "--ssl-keyfile", str(paths.server_key)),
+        *("--ssl-ca-certfile", str(paths.ca_cert), "--enable-supernode-auth"),
+        "--disable-runtime-dependency-installation",
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+
+
+def start_superlink(procs: Processes, work: Path, paths: CertPaths) -> tuple[Proc, int]:
+    """Start the SuperLink and wait until it listens; (its process, its port)."""
+    (port,) = free_ports(1)
+    link = procs.start("superlink", superlink_command(port, paths), work / "superlink")
+    wait_for_port(port, lambda: link.popen.poll() is None, timeout_s=60.0)
+    return link, port
