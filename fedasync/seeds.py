@@ -34,6 +34,18 @@ PURPOSES: dict[str, int | None] = {
 }
 """Each purpose's number (None: the purpose is the stream's only use of its keys)."""
 
+LINEAR: dict[str, tuple[int, tuple[int, ...], int]] = {
+    # purpose: (the seed's multiplier, each key's multiplier, a constant)
+    "pipeline.batch": (1_000_003, (1,), 0),  # batch t of the training stream
+    "market.agent": (1009, (1,), 0),  # firm i's agent (its networks, its noise)
+    "rl.rollout": (1_000_003, (7919,), 17),  # group g's samples
+}
+"""Torch seeds that are linear in (seed, keys): the form these streams had when their figures
+were published, kept so those reproduce. A new torch stream uses `torch_seed`."""
+
+EVAL_SEED = 2**31 - 1
+"""The held-out batches' seed: the same for every run and seed (so runs compare on one set)."""
+
 
 def purpose_number(purpose: str) -> int:
     """The number of ``purpose``: its registered one, or, for a purpose not in the registry,
@@ -59,6 +71,16 @@ def rng(seed: int, purpose: str, *keys: int) -> np.random.Generator:
 def torch_seed(seed: int, purpose: str, *keys: int) -> int:
     """An integer seed for torch (``manual_seed``) for ``purpose`` under ``seed``."""
     return int(rng(seed, purpose, *keys).integers(2**63 - 1))
+
+
+def linear_seed(seed: int, purpose: str, *keys: int) -> int:
+    """The torch seed of a `LINEAR` purpose: seed x m + sum(key x k) + c, modulo 2^63 - 1."""
+    m, ks, c = LINEAR[purpose]
+    if len(keys) != len(ks):
+        raise ValueError(f"{purpose} takes {len(ks)} key(s), got {len(keys)}")
+    return (int(seed) * m + sum(int(k) * x for k, x in zip(keys, ks, strict=True)) + c) % (
+        2**63 - 1
+    )
 
 
 def int_seed(seed: int, purpose: str, *keys: int) -> int:

@@ -29,3 +29,11 @@ def test_purposes_and_keys_keep_streams_apart_and_a_new_purpose_gets_a_stable_nu
     assert seeds.purpose_number("a.new.purpose") == seeds.purpose_number("a.new.purpose")
     assert seeds.purpose_number("a.new.purpose") not in seeds.PURPOSES.values()
     assert 0 <= seeds.torch_seed(0, "toy") < 2**63 and 0 <= seeds.int_seed(0, "toy") < 2**31
+
+
+def test_a_linear_torch_seed_is_the_formula_its_stream_was_published_with():
+    assert seeds.linear_seed(7, "pipeline.batch", 12) == 7 * 1_000_003 + 12
+    assert seeds.linear_seed(7, "market.agent", 1) == 7 * 1009 + 1
+    assert seeds.linear_seed(7, "rl.rollout", 3) == (7 * 1_000_003 + 3 * 7919 + 17) % (2**63 - 1)
+    with pytest.raises(ValueError, match="takes 1 key"):
+        seeds.linear_seed(7, "market.agent")

@@ -146,7 +146,13 @@ class MarketRun:
         )
         settings = agent_settings(cfg)
         self.agents = [
-            DDPGAgent(self.market.n, self.lo, self.hi, settings, seed=seed * 1009 + i)
+            DDPGAgent(
+                self.market.n,
+                self.lo,
+                self.hi,
+                settings,
+                seed=seeds.linear_seed(seed, "market.agent", i),
+            )
             for i in range(self.market.n)
         ]
         self.last: list[tuple[np.ndarray, float] | None] = [None] * self.market.n

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedasync import seeds
 from fedasync.checkpoint import load_checkpoint, save_checkpoint
 from fedasync.corrections import DelayErrorFeedback
 from fedasync.interrupt import (
@@ -122,7 +123,9 @@ class BatchSource:
         """Batch ``t``: ids and next-id targets, each ``(data.batch, context)``."""
         from trainers.pipeline.corpus import batch
 
-        g = torch.Generator().manual_seed(self.job.data_seed * 1_000_003 + t)
+        g = torch.Generator().manual_seed(
+            seeds.linear_seed(self.job.data_seed, "pipeline.batch", t)
+        )
         return batch(self.stream, self.job.cfg.context, self.job.batch, g)
 
 

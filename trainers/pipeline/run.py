@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from fedasync import seeds
 from fedasync.checkpoint import load_checkpoint
 from fedasync.errors import CheckpointError, ConfigError
 from fedasync.events import EventLog, read_events
@@ -261,7 +262,7 @@ def evaluate_saved(job: PipeJob, run_dir: Path, steps: list[int], corpus: Any) -
     from trainers.pipeline.corpus import batch
     from trainers.pipeline.emulate import evaluate
 
-    g = torch.Generator().manual_seed(2**31 - 1)
+    g = torch.Generator().manual_seed(seeds.EVAL_SEED)
     n = job.extra.get("run", {}).get("eval_batches", 8)
     val = [batch(corpus.val, job.cfg.context, job.batch, g) for _ in range(n)]
     stages = build_stages(job.cfg, job.stages, job.seed)
