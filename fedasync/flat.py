@@ -26,6 +26,10 @@ Rules:
   b.layout``, an O(1) check (names, shapes, dtypes and devices of every tensor agree).
 - Pickled (``torch.save``, ``copy.deepcopy``), a :class:`FlatParams` becomes a plain dict, so
   checkpoints load with ``weights_only=True``; :func:`flatten` makes it flat again.
+
+One file (over 700 lines) because it is one thing: the layout, the buffers' views and every
+fused kernel over them share the layout's private offsets, and the fused paths are held to
+the per-tensor reference here and in tests/test_flat.py as one set.
 """
 
 from __future__ import annotations

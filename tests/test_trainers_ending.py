@@ -256,7 +256,8 @@ def _market(*more: str):
 
 
 def test_a_finished_seed_is_saved_and_loaded_only_for_the_same_config(tmp_path):
-    from trainers.market.seed import RESULT, load_result, run_seed
+    from trainers.market.results import RESULT, load_result
+    from trainers.market.seed import run_seed
 
     cfg = _market()
     result = run_seed(cfg, 3, tmp_path / "seed-3")

@@ -66,7 +66,8 @@ from fedasync.interrupt import (
     shielded,
 )
 from trainers.market.config import MarketConfig
-from trainers.market.seed import RESULT, load_result, run_seed
+from trainers.market.results import RESULT, load_result
+from trainers.market.seed import run_seed
 
 log = logging.getLogger("fedasync.market")
 

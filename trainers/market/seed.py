@@ -7,10 +7,7 @@ folder (runkit.folder); a resumed seed ends with the result of one never stopped
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +24,7 @@ from trainers.market.config import MarketConfig, to_container
 from trainers.market.ddpg import CriticDiverged, DDPGAgent, DDPGSettings
 from trainers.market.env import ContinuousMarket
 from trainers.market.market import LogitMarket
+from trainers.market.results import MAY_DIFFER_ON_RESUME, RESULT, save_result
 
 log = logging.getLogger("fedasync.market")
 
@@ -34,12 +32,6 @@ TOLERANCE = 0.05
 """The deviation test's tolerance, as a fraction of p_M - p_N."""
 TRACE_MAX = 20_000
 """At most this many points of a run's price path are kept in trace.npz (evenly thinned)."""
-RESULT = "result.json"
-"""A finished seed's result, in its folder (what ``run.resume`` loads)."""
-MAY_DIFFER_ON_RESUME = frozenset(
-    {"seed", "seeds", "name", "out_dir", "workers", "progress", "plots", "resume", "device"}
-)
-"""``run.*`` keys a loaded seed's config may differ in (none changes one seed's result)."""
 
 
 def build_market(cfg: MarketConfig) -> LogitMarket:
@@ -468,38 +460,3 @@ def seed_folder(run_dir: Path) -> RunFolder:
         owned=(RESULT, "trace.npz"),
         may_differ=tuple(f"run.{k}" for k in MAY_DIFFER_ON_RESUME),
     )
-
-
-def _same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two configs (``to_container``) give the same result for one seed."""
-
-    def key(c: dict[str, Any]) -> dict[str, Any]:
-        run = {k: v for k, v in c.get("run", {}).items() if k not in MAY_DIFFER_ON_RESUME}
-        return {"market": c.get("market"), "agent": c.get("agent"), "run": run}
-
-    return key(a) == key(b)
-
-
-def save_result(run_dir: Path, cfg: MarketConfig, result: dict[str, Any]) -> None:
-    """Write a finished seed's ``result.json`` (with its config) atomically."""
-    text = json.dumps({"config": to_container(cfg), "result": result})  # NaN kept as NaN
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=run_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, run_dir / RESULT)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def load_result(run_dir: Path, cfg: MarketConfig, seed: int) -> dict[str, Any] | None:
-    """The seed's result saved in ``run_dir``, if it is there, whole and of ``cfg``; else None."""
-    try:
-        saved = json.loads((run_dir / RESULT).read_text())
-        result = saved["result"]
-        if result["seed"] == seed and _same_run(saved["config"], to_container(cfg)):
-            return dict(result)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
