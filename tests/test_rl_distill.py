@@ -20,6 +20,7 @@ import torch
 from fedasync.checkpoint import load_checkpoint
 from fedasync.errors import ConfigError
 from fedasync.events import read_events
+from trainers.rl.backend import build_policy
 from trainers.rl.config import LearnerSection, load_rl_config
 from trainers.rl.distill import (
     DistillLearner,
@@ -32,7 +33,7 @@ from trainers.rl.distill import (
     score_group,
     tail_logmass,
 )
-from trainers.rl.engine import RLRun, build_policy
+from trainers.rl.engine import RLRun
 from trainers.rl.policy import (
     PolicyConfig,
     TinyLM,

@@ -15,8 +15,10 @@ import torch
 
 from fedasync.events import read_events
 from fedasync.processes import alive
+from trainers.rl.backend import Job, build_policy, build_task
 from trainers.rl.config import RLConfig, load_rl_config
-from trainers.rl.engine import Job, LocalBackend, RLRun, build_policy, build_task
+from trainers.rl.engine import RLRun
+from trainers.rl.local_backend import LocalBackend
 
 TINY = [
     "policy.d_model=32",

@@ -54,9 +54,9 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -69,13 +69,15 @@ from fedasync.interrupt import DeferredStop, Interrupted, shielded
 from fedasync.staleness import StalenessBound
 from fedasync.tensors import to_cpu
 from fedasync.versions import VersionedSnapshots, staleness
+from trainers.rl.backend import Backend, Job, ScoreJob, TeacherBackend, build_policy, build_task
 from trainers.rl.config import RLConfig, to_container
 from trainers.rl.distill import DistillLearner, check_cache, kl_divergence, score_group
 from trainers.rl.learner import Learner
-from trainers.rl.policy import PolicyConfig, TinyLM, greedy_accuracy, warm_start
+from trainers.rl.local_backend import LocalBackend, LocalTeacher
+from trainers.rl.policy import greedy_accuracy, warm_start
 from trainers.rl.profiles import PROFILES, SAMPLED_BATCHES, calibrate, tail_factor
 from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
-from trainers.rl.tasks import VOCAB_SIZE, Task, make_task
+from trainers.rl.tasks import VOCAB_SIZE, Task
 
 log = logging.getLogger("fedasync.rl")
 
@@ -85,187 +87,6 @@ MAX_ATTEMPTS = 2
 STOP_GRACE_S = 10.0
 """After a first SIGINT/SIGTERM/SIGHUP the loop stops (and saves) at the top of its next pass;
 if no pass ends within this many seconds, the signal stops it where it is (no new checkpoint)."""
-
-
-@dataclass
-class Job:
-    """One group in flight on one worker."""
-
-    job_id: int
-    group_id: int
-    worker: int
-    version: int
-    attempt: int
-    dispatched_at: float
-    finishes_at: float = math.inf
-    group: Group | None = None
-    error: str | None = None
-    """Set when the worker died on it (the group is then redone or dropped)."""
-
-
-@dataclass
-class ScoreJob:
-    """One group's teacher scoring."""
-
-    job_id: int
-    group: Group
-    submitted_at: float
-    finishes_at: float = math.inf
-    attempts: int = 1
-    """Times it was sent (a teacher that dies is restarted and its pending requests re-sent)."""
-    scorer: int = -1
-    """The virtual teacher server that scored it (virtual clock)."""
-    done: bool = False
-
-
-class TeacherBackend(Protocol):
-    """Where the teacher scores groups: in this process, or on Ray actors."""
-
-    kind: str
-    restarts: int
-    """Teachers restarted after dying."""
-    resent: int
-    """Requests re-sent to a restarted teacher."""
-
-    def submit(self, job: ScoreJob, die: bool) -> None:
-        """Score ``job.group`` (fill its caches); ``die`` kills the teacher holding it first."""
-
-    def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
-        """Jobs of ``jobs`` now ``done``; with ``wait_all`` block until every one is."""
-
-    def close(self) -> None:
-        """Stop the teachers."""
-
-
-class LocalTeacher:
-    """The teacher in this process: a group is scored when it is submitted."""
-
-    kind = "local"
-
-    def __init__(self, teacher: torch.nn.Module, top_k: int, device: torch.device):
-        self.teacher, self.top_k, self.device = teacher, top_k, device
-        self.state = copy.deepcopy(teacher.state_dict())
-        self.restarts = 0
-        self.resent = 0
-
-    def submit(self, job: ScoreJob, die: bool) -> None:
-        """Score the group now; ``die`` first restarts the teacher from its saved weights."""
-        if die:  # the scorer dies holding the request: rebuilt, the request sent again
-            log.warning(
-                "teacher died scoring group %d: restarted, request re-sent", job.group.group_id
-            )
-            self.teacher.load_state_dict(self.state)
-            self.restarts += 1
-            self.resent += 1
-            job.attempts += 1
-        score_group(self.teacher, job.group, self.top_k, self.device)
-        job.done = True
-
-    def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
-        """The jobs already ``done``: every submitted one, as scoring happens at submit."""
-        return [j for j in jobs if j.done]
-
-    def close(self) -> None:
-        """Nothing to stop."""
-        return None
-
-
-class Backend(Protocol):
-    """Where groups are generated: in this process, or on Ray actors."""
-
-    kind: str
-
-    def publish(self, version: int, params: dict[str, torch.Tensor]) -> None:
-        """Make ``version``'s weights available to workers."""
-
-    def retire(self, below: int) -> None:
-        """Versions below ``below`` will not be asked for again."""
-
-    def submit(self, job: Job, die: bool, nan: bool) -> None:
-        """Start ``job``; ``die``/``nan`` inject the configured faults."""
-
-    def collect(self, jobs: list[Job], wait_all: bool, timeout: float) -> list[Job]:
-        """Jobs of ``jobs`` whose result (``group`` or ``error``) has arrived; with
-        ``wait_all`` block until every one has, else return what arrives within ``timeout``."""
-
-    def close(self) -> None:
-        """Stop the workers."""
-
-
-def build_policy(cfg: RLConfig) -> torch.nn.Module:
-    """The policy of the run's seed, before the warm start: a TinyLM, or with policy.kind=hf
-    a transformers causal LM behind the same interface (trainers.rl.hf). The one place a
-    policy is made (the run, the local and Ray workers)."""
-    p = cfg.policy
-    torch.manual_seed(cfg.run.seed)
-    if p.kind == "hf":
-        from trainers.rl.hf import build_hf_policy
-
-        return build_hf_policy(p, build_task(cfg))
-    return TinyLM(
-        PolicyConfig(
-            vocab_size=VOCAB_SIZE, d_model=p.d_model, n_layers=p.n_layers, n_heads=p.n_heads
-        )
-    )
-
-
-def build_task(cfg: RLConfig) -> Task:
-    """The configured task (``task.name`` with its length bounds and tail)."""
-    t = cfg.task
-    return make_task(t.name, min_len=t.min_len, max_len=t.max_len, tail=t.tail)
-
-
-class LocalBackend:
-    """Every worker is virtual; a group is generated in this process when it is submitted."""
-
-    kind = "local"
-
-    def __init__(self, cfg: RLConfig, task: Task, device: torch.device):
-        self.cfg, self.task, self.device = cfg, task, device
-        self.model = build_policy(cfg).to(device)
-        self.model.eval()
-        self.loaded: int | None = None
-        self.weights: dict[int, dict[str, torch.Tensor]] = {}
-
-    def publish(self, version: int, params: dict[str, torch.Tensor]) -> None:
-        """Keep ``version``'s weights (not copied)."""
-        self.weights[version] = params
-
-    def retire(self, below: int) -> None:
-        """Drop the weights of versions below ``below``."""
-        for v in [v for v in self.weights if v < below]:
-            del self.weights[v]
-
-    def submit(self, job: Job, die: bool, nan: bool) -> None:
-        """Generate the group now under ``job.version``; ``nan`` makes its first log-prob NaN,
-        ``die`` sets ``job.error`` after the group is made (the time is spent, the tokens lost)."""
-        if self.loaded != job.version:
-            self.model.load_state_dict(self.weights[job.version])
-            self.loaded = job.version
-        group = generate_group(
-            self.model,
-            self.task,
-            seed=self.cfg.run.seed,
-            group_id=job.group_id,
-            version=job.version,
-            group_size=self.cfg.rollout.group_size,
-            temperature=self.cfg.rollout.temperature,
-            device=self.device,
-            nan_first=nan,
-            mc_samples=self.cfg.distill.mc_samples,
-        )
-        group.worker = job.worker
-        job.group = group
-        if die:  # it dies half-way: the time is spent, the tokens are lost
-            job.error = f"worker {job.worker} died generating group {job.group_id}"
-
-    def collect(self, jobs: list[Job], wait_all: bool, timeout: float) -> list[Job]:
-        """The jobs with a group or an error: every submitted one (generated at submit)."""
-        return [j for j in jobs if j.group is not None or j.error is not None]
-
-    def close(self) -> None:
-        """Nothing to stop."""
-        return None
 
 
 class RLRun:

@@ -64,7 +64,7 @@ from trainers.rl.rollout import Group
 from trainers.rl.tasks import Task
 
 if TYPE_CHECKING:
-    from trainers.rl.engine import ScoreJob
+    from trainers.rl.backend import ScoreJob
 
 log = logging.getLogger("fedasync.rl")
 
@@ -91,7 +91,7 @@ class _RolloutWorker:
 
     def __init__(self, cfg: RLConfig, index: int, device_type: str):
         torch.set_num_threads(1)
-        from trainers.rl.engine import build_policy, build_task
+        from trainers.rl.backend import build_policy, build_task
 
         self.cfg, self.index = cfg, index
         if device_type == "cuda" and not torch.cuda.is_available():
