@@ -71,13 +71,14 @@ from fedasync.tensors import to_cpu
 from fedasync.versions import VersionedSnapshots, staleness
 from trainers.rl.backend import Backend, Job, ScoreJob, TeacherBackend, build_policy, build_task
 from trainers.rl.config import RLConfig, to_container
-from trainers.rl.distill import DistillLearner, check_cache, kl_divergence, score_group
+from trainers.rl.distill import DistillLearner, score_group
 from trainers.rl.learner import Learner
-from trainers.rl.local_backend import LocalBackend, LocalTeacher
+from trainers.rl.local_backend import LocalBackend
 from trainers.rl.policy import greedy_accuracy, warm_start
 from trainers.rl.profiles import PROFILES, SAMPLED_BATCHES, calibrate, tail_factor
 from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
-from trainers.rl.tasks import VOCAB_SIZE, Task
+from trainers.rl.scoring import TeacherScoring, seq_tokens, teacher_divergence
+from trainers.rl.tasks import VOCAB_SIZE
 
 log = logging.getLogger("fedasync.rl")
 
@@ -121,15 +122,8 @@ class RLRun:
             if self.distill
             else Learner(self.policy, cfg.learner, r.temperature, self.device)
         )
-        self.teacher: torch.nn.Module | None = None
-        self.teacher_info: dict[str, Any] = {}
-        self.teacher_backend: TeacherBackend | None = teacher_backend
+        self.scoring = TeacherScoring(cfg, self.task, self.device, teacher_backend)
         self.teacher_token_s = cfg.clock.teacher_token_s
-        self.scoring: dict[int, ScoreJob] = {}  # by job id
-        self.next_score = 0
-        self.score_free_at = [0.0] * cfg.distill.teachers
-        self.teacher_die = set(cfg.faults.teacher_die_on_groups)
-        self.teacher_died_on: set[int] = set()
         self.learner_tokens = 0
         self.snapshots = VersionedSnapshots(max(self.S, 1) + 2)
         self.backend: Backend = (
@@ -202,13 +196,13 @@ class RLRun:
             )
         gen = (time.perf_counter() - t0) / max(sum(g.tokens for g in groups), 1)
         if self.distill:
-            assert self.teacher is not None
+            assert self.scoring.teacher is not None
             t0 = time.perf_counter()
             for g in groups:
-                score_group(self.teacher, g, self.cfg.distill.top_k, self.device)
+                score_group(self.scoring.teacher, g, self.cfg.distill.top_k, self.device)
             scored = time.perf_counter() - t0
             if self.teacher_token_s is None:
-                self.teacher_token_s = scored / max(sum(_seq_tokens(g) for g in groups), 1)
+                self.teacher_token_s = scored / max(sum(seq_tokens(g) for g in groups), 1)
             learner: Learner = DistillLearner(
                 probe,
                 self.cfg.learner,
@@ -252,7 +246,7 @@ class RLRun:
                 temperature=r.temperature,
                 device=self.device,
             )
-            out.append((group.tokens, _seq_tokens(group)))
+            out.append((group.tokens, seq_tokens(group)))
         return out
 
     def _apply_profile(self) -> None:
@@ -324,7 +318,7 @@ class RLRun:
                 device=self.device,
             )
         self.policy.eval()
-        self._start_teacher()
+        self.scoring.start(self.backend.kind)
         self._measure_costs()
         self.events.write(
             "start",
@@ -335,34 +329,13 @@ class RLRun:
             learn_token_s=self.learn_token_s,
             teacher_token_s=self.teacher_token_s,
             profile=self.profile_info,
-            teacher=self.teacher_info,
+            teacher=self.scoring.info,
             warm_start=self.warm,
             backend=self.backend.kind,
             clock=self.clock.kind,
         )
         self._publish(0)
         self._evaluate()
-
-    def _start_teacher(self) -> None:
-        """Load (or train once and cache) the teacher and start its scorers."""
-        if not self.distill or self.teacher is not None:
-            return
-        from trainers.rl.teacher import load_or_train_teacher
-
-        self.teacher, self.teacher_info = load_or_train_teacher(
-            self.cfg, self.task, self.device, progress=self.cfg.run.progress
-        )
-        if self.teacher_backend is None:
-            if self.backend.kind == "ray":
-                from trainers.rl.ray_backend import RayTeacherPool
-
-                self.teacher_backend = RayTeacherPool(
-                    self.cfg, to_cpu(dict(self.teacher.state_dict())), self.device
-                )
-            else:
-                self.teacher_backend = LocalTeacher(
-                    self.teacher, self.cfg.distill.top_k, self.device
-                )
 
     # ----------------------------------------------------------------- scheduling
     def _batch(self, g: int) -> int:
@@ -429,7 +402,7 @@ class RLRun:
             if len(group.trajectories) < 2:
                 self._drop(job.group_id, "fewer than 2 valid trajectories")
             elif self.distill:
-                self._send_to_teacher(group, self.clock.now)
+                self.scoring.send(group, self.clock.now)
             else:
                 self._make_ready(group)
         self._rollout_event(job, job.group.tokens if job.group is not None else 0, outcome)
@@ -438,50 +411,12 @@ class RLRun:
         self.ready.append((self.clock.now, group))
         self.finished_per_batch[self._batch(group.group_id)] += 1
 
-    def _send_to_teacher(self, group: Group, at: float, attempts: int = 1) -> ScoreJob:
-        assert self.teacher_backend is not None
-        job = ScoreJob(self.next_score, group, at, attempts=attempts)
-        self.next_score += 1
-        self.scoring[job.job_id] = job
-        die = group.group_id in self.teacher_die and group.group_id not in self.teacher_died_on
-        if die:
-            self.teacher_died_on.add(group.group_id)
-        self.teacher_backend.submit(job, die)
-        return job
-
-    def _time_scores(self) -> None:
-        """Virtual clock: put scored jobs on the earliest-free teacher server, in order."""
-        assert self.teacher_token_s is not None
-        for job in sorted(self.scoring.values(), key=lambda j: j.job_id):
-            if not job.done:
-                return  # later jobs wait for this one's place in the queue
-            if job.finishes_at != math.inf:
-                continue
-            s = min(range(len(self.score_free_at)), key=lambda i: (self.score_free_at[i], i))
-            start = max(job.submitted_at, self.score_free_at[s])
-            units = job.attempts * _seq_tokens(job.group) * self.teacher_token_s
-            job.scorer = s
-            job.finishes_at = start + units
-            self.score_free_at[s] = job.finishes_at
-
     def _scored(self, job: ScoreJob) -> None:
         """A group came back from the teacher: check its caches, then it may be learnt."""
-        del self.scoring[job.job_id]
-        group, d = job.group, self.cfg.distill
-        keep = []
-        for i, t in enumerate(group.trajectories):
-            why = check_cache(t, d.top_k, d.mc_samples)
-            if why is None:
-                keep.append(t)
-            else:
-                self.rejected += 1
-                self._write(
-                    "reject",
-                    version=self.version,
-                    group=group.group_id,
-                    reason=f"group {group.group_id} sample {i}: {why}",
-                )
-        group.trajectories = keep
+        group, rejected = self.scoring.take(job)
+        for why in rejected:
+            self.rejected += 1
+            self._write("reject", version=self.version, group=group.group_id, reason=why)
         self._write(
             "score",
             version=self.version,
@@ -490,7 +425,7 @@ class RLRun:
             attempts=job.attempts,
             scorer=job.scorer,
         )
-        if len(keep) < 2:
+        if len(group.trajectories) < 2:
             self._drop(group.group_id, "fewer than 2 trajectories scored")
         else:
             self._make_ready(group)
@@ -603,10 +538,10 @@ class RLRun:
         acc = greedy_accuracy(self.policy, self.task, idx, self.cfg.run.seed, self.device)
         row: dict[str, Any] = {"t": self.clock.now, "version": self.version, "accuracy": acc}
         if self.distill:
-            assert self.teacher is not None
+            assert self.scoring.teacher is not None
             row |= teacher_divergence(
                 self.policy,
-                self.teacher,
+                self.scoring.teacher,
                 self.task,
                 idx,
                 self.cfg.run.seed,
@@ -681,13 +616,10 @@ class RLRun:
             for j in jobs:
                 self._timed(j)
             t_score = math.inf
-            if self.scoring:
-                assert self.teacher_backend is not None
-                self.teacher_backend.collect(
-                    list(self.scoring.values()), wait_all=True, timeout=math.inf
-                )
-                self._time_scores()
-                t_score = min(j.finishes_at for j in self.scoring.values())
+            if self.scoring.jobs:
+                self.scoring.collect(wait_all=True)
+                self.scoring.time(self.teacher_token_s)
+                t_score = min(j.finishes_at for j in self.scoring.jobs.values())
             t_job = min((j.finishes_at for j in jobs), default=math.inf)
             t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
             if t_learn == math.inf and t_job == math.inf and t_score == math.inf:
@@ -703,7 +635,7 @@ class RLRun:
             elif t_score <= t_job:
                 self.clock.advance_to(t_score)
                 due_scores = sorted(
-                    (j for j in self.scoring.values() if j.finishes_at <= t_score + 1e-12),
+                    (j for j in self.scoring.jobs.values() if j.finishes_at <= t_score + 1e-12),
                     key=lambda j: (j.finishes_at, j.job_id),
                 )
                 for sj in due_scores:
@@ -717,7 +649,7 @@ class RLRun:
                 for j in due:
                     self._arrive(j)
         else:
-            if not jobs and self.learner_done_at is None and not self.scoring:
+            if not jobs and self.learner_done_at is None and not self.scoring.jobs:
                 raise RuntimeError(
                     f"deadlock at version {self.version}: nothing in flight, nothing to "
                     f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
@@ -727,20 +659,13 @@ class RLRun:
                 if progress is not None:
                     progress.update(1)
                 return
-            if self.scoring:
-                assert self.teacher_backend is not None
-                for sj in sorted(
-                    self.teacher_backend.collect(
-                        list(self.scoring.values()), wait_all=False, timeout=0.0
-                    ),
-                    key=lambda j: j.job_id,
-                ):
-                    sj.finishes_at = self.clock.now
-                    self._scored(sj)
+            for sj in self.scoring.collect(wait_all=False):
+                sj.finishes_at = self.clock.now
+                self._scored(sj)
             wait = 0.05 if jobs else 0.0
             for j in self.backend.collect(jobs, wait_all=False, timeout=wait):
                 self._arrive(j)
-            if not jobs and self.scoring:
+            if not jobs and self.scoring.jobs:
                 time.sleep(0.02)  # only the teacher is busy: do not spin
 
     def run(self) -> dict[str, Any]:
@@ -795,7 +720,7 @@ class RLRun:
         the signal reached) is logged, not raised."""
         for close in (
             bar.close if bar is not None else None,
-            self.teacher_backend.close if self.teacher_backend is not None else None,
+            self.scoring.close,
             self.backend.close,
         ):
             if close is None:
@@ -886,18 +811,16 @@ class RLRun:
         from trainers.rl.distill import cache_bytes_per_token
 
         d, last = self.cfg.distill, (self.evals[-1] if self.evals else {})
-        tb = self.teacher_backend
         return {
             "loss": d.loss,
             "top_k": d.top_k,
             "mc_samples": d.mc_samples,
-            "teacher": self.teacher_info,
+            "teacher": self.scoring.info,
             "teacher_token_s": self.teacher_token_s,
             "cache_bytes_per_token": cache_bytes_per_token(d.top_k, VOCAB_SIZE, d.mc_samples),
             "final_teacher_rkl": last.get("teacher_rkl"),
             "final_teacher_fkl": last.get("teacher_fkl"),
-            "teacher_restarts": tb.restarts if tb is not None else 0,
-            "teacher_resent": tb.resent if tb is not None else 0,
+            **self.scoring.counts(),
         }
 
     # ----------------------------------------------------------------- checkpoints
@@ -918,13 +841,7 @@ class RLRun:
             ],
             "redo": [list(x) for x in self.redo],
             "ready": [[t, g.to_dict()] for t, g in self.ready],
-            "scoring": [
-                [j.job_id, j.submitted_at, j.finishes_at, j.attempts, j.group.to_dict(), j.scorer]
-                for j in sorted(self.scoring.values(), key=lambda j: j.job_id)
-            ],
-            "next_score": self.next_score,
-            "score_free_at": list(self.score_free_at),
-            "teacher_died_on": sorted(self.teacher_died_on),
+            "scoring": self.scoring.state_dict(),
             "teacher_token_s": self.teacher_token_s,
             "learner_tokens": self.learner_tokens,
             "finished_per_batch": {str(k): v for k, v in self.finished_per_batch.items()},
@@ -972,22 +889,14 @@ class RLRun:
         self.reached_target_at = s["reached_target_at"]
         self.gen_token_s, self.learn_token_s = s["gen_token_s"], s["learn_token_s"]
         self.warm = dict(s["warm"])
-        self.next_score = int(s["next_score"])
-        self.score_free_at = [float(x) for x in s["score_free_at"]]
-        self.teacher_died_on = {int(x) for x in s["teacher_died_on"]}
         self.teacher_token_s = s["teacher_token_s"]
         self.learner_tokens = int(s["learner_tokens"])
         self.events = EventLog(self.run_dir / "metrics.jsonl")
         self.events.truncate(int(s["events_offset"]))
         self._write("resume", version=self.version, path=str(path))
         if self.distill:
-            self._start_teacher()
-        next_score = self.next_score
-        for job_id, at, finishes, attempts, g, scorer in s["scoring"]:  # again, same times
-            self.next_score = int(job_id)
-            sj = self._send_to_teacher(Group.from_dict(g), float(at), int(attempts))
-            sj.finishes_at, sj.scorer = float(finishes), int(scorer)
-        self.next_score = next_score
+            self.scoring.start(self.backend.kind)
+        self.scoring.load_state_dict(s["scoring"])  # the groups at it again, same times
         for j in s["inflight"]:  # the same groups again, under the same versions and times
             job = Job(**j)
             self.inflight[job.worker] = job
@@ -995,55 +904,3 @@ class RLRun:
             self.backend.submit(
                 job, die=first and job.group_id in self.die, nan=first and job.group_id in self.nan
             )
-
-
-def _seq_tokens(group: Group) -> int:
-    """Tokens the teacher reads to score ``group`` (prompt + completion of every sample)."""
-    return sum(len(t.prompt) + len(t.tokens) for t in group.trajectories)
-
-
-@torch.no_grad()
-def teacher_divergence(
-    student: torch.nn.Module,
-    teacher: torch.nn.Module,
-    task: Task,
-    indices: list[int],
-    seed: int,
-    temperature: float,
-    device: torch.device,
-) -> dict[str, float | None]:
-    """Per-token KL between student and teacher (whole vocabulary) on one student sample of
-    each prompt ``task.sample(i, seed)``: ``teacher_rkl`` = KL(π‖p_T), ``teacher_fkl`` =
-    KL(p_T‖π), means over the sampled tokens; ``teacher_recovery`` / ``teacher_on_path``: how
-    often the teacher's argmax is the task's expert token after / up to a sample's first
-    mistake (:func:`trainers.rl.teacher.agreement`; None without such positions)."""
-    from trainers.rl.policy import generate, sequence_distributions
-    from trainers.rl.rollout import sample_generator
-    from trainers.rl.teacher import agreement, expert_targets
-
-    prompts, comps, asked = [], [], []
-    for i in indices:
-        p = task.sample(i, seed)
-        asked.append(p)
-        s = generate(
-            student,
-            p.tokens,
-            1,
-            task.max_new_tokens,
-            sample_generator(seed, i),
-            temperature=temperature,
-            device=device,
-        )[0]
-        prompts.append(p.tokens)
-        comps.append(s.tokens)
-    s_all, mask, _ = sequence_distributions(student, prompts, comps, temperature, device)
-    t_all, _, _ = sequence_distributions(teacher, prompts, comps, 1.0, device)
-    rkl, fkl = kl_divergence(s_all, t_all), kl_divergence(t_all, s_all)
-    n = mask.sum().clamp(min=1)
-    agree = agreement(t_all, mask, *expert_targets(task, asked, comps, t_all.device))
-    return {
-        "teacher_rkl": float((rkl * mask).sum() / n),
-        "teacher_fkl": float((fkl * mask).sum() / n),
-        "teacher_recovery": agree["recovery"],
-        "teacher_on_path": agree["on_path"],
-    }
