@@ -48,7 +48,6 @@ backends are apart (:mod:`trainers.rl.ray_backend`).
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -71,13 +70,14 @@ from fedasync.tensors import to_cpu
 from fedasync.versions import VersionedSnapshots, staleness
 from trainers.rl.backend import Backend, Job, ScoreJob, TeacherBackend, build_policy, build_task
 from trainers.rl.config import RLConfig, to_container
-from trainers.rl.distill import DistillLearner, score_group
+from trainers.rl.costs import Costs, measure_costs
+from trainers.rl.distill import DistillLearner
 from trainers.rl.learner import Learner
 from trainers.rl.local_backend import LocalBackend
 from trainers.rl.policy import greedy_accuracy, warm_start
-from trainers.rl.profiles import PROFILES, SAMPLED_BATCHES, calibrate, tail_factor
-from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
-from trainers.rl.scoring import TeacherScoring, seq_tokens, teacher_divergence
+from trainers.rl.profiles import tail_factor
+from trainers.rl.rollout import EVAL_OFFSET, Group, check_group
+from trainers.rl.scoring import TeacherScoring, teacher_divergence
 from trainers.rl.tasks import VOCAB_SIZE
 
 log = logging.getLogger("fedasync.rl")
@@ -123,7 +123,6 @@ class RLRun:
             else Learner(self.policy, cfg.learner, r.temperature, self.device)
         )
         self.scoring = TeacherScoring(cfg, self.task, self.device, teacher_backend)
-        self.teacher_token_s = cfg.clock.teacher_token_s
         self.learner_tokens = 0
         self.snapshots = VersionedSnapshots(max(self.S, 1) + 2)
         self.backend: Backend = (
@@ -135,10 +134,7 @@ class RLRun:
             if self.virtual
             else WallClock()
         )
-        self.gen_token_s = cfg.clock.gen_token_s
-        self.learn_token_s = cfg.clock.learn_token_s
-        self.tail_sigma = PROFILES[cfg.clock.profile].tail_sigma
-        self.profile_info: dict[str, Any] = {"name": cfg.clock.profile}
+        self.costs = Costs.from_config(cfg)
         # scheduling state (all of it goes into the checkpoint)
         self.version = 0
         self.next_group = 0
@@ -168,131 +164,6 @@ class RLRun:
         self.checkpoint_version: int | None = None
 
     # ----------------------------------------------------------------- set-up
-    def _measure_costs(self) -> None:
-        """Per-token costs of generation, teacher scoring and learning, measured once."""
-        need_teacher = self.distill and self.teacher_token_s is None
-        if self.gen_token_s is not None and self.learn_token_s is not None and not need_teacher:
-            self._apply_profile()  # local: records the reference step and its limit
-            return
-        if self.gen_token_s is not None and self.cfg.clock.profile != "local":
-            self._apply_profile()  # the profile sets the rest from the given generation cost
-            return
-        probe = copy.deepcopy(self.policy)
-        probe.eval()
-        groups, t0 = [], time.perf_counter()
-        for i in range(4):
-            groups.append(
-                generate_group(
-                    probe,
-                    self.task,
-                    seed=self.cfg.run.seed + 1,
-                    group_id=i,
-                    version=0,
-                    group_size=self.cfg.rollout.group_size,
-                    temperature=self.cfg.rollout.temperature,
-                    device=self.device,
-                    mc_samples=self.cfg.distill.mc_samples,
-                )
-            )
-        gen = (time.perf_counter() - t0) / max(sum(g.tokens for g in groups), 1)
-        if self.distill:
-            assert self.scoring.teacher is not None
-            t0 = time.perf_counter()
-            for g in groups:
-                score_group(self.scoring.teacher, g, self.cfg.distill.top_k, self.device)
-            scored = time.perf_counter() - t0
-            if self.teacher_token_s is None:
-                self.teacher_token_s = scored / max(sum(seq_tokens(g) for g in groups), 1)
-            learner: Learner = DistillLearner(
-                probe,
-                self.cfg.learner,
-                self.cfg.rollout.temperature,
-                self.device,
-                self.cfg.distill.loss,
-                self.cfg.distill.mc_samples,
-            )
-        else:
-            learner = Learner(probe, self.cfg.learner, self.cfg.rollout.temperature, self.device)
-        t0 = time.perf_counter()
-        m = learner.step(groups, 0)
-        learn = (time.perf_counter() - t0) / max(m["tokens"], 1)
-        if self.gen_token_s is None:
-            self.gen_token_s = gen
-        if self.learn_token_s is None:
-            self.learn_token_s = learn
-        log.info(
-            "measured: %.3g s per generated token, %.3g s per learnt token, %s s per scored token",
-            gen,
-            learn,
-            f"{self.teacher_token_s:.3g}" if self.distill else "-",
-        )
-        self._apply_profile()
-
-    def _reference_tokens(self) -> list[tuple[int, int]]:
-        """(generated, prompt + generated) tokens of sync's first batches, as the starting
-        policy samples them (the groups are pure functions of weights, seed and group id)."""
-        probe = copy.deepcopy(self.policy)
-        probe.eval()
-        r = self.cfg.rollout
-        out = []
-        for g in range(SAMPLED_BATCHES * r.batch_groups):
-            group = generate_group(
-                probe,
-                self.task,
-                seed=self.cfg.run.seed,
-                group_id=g,
-                version=0,
-                group_size=r.group_size,
-                temperature=r.temperature,
-                device=self.device,
-            )
-            out.append((group.tokens, seq_tokens(group)))
-        return out
-
-    def _apply_profile(self) -> None:
-        """Record the reference sync step and the limit an overlapping schedule can reach
-        (``start`` event); a ``clock.profile`` other than local first sets the learner's and
-        teacher's costs from the generation cost, so generation is its share of a sync step."""
-        name = self.cfg.clock.profile
-        assert self.gen_token_s is not None
-        r, d = self.cfg.rollout, self.cfg.distill
-        cal = calibrate(
-            name,
-            self.task,
-            seed=self.cfg.run.seed,
-            batch_groups=r.batch_groups,
-            group_size=r.group_size,
-            workers=r.workers,
-            gen_token_s=self.gen_token_s,
-            distill=self.distill,
-            teachers=d.teachers,
-            learn_token_s=self.learn_token_s,
-            teacher_token_s=self.teacher_token_s,
-            tokens=self._reference_tokens() if self.virtual else None,
-        )
-        self.learn_token_s, self.teacher_token_s = cal.learn_token_s, cal.teacher_token_s
-        self.profile_info = {
-            "name": name,
-            "gen_fraction": cal.gen_fraction,
-            "tail_sigma": PROFILES[name].tail_sigma,
-            "reference_sync_step_s": cal.sync_step_s(d.teachers),
-            "reference_makespan_s": cal.makespan_s,
-            "reference_learn_s": cal.learn_s,
-            "limit": cal.limit(r.workers, d.teachers),
-        }
-        if name == "local":
-            return
-        log.info(
-            "clock.profile=%s: learner %.3g s per token%s, so generation is %.0f%% of a "
-            "reference sync step (%.3g s); an overlapping schedule gains at most %.2fx",
-            name,
-            cal.learn_token_s,
-            f", teacher {cal.teacher_token_s:.3g} s per token" if self.distill else "",
-            100 * cal.gen_fraction,
-            cal.sync_step_s(d.teachers),
-            cal.limit(r.workers, d.teachers),
-        )
-
     def _start(self) -> None:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -319,16 +190,22 @@ class RLRun:
             )
         self.policy.eval()
         self.scoring.start(self.backend.kind)
-        self._measure_costs()
+        measure_costs(
+            self.costs,
+            cfg,
+            self.policy,
+            self.task,
+            self.device,
+            self.scoring.teacher,
+            sample_reference=self.virtual,
+        )
         self.events.write(
             "start",
             t=0.0,
             version=0,
             config=to_container(cfg),
-            gen_token_s=self.gen_token_s,
-            learn_token_s=self.learn_token_s,
-            teacher_token_s=self.teacher_token_s,
-            profile=self.profile_info,
+            **self.costs.state_dict(),
+            profile=self.costs.profile,
             teacher=self.scoring.info,
             warm_start=self.warm,
             backend=self.backend.kind,
@@ -371,14 +248,16 @@ class RLRun:
     def _timed(self, job: Job) -> None:
         """Set a virtual job's finish time from its tokens once its result is known."""
         if self.virtual and job.finishes_at == math.inf:
-            assert self.gen_token_s is not None
+            assert self.costs.gen_token_s is not None
             units: float = job.group.tokens if job.group is not None else 0
             if job.error is not None:
                 units = units / 2.0
-            units *= tail_factor(self.tail_sigma, self.cfg.run.seed, job.group_id, job.attempt)
+            units *= tail_factor(
+                self.costs.tail_sigma, self.cfg.run.seed, job.group_id, job.attempt
+            )
             assert isinstance(self.clock, VirtualClock)
             job.finishes_at = job.dispatched_at + self.clock.duration(
-                job.worker, job.job_id, units * self.gen_token_s
+                job.worker, job.job_id, units * self.costs.gen_token_s
             )
 
     def _arrive(self, job: Job) -> None:
@@ -488,8 +367,8 @@ class RLRun:
         self.learner_tokens += metrics["tokens"]
         metrics["learner_tokens"] = self.learner_tokens
         if self.virtual:
-            assert self.learn_token_s is not None
-            self.learner_done_at = self.clock.now + metrics["tokens"] * self.learn_token_s
+            assert self.costs.learn_token_s is not None
+            self.learner_done_at = self.clock.now + metrics["tokens"] * self.costs.learn_token_s
         else:
             self.learner_done_at = self.clock.now
         self.pending_metrics = metrics
@@ -618,7 +497,7 @@ class RLRun:
             t_score = math.inf
             if self.scoring.jobs:
                 self.scoring.collect(wait_all=True)
-                self.scoring.time(self.teacher_token_s)
+                self.scoring.time(self.costs.teacher_token_s)
                 t_score = min(j.finishes_at for j in self.scoring.jobs.values())
             t_job = min((j.finishes_at for j in jobs), default=math.inf)
             t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
@@ -798,8 +677,8 @@ class RLRun:
             "rejected_trajectories": self.rejected,
             "redone_groups": self.redone,
             "worker_utilisation": util,
-            "gen_token_s": self.gen_token_s,
-            "learn_token_s": self.learn_token_s,
+            "gen_token_s": self.costs.gen_token_s,
+            "learn_token_s": self.costs.learn_token_s,
             "warm_start": self.warm,
             "learner_tokens": self.learner_tokens,
             "distill": self._distill_summary(),
@@ -816,7 +695,7 @@ class RLRun:
             "top_k": d.top_k,
             "mc_samples": d.mc_samples,
             "teacher": self.scoring.info,
-            "teacher_token_s": self.teacher_token_s,
+            "teacher_token_s": self.costs.teacher_token_s,
             "cache_bytes_per_token": cache_bytes_per_token(d.top_k, VOCAB_SIZE, d.mc_samples),
             "final_teacher_rkl": last.get("teacher_rkl"),
             "final_teacher_fkl": last.get("teacher_fkl"),
@@ -842,7 +721,7 @@ class RLRun:
             "redo": [list(x) for x in self.redo],
             "ready": [[t, g.to_dict()] for t, g in self.ready],
             "scoring": self.scoring.state_dict(),
-            "teacher_token_s": self.teacher_token_s,
+            "teacher_token_s": self.costs.teacher_token_s,
             "learner_tokens": self.learner_tokens,
             "finished_per_batch": {str(k): v for k, v in self.finished_per_batch.items()},
             "dropped": dict(self.dropped),
@@ -852,8 +731,8 @@ class RLRun:
             "evals": self.evals,
             "steps": self.steps,
             "reached_target_at": self.reached_target_at,
-            "gen_token_s": self.gen_token_s,
-            "learn_token_s": self.learn_token_s,
+            "gen_token_s": self.costs.gen_token_s,
+            "learn_token_s": self.costs.learn_token_s,
             "warm": self.warm,
             "events_offset": self.events.offset(),
         }
@@ -887,9 +766,8 @@ class RLRun:
         self.busy_s = [float(x) for x in s["busy_s"]]
         self.evals, self.steps = list(s["evals"]), list(s["steps"])
         self.reached_target_at = s["reached_target_at"]
-        self.gen_token_s, self.learn_token_s = s["gen_token_s"], s["learn_token_s"]
+        self.costs.load_state_dict(s)
         self.warm = dict(s["warm"])
-        self.teacher_token_s = s["teacher_token_s"]
         self.learner_tokens = int(s["learner_tokens"])
         self.events = EventLog(self.run_dir / "metrics.jsonl")
         self.events.truncate(int(s["events_offset"]))
