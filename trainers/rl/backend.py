@@ -43,7 +43,8 @@ class ScoreJob:
 
     job_id: int
     group: Group
-    submitted_at: float
+    dispatched_at: float
+    """When the group was sent to the teacher (it arrived from its worker)."""
     finishes_at: float = math.inf
     attempts: int = 1
     """Times it was sent (a teacher that dies is restarted and its pending requests re-sent)."""

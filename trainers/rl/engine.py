@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from fedasync.checkpoint import load_checkpoint, save_checkpoint
-from fedasync.clock import VirtualClock, WallClock
+from fedasync.clock import Clock, VirtualClock, WallClock
 from fedasync.devices import pick_device
 from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
@@ -128,10 +128,9 @@ class RLRun:
         self.backend: Backend = (
             backend if backend is not None else LocalBackend(cfg, self.task, self.device)
         )
-        self.virtual = r.clock == "virtual"
-        self.clock: VirtualClock | WallClock = (
+        self.clock: Clock = (
             VirtualClock([1.0] * r.workers, 1.0, jitter=cfg.clock.jitter, seed=cfg.run.seed)
-            if self.virtual
+            if r.clock == "virtual"
             else WallClock()
         )
         self.costs = Costs.from_config(cfg)
@@ -197,7 +196,7 @@ class RLRun:
             self.task,
             self.device,
             self.scoring.teacher,
-            sample_reference=self.virtual,
+            sample_reference=not self.clock.realtime,
         )
         self.events.write(
             "start",
@@ -246,19 +245,15 @@ class RLRun:
             self.backend.submit(job, die=first and g in self.die, nan=first and g in self.nan)
 
     def _timed(self, job: Job) -> None:
-        """Set a virtual job's finish time from its tokens once its result is known."""
-        if self.virtual and job.finishes_at == math.inf:
-            assert self.costs.gen_token_s is not None
-            units: float = job.group.tokens if job.group is not None else 0
-            if job.error is not None:
-                units = units / 2.0
-            units *= tail_factor(
-                self.costs.tail_sigma, self.cfg.run.seed, job.group_id, job.attempt
-            )
-            assert isinstance(self.clock, VirtualClock)
-            job.finishes_at = job.dispatched_at + self.clock.duration(
-                job.worker, job.job_id, units * self.costs.gen_token_s
-            )
+        """Set a job's finish time once its result is in: the clock's, from its tokens."""
+        assert self.costs.gen_token_s is not None
+        units: float = job.group.tokens if job.group is not None else 0
+        if job.error is not None:
+            units = units / 2.0
+        units *= tail_factor(self.costs.tail_sigma, self.cfg.run.seed, job.group_id, job.attempt)
+        job.finishes_at = self.clock.finish_at(
+            job.worker, job.job_id, job.dispatched_at, units * self.costs.gen_token_s
+        )
 
     def _arrive(self, job: Job) -> None:
         del self.inflight[job.worker]
@@ -300,7 +295,7 @@ class RLRun:
             "score",
             version=self.version,
             group=group.group_id,
-            start=job.submitted_at,
+            start=job.dispatched_at,
             attempts=job.attempts,
             scorer=job.scorer,
         )
@@ -366,11 +361,10 @@ class RLRun:
         metrics["groups"] = [g.group_id for g in batch]
         self.learner_tokens += metrics["tokens"]
         metrics["learner_tokens"] = self.learner_tokens
-        if self.virtual:
-            assert self.costs.learn_token_s is not None
-            self.learner_done_at = self.clock.now + metrics["tokens"] * self.costs.learn_token_s
-        else:
-            self.learner_done_at = self.clock.now
+        assert self.costs.learn_token_s is not None
+        self.learner_done_at = self.clock.ends_at(
+            self.clock.now, metrics["tokens"] * self.costs.learn_token_s
+        )
         self.pending_metrics = metrics
 
     def _publish(self, version: int) -> None:
@@ -486,66 +480,46 @@ class RLRun:
             raise
 
     def _pass(self, progress: Any) -> None:
-        """One pass of the loop: learn, dispatch, collect (``step_loop``)."""
+        """One pass of the loop (``step_loop``): learn, dispatch, collect what came back, then
+        take what the clock says comes next: the learner's step, scored groups or rollouts."""
         self._maybe_learn()
         self._dispatch()
-        jobs = list(self.inflight.values())
-        if self.virtual:
-            self.backend.collect(jobs, wait_all=True, timeout=math.inf)
-            for j in jobs:
+        if not self.inflight and self.learner_done_at is None and not self.scoring.jobs:
+            raise RuntimeError(
+                f"deadlock at version {self.version}: nothing in flight, nothing to "
+                f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
+            )
+        wait_all = not self.clock.realtime  # the virtual clock orders them by finish time
+        asked = [j for j in self.inflight.values() if j.finishes_at == math.inf]
+        if asked:
+            wait = 0.05 if self.learner_done_at is None else 0.0
+            for j in self.backend.collect(asked, wait_all=wait_all, timeout=wait):
                 self._timed(j)
-            t_score = math.inf
-            if self.scoring.jobs:
-                self.scoring.collect(wait_all=True)
-                self.scoring.time(self.costs.teacher_token_s)
-                t_score = min(j.finishes_at for j in self.scoring.jobs.values())
-            t_job = min((j.finishes_at for j in jobs), default=math.inf)
-            t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
-            if t_learn == math.inf and t_job == math.inf and t_score == math.inf:
-                raise RuntimeError(
-                    f"deadlock at version {self.version}: nothing in flight, nothing to "
-                    f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
-                )
-            if t_learn <= min(t_job, t_score):
-                self.clock.advance_to(t_learn)
-                self._finish_step()
-                if progress is not None:
-                    progress.update(1)
-            elif t_score <= t_job:
-                self.clock.advance_to(t_score)
-                due_scores = sorted(
-                    (j for j in self.scoring.jobs.values() if j.finishes_at <= t_score + 1e-12),
-                    key=lambda j: (j.finishes_at, j.job_id),
-                )
-                for sj in due_scores:
-                    self._scored(sj)
-            else:
-                self.clock.advance_to(t_job)
-                due = sorted(
-                    (j for j in jobs if j.finishes_at <= t_job + 1e-12),
-                    key=lambda j: (j.finishes_at, j.job_id),
-                )
-                for j in due:
-                    self._arrive(j)
-        else:
-            if not jobs and self.learner_done_at is None and not self.scoring.jobs:
-                raise RuntimeError(
-                    f"deadlock at version {self.version}: nothing in flight, nothing to "
-                    f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
-                )
-            if self.learner_done_at is not None:
+        self.scoring.collect(self.clock, wait_all, self.costs.teacher_token_s)
+        jobs = {str(j.job_id): j for j in self.inflight.values() if j.finishes_at != math.inf}
+        scores = {str(j.job_id): j for j in self.scoring.jobs.values() if j.finishes_at != math.inf}
+        t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
+        times = [
+            t_learn,
+            *(self.clock.next_event_time(m) if m else math.inf for m in (scores, jobs)),
+        ]
+        kinds = self.clock.kinds_due(times)  # virtual: the first; wall: all that came back
+        if not kinds and not asked:
+            time.sleep(0.02)  # wall clock: only the teacher is busy, and has nothing yet
+        for kind in kinds:
+            self.clock.advance_to(times[kind])
+            if kind == 0:  # the step makes a version: the next pass plans anew
                 self._finish_step()
                 if progress is not None:
                     progress.update(1)
                 return
-            for sj in self.scoring.collect(wait_all=False):
-                sj.finishes_at = self.clock.now
-                self._scored(sj)
-            wait = 0.05 if jobs else 0.0
-            for j in self.backend.collect(jobs, wait_all=False, timeout=wait):
-                self._arrive(j)
-            if not jobs and self.scoring.jobs:
-                time.sleep(0.02)  # only the teacher is busy: do not spin
+            taken: dict[str, Any] = scores if kind == 1 else jobs
+            due = self.clock.select(taken, taken.keys()) or []
+            for j in sorted((taken[k] for k in due), key=lambda j: (j.finishes_at, j.job_id)):
+                if kind == 1:
+                    self._scored(j)
+                else:
+                    self._arrive(j)
 
     def run(self) -> dict[str, Any]:
         """Start (or resume from ``checkpoint.pt``), train, close the backends; write ``policy.pt``

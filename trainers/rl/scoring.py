@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fedasync.clock import Clock
 from fedasync.tensors import to_cpu
 from trainers.rl.backend import ScoreJob, TeacherBackend
 from trainers.rl.config import RLConfig
@@ -89,27 +90,20 @@ class TeacherScoring:
         self.backend.submit(job, die)
         return job
 
-    def collect(self, wait_all: bool) -> list[ScoreJob]:
-        """The pending jobs now scored, by job id (``wait_all``: once every one is)."""
+    def collect(self, clock: Clock, wait_all: bool, token_s: float | None) -> None:
+        """Ask the scorers for the pending jobs (``wait_all``: wait until every one is scored)
+        and time the scored ones, in arrival order, on ``clock``: on the virtual clock each
+        takes its tokens x ``token_s`` (x the times it was sent) on the earliest-free of the
+        virtual servers; on the wall clock it ends now."""
         if not self.jobs:
-            return []
-        assert self.backend is not None
-        done = self.backend.collect(list(self.jobs.values()), wait_all=wait_all, timeout=0.0)
-        return sorted(done, key=lambda j: j.job_id)
-
-    def time(self, token_s: float | None) -> None:
-        """Virtual clock: put scored jobs on the earliest-free teacher server, in order."""
-        assert token_s is not None
+            return
+        assert self.backend is not None and token_s is not None
+        self.backend.collect(list(self.jobs.values()), wait_all=wait_all, timeout=0.0)
         for job in sorted(self.jobs.values(), key=lambda j: j.job_id):
-            if not job.done:
-                return  # later jobs wait for this one's place in the queue
-            if job.finishes_at != math.inf:
+            if not job.done or job.finishes_at != math.inf:
                 continue
-            s = min(range(len(self.free_at)), key=lambda i: (self.free_at[i], i))
-            start = max(job.submitted_at, self.free_at[s])
-            job.scorer = s
-            job.finishes_at = start + job.attempts * seq_tokens(job.group) * token_s
-            self.free_at[s] = job.finishes_at
+            seconds = job.attempts * seq_tokens(job.group) * token_s
+            job.scorer, job.finishes_at = clock.queue(self.free_at, job.dispatched_at, seconds)
 
     def take(self, job: ScoreJob) -> tuple[Group, list[str]]:
         """A job came back: the group with the samples whose cache can be learnt from, and why
@@ -143,7 +137,7 @@ class TeacherScoring:
         """The pending jobs (their groups and times) and the queue's state."""
         return {
             "jobs": [
-                [j.job_id, j.submitted_at, j.finishes_at, j.attempts, j.group.to_dict(), j.scorer]
+                [j.job_id, j.dispatched_at, j.finishes_at, j.attempts, j.group.to_dict(), j.scorer]
                 for j in sorted(self.jobs.values(), key=lambda j: j.job_id)
             ],
             "next_id": self.next_id,
