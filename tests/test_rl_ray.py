@@ -205,7 +205,7 @@ def test_distillation_on_ray_teachers_restarts_a_dead_teacher_and_learns_the_loc
         torch.set_num_threads(threads)
 
     # Assert: the death counted, group 3 re-sent, the same policy as the one-process teacher
-    from trainers.rl.ray_backend import RayTeacherPool
+    from trainers.rl.ray_teacher import RayTeacherPool
 
     pool = run.teacher_backend
     assert isinstance(pool, RayTeacherPool) and len(pool.pids_seen) >= 2

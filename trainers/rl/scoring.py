@@ -68,7 +68,7 @@ class TeacherScoring:
         )
         if self.backend is None:
             if rollout_kind == "ray":
-                from trainers.rl.ray_backend import RayTeacherPool
+                from trainers.rl.ray_teacher import RayTeacherPool
 
                 self.backend = RayTeacherPool(
                     self.cfg, to_cpu(dict(self.teacher.state_dict())), self.device
