@@ -207,7 +207,7 @@ def test_distillation_on_ray_teachers_restarts_a_dead_teacher_and_learns_the_loc
     # Assert: the death counted, group 3 re-sent, the same policy as the one-process teacher
     from trainers.rl.ray_teacher import RayTeacherPool
 
-    pool = run.teacher_backend
+    pool = run.scoring.backend
     assert isinstance(pool, RayTeacherPool) and len(pool.pids_seen) >= 2
     assert (s_ray["backend"], s_local["backend"]) == ("ray", "local")
     assert s_ray["versions"] == s_local["versions"] == 4
