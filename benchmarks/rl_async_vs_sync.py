@@ -59,8 +59,9 @@ import torch  # noqa: E402
 
 from fedasync.devices import pick_device  # noqa: E402
 from fedasync.events import read_events  # noqa: E402
+from trainers.rl.backend import build_policy, build_task  # noqa: E402
 from trainers.rl.config import load_rl_config  # noqa: E402
-from trainers.rl.engine import RLRun, build_policy, build_task  # noqa: E402
+from trainers.rl.engine import RLRun  # noqa: E402
 from trainers.rl.learner import Learner  # noqa: E402
 from trainers.rl.policy import warm_start  # noqa: E402
 from trainers.rl.profiles import PROFILES  # noqa: E402

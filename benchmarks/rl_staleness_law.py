@@ -66,8 +66,9 @@ import torch  # noqa: E402
 
 from fedasync.events import read_events  # noqa: E402
 from fedasync.importance import decoupled_ppo_loss, importance_ratio, masked_mean  # noqa: E402
+from trainers.rl.backend import build_policy, build_task  # noqa: E402
 from trainers.rl.config import load_rl_config  # noqa: E402
-from trainers.rl.engine import RLRun, build_policy, build_task  # noqa: E402
+from trainers.rl.engine import RLRun  # noqa: E402
 from trainers.rl.learner import Learner, grpo_advantages, pad_rows  # noqa: E402
 from trainers.rl.policy import sequence_logprobs, warm_start  # noqa: E402
 from trainers.rl.rollout import Group, generate_group  # noqa: E402

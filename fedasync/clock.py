@@ -178,6 +178,24 @@ class Clock(Protocol):
         """The clock time of the earliest reply the loop can take."""
         ...
 
+    def kinds_due(self, times: Sequence[float]) -> list[int]:
+        """Which of several kinds of pending event to take now, in order, given the earliest
+        time of each (inf: none of that kind is pending); [] when none is."""
+        ...
+
+    def finish_at(self, worker: int, job_id: int, dispatched_at: float, units: float) -> float:
+        """When a job whose work units are known only from its result finishes."""
+        ...
+
+    def ends_at(self, start: float, seconds: float) -> float:
+        """When work of ``seconds`` begun at ``start`` ends, outside the workers' schedule."""
+        ...
+
+    def queue(self, free_at: list[float], ready_at: float, seconds: float) -> tuple[int, float]:
+        """Work of ``seconds`` ready at ``ready_at`` on one of several servers that are free
+        at ``free_at`` (updated): (the server, -1 when not modelled; when the work ends)."""
+        ...
+
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the clock."""
         ...
@@ -273,6 +291,33 @@ class VirtualClock:
             return inflight.earliest()
         return min((t.finishes_at for t in inflight.values()), default=math.inf)
 
+    def kinds_due(self, times: Sequence[float]) -> list[int]:
+        """The one kind whose event comes first (a tie goes to the kind listed first): events
+        are taken one at a time, in time order; [] when none is pending."""
+        best: int | None = None
+        for i, t in enumerate(times):
+            if t != math.inf and (best is None or t < times[best]):
+                best = i
+        return [] if best is None else [best]
+
+    def finish_at(self, worker: int, job_id: int, dispatched_at: float, units: float) -> float:
+        """``dispatched_at`` plus the job's ``duration`` (seeded jitter): for a job whose work
+        units are known only once its result is in (a rollout's generated tokens)."""
+        return dispatched_at + self.duration(worker, job_id, units)
+
+    def ends_at(self, start: float, seconds: float) -> float:
+        """``start + seconds``: work outside the workers' schedule (a learner's step)."""
+        return start + seconds
+
+    def queue(self, free_at: list[float], ready_at: float, seconds: float) -> tuple[int, float]:
+        """Put the work on the earliest-free of identical servers (a tie to the lowest index),
+        starting when both it and the server are ready; that server's ``free_at`` becomes its
+        end. (The server, the end.)"""
+        s = min(range(len(free_at)), key=lambda i: (free_at[i], i))
+        end = self.ends_at(max(ready_at, free_at[s]), seconds)
+        free_at[s] = end
+        return s, end
+
     def state_dict(self) -> dict:
         """The virtual time."""
         return {"now": self.now}
@@ -319,6 +364,23 @@ class WallClock:
     def next_event_time(self, inflight: Mapping[str, Timed]) -> float:
         """Now: a reply may arrive at any moment."""
         return self.now
+
+    def kinds_due(self, times: Sequence[float]) -> list[int]:
+        """Every kind with an event pending, in the order listed: work whose result is in is
+        due now, so the loop's order decides."""
+        return [i for i, t in enumerate(times) if t != math.inf]
+
+    def finish_at(self, worker: int, job_id: int, dispatched_at: float, units: float) -> float:
+        """Now: the job's result is in hand."""
+        return self.now
+
+    def ends_at(self, start: float, seconds: float) -> float:
+        """Now: the work is over once its result is in hand."""
+        return self.now
+
+    def queue(self, free_at: list[float], ready_at: float, seconds: float) -> tuple[int, float]:
+        """(-1, now): real servers did the work; which one and when is what happened."""
+        return -1, self.now
 
     def state_dict(self) -> dict:
         """The wall seconds elapsed (a resumed run's clock continues from them)."""

@@ -105,6 +105,22 @@ def interruptible() -> Iterator[None]:
 
 
 @contextmanager
+def handlers_kept(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Within: code that replaces the handlers of ``signals`` (``ray.init`` installs its own
+    for SIGTERM) has them put back on the way out, so the command's own stay in charge. Only
+    in the main thread (elsewhere none can be set); a handler not set from Python (None) is
+    left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {s: signal.getsignal(s) for s in signals}
+    try:
+        yield
+    finally:
+        restore({s: h for s, h in kept.items() if h is not None})
+
+
+@contextmanager
 def shielded() -> Iterator[None]:
     """Within: SIGINT, SIGTERM and SIGHUP are ignored, so that a second Ctrl-C cannot cut a
     bounded clean-up short (and leave processes behind)."""

@@ -97,3 +97,32 @@ def test_in_flight_drops_the_entries_of_taken_jobs():
 
     assert len(heap) == 10 and len(heap._heap) <= 2 * 10 + 64
     assert heap.earliest() == math.inf and len(heap.first_event()) == 10
+
+
+def test_kinds_due_is_the_earliest_kind_virtually_and_every_pending_one_on_the_wall():
+    virtual, wall = VirtualClock([1.0], 1.0), WallClock()
+    inf = math.inf
+
+    assert virtual.kinds_due([inf, 2.0, 1.0]) == [2]
+    assert virtual.kinds_due([1.0, 1.0, 0.5]) == [2]
+    assert virtual.kinds_due([1.0, 1.0, 1.0]) == [0]  # a tie goes to the kind listed first
+    assert virtual.kinds_due([inf, inf]) == []
+    assert wall.kinds_due([inf, 2.0, 1.0]) == [1, 2]  # all due: the loop's order decides
+    assert wall.kinds_due([inf, inf]) == []
+
+
+def test_finish_ends_and_queue_time_work_virtually_and_say_now_on_the_wall():
+    clock = VirtualClock([1.0, 0.5], 2.0, jitter=0.1, seed=4)
+    clock.advance_to(3.0)
+
+    assert clock.finish_at(1, 9, 1.0, 5) == 1.0 + clock.duration(1, 9, 5)
+    assert clock.ends_at(3.0, 0.25) == 3.25
+    free = [4.0, 2.0]
+    assert clock.queue(free, 1.0, 1.5) == (1, 3.5)  # the earliest-free server, once free
+    assert clock.queue(free, 5.0, 1.0) == (1, 6.0)  # ready after both are free: server 1
+    assert free == [4.0, 6.0]
+    wall = WallClock()
+    free = [0.0]
+    server, end = wall.queue(free, 0.0, 9.0)
+    assert server == -1 and end <= wall.now and free == [0.0]
+    assert wall.finish_at(0, 1, 0.0, 9.0) <= wall.now and wall.ends_at(0.0, 9.0) <= wall.now

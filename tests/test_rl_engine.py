@@ -204,3 +204,14 @@ def test_the_fedasync_process_exits_2_on_a_bad_rl_key(tmp_path):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "rollout.nope" in lines[0], out.stderr[-500:]
+
+
+def test_a_checkpoint_of_the_old_flat_format_is_refused_with_one_clear_error(tmp_path):
+    from fedasync.checkpoint import save_checkpoint
+    from fedasync.errors import CheckpointError
+
+    (tmp_path / "old").mkdir()  # a checkpoint written before the engine was split in parts
+    save_checkpoint(tmp_path / "old" / "checkpoint.pt", {"config": {}, "version": 2})
+    resumed = load_rl_config(None, [*TINY, f"run.out_dir={tmp_path}", "run.resume=true"])
+    with pytest.raises(CheckpointError, match="checkpoint format 1, this one reads 2"):
+        RLRun(resumed, tmp_path / "old").run()

@@ -16,10 +16,12 @@ import torch
 
 pytest.importorskip("transformers")  # a guard only: `make install` installs the hf extra
 
+from fedasync.devices import pick_device  # noqa: E402
 from fedasync.errors import ConfigError, UserError  # noqa: E402
 from fedasync.events import read_events  # noqa: E402
+from trainers.rl.backend import build_policy, build_task  # noqa: E402
 from trainers.rl.config import RLConfig, load_rl_config  # noqa: E402
-from trainers.rl.engine import RLRun, build_policy, build_task, pick_device  # noqa: E402
+from trainers.rl.engine import RLRun  # noqa: E402
 from trainers.rl.hf import EXPORT_DIR, INSTALL_HINT, HFPolicy, MissingExtra  # noqa: E402
 from trainers.rl.policy import generate, sequence_logprobs, warm_start  # noqa: E402
 from trainers.rl.rollout import sample_generator  # noqa: E402

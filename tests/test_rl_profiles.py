@@ -68,7 +68,7 @@ def test_streaming_gains_more_where_generation_takes_more_of_the_step(tmp_path):
             tmp_path, f"st-{p}", "rollout.mode=streaming", "rollout.max_staleness=2", *common
         )
         ratio[p] = sync.clock.now / stream.clock.now
-        limit = sync.profile_info["limit"]
+        limit = sync.costs.profile["limit"]
         assert ratio[p] <= limit * 1.05, (p, ratio[p], limit)  # nothing beats the bound
     assert ratio["gen80"] > ratio["gen45"] > 1.0
 
@@ -132,8 +132,8 @@ def test_a_bad_profile_is_a_clear_config_error(overrides, words):
 def test_the_local_profile_keeps_the_costs_and_states_their_share_and_limit(tmp_path):
     run = _run(tmp_path, "local", "rollout.mode=sync", "clock.learn_token_s=0.002")
 
-    assert run.learn_token_s == 0.002
-    info = run.profile_info
+    assert run.costs.learn_token_s == 0.002
+    info = run.costs.profile
     assert 0.0 < info["gen_fraction"] < 1.0
     assert info["limit"] >= 1.0
     share = info["reference_makespan_s"] / info["reference_sync_step_s"]

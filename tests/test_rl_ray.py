@@ -15,8 +15,10 @@ import torch
 
 from fedasync.events import read_events
 from fedasync.processes import alive
+from trainers.rl.backend import Job, build_policy, build_task
 from trainers.rl.config import RLConfig, load_rl_config
-from trainers.rl.engine import Job, LocalBackend, RLRun, build_policy, build_task
+from trainers.rl.engine import RLRun
+from trainers.rl.local_backend import LocalBackend
 
 TINY = [
     "policy.d_model=32",
@@ -203,9 +205,9 @@ def test_distillation_on_ray_teachers_restarts_a_dead_teacher_and_learns_the_loc
         torch.set_num_threads(threads)
 
     # Assert: the death counted, group 3 re-sent, the same policy as the one-process teacher
-    from trainers.rl.ray_backend import RayTeacherPool
+    from trainers.rl.ray_teacher import RayTeacherPool
 
-    pool = run.teacher_backend
+    pool = run.scoring.backend
     assert isinstance(pool, RayTeacherPool) and len(pool.pids_seen) >= 2
     assert (s_ray["backend"], s_local["backend"]) == ("ray", "local")
     assert s_ray["versions"] == s_local["versions"] == 4

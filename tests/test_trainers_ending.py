@@ -190,7 +190,7 @@ def test_an_rl_run_stopped_by_a_signal_saves_there_and_resumes_to_the_same_weigh
 
 
 def test_an_exception_of_the_backend_once_a_stop_was_asked_for_is_part_of_the_stop(tmp_path):
-    from trainers.rl.engine import LocalBackend
+    from trainers.rl.local_backend import LocalBackend
 
     class DyingWithTheSignal(LocalBackend):
         """A worker the signal reached: the submit after it fails."""

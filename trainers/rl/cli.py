@@ -50,7 +50,7 @@ def with_backend(cfg: RLConfig) -> tuple[RLConfig, Any]:
         reason = ray_available()
         if reason is None:
             from fedasync.devices import pick_device
-            from trainers.rl.engine import build_task
+            from trainers.rl.backend import build_task
 
             return cfg, RayBackend(cfg, build_task(cfg), pick_device(cfg.run.device))
     log.warning(

@@ -1,81 +1,63 @@
-"""The asynchronous RL engine: who generates which group under which version, when the
-learner steps, and what it may learn from.
+"""The asynchronous RL engine: the run's loop. It asks the schedule what to start, the clock
+what comes next, and hands rollouts to the teacher scoring and batches to the learner.
 
-Papers: AReaL (Fu et al. 2025) admission rule for bounded staleness; one-step-off (Noukhovitch
-et al. 2024, asynchronous RLHF); multi-version streaming rollout after DORA (arXiv 2604.26256).
+Papers: AReaL (Fu et al. 2025), one-step-off (Noukhovitch et al. 2024), DORA-style streaming
+(arXiv 2604.26256); the modes' rules are :mod:`trainers.rl.schedule`'s.
 
-Groups are numbered 0, 1, 2, ...; group g is prompt ``task.sample(g, seed)``, its samples
-drawn from a generator seeded by (seed, g), under the newest policy version a worker has when
-it starts (the group is generated from start to end by that version). Batch k is groups
-[kB, (k+1)B). The learner at version v makes version v+1 from one batch of B groups. Modes:
+The parts, each with its own state and ``state_dict``: the schedule (which group starts when,
+which batch is learnt), the learner, the teacher scoring (:mod:`trainers.rl.scoring`), the
+costs (:mod:`trainers.rl.costs`), the core's clock and the statistics (:mod:`trainers.rl
+.stats`); the checkpoint composes them (:mod:`trainers.rl.run_checkpoint`). Workers are in this
+process (:mod:`trainers.rl.local_backend`) or Ray actors (:mod:`trainers.rl.ray_backend`,
+:mod:`trainers.rl.ray_teacher`).
 
-- ``sync``: batch v is generated under version v; the learner waits for all of it, workers
-  wait for the learner.
-- ``one_step_off``: batch k+1 is generated under version k while the learner trains on batch
-  k (it starts when batch k is all generated); staleness 1.
-- ``async``: group g of batch k may start once the learner's version is >= k − S; the learner
-  takes batches in order, each once all of it has arrived. Staleness <= S by construction.
-- ``streaming``: a group may start while fewer than (v + S + 1)·B groups have been admitted
-  (dropped ones not counted); the learner takes the first B groups to finish, whatever their
-  batch, so it never waits for a long tail. A group whose staleness would exceed S is dropped
-  (aborted in flight at the version that makes it hopeless, freeing its worker).
+Each pass of the loop learns if a batch is ready, dispatches to free workers, collects what
+came back and takes what the clock (:mod:`fedasync.clock`) says comes next: the learner's
+step, scored groups or rollouts. On the virtual clock a group takes (its generated tokens) x
+``clock.gen_token_s`` on a worker, a learner step (its batch's tokens) x
+``clock.learn_token_s`` (the new version is available when it ends) and scoring (the group's
+prompt + completion tokens) x ``clock.teacher_token_s`` on the earliest-free teacher server,
+one event at a time in time order. On the wall clock (Ray actors) each takes what it takes
+and what came back is taken as it comes.
 
-With S = 0 the three rules admit the same groups under the same versions and the learner takes
-the same batches, so ``async`` and ``streaming`` give the weights of ``sync`` bit for bit.
-
-On-policy distillation (``distill.loss`` != none, :mod:`trainers.rl.distill`) adds one stage
-between a group's arrival and the learner: the group goes to a teacher scorer (``distill
-.teachers`` of them: virtual servers, or Ray actors) and becomes learnable when its finite
-teacher cache comes back; on the virtual clock scoring takes (the group's prompt + completion
-tokens) x ``clock.teacher_token_s`` on the earliest-free server, in arrival order. The
-schedules above are unchanged (a batch is complete when all of it is scored), so S = 0 still
-gives sync's weights bit for bit.
-
-Time is the core's clock: on the virtual clock a group takes (its generated tokens) x
-``clock.gen_token_s`` on a worker and a learner step (its batch's tokens) x
-``clock.learn_token_s``; the new version is available when the step ends. On the wall clock
-(Ray actors) both take what they take.
+On-policy distillation (``distill.loss`` != none) puts the teacher stage between a group's
+arrival and the learner; the schedules are unchanged (a batch is complete when all of it is
+scored), so with S = 0 ``async`` and ``streaming`` give sync's weights bit for bit either way.
 
 A signal (Ctrl-C, SIGTERM, SIGHUP) stops the run at the top of the loop's next pass, where
 the scheduling state is whole, with a checkpoint of it (:meth:`RLRun.step_loop`); the
 :class:`fedasync.interrupt.Interrupted` it raises says where and names the checkpoint.
-
-One file (about 1200 lines) because the four schedules, the teacher stage, the two clocks, the
-checkpoint and the stop all read and write one scheduling state on :class:`RLRun`, saved and
-restored as a whole; split, each part would reach into that state from another module. The Ray
-backends are apart (:mod:`trainers.rl.ray_backend`).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import math
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import torch
-
-from fedasync.checkpoint import load_checkpoint, save_checkpoint
-from fedasync.clock import VirtualClock, WallClock
+from fedasync.clock import Clock, VirtualClock, WallClock
 from fedasync.devices import pick_device
 from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
 from fedasync.interrupt import DeferredStop, Interrupted, shielded
-from fedasync.staleness import StalenessBound
 from fedasync.tensors import to_cpu
 from fedasync.versions import VersionedSnapshots, staleness
+from trainers.rl.backend import Backend, Job, ScoreJob, TeacherBackend, build_policy, build_task
 from trainers.rl.config import RLConfig, to_container
-from trainers.rl.distill import DistillLearner, check_cache, kl_divergence, score_group
+from trainers.rl.costs import Costs, measure_costs
+from trainers.rl.distill import DistillLearner
 from trainers.rl.learner import Learner
-from trainers.rl.policy import PolicyConfig, TinyLM, greedy_accuracy, warm_start
-from trainers.rl.profiles import PROFILES, SAMPLED_BATCHES, calibrate, tail_factor
-from trainers.rl.rollout import EVAL_OFFSET, Group, check_group, generate_group
-from trainers.rl.tasks import VOCAB_SIZE, Task, make_task
+from trainers.rl.local_backend import LocalBackend
+from trainers.rl.policy import warm_start
+from trainers.rl.profiles import tail_factor
+from trainers.rl.rollout import check_group
+from trainers.rl.run_checkpoint import load_run, save_run
+from trainers.rl.run_end import close_all, note_stop, save_finished, write_outputs
+from trainers.rl.schedule import Schedule
+from trainers.rl.scoring import TeacherScoring
+from trainers.rl.stats import RunStats, evaluate
 
 log = logging.getLogger("fedasync.rl")
 
@@ -87,189 +69,11 @@ STOP_GRACE_S = 10.0
 if no pass ends within this many seconds, the signal stops it where it is (no new checkpoint)."""
 
 
-@dataclass
-class Job:
-    """One group in flight on one worker."""
-
-    job_id: int
-    group_id: int
-    worker: int
-    version: int
-    attempt: int
-    dispatched_at: float
-    finishes_at: float = math.inf
-    group: Group | None = None
-    error: str | None = None
-    """Set when the worker died on it (the group is then redone or dropped)."""
-
-
-@dataclass
-class ScoreJob:
-    """One group's teacher scoring."""
-
-    job_id: int
-    group: Group
-    submitted_at: float
-    finishes_at: float = math.inf
-    attempts: int = 1
-    """Times it was sent (a teacher that dies is restarted and its pending requests re-sent)."""
-    scorer: int = -1
-    """The virtual teacher server that scored it (virtual clock)."""
-    done: bool = False
-
-
-class TeacherBackend(Protocol):
-    """Where the teacher scores groups: in this process, or on Ray actors."""
-
-    kind: str
-    restarts: int
-    """Teachers restarted after dying."""
-    resent: int
-    """Requests re-sent to a restarted teacher."""
-
-    def submit(self, job: ScoreJob, die: bool) -> None:
-        """Score ``job.group`` (fill its caches); ``die`` kills the teacher holding it first."""
-
-    def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
-        """Jobs of ``jobs`` now ``done``; with ``wait_all`` block until every one is."""
-
-    def close(self) -> None:
-        """Stop the teachers."""
-
-
-class LocalTeacher:
-    """The teacher in this process: a group is scored when it is submitted."""
-
-    kind = "local"
-
-    def __init__(self, teacher: torch.nn.Module, top_k: int, device: torch.device):
-        self.teacher, self.top_k, self.device = teacher, top_k, device
-        self.state = copy.deepcopy(teacher.state_dict())
-        self.restarts = 0
-        self.resent = 0
-
-    def submit(self, job: ScoreJob, die: bool) -> None:
-        """Score the group now; ``die`` first restarts the teacher from its saved weights."""
-        if die:  # the scorer dies holding the request: rebuilt, the request sent again
-            log.warning(
-                "teacher died scoring group %d: restarted, request re-sent", job.group.group_id
-            )
-            self.teacher.load_state_dict(self.state)
-            self.restarts += 1
-            self.resent += 1
-            job.attempts += 1
-        score_group(self.teacher, job.group, self.top_k, self.device)
-        job.done = True
-
-    def collect(self, jobs: list[ScoreJob], wait_all: bool, timeout: float) -> list[ScoreJob]:
-        """The jobs already ``done``: every submitted one, as scoring happens at submit."""
-        return [j for j in jobs if j.done]
-
-    def close(self) -> None:
-        """Nothing to stop."""
-        return None
-
-
-class Backend(Protocol):
-    """Where groups are generated: in this process, or on Ray actors."""
-
-    kind: str
-
-    def publish(self, version: int, params: dict[str, torch.Tensor]) -> None:
-        """Make ``version``'s weights available to workers."""
-
-    def retire(self, below: int) -> None:
-        """Versions below ``below`` will not be asked for again."""
-
-    def submit(self, job: Job, die: bool, nan: bool) -> None:
-        """Start ``job``; ``die``/``nan`` inject the configured faults."""
-
-    def collect(self, jobs: list[Job], wait_all: bool, timeout: float) -> list[Job]:
-        """Jobs of ``jobs`` whose result (``group`` or ``error``) has arrived; with
-        ``wait_all`` block until every one has, else return what arrives within ``timeout``."""
-
-    def close(self) -> None:
-        """Stop the workers."""
-
-
-def build_policy(cfg: RLConfig) -> torch.nn.Module:
-    """The policy of the run's seed, before the warm start: a TinyLM, or with policy.kind=hf
-    a transformers causal LM behind the same interface (trainers.rl.hf). The one place a
-    policy is made (the run, the local and Ray workers)."""
-    p = cfg.policy
-    torch.manual_seed(cfg.run.seed)
-    if p.kind == "hf":
-        from trainers.rl.hf import build_hf_policy
-
-        return build_hf_policy(p, build_task(cfg))
-    return TinyLM(
-        PolicyConfig(
-            vocab_size=VOCAB_SIZE, d_model=p.d_model, n_layers=p.n_layers, n_heads=p.n_heads
-        )
-    )
-
-
-def build_task(cfg: RLConfig) -> Task:
-    """The configured task (``task.name`` with its length bounds and tail)."""
-    t = cfg.task
-    return make_task(t.name, min_len=t.min_len, max_len=t.max_len, tail=t.tail)
-
-
-class LocalBackend:
-    """Every worker is virtual; a group is generated in this process when it is submitted."""
-
-    kind = "local"
-
-    def __init__(self, cfg: RLConfig, task: Task, device: torch.device):
-        self.cfg, self.task, self.device = cfg, task, device
-        self.model = build_policy(cfg).to(device)
-        self.model.eval()
-        self.loaded: int | None = None
-        self.weights: dict[int, dict[str, torch.Tensor]] = {}
-
-    def publish(self, version: int, params: dict[str, torch.Tensor]) -> None:
-        """Keep ``version``'s weights (not copied)."""
-        self.weights[version] = params
-
-    def retire(self, below: int) -> None:
-        """Drop the weights of versions below ``below``."""
-        for v in [v for v in self.weights if v < below]:
-            del self.weights[v]
-
-    def submit(self, job: Job, die: bool, nan: bool) -> None:
-        """Generate the group now under ``job.version``; ``nan`` makes its first log-prob NaN,
-        ``die`` sets ``job.error`` after the group is made (the time is spent, the tokens lost)."""
-        if self.loaded != job.version:
-            self.model.load_state_dict(self.weights[job.version])
-            self.loaded = job.version
-        group = generate_group(
-            self.model,
-            self.task,
-            seed=self.cfg.run.seed,
-            group_id=job.group_id,
-            version=job.version,
-            group_size=self.cfg.rollout.group_size,
-            temperature=self.cfg.rollout.temperature,
-            device=self.device,
-            nan_first=nan,
-            mc_samples=self.cfg.distill.mc_samples,
-        )
-        group.worker = job.worker
-        job.group = group
-        if die:  # it dies half-way: the time is spent, the tokens are lost
-            job.error = f"worker {job.worker} died generating group {job.group_id}"
-
-    def collect(self, jobs: list[Job], wait_all: bool, timeout: float) -> list[Job]:
-        """The jobs with a group or an error: every submitted one (generated at submit)."""
-        return [j for j in jobs if j.group is not None or j.error is not None]
-
-    def close(self) -> None:
-        """Nothing to stop."""
-        return None
-
-
 class RLRun:
-    """One RL training run: ``RLRun(cfg, run_dir).run()`` returns the summary."""
+    """One RL training run: ``RLRun(cfg, run_dir).run()`` returns the summary. Its parts: the
+    schedule (:class:`trainers.rl.schedule.Schedule`), the learner, the teacher scoring
+    (:class:`trainers.rl.scoring.TeacherScoring`), the costs, the clock and the statistics
+    (:class:`trainers.rl.stats.RunStats`); each keeps its own state and checkpoint."""
 
     def __init__(
         self,
@@ -282,70 +86,32 @@ class RLRun:
         self.run_dir = run_dir
         self.device = pick_device(cfg.run.device)
         self.task = build_task(cfg)
-        r = cfg.rollout
-        self.S = r.max_staleness
-        self.B = r.batch_groups
-        self.bound = StalenessBound(max_staleness=self.S)
+        r, d = cfg.rollout, cfg.distill
         self.policy = build_policy(cfg).to(self.device)
-        self.distill = cfg.distill.loss != "none"
+        self.distill = d.loss != "none"
+        args = (self.policy, cfg.learner, r.temperature, self.device)
         self.learner = (
-            DistillLearner(
-                self.policy,
-                cfg.learner,
-                r.temperature,
-                self.device,
-                cfg.distill.loss,
-                cfg.distill.mc_samples,
-            )
-            if self.distill
-            else Learner(self.policy, cfg.learner, r.temperature, self.device)
+            DistillLearner(*args, d.loss, d.mc_samples) if self.distill else Learner(*args)
         )
-        self.teacher: torch.nn.Module | None = None
-        self.teacher_info: dict[str, Any] = {}
-        self.teacher_backend: TeacherBackend | None = teacher_backend
-        self.teacher_token_s = cfg.clock.teacher_token_s
-        self.scoring: dict[int, ScoreJob] = {}  # by job id
-        self.next_score = 0
-        self.score_free_at = [0.0] * cfg.distill.teachers
-        self.teacher_die = set(cfg.faults.teacher_die_on_groups)
-        self.teacher_died_on: set[int] = set()
-        self.learner_tokens = 0
-        self.snapshots = VersionedSnapshots(max(self.S, 1) + 2)
+        self.schedule = Schedule(cfg)
+        self.scoring = TeacherScoring(cfg, self.task, self.device, teacher_backend)
+        self.stats = RunStats(r.workers)
+        self.costs = Costs.from_config(cfg)
+        self.snapshots = VersionedSnapshots(max(r.max_staleness, 1) + 2)
         self.backend: Backend = (
             backend if backend is not None else LocalBackend(cfg, self.task, self.device)
         )
-        self.virtual = r.clock == "virtual"
-        self.clock: VirtualClock | WallClock = (
+        self.clock: Clock = (
             VirtualClock([1.0] * r.workers, 1.0, jitter=cfg.clock.jitter, seed=cfg.run.seed)
-            if self.virtual
+            if r.clock == "virtual"
             else WallClock()
         )
-        self.gen_token_s = cfg.clock.gen_token_s
-        self.learn_token_s = cfg.clock.learn_token_s
-        self.tail_sigma = PROFILES[cfg.clock.profile].tail_sigma
-        self.profile_info: dict[str, Any] = {"name": cfg.clock.profile}
-        # scheduling state (all of it goes into the checkpoint)
         self.version = 0
-        self.next_group = 0
-        self.next_job = 0
-        self.admitted_dropped = 0  # dropped groups (streaming's admission does not count them)
-        self.inflight: dict[int, Job] = {}  # by worker
-        self.redo: list[tuple[int, int]] = []  # (group id, attempt) to generate again
-        self.ready: list[tuple[float, Group]] = []  # (finish time, group) not yet learnt
-        self.finished_per_batch: Counter[int] = Counter()
         self.learner_done_at: float | None = None
         self.pending_metrics: dict[str, Any] | None = None
-        self.dropped: Counter[str] = Counter()
-        self.rejected = 0
-        self.redone = 0
-        self.busy_s = [0.0] * r.workers
-        self.evals: list[dict[str, Any]] = []
-        self.steps: list[dict[str, Any]] = []
-        self.reached_target_at: float | None = None
         self.die = set(cfg.faults.die_on_groups)
         self.nan = set(cfg.faults.nan_on_groups)
         self.events: EventLog | None = None
-        self.warm: dict[str, float] = {}
         self.phase = "start-up"
         """start-up, training, finishing or plots (the stop line says where it stopped)."""
         self.checkpoint: Path | None = None
@@ -353,132 +119,9 @@ class RLRun:
         self.checkpoint_version: int | None = None
 
     # ----------------------------------------------------------------- set-up
-    def _measure_costs(self) -> None:
-        """Per-token costs of generation, teacher scoring and learning, measured once."""
-        need_teacher = self.distill and self.teacher_token_s is None
-        if self.gen_token_s is not None and self.learn_token_s is not None and not need_teacher:
-            self._apply_profile()  # local: records the reference step and its limit
-            return
-        if self.gen_token_s is not None and self.cfg.clock.profile != "local":
-            self._apply_profile()  # the profile sets the rest from the given generation cost
-            return
-        probe = copy.deepcopy(self.policy)
-        probe.eval()
-        groups, t0 = [], time.perf_counter()
-        for i in range(4):
-            groups.append(
-                generate_group(
-                    probe,
-                    self.task,
-                    seed=self.cfg.run.seed + 1,
-                    group_id=i,
-                    version=0,
-                    group_size=self.cfg.rollout.group_size,
-                    temperature=self.cfg.rollout.temperature,
-                    device=self.device,
-                    mc_samples=self.cfg.distill.mc_samples,
-                )
-            )
-        gen = (time.perf_counter() - t0) / max(sum(g.tokens for g in groups), 1)
-        if self.distill:
-            assert self.teacher is not None
-            t0 = time.perf_counter()
-            for g in groups:
-                score_group(self.teacher, g, self.cfg.distill.top_k, self.device)
-            scored = time.perf_counter() - t0
-            if self.teacher_token_s is None:
-                self.teacher_token_s = scored / max(sum(_seq_tokens(g) for g in groups), 1)
-            learner: Learner = DistillLearner(
-                probe,
-                self.cfg.learner,
-                self.cfg.rollout.temperature,
-                self.device,
-                self.cfg.distill.loss,
-                self.cfg.distill.mc_samples,
-            )
-        else:
-            learner = Learner(probe, self.cfg.learner, self.cfg.rollout.temperature, self.device)
-        t0 = time.perf_counter()
-        m = learner.step(groups, 0)
-        learn = (time.perf_counter() - t0) / max(m["tokens"], 1)
-        if self.gen_token_s is None:
-            self.gen_token_s = gen
-        if self.learn_token_s is None:
-            self.learn_token_s = learn
-        log.info(
-            "measured: %.3g s per generated token, %.3g s per learnt token, %s s per scored token",
-            gen,
-            learn,
-            f"{self.teacher_token_s:.3g}" if self.distill else "-",
-        )
-        self._apply_profile()
-
-    def _reference_tokens(self) -> list[tuple[int, int]]:
-        """(generated, prompt + generated) tokens of sync's first batches, as the starting
-        policy samples them (the groups are pure functions of weights, seed and group id)."""
-        probe = copy.deepcopy(self.policy)
-        probe.eval()
-        r = self.cfg.rollout
-        out = []
-        for g in range(SAMPLED_BATCHES * r.batch_groups):
-            group = generate_group(
-                probe,
-                self.task,
-                seed=self.cfg.run.seed,
-                group_id=g,
-                version=0,
-                group_size=r.group_size,
-                temperature=r.temperature,
-                device=self.device,
-            )
-            out.append((group.tokens, _seq_tokens(group)))
-        return out
-
-    def _apply_profile(self) -> None:
-        """Record the reference sync step and the limit an overlapping schedule can reach
-        (``start`` event); a ``clock.profile`` other than local first sets the learner's and
-        teacher's costs from the generation cost, so generation is its share of a sync step."""
-        name = self.cfg.clock.profile
-        assert self.gen_token_s is not None
-        r, d = self.cfg.rollout, self.cfg.distill
-        cal = calibrate(
-            name,
-            self.task,
-            seed=self.cfg.run.seed,
-            batch_groups=r.batch_groups,
-            group_size=r.group_size,
-            workers=r.workers,
-            gen_token_s=self.gen_token_s,
-            distill=self.distill,
-            teachers=d.teachers,
-            learn_token_s=self.learn_token_s,
-            teacher_token_s=self.teacher_token_s,
-            tokens=self._reference_tokens() if self.virtual else None,
-        )
-        self.learn_token_s, self.teacher_token_s = cal.learn_token_s, cal.teacher_token_s
-        self.profile_info = {
-            "name": name,
-            "gen_fraction": cal.gen_fraction,
-            "tail_sigma": PROFILES[name].tail_sigma,
-            "reference_sync_step_s": cal.sync_step_s(d.teachers),
-            "reference_makespan_s": cal.makespan_s,
-            "reference_learn_s": cal.learn_s,
-            "limit": cal.limit(r.workers, d.teachers),
-        }
-        if name == "local":
-            return
-        log.info(
-            "clock.profile=%s: learner %.3g s per token%s, so generation is %.0f%% of a "
-            "reference sync step (%.3g s); an overlapping schedule gains at most %.2fx",
-            name,
-            cal.learn_token_s,
-            f", teacher {cal.teacher_token_s:.3g} s per token" if self.distill else "",
-            100 * cal.gen_fraction,
-            cal.sync_step_s(d.teachers),
-            cal.limit(r.workers, d.teachers),
-        )
-
     def _start(self) -> None:
+        """A fresh run (warm start, teacher, costs, the ``start`` event, version 0's
+        evaluation), or the one ``checkpoint.pt`` holds with ``run.resume``."""
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = self.run_dir / "checkpoint.pt"
@@ -486,14 +129,14 @@ class RLRun:
             if not ckpt.is_file():
                 raise CheckpointError(f"run.resume=true but {ckpt} does not exist")
             self.checkpoint = ckpt  # a stop while it loads leaves it as it was
-            self._load(ckpt)
+            load_run(self, ckpt)
             self.checkpoint_version = self.version
             return
         for name in ("metrics.jsonl", "summary.json", "checkpoint.pt"):
             (self.run_dir / name).unlink(missing_ok=True)
         self.events = EventLog(self.run_dir / "metrics.jsonl")
         if cfg.policy.warm_start_steps > 0:
-            self.warm = warm_start(
+            self.stats.warm = warm_start(
                 self.policy,
                 self.task,
                 steps=cfg.policy.warm_start_steps,
@@ -503,93 +146,55 @@ class RLRun:
                 device=self.device,
             )
         self.policy.eval()
-        self._start_teacher()
-        self._measure_costs()
+        self.scoring.start(self.backend.kind)
+        measure_costs(
+            self.costs,
+            cfg,
+            self.policy,
+            self.task,
+            self.device,
+            self.scoring.teacher,
+            sample_reference=not self.clock.realtime,
+        )
         self.events.write(
             "start",
             t=0.0,
             version=0,
             config=to_container(cfg),
-            gen_token_s=self.gen_token_s,
-            learn_token_s=self.learn_token_s,
-            teacher_token_s=self.teacher_token_s,
-            profile=self.profile_info,
-            teacher=self.teacher_info,
-            warm_start=self.warm,
+            **self.costs.state_dict(),
+            profile=self.costs.profile,
+            teacher=self.scoring.info,
+            warm_start=self.stats.warm,
             backend=self.backend.kind,
             clock=self.clock.kind,
         )
         self._publish(0)
         self._evaluate()
 
-    def _start_teacher(self) -> None:
-        """Load (or train once and cache) the teacher and start its scorers."""
-        if not self.distill or self.teacher is not None:
-            return
-        from trainers.rl.teacher import load_or_train_teacher
-
-        self.teacher, self.teacher_info = load_or_train_teacher(
-            self.cfg, self.task, self.device, progress=self.cfg.run.progress
-        )
-        if self.teacher_backend is None:
-            if self.backend.kind == "ray":
-                from trainers.rl.ray_backend import RayTeacherPool
-
-                self.teacher_backend = RayTeacherPool(
-                    self.cfg, to_cpu(dict(self.teacher.state_dict())), self.device
-                )
-            else:
-                self.teacher_backend = LocalTeacher(
-                    self.teacher, self.cfg.distill.top_k, self.device
-                )
-
     # ----------------------------------------------------------------- scheduling
-    def _batch(self, g: int) -> int:
-        return g // self.B
-
-    def _may_start(self, g: int) -> bool:
-        mode, v, k = self.cfg.rollout.mode, self.version, self._batch(g)
-        if mode == "sync":
-            return k <= v
-        if mode == "one_step_off":
-            return k == 0 or (self.finished_per_batch[k - 1] >= self.B and v >= k - 1)
-        if mode == "async":
-            return k <= v + self.S
-        return g - self.admitted_dropped < (v + self.S + 1) * self.B  # streaming
-
     def _dispatch(self) -> None:
-        for w in range(self.cfg.rollout.workers):
-            if w in self.inflight:
-                continue
-            if self.redo and self._may_start(self.redo[0][0]):
-                g, attempt = self.redo.pop(0)
-            elif not self.redo and self._may_start(self.next_group):
-                g, attempt = self.next_group, 0
-                self.next_group += 1
-            else:
-                return
-            job = Job(self.next_job, g, w, self.version, attempt, self.clock.now)
-            self.next_job += 1
-            self.inflight[w] = job
-            first = attempt == 0
+        """Start what the schedule admits on the free workers."""
+        for job in self.schedule.dispatch(self.version, self.clock.now):
+            first = job.attempt == 0
+            g = job.group_id
             self.backend.submit(job, die=first and g in self.die, nan=first and g in self.nan)
 
     def _timed(self, job: Job) -> None:
-        """Set a virtual job's finish time from its tokens once its result is known."""
-        if self.virtual and job.finishes_at == math.inf:
-            assert self.gen_token_s is not None
-            units: float = job.group.tokens if job.group is not None else 0
-            if job.error is not None:
-                units = units / 2.0
-            units *= tail_factor(self.tail_sigma, self.cfg.run.seed, job.group_id, job.attempt)
-            assert isinstance(self.clock, VirtualClock)
-            job.finishes_at = job.dispatched_at + self.clock.duration(
-                job.worker, job.job_id, units * self.gen_token_s
-            )
+        """Set a job's finish time once its result is in: the clock's, from its tokens."""
+        assert self.costs.gen_token_s is not None
+        units: float = job.group.tokens if job.group is not None else 0
+        if job.error is not None:
+            units = units / 2.0
+        units *= tail_factor(self.costs.tail_sigma, self.cfg.run.seed, job.group_id, job.attempt)
+        job.finishes_at = self.clock.finish_at(
+            job.worker, job.job_id, job.dispatched_at, units * self.costs.gen_token_s
+        )
 
     def _arrive(self, job: Job) -> None:
-        del self.inflight[job.worker]
-        self.busy_s[job.worker] += self.clock.now - job.dispatched_at
+        """A rollout came back: redo or drop it if its worker died, else check its samples and
+        send it to the teacher, or make it ready to learn."""
+        self.schedule.done(job)
+        self.stats.busy_s[job.worker] += self.clock.now - job.dispatched_at
         outcome = "done"
         if job.error is not None or job.group is None:
             outcome = "died"
@@ -598,85 +203,43 @@ class RLRun:
             if job.attempt + 1 >= MAX_ATTEMPTS:
                 self._drop(job.group_id, "worker died twice")
             else:
-                self.redone += 1
-                self.redo.append((job.group_id, job.attempt + 1))
+                self.stats.redone += 1
+                self.schedule.redo.append((job.group_id, job.attempt + 1))
         else:
             group = check_group(job.group)
             for why in group.rejected:
-                self.rejected += 1
-                self._write("reject", version=self.version, group=job.group_id, reason=why)
+                self.stats.rejected += 1
+                self.event("reject", version=self.version, group=job.group_id, reason=why)
             if len(group.trajectories) < 2:
                 self._drop(job.group_id, "fewer than 2 valid trajectories")
             elif self.distill:
-                self._send_to_teacher(group, self.clock.now)
+                self.scoring.send(group, self.clock.now)
             else:
-                self._make_ready(group)
+                self.schedule.make_ready(self.clock.now, group)
         self._rollout_event(job, job.group.tokens if job.group is not None else 0, outcome)
-
-    def _make_ready(self, group: Group) -> None:
-        self.ready.append((self.clock.now, group))
-        self.finished_per_batch[self._batch(group.group_id)] += 1
-
-    def _send_to_teacher(self, group: Group, at: float, attempts: int = 1) -> ScoreJob:
-        assert self.teacher_backend is not None
-        job = ScoreJob(self.next_score, group, at, attempts=attempts)
-        self.next_score += 1
-        self.scoring[job.job_id] = job
-        die = group.group_id in self.teacher_die and group.group_id not in self.teacher_died_on
-        if die:
-            self.teacher_died_on.add(group.group_id)
-        self.teacher_backend.submit(job, die)
-        return job
-
-    def _time_scores(self) -> None:
-        """Virtual clock: put scored jobs on the earliest-free teacher server, in order."""
-        assert self.teacher_token_s is not None
-        for job in sorted(self.scoring.values(), key=lambda j: j.job_id):
-            if not job.done:
-                return  # later jobs wait for this one's place in the queue
-            if job.finishes_at != math.inf:
-                continue
-            s = min(range(len(self.score_free_at)), key=lambda i: (self.score_free_at[i], i))
-            start = max(job.submitted_at, self.score_free_at[s])
-            units = job.attempts * _seq_tokens(job.group) * self.teacher_token_s
-            job.scorer = s
-            job.finishes_at = start + units
-            self.score_free_at[s] = job.finishes_at
 
     def _scored(self, job: ScoreJob) -> None:
         """A group came back from the teacher: check its caches, then it may be learnt."""
-        del self.scoring[job.job_id]
-        group, d = job.group, self.cfg.distill
-        keep = []
-        for i, t in enumerate(group.trajectories):
-            why = check_cache(t, d.top_k, d.mc_samples)
-            if why is None:
-                keep.append(t)
-            else:
-                self.rejected += 1
-                self._write(
-                    "reject",
-                    version=self.version,
-                    group=group.group_id,
-                    reason=f"group {group.group_id} sample {i}: {why}",
-                )
-        group.trajectories = keep
-        self._write(
+        group, rejected = self.scoring.take(job)
+        for why in rejected:
+            self.stats.rejected += 1
+            self.event("reject", version=self.version, group=group.group_id, reason=why)
+        self.event(
             "score",
             version=self.version,
             group=group.group_id,
-            start=job.submitted_at,
+            start=job.dispatched_at,
             attempts=job.attempts,
             scorer=job.scorer,
         )
-        if len(keep) < 2:
+        if len(group.trajectories) < 2:
             self._drop(group.group_id, "fewer than 2 trajectories scored")
         else:
-            self._make_ready(group)
+            self.schedule.make_ready(self.clock.now, group)
 
     def _rollout_event(self, job: Job, tokens: int, outcome: str) -> None:
         """One ``rollout`` event: the job's worker, version, start, finish (``t``) and outcome."""
-        self._write(
+        self.event(
             "rollout",
             version=self.version,
             group=job.group_id,
@@ -687,58 +250,40 @@ class RLRun:
             outcome=outcome,
         )
 
-    def _drop(self, group_id: int, reason: str) -> None:
-        self.dropped[reason] += 1
-        self.admitted_dropped += 1
-        self.finished_per_batch[self._batch(group_id)] += 1  # settled: its batch goes on
-        self._write("drop", version=self.version, group=group_id, reason=reason)
-
-    def _take_batch(self) -> list[Group] | None:
-        mode = self.cfg.rollout.mode
-        if mode == "streaming":
-            self.ready.sort(key=lambda x: (x[0], x[1].group_id))
-            kept: list[tuple[float, Group]] = []
-            for item in self.ready:
-                d = self.bound.check(staleness(self.version, item[1].version))
-                if d.action == "reject":
-                    self._drop(item[1].group_id, f"stale: {d.reason}")
-                else:
-                    kept.append(item)
-            self.ready = kept
-            if len(kept) < self.B:
-                return None
-            batch, self.ready = kept[: self.B], kept[self.B :]
-        else:  # batches in order: batch v, once all of it has arrived
-            mine = [x for x in self.ready if self._batch(x[1].group_id) == self.version]
-            if self.finished_per_batch[self.version] < self.B:  # arrived or dropped
-                return None
-            batch = mine
-            self.ready = [x for x in self.ready if self._batch(x[1].group_id) != self.version]
-        return sorted((g for _, g in batch), key=lambda g: g.group_id)
+    def _drop(self, group_id: int, reason: str, counted: bool = False) -> None:
+        """Drop a group (``counted``: the schedule has counted it already) and say why."""
+        self.stats.dropped[reason] += 1
+        if not counted:
+            self.schedule.drop(group_id)
+        self.event("drop", version=self.version, group=group_id, reason=reason)
 
     def _maybe_learn(self) -> None:
+        """Start a learner step on the batch the schedule gives, if the learner is free."""
         if self.learner_done_at is not None or self.version >= self.cfg.run.max_steps:
             return
-        batch = self._take_batch()
+        batch, dropped = self.schedule.take_batch(self.version)
+        for group_id, reason in dropped:
+            self._drop(group_id, reason, counted=True)
         if batch is None:
             return
+        S = self.schedule.S
         for g in batch:
             tau = staleness(self.version, g.version)
-            assert tau <= self.S or self.cfg.rollout.mode == "one_step_off", (tau, self.S)
+            assert tau <= S or self.cfg.rollout.mode == "one_step_off", (tau, S)
         t0 = time.perf_counter()
         metrics = self.learner.step(batch, self.version)
         metrics["learn_s"] = time.perf_counter() - t0
         metrics["groups"] = [g.group_id for g in batch]
-        self.learner_tokens += metrics["tokens"]
-        metrics["learner_tokens"] = self.learner_tokens
-        if self.virtual:
-            assert self.learn_token_s is not None
-            self.learner_done_at = self.clock.now + metrics["tokens"] * self.learn_token_s
-        else:
-            self.learner_done_at = self.clock.now
+        self.stats.learner_tokens += metrics["tokens"]
+        metrics["learner_tokens"] = self.stats.learner_tokens
+        assert self.costs.learn_token_s is not None
+        self.learner_done_at = self.clock.ends_at(
+            self.clock.now, metrics["tokens"] * self.costs.learn_token_s
+        )
         self.pending_metrics = metrics
 
     def _publish(self, version: int) -> None:
+        """Keep ``version``'s weights and hand them to the workers; retire the oldest."""
         params = to_cpu(dict(self.policy.state_dict()))
         self.snapshots.put(version, params)
         self.backend.publish(version, params)
@@ -747,30 +292,30 @@ class RLRun:
             self.backend.retire(oldest)
 
     def _finish_step(self) -> None:
+        """The learner's step ends: the new version, its ``step`` event, streaming's aborts,
+        and the evaluation and checkpoint when due."""
         assert self.pending_metrics is not None
-        m = self.pending_metrics
+        m, st = self.pending_metrics, self.stats
         self.pending_metrics, self.learner_done_at = None, None
         self.version += 1
         self._publish(self.version)
-        prev_t = self.steps[-1]["t"] if self.steps else 0.0
+        prev_t = st.steps[-1]["t"] if st.steps else 0.0
         dt = self.clock.now - prev_t
         m["tokens_per_s"] = m["tokens"] / dt if dt > 0 else None
-        m["dropped_total"] = dict(self.dropped)
+        m["dropped_total"] = dict(st.dropped)
         m["t"] = self.clock.now
         m["version"] = self.version
-        self.steps.append({k: m[k] for k in ("t", "version", "reward", "accuracy")})
-        self._write(
+        st.steps.append({k: m[k] for k in ("t", "version", "reward", "accuracy")})
+        self.event(
             "step",
             version=self.version,
             **{k: v for k, v in m.items() if k not in ("t", "version")},
         )
-        if self.cfg.rollout.mode == "streaming":  # abort what can no longer be learnt from
-            for job in list(self.inflight.values()):
-                if self.version - job.version > self.S:
-                    self.busy_s[job.worker] += self.clock.now - job.dispatched_at
-                    del self.inflight[job.worker]
-                    self._drop(job.group_id, "stale in flight: aborted")
-                    self._rollout_event(job, 0, "aborted")
+        for job in self.schedule.stale_in_flight(self.version):  # can no longer be learnt
+            st.busy_s[job.worker] += self.clock.now - job.dispatched_at
+            self.schedule.done(job)
+            self._drop(job.group_id, "stale in flight: aborted")
+            self._rollout_event(job, 0, "aborted")
         if self.version % self.cfg.run.eval_every == 0 or self.version >= self.cfg.run.max_steps:
             self._evaluate()
         every = self.cfg.run.checkpoint_every
@@ -778,36 +323,25 @@ class RLRun:
             self._save(self.run_dir / "checkpoint.pt")
 
     def _evaluate(self) -> None:
-        idx = [EVAL_OFFSET + i for i in range(self.cfg.run.eval_prompts)]
-        acc = greedy_accuracy(self.policy, self.task, idx, self.cfg.run.seed, self.device)
-        row: dict[str, Any] = {"t": self.clock.now, "version": self.version, "accuracy": acc}
-        if self.distill:
-            assert self.teacher is not None
-            row |= teacher_divergence(
-                self.policy,
-                self.teacher,
-                self.task,
-                idx,
-                self.cfg.run.seed,
-                self.cfg.rollout.temperature,
-                self.device,
-            )
-        row["learner_tokens"] = self.learner_tokens
-        self.evals.append(row)
-        self._write("eval", **{k: v for k, v in row.items() if k != "t"})
+        """Evaluate the policy now: the ``eval`` event; the time the target is first reached."""
+        m = evaluate(self.cfg, self.policy, self.scoring.teacher, self.task, self.device)
+        row = {"t": self.clock.now, "version": self.version, **m}
+        row["learner_tokens"] = self.stats.learner_tokens
+        self.stats.evals.append(row)
+        self.event("eval", **{k: v for k, v in row.items() if k != "t"})
         target = self.cfg.run.target_accuracy
-        if target is not None and acc >= target and self.reached_target_at is None:
-            self.reached_target_at = self.clock.now
+        if target is not None and m["accuracy"] >= target and self.stats.reached_target_at is None:
+            self.stats.reached_target_at = self.clock.now
 
-    def _write(self, event: str, **fields: Any) -> None:
+    def event(self, name: str, /, **fields: Any) -> None:
+        """One event (at now unless ``t`` is given), once the event log is open."""
         if self.events is not None:
             fields.setdefault("t", self.clock.now)
-            self.events.write(event, **fields)
+            self.events.write(name, **fields)
 
     def _done(self) -> bool:
-        if self.version >= self.cfg.run.max_steps:
-            return True
-        return self.reached_target_at is not None
+        """``run.max_steps`` versions made, or the target accuracy reached."""
+        return self.version >= self.cfg.run.max_steps or self.stats.reached_target_at is not None
 
     # ----------------------------------------------------------------- the loop
     def step_loop(self, progress: Any = None) -> None:
@@ -851,76 +385,48 @@ class RLRun:
             raise
 
     def _pass(self, progress: Any) -> None:
-        """One pass of the loop: learn, dispatch, collect (``step_loop``)."""
+        """One pass of the loop (``step_loop``): learn, dispatch, collect what came back, then
+        take what the clock says comes next: the learner's step, scored groups or rollouts."""
         self._maybe_learn()
         self._dispatch()
-        jobs = list(self.inflight.values())
-        if self.virtual:
-            self.backend.collect(jobs, wait_all=True, timeout=math.inf)
-            for j in jobs:
+        if not self.schedule.inflight and self.learner_done_at is None and not self.scoring.jobs:
+            raise RuntimeError(
+                f"deadlock at version {self.version}: nothing in flight, nothing to "
+                f"learn (ready {len(self.schedule.ready)}, redo {len(self.schedule.redo)})"
+            )
+        wait_all = not self.clock.realtime  # the virtual clock orders them by finish time
+        asked = [j for j in self.schedule.inflight.values() if j.finishes_at == math.inf]
+        if asked:
+            wait = 0.05 if self.learner_done_at is None else 0.0
+            for j in self.backend.collect(asked, wait_all=wait_all, timeout=wait):
                 self._timed(j)
-            t_score = math.inf
-            if self.scoring:
-                assert self.teacher_backend is not None
-                self.teacher_backend.collect(
-                    list(self.scoring.values()), wait_all=True, timeout=math.inf
-                )
-                self._time_scores()
-                t_score = min(j.finishes_at for j in self.scoring.values())
-            t_job = min((j.finishes_at for j in jobs), default=math.inf)
-            t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
-            if t_learn == math.inf and t_job == math.inf and t_score == math.inf:
-                raise RuntimeError(
-                    f"deadlock at version {self.version}: nothing in flight, nothing to "
-                    f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
-                )
-            if t_learn <= min(t_job, t_score):
-                self.clock.advance_to(t_learn)
-                self._finish_step()
-                if progress is not None:
-                    progress.update(1)
-            elif t_score <= t_job:
-                self.clock.advance_to(t_score)
-                due_scores = sorted(
-                    (j for j in self.scoring.values() if j.finishes_at <= t_score + 1e-12),
-                    key=lambda j: (j.finishes_at, j.job_id),
-                )
-                for sj in due_scores:
-                    self._scored(sj)
-            else:
-                self.clock.advance_to(t_job)
-                due = sorted(
-                    (j for j in jobs if j.finishes_at <= t_job + 1e-12),
-                    key=lambda j: (j.finishes_at, j.job_id),
-                )
-                for j in due:
-                    self._arrive(j)
-        else:
-            if not jobs and self.learner_done_at is None and not self.scoring:
-                raise RuntimeError(
-                    f"deadlock at version {self.version}: nothing in flight, nothing to "
-                    f"learn (ready {len(self.ready)}, redo {len(self.redo)})"
-                )
-            if self.learner_done_at is not None:
+        self.scoring.collect(self.clock, wait_all, self.costs.teacher_token_s)
+        jobs = {
+            str(j.job_id): j for j in self.schedule.inflight.values() if j.finishes_at != math.inf
+        }
+        scores = {str(j.job_id): j for j in self.scoring.jobs.values() if j.finishes_at != math.inf}
+        t_learn = self.learner_done_at if self.learner_done_at is not None else math.inf
+        times = [
+            t_learn,
+            *(self.clock.next_event_time(m) if m else math.inf for m in (scores, jobs)),
+        ]
+        kinds = self.clock.kinds_due(times)  # virtual: the first; wall: all that came back
+        if not kinds and not asked:
+            time.sleep(0.02)  # wall clock: only the teacher is busy, and has nothing yet
+        for kind in kinds:
+            self.clock.advance_to(times[kind])
+            if kind == 0:  # the step makes a version: the next pass plans anew
                 self._finish_step()
                 if progress is not None:
                     progress.update(1)
                 return
-            if self.scoring:
-                assert self.teacher_backend is not None
-                for sj in sorted(
-                    self.teacher_backend.collect(
-                        list(self.scoring.values()), wait_all=False, timeout=0.0
-                    ),
-                    key=lambda j: j.job_id,
-                ):
-                    sj.finishes_at = self.clock.now
-                    self._scored(sj)
-            wait = 0.05 if jobs else 0.0
-            for j in self.backend.collect(jobs, wait_all=False, timeout=wait):
-                self._arrive(j)
-            if not jobs and self.scoring:
-                time.sleep(0.02)  # only the teacher is busy: do not spin
+            taken: dict[str, Any] = scores if kind == 1 else jobs
+            due = self.clock.select(taken, taken.keys()) or []
+            for j in sorted((taken[k] for k in due), key=lambda j: (j.finishes_at, j.job_id)):
+                if kind == 1:
+                    self._scored(j)
+                else:
+                    self._arrive(j)
 
     def run(self) -> dict[str, Any]:
         """Start (or resume from ``checkpoint.pt``), train, close the backends; write ``policy.pt``
@@ -950,16 +456,16 @@ class RLRun:
             self.step_loop(bar)
         except KeyboardInterrupt as e:
             with shielded():  # bounded (Ray's stop waits 10 s at most); not cut short
-                self._close(bar, stopping=True)
+                close_all(self, bar, stopping=True)
             self.note_stop(e)
             raise
         except BaseException:
-            self._close(bar, stopping=False)
+            close_all(self, bar, stopping=False)
             raise
         self.phase = "finishing"
         try:
             with DeferredStop(grace_s=0) as held:  # a signal now waits for the outputs
-                self._close(bar, stopping=False)
+                close_all(self, bar, stopping=False)
                 summary = self._outputs()
             if held.requested is not None:
                 raise Interrupted(held.requested, at_safe_point=True)
@@ -969,260 +475,24 @@ class RLRun:
             raise
         return summary
 
-    def _close(self, bar: Any, stopping: bool) -> None:
-        """Close the progress bar and the backends; ``stopping``: an error in doing so (a Ray
-        the signal reached) is logged, not raised."""
-        for close in (
-            bar.close if bar is not None else None,
-            self.teacher_backend.close if self.teacher_backend is not None else None,
-            self.backend.close,
-        ):
-            if close is None:
-                continue
-            try:
-                close()
-            except Exception as e:
-                if not stopping:
-                    raise
-                log.info("closing during the stop: %s: %s", type(e).__name__, str(e)[:200])
-
     def _outputs(self) -> dict[str, Any]:
-        """``policy.pt``, the ``end`` event and ``summary.json``; the summary."""
-        summary = self.summary()
-        torch.save(to_cpu(dict(self.policy.state_dict())), self.run_dir / "policy.pt")
-        if self.cfg.policy.kind == "hf":  # and <run>/hf_policy/, loadable with policy.hf_path
-            from trainers.rl.hf import export_policy
-
-            export_policy(self.policy, self.run_dir)
-        self._write("end", version=self.version, **{k: summary[k] for k in ("final_accuracy",)})
-        if self.events is not None:
-            self.events.close()
-            self.events = None
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
+        """Write the outputs; the summary (:func:`trainers.rl.run_end.write_outputs`)."""
+        return write_outputs(self)
 
     def save_finished(self) -> Path:
-        """A checkpoint of the finished run (a signal stopped it while it wrote its outputs or
-        drew its plots): resuming from it writes them again. Its path."""
-        path = self.run_dir / "checkpoint.pt"
-        with shielded():
-            if self.events is None:
-                self.events = EventLog(self.run_dir / "metrics.jsonl")
-            self._save(path)
-            self.events.close()
-            self.events = None
-        return path
+        """A checkpoint of the finished run; its path (:func:`trainers.rl.run_end.save_finished`)."""
+        return save_finished(self)
 
     def note_stop(self, e: BaseException) -> None:
-        """Say on ``e`` (an Interrupted) where the run stopped and its checkpoint."""
-        if not isinstance(e, Interrupted):
-            return
-        e.run_dir, e.checkpoint = self.run_dir, self.checkpoint
-        if self.phase == "start-up":
-            e.where = "during start-up"
-        elif self.phase == "finishing":
-            e.where = f"after training ({self.version} versions), writing its outputs"
-        elif self.phase == "plots":
-            e.where = f"after training ({self.version} versions), drawing its plots"
-        else:
-            e.where = f"at version {self.version} (t={self.clock.now:.1f} s {self.clock.kind})"
-        if self.checkpoint is not None and self.checkpoint_version not in (None, self.version):
-            e.where += f", the last checkpoint at version {self.checkpoint_version}"
+        """Say on ``e`` where the run stopped (:func:`trainers.rl.run_end.note_stop`)."""
+        note_stop(self, e)
 
     def summary(self) -> dict[str, Any]:
         """The run's numbers: versions, time (s, run clock), accuracies, drops, utilisation."""
-        now = self.clock.now
-        workers = self.cfg.rollout.workers
-        util = sum(self.busy_s) / (workers * now) if now > 0 else None
-        return {
-            "mode": self.cfg.rollout.mode,
-            "correction": self.cfg.learner.correction,
-            "max_staleness": self.S,
-            "workers": workers,
-            "clock": self.clock.kind,
-            "backend": self.backend.kind,
-            "versions": self.version,
-            "time_s": now,
-            "final_accuracy": self.evals[-1]["accuracy"] if self.evals else None,
-            "initial_accuracy": self.evals[0]["accuracy"] if self.evals else None,
-            "target_accuracy": self.cfg.run.target_accuracy,
-            "time_to_target_s": self.reached_target_at,
-            "evals": self.evals,
-            "dropped": dict(self.dropped),
-            "rejected_trajectories": self.rejected,
-            "redone_groups": self.redone,
-            "worker_utilisation": util,
-            "gen_token_s": self.gen_token_s,
-            "learn_token_s": self.learn_token_s,
-            "warm_start": self.warm,
-            "learner_tokens": self.learner_tokens,
-            "distill": self._distill_summary(),
-        }
-
-    def _distill_summary(self) -> dict[str, Any] | None:
-        if not self.distill:
-            return None
-        from trainers.rl.distill import cache_bytes_per_token
-
-        d, last = self.cfg.distill, (self.evals[-1] if self.evals else {})
-        tb = self.teacher_backend
-        return {
-            "loss": d.loss,
-            "top_k": d.top_k,
-            "mc_samples": d.mc_samples,
-            "teacher": self.teacher_info,
-            "teacher_token_s": self.teacher_token_s,
-            "cache_bytes_per_token": cache_bytes_per_token(d.top_k, VOCAB_SIZE, d.mc_samples),
-            "final_teacher_rkl": last.get("teacher_rkl"),
-            "final_teacher_fkl": last.get("teacher_fkl"),
-            "teacher_restarts": tb.restarts if tb is not None else 0,
-            "teacher_resent": tb.resent if tb is not None else 0,
-        }
+        at = (self.clock.now, self.clock.kind, self.backend.kind, self.version)
+        return self.stats.summary(self.cfg, *at, self.costs, self.scoring)
 
     # ----------------------------------------------------------------- checkpoints
     def _save(self, path: Path) -> None:
-        assert self.events is not None and self.learner_done_at is None
-        state = {
-            "config": to_container(self.cfg),
-            "version": self.version,
-            "learner": self.learner.state_dict(),
-            "snapshots": self.snapshots.state_dict(),
-            "clock": self.clock.state_dict(),
-            "next_group": self.next_group,
-            "next_job": self.next_job,
-            "admitted_dropped": self.admitted_dropped,
-            "inflight": [
-                {k: v for k, v in asdict(j).items() if k not in ("group", "error", "finishes_at")}
-                for j in self.inflight.values()
-            ],
-            "redo": [list(x) for x in self.redo],
-            "ready": [[t, g.to_dict()] for t, g in self.ready],
-            "scoring": [
-                [j.job_id, j.submitted_at, j.finishes_at, j.attempts, j.group.to_dict(), j.scorer]
-                for j in sorted(self.scoring.values(), key=lambda j: j.job_id)
-            ],
-            "next_score": self.next_score,
-            "score_free_at": list(self.score_free_at),
-            "teacher_died_on": sorted(self.teacher_died_on),
-            "teacher_token_s": self.teacher_token_s,
-            "learner_tokens": self.learner_tokens,
-            "finished_per_batch": {str(k): v for k, v in self.finished_per_batch.items()},
-            "dropped": dict(self.dropped),
-            "rejected": self.rejected,
-            "redone": self.redone,
-            "busy_s": list(self.busy_s),
-            "evals": self.evals,
-            "steps": self.steps,
-            "reached_target_at": self.reached_target_at,
-            "gen_token_s": self.gen_token_s,
-            "learn_token_s": self.learn_token_s,
-            "warm": self.warm,
-            "events_offset": self.events.offset(),
-        }
-        save_checkpoint(path, state)
-        self.checkpoint, self.checkpoint_version = path, self.version
-        self._write("checkpoint", version=self.version, path=str(path))
-
-    def _load(self, path: Path) -> None:
-        s = load_checkpoint(path)
-        if s["config"] != {**to_container(self.cfg), "run": s["config"]["run"]}:
-            raise CheckpointError(
-                f"{path} was written by a run with another configuration (only run.* may differ)"
-            )
-        self.version = int(s["version"])
-        self.learner.load_state_dict(s["learner"])
-        self.snapshots.load_state_dict(s["snapshots"])
-        for v in self.snapshots.versions():
-            snap = self.snapshots.get(v)
-            assert snap is not None
-            self.backend.publish(v, snap)
-        self.clock.load_state_dict(s["clock"])
-        self.next_group, self.next_job = int(s["next_group"]), int(s["next_job"])
-        self.admitted_dropped = int(s["admitted_dropped"])
-        self.redo = [(int(a), int(b)) for a, b in s["redo"]]
-        self.ready = [(float(t), Group.from_dict(g)) for t, g in s["ready"]]
-        self.finished_per_batch = Counter(
-            {int(k): int(v) for k, v in s["finished_per_batch"].items()}
-        )
-        self.dropped = Counter(s["dropped"])
-        self.rejected, self.redone = int(s["rejected"]), int(s["redone"])
-        self.busy_s = [float(x) for x in s["busy_s"]]
-        self.evals, self.steps = list(s["evals"]), list(s["steps"])
-        self.reached_target_at = s["reached_target_at"]
-        self.gen_token_s, self.learn_token_s = s["gen_token_s"], s["learn_token_s"]
-        self.warm = dict(s["warm"])
-        self.next_score = int(s["next_score"])
-        self.score_free_at = [float(x) for x in s["score_free_at"]]
-        self.teacher_died_on = {int(x) for x in s["teacher_died_on"]}
-        self.teacher_token_s = s["teacher_token_s"]
-        self.learner_tokens = int(s["learner_tokens"])
-        self.events = EventLog(self.run_dir / "metrics.jsonl")
-        self.events.truncate(int(s["events_offset"]))
-        self._write("resume", version=self.version, path=str(path))
-        if self.distill:
-            self._start_teacher()
-        next_score = self.next_score
-        for job_id, at, finishes, attempts, g, scorer in s["scoring"]:  # again, same times
-            self.next_score = int(job_id)
-            sj = self._send_to_teacher(Group.from_dict(g), float(at), int(attempts))
-            sj.finishes_at, sj.scorer = float(finishes), int(scorer)
-        self.next_score = next_score
-        for j in s["inflight"]:  # the same groups again, under the same versions and times
-            job = Job(**j)
-            self.inflight[job.worker] = job
-            first = job.attempt == 0
-            self.backend.submit(
-                job, die=first and job.group_id in self.die, nan=first and job.group_id in self.nan
-            )
-
-
-def _seq_tokens(group: Group) -> int:
-    """Tokens the teacher reads to score ``group`` (prompt + completion of every sample)."""
-    return sum(len(t.prompt) + len(t.tokens) for t in group.trajectories)
-
-
-@torch.no_grad()
-def teacher_divergence(
-    student: torch.nn.Module,
-    teacher: torch.nn.Module,
-    task: Task,
-    indices: list[int],
-    seed: int,
-    temperature: float,
-    device: torch.device,
-) -> dict[str, float | None]:
-    """Per-token KL between student and teacher (whole vocabulary) on one student sample of
-    each prompt ``task.sample(i, seed)``: ``teacher_rkl`` = KL(π‖p_T), ``teacher_fkl`` =
-    KL(p_T‖π), means over the sampled tokens; ``teacher_recovery`` / ``teacher_on_path``: how
-    often the teacher's argmax is the task's expert token after / up to a sample's first
-    mistake (:func:`trainers.rl.teacher.agreement`; None without such positions)."""
-    from trainers.rl.policy import generate, sequence_distributions
-    from trainers.rl.rollout import sample_generator
-    from trainers.rl.teacher import agreement, expert_targets
-
-    prompts, comps, asked = [], [], []
-    for i in indices:
-        p = task.sample(i, seed)
-        asked.append(p)
-        s = generate(
-            student,
-            p.tokens,
-            1,
-            task.max_new_tokens,
-            sample_generator(seed, i),
-            temperature=temperature,
-            device=device,
-        )[0]
-        prompts.append(p.tokens)
-        comps.append(s.tokens)
-    s_all, mask, _ = sequence_distributions(student, prompts, comps, temperature, device)
-    t_all, _, _ = sequence_distributions(teacher, prompts, comps, 1.0, device)
-    rkl, fkl = kl_divergence(s_all, t_all), kl_divergence(t_all, s_all)
-    n = mask.sum().clamp(min=1)
-    agree = agreement(t_all, mask, *expert_targets(task, asked, comps, t_all.device))
-    return {
-        "teacher_rkl": float((rkl * mask).sum() / n),
-        "teacher_fkl": float((fkl * mask).sum() / n),
-        "teacher_recovery": agree["recovery"],
-        "teacher_on_path": agree["on_path"],
-    }
+        """Write the run's checkpoint to ``path`` (:func:`trainers.rl.run_checkpoint.save_run`)."""
+        save_run(self, path)
