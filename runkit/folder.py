@@ -166,8 +166,11 @@ class RunFolder:
         if not path.is_file():
             raise CheckpointError(f"run.resume=true but {path} does not exist")
         saved = load_checkpoint(path)
-        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not a checkpoint of this layout (format {FORMAT})")
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT or "state" not in saved:
+            raise CheckpointError(
+                f"{path} was written by an older fedasync (another checkpoint layout; this one "
+                f"reads run-folder format {FORMAT}): start the run afresh (without run.resume)"
+            )
         check_compatible(saved["config"], config, self.may_differ, what=str(path))
         self.config = config
         self.events = EventLog(self.events_path)

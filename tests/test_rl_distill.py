@@ -751,7 +751,7 @@ def test_a_run_resumed_from_its_checkpoint_ends_with_the_same_weights(tmp_path, 
     )
     whole, _ = _drun(tmp_path, teachers, "whole", *extra)
     state = load_checkpoint(tmp_path / "whole" / "checkpoint.pt")
-    assert state["version"] == 2 and state["scoring"]["jobs"]  # groups at the teacher
+    assert state["state"]["version"] == 2 and state["state"]["scoring"]["jobs"]  # at the teacher
     before = {kind: _events(whole.run_dir, kind) for kind in ("step", "score")}
 
     resumed, s = _drun(tmp_path, teachers, "whole", *extra, "run.resume=true")
@@ -816,7 +816,7 @@ def test_a_run_killed_with_groups_at_the_teacher_resumes_to_the_same_weights(tmp
         proc.wait(timeout=30)
     assert not (tmp_path / "killed" / "summary.json").exists()  # it really died mid-run
     state = load_checkpoint(tmp_path / "killed" / "checkpoint.pt")
-    assert state["scoring"]["jobs"], "the checkpoint holds no group at the teacher"
+    assert state["state"]["scoring"]["jobs"], "the checkpoint holds no group at the teacher"
 
     resumed = subprocess.run(
         [_fedasync(), "rl", *args, "run.name=killed", "run.resume=true"],

@@ -213,5 +213,7 @@ def test_a_checkpoint_of_the_old_flat_format_is_refused_with_one_clear_error(tmp
     (tmp_path / "old").mkdir()  # a checkpoint written before the engine was split in parts
     save_checkpoint(tmp_path / "old" / "checkpoint.pt", {"config": {}, "version": 2})
     resumed = load_rl_config(None, [*TINY, f"run.out_dir={tmp_path}", "run.resume=true"])
-    with pytest.raises(CheckpointError, match="checkpoint format 1, this one reads 2"):
+    with pytest.raises(
+        CheckpointError, match="written by an older fedasync .* start the run afresh"
+    ):
         RLRun(resumed, tmp_path / "old").run()

@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from runkit import configload
 from runkit.configload import check, check_ranges, choices, load_structured, recheck
+from runkit.keys import RunKeys
 from trainers.rl.config_values import RANGES, check_hf_config, check_hf_path
 
-Device = Literal["auto", "cpu", "cuda"]
-"""``run.device``."""
 TaskName = Literal["sort", "reverse", "copy", "add"]
 """``task.name``: trainers.rl.tasks.TASKS (a test checks they are equal)."""
 PolicyKind = Literal["tiny", "hf"]
@@ -45,7 +44,6 @@ DistillLoss = Literal["none", "forward_kl", "reverse_kl", "pg_kl", "pg_kl_online
 ProfileName = Literal["local", "gen45", "gen70", "gen80", "gen80_tail"]
 """``clock.profile``: trainers.rl.profiles.PROFILES (a test checks they are equal)."""
 
-DEVICES: tuple[str, ...] = choices(Device)
 TASK_NAMES: tuple[str, ...] = choices(TaskName)
 POLICY_KINDS: tuple[str, ...] = choices(PolicyKind)
 MODES: tuple[str, ...] = choices(RolloutMode)
@@ -56,9 +54,7 @@ CLOCKS: tuple[str, ...] = choices(ClockKind)
 DISTILL_LOSSES: tuple[str, ...] = choices(DistillLoss)
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
-    Device, TaskName, RolloutMode, Backend = (
-        Annotated[str, t] for t in (Device, TaskName, RolloutMode, Backend)
-    )
+    TaskName, RolloutMode, Backend = (Annotated[str, t] for t in (TaskName, RolloutMode, Backend))
     ClockKind, Correction, DistillLoss, WeightFnName = (
         Annotated[str, t] for t in (ClockKind, Correction, DistillLoss, WeightFnName)
     )
@@ -67,15 +63,13 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
 
 
 @dataclass
-class RunSection:
-    """``run.*``: the run's name, folder, seed, device and length."""
+class RunSection(RunKeys):
+    """``run.*``: the common run keys (runkit.keys.RunKeys: ``run.seed`` seeds the policy's
+    initialisation, the warm start, the prompts and every sample; ``run.resume`` keeps the
+    staleness bound) and the run's length, evaluation and checkpoints."""
 
-    seed: int = 0
-    """Seeds the policy's initialisation, the warm start, the prompts and every sample."""
     name: str = "rl"
     """Run folder name under ``run.out_dir``."""
-    out_dir: str = "runs"
-    """Where run folders go (metrics.jsonl, summary.json, checkpoints, PNGs)."""
     max_steps: int = 40
     """Learner steps (policy versions) to train."""
     target_accuracy: float | None = None
@@ -86,22 +80,11 @@ class RunSection:
     """Held-out prompts per evaluation (indices disjoint from training and warm start)."""
     checkpoint_every: int = 0
     """Write ``checkpoint.pt`` every this many learner steps (0: never)."""
-    resume: bool = False
-    """Resume from the run folder's checkpoint.pt (same config), keeping the staleness bound."""
-    progress: bool = True
-    """A progress bar on stderr while it runs."""
-    plots: bool = True
-    """Write PNGs at the end (reward vs time, staleness histogram, worker timeline)."""
-    device: Device = "auto"
-    """auto (CUDA when present), cpu or cuda."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges and the device."""
+        """Checked when built: the common keys, then ranges."""
+        super().__post_init__()
         check_ranges(self, "run.", RANGES)
-        check(
-            self.device in DEVICES,
-            f"run.device must be auto, cpu or cuda, got {self.device!r:.40}",
-        )
 
 
 @dataclass

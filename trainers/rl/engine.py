@@ -39,11 +39,11 @@ from typing import Any
 
 from fedasync.clock import Clock, VirtualClock, WallClock
 from fedasync.devices import pick_device
-from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
 from fedasync.interrupt import DeferredStop, Interrupted, shielded
 from fedasync.tensors import to_cpu
 from fedasync.versions import VersionedSnapshots, staleness
+from runkit.folder import RunFolder
 from trainers.rl.backend import Backend, Job, ScoreJob, TeacherBackend, build_policy, build_task
 from trainers.rl.config import RLConfig, to_container
 from trainers.rl.costs import Costs, measure_costs
@@ -84,6 +84,8 @@ class RLRun:
     ):
         self.cfg = cfg
         self.run_dir = run_dir
+        self.folder = RunFolder(run_dir.parent, run_dir.name)
+        """The run folder: the event log, summary.json and checkpoint.pt (runkit.folder)."""
         self.device = pick_device(cfg.run.device)
         self.task = build_task(cfg)
         r, d = cfg.rollout, cfg.distill
@@ -123,18 +125,12 @@ class RLRun:
         """A fresh run (warm start, teacher, costs, the ``start`` event, version 0's
         evaluation), or the one ``checkpoint.pt`` holds with ``run.resume``."""
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt = self.run_dir / "checkpoint.pt"
         if cfg.run.resume:
-            if not ckpt.is_file():
-                raise CheckpointError(f"run.resume=true but {ckpt} does not exist")
-            self.checkpoint = ckpt  # a stop while it loads leaves it as it was
-            load_run(self, ckpt)
+            self.checkpoint = self.folder.checkpoint_path  # a stop while it loads keeps it
+            load_run(self)
             self.checkpoint_version = self.version
             return
-        for name in ("metrics.jsonl", "summary.json", "checkpoint.pt"):
-            (self.run_dir / name).unlink(missing_ok=True)
-        self.events = EventLog(self.run_dir / "metrics.jsonl")
+        self.events = self.folder.start(to_container(cfg))
         if cfg.policy.warm_start_steps > 0:
             self.stats.warm = warm_start(
                 self.policy,
@@ -320,7 +316,7 @@ class RLRun:
             self._evaluate()
         every = self.cfg.run.checkpoint_every
         if every and self.version % every == 0 and self.version < self.cfg.run.max_steps:
-            self._save(self.run_dir / "checkpoint.pt")
+            self._save()
 
     def _evaluate(self) -> None:
         """Evaluate the policy now: the ``eval`` event; the time the target is first reached."""
@@ -381,7 +377,7 @@ class RLRun:
             stop.check()
         except Interrupted:
             with shielded():  # one write; a second Ctrl-C must not tear it
-                self._save(self.run_dir / "checkpoint.pt")
+                self._save()
             raise
 
     def _pass(self, progress: Any) -> None:
@@ -493,6 +489,6 @@ class RLRun:
         return self.stats.summary(self.cfg, *at, self.costs, self.scoring)
 
     # ----------------------------------------------------------------- checkpoints
-    def _save(self, path: Path) -> None:
-        """Write the run's checkpoint to ``path`` (:func:`trainers.rl.run_checkpoint.save_run`)."""
-        save_run(self, path)
+    def _save(self) -> Path:
+        """Write the run's checkpoint (:func:`trainers.rl.run_checkpoint.save_run`)."""
+        return save_run(self)

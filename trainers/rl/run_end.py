@@ -7,16 +7,15 @@ Paper: none. :meth:`trainers.rl.engine.RLRun.run` calls these in that order.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedasync.events import EventLog
 from fedasync.interrupt import Interrupted, shielded
 from fedasync.tensors import to_cpu
+from trainers.rl.config import to_container
 from trainers.rl.run_checkpoint import save_run
 
 if TYPE_CHECKING:
@@ -52,22 +51,20 @@ def write_outputs(run: RLRun) -> dict[str, Any]:
 
         export_policy(run.policy, run.run_dir)
     run.event("end", version=run.version, **{k: summary[k] for k in ("final_accuracy",)})
-    if run.events is not None:
-        run.events.close()
-        run.events = None
-    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.folder.close()
+    run.events = None
+    run.folder.write_summary(summary)
     return summary
 
 
 def save_finished(run: RLRun) -> Path:
     """A checkpoint of the finished run (a signal stopped it while it wrote its outputs or
     drew its plots): resuming from it writes them again. Its path."""
-    path = run.run_dir / "checkpoint.pt"
     with shielded():
         if run.events is None:
-            run.events = EventLog(run.run_dir / "metrics.jsonl")
-        save_run(run, path)
-        run.events.close()
+            run.events = run.folder.open_events(to_container(run.cfg))
+        path = save_run(run)
+        run.folder.close()
         run.events = None
     return path
 
