@@ -31,6 +31,10 @@ PURPOSES: dict[str, int | None] = {
     # trainers
     "market.start": 0x3A7E,  # the market's initial prices
     "rl.slowdown": 7_368_787,  # a rollout's simulated slowdown under a speed profile
+    "rl.prompt.sort": 101,  # prompt number i of each RL task
+    "rl.prompt.reverse": 102,
+    "rl.prompt.copy": 103,
+    "rl.prompt.add": 104,
 }
 """Each purpose's number (None: the purpose is the stream's only use of its keys)."""
 
@@ -39,6 +43,8 @@ LINEAR: dict[str, tuple[int, tuple[int, ...], int]] = {
     "pipeline.batch": (1_000_003, (1,), 0),  # batch t of the training stream
     "market.agent": (1009, (1,), 0),  # firm i's agent (its networks, its noise)
     "rl.rollout": (1_000_003, (7919,), 17),  # group g's samples
+    "rl.teacher": (1, (), 4_242),  # the teacher's initialisation, training and recovery prompts
+    "rl.dagger": (1, (), 1),  # DAgger's samples (of the teacher's seed)
 }
 """Torch seeds that are linear in (seed, keys): the form these streams had when their figures
 were published, kept so those reproduce. A new torch stream uses `torch_seed`."""

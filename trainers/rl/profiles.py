@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedasync import seeds
 from trainers.rl.tasks import Task
 
 
@@ -96,7 +97,7 @@ def tail_factor(sigma: float, seed: int, group_id: int, attempt: int) -> float:
     """
     if sigma <= 0.0:
         return 1.0
-    rng = np.random.default_rng([seed, group_id, attempt, 7_368_787])
+    rng = seeds.rng(seed, "rl.slowdown", group_id, attempt)
     return float(math.exp(sigma * rng.standard_normal()))
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fedasync import seeds
 from trainers.rl.policy import Policy, generate
 from trainers.rl.tasks import Task
 
@@ -99,7 +100,7 @@ class Group:
 def sample_generator(seed: int, group_id: int) -> torch.Generator:
     """The CPU generator of group ``group_id``'s samples (the same in every process)."""
     g = torch.Generator(device="cpu")
-    g.manual_seed((seed * 1_000_003 + group_id * 7919 + 17) % (2**63 - 1))
+    g.manual_seed(seeds.linear_seed(seed, "rl.rollout", group_id))
     return g
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedasync import seeds
 from fedasync.errors import ConfigError
 
 PAD, BOS, EOS = 0, 1, 2
@@ -111,11 +112,11 @@ def _add(rng: np.random.Generator, n: int) -> tuple[str, str]:
 
 
 # name -> (maker of (text, answer) for problem size n, constant in the prompt's seed)
-_SPECS: dict[str, tuple[Callable[[np.random.Generator, int], tuple[str, str]], int]] = {
-    "sort": (_sort, 101),
-    "reverse": (_reverse, 102),
-    "copy": (_copy, 103),
-    "add": (_add, 104),
+_SPECS: dict[str, Callable[[np.random.Generator, int], tuple[str, str]]] = {
+    "sort": _sort,
+    "reverse": _reverse,
+    "copy": _copy,
+    "add": _add,
 }
 TASKS: tuple[str, ...] = tuple(_SPECS)
 
@@ -145,8 +146,8 @@ class Task:
 
     def sample(self, index: int, seed: int) -> Prompt:
         """Prompt number ``index`` under ``seed``; depends on ``(seed, index)`` alone."""
-        make, const = _SPECS[self.name]
-        rng = np.random.default_rng([seed, index, const])
+        make = _SPECS[self.name]
+        rng = seeds.rng(seed, f"rl.prompt.{self.name}", index)
         n = draw_length(rng, self.min_len, self.max_len, self.tail)
         text, answer = make(rng, n)
         return Prompt(index, self.name, text, (BOS, *encode(text)), answer)

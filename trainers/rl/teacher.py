@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fedasync import seeds
 from fedasync.errors import ConfigError
 from trainers.rl.config import RLConfig
 from trainers.rl.policy import (
@@ -50,8 +51,6 @@ from trainers.rl.tasks import EOS, VOCAB_SIZE, Prompt, Task, encode
 
 log = logging.getLogger("fedasync.rl")
 
-TEACHER_SEED_OFFSET = 4_242
-"""The teacher's initialisation and training prompts use distill.teacher_seed + this."""
 DAGGER_INDEX = 15_000_000
 """First prompt index of the DAgger steps (between the supervised and the held-out ones)."""
 RECOVERY_PROMPTS = 256
@@ -61,7 +60,7 @@ RECOVERY_PROMPTS = 256
 def build_teacher(cfg: RLConfig) -> TinyLM:
     """An untrained teacher of the configured shape (seeded)."""
     d = cfg.distill
-    torch.manual_seed(d.teacher_seed + TEACHER_SEED_OFFSET)
+    torch.manual_seed(seeds.linear_seed(d.teacher_seed, "rl.teacher"))
     return TinyLM(
         PolicyConfig(
             vocab_size=VOCAB_SIZE,
@@ -178,7 +177,7 @@ def _train(
         steps=steps,
         batch_size=d.teacher_batch,
         lr=d.teacher_lr,
-        seed=d.teacher_seed + TEACHER_SEED_OFFSET,
+        seed=seeds.linear_seed(d.teacher_seed, "rl.teacher"),
         device=device,
         progress=progress,
     )
@@ -202,7 +201,7 @@ def _train_supervised(
     stats = _train(cfg, teacher, task, d.teacher_steps, device, progress)
     teacher.eval()
     info = {"loss": stats["loss"], "steps": d.teacher_steps, "accuracy": stats["accuracy"]}
-    seed = d.teacher_seed + TEACHER_SEED_OFFSET
+    seed = seeds.linear_seed(d.teacher_seed, "rl.teacher")
     return teacher, info | recovery(teacher, _weaker(cfg, task, device), task, seed, device)
 
 
@@ -212,7 +211,7 @@ def _train_dagger(
     """The supervised teacher of the same settings (loaded from the cache, or trained and
     cached), then :func:`dagger`."""
     d = cfg.distill
-    seed = d.teacher_seed + TEACHER_SEED_OFFSET
+    seed = seeds.linear_seed(d.teacher_seed, "rl.teacher")
     base = replace(cfg, distill=replace(d, teacher_dagger_steps=0))
     teacher, before = load_or_train_teacher(base, task, device, progress)
     weak = _weaker(cfg, task, device)
@@ -319,7 +318,7 @@ def dagger(
     from trainers.rl.policy import greedy_accuracy
 
     opt = torch.optim.Adam(teacher.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = torch.Generator().manual_seed(seeds.linear_seed(seed, "rl.dagger"))
     n_weak = round(weak_share * batch_size)
     loss = torch.tensor(float("nan"))
     with make_progress(
