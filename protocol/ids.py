@@ -22,6 +22,8 @@ from collections.abc import Iterable, Iterator, Sequence, Set
 
 import numpy as np
 
+from fedasync import seeds
+
 DIGEST_BYTES = 16
 """128 bits: collisions among a silo's ids are out of reach (birthday bound ~2^64 ids)."""
 MAX_IDS = 2_000_000
@@ -88,6 +90,6 @@ def fraction_ids(ids: Sequence[str], seed: int, silo: int, fraction: float) -> l
     """The seeded share ``fraction`` of silo ``silo``'s sample ``ids`` (at least one), sorted:
     what a scheduled sample-level erasure (``erasures[].fraction``) erases and what its
     retraining reference (``silos.exclude_samples``) never trains on."""
-    rng = np.random.default_rng([seed, silo, 4242])
+    rng = seeds.rng(seed, "erasure.fraction", silo)
     k = max(1, int(round(fraction * len(ids))))
     return sorted(str(x) for x in rng.choice(np.asarray(ids), size=k, replace=False))
