@@ -661,7 +661,7 @@ class AsyncServer:
             update.metrics["central_epsilon"] = self.privacy.central_epsilon[job.silo]
         self.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.clock.now)
         if dc_skipped:
-            self.stats.dc_skipped += 1
+            self.stats.dc_skip()
         # the silos' exact shares of what this fold applied (kept only by an erasure part)
         self.erasure.record(job.silo, res.contributions, self.version, acc.norm)
         self.events.write(
@@ -687,7 +687,7 @@ class AsyncServer:
         where it was. Published, it would make every silo's next update non-finite and every
         silo would be blamed (``non_finite``) for the rest of the run."""
         if not is_finite(params):
-            self.stats.versions_refused += 1
+            self.stats.refuse_version()
             log.error(
                 "the model after the %s is not finite: refused, the model stays at version %d",
                 cause,
@@ -720,7 +720,7 @@ class AsyncServer:
         """Evaluate the global model (``evaluate_fn``), record it and write an ``eval`` event."""
         res = self.evaluate_fn(self.params)
         rec = {"t": self.clock.now, "version": self.version, **res}
-        self.stats.evals.append(rec)
+        self.stats.evaluated(rec)
         self.events.write("eval", **rec)
         if self.progress is not None:
             self.progress.set_postfix(
