@@ -10,10 +10,10 @@ import pytest
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.errors import ConfigError
 from protocol.ids import fraction_ids
 from protocol.messages import TrainRequest
 from server.app import _watched_ids, run_server
-from server.config import ConfigError
 from server.loop import AsyncServer
 
 
