@@ -235,13 +235,17 @@ def run_server(
     if not cfg.run.resume:
         _start_afresh(run_dir)
     srv = AsyncServer(
-        run_cfg, grid, run_dir, model.state_dict(), evaluate_fn, wall_clock=wall_clock
+        run_cfg,
+        grid,
+        run_dir,
+        model.state_dict(),
+        evaluate_fn,
+        wall_clock=wall_clock,
+        sample_ids_fn=None if fed is None else (lambda silo: fed.silos[silo].sample_ids),
     )
     if federated is not None:
         federated.srv = srv
-    if fed is not None:
-        srv.sample_ids_fn = lambda silo: fed.silos[silo].sample_ids
-    else:
+    if fed is None:
         srv.id_salt = digests.new_salt()  # the silos report their ids' digests under it
     service = None
     try:

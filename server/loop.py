@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flwr.app import Message
 from flwr.serverapp import Grid
 
@@ -52,10 +51,9 @@ from fedasync.events import EventLog
 from fedasync.flat import flatten
 from fedasync.flat import same as flat_same
 from fedasync.tensors import is_finite
-from protocol.config import SiloErasure, to_dict
-from protocol.erasure_messages import UnlearnRequest, reported_work
-from protocol.ids import fraction_ids
-from protocol.messages import TrainRefusal, TrainRequest
+from protocol.config import to_dict
+from protocol.erasure_messages import reported_work
+from protocol.messages import TrainRefusal
 from protocol.reading import ErrorReply
 from server.cancel import JobCanceller
 from server.checkpoint import CheckpointState, load_state, save_state
@@ -65,6 +63,7 @@ from server.dispatch import Dispatcher, FaultSchedule
 from server.intake import Accepted, Intake, Job, JobKind, read_reply
 from server.pipeline import CorrectionPipeline
 from server.privacy import ServerPrivacy, Stop
+from server.requests import JobRequests
 from server.roster import discover_silos
 from server.stats import RunStats
 from server.unlearn_messages import SiloLost, read_unlearn_reply
@@ -92,6 +91,8 @@ class AsyncServer:
         initial_params: Params,
         evaluate_fn: Any,
         wall_clock: bool = False,
+        *,
+        sample_ids_fn: Any = None,
     ):
         self.cfg = cfg
         self.grid = grid
@@ -136,8 +137,7 @@ class AsyncServer:
         self.ckpt_path = run_dir / "checkpoint.pt"
         self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
         self.erasure: ErasureCoordinator | NoErasure = NoErasure()  # (coordinator: the caller's)
-        self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
-        self._never: dict[int, tuple[str, ...]] = {}  # silos.exclude_samples, by silo
+        self.requests = JobRequests(self, sample_ids_fn)  # silo -> its sample ids, or None
         self.id_salt = ""  # set by the caller: the silos report salted id digests (deployment)
         self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
@@ -201,70 +201,7 @@ class AsyncServer:
         if why is not None:  # (before a fault or a job id is spent on it; send checks again)
             self.jobs.refuse(silo, JobKind.TRAIN, why, job_id, self.version)
             return
-        if job_id is None:
-            job_id = self.jobs.new_job_id()
-        base_version = self.version if base_version is None else base_version
-        if not self._base_kept(base_version):
-            # a resumed job whose weights were dropped (server.corrections.max_snapshots): it
-            # is sent the current model instead, as of the current version
-            log.info("job %d of silo %d re-sent at version %d", job_id, silo, self.version)
-            base_version = self.version
-        params = self.params if base_version == self.version else self.jobs.sent[base_version]
-        self.jobs.keep_sent(base_version, params)
-        if fault is None:
-            f = self.faults.take(silo, self.version, self.clock.now)
-            if f is not None:
-                self.events.write("fault", t=self.clock.now, version=self.version, **f)
-            fault = "" if f is None else str(f["kind"])
-        if timing is None:
-            jt = self.clock.schedule(silo, job_id, self.cfg.client.local_steps)
-            timing = (jt.dispatched_at, jt.finishes_at)
-        keep = self.faults.replay_pending(silo)
-        self._push_train(silo, job_id, base_version, params, timing, fault=fault, keep=keep)
-
-    def _base_kept(self, version: int) -> bool:
-        """Whether jobs of base ``version`` can be sent that version's weights (the current
-        model, or weights kept for jobs sent earlier; see server.corrections.max_snapshots)."""
-        return version == self.version or version in self.jobs.sent
-
-    def _push_train(
-        self,
-        silo: int,
-        job_id: int,
-        base_version: int,
-        params: Params,
-        timing: tuple[float, float],
-        *,
-        fault: str = "",
-        keep: bool = False,
-        local_steps: int | None = None,
-        kind: JobKind = JobKind.TRAIN,
-        erasure: Any = None,
-    ) -> bool:
-        """Build ``silo``'s train message (protocol/messages.py) and send it."""
-        cfg = self.cfg
-        request = TrainRequest(
-            setup_json=self.setup_json,
-            job_id=job_id,
-            base_version=base_version,
-            seed=int(np.random.default_rng([cfg.run.seed, silo, job_id]).integers(2**31 - 1)),
-            params=params,
-            fault=fault,
-            keep_reply=keep,
-            exclude=self.excluded_ids(silo),
-            relearn=silo == cfg.backdoor.relearn_silo
-            and cfg.backdoor.enabled
-            and self.clock.now >= cfg.backdoor.relearn_after_s,
-            local_steps=local_steps,
-            # where silos without a privacy-db node config keep their ledger
-            privacy_dir=str((self.run_dir / "privacy").resolve())
-            if cfg.client.dp.enabled
-            else None,
-        )
-        msg = request.to_message(self.roster[silo], ttl=cfg.server.reply_timeout_s)
-        job = Job("", silo, self.roster[silo], job_id, base_version, *timing, 0.0, fault)
-        job.kind, job.erasure = kind, erasure
-        return self.jobs.send(msg, job, self.version)
+        self.requests.train(silo, job_id, base_version, timing, fault)
 
     def holding(self, silo: int) -> str | None:
         """Why ``silo`` may not be sent work now (None: it is idle)."""
@@ -276,77 +213,15 @@ class AsyncServer:
 
     def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> bool:
         """FedEraser: a train message of ``steps`` local steps from the model being rebuilt."""
-        job_id, timing = self._side_job(silo, steps)
-        return self._push_train(
-            silo,
-            job_id,
-            self.version,
-            start,
-            timing,
-            local_steps=steps,
-            kind=JobKind.CALIBRATE,
-            erasure=erasure,
-        )
-
-    def _side_job(self, silo: int, steps: float) -> tuple[int, tuple[float, float]]:
-        """A new job id and (dispatched, finishes) for a job of ``steps`` steps outside the
-        regular schedule (erasure work: no jitter, as the virtual clock's schedule has)."""
-        job_id = self.jobs.new_job_id()
-        jt = self.clock.schedule(silo, job_id, steps, jitter=False)
-        return job_id, (jt.dispatched_at, jt.finishes_at)
+        return self.requests.calibration(silo, start, steps, erasure)
 
     def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
-        """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``.
-        False when refused (the silo holds a job): the coordinator starts erasures only on an
-        idle silo, so this is a bug's trace; the request goes back to the queue."""
-        # the erasure's own size (scaled to its forget set) over the configured one
-        erase = SiloErasure.of(self.cfg.unlearning, erasure.overrides)
-        # the erasure steps, then one gradient per signature batch; one that stops by itself
-        # is scheduled after the least it can take, and settled by its reply (``_settle``)
-        least, most = erase.work_bounds(self.cfg.client.batch_size)
-        job_id, timing = self._side_job(silo, least)
-        request = UnlearnRequest(
-            setup_json=self.setup_json,
-            job_id=job_id,
-            base_version=self.version,
-            seed=int(
-                np.random.default_rng([self.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1)
-            ),
-            params=start,
-            erasure=erase,
-            forget=tuple(erasure.sample_ids),
-        )
-        msg = request.to_message(self.roster[silo], ttl=self.cfg.server.reply_timeout_s)
-        job = Job("", silo, self.roster[silo], job_id, self.version, *timing, 0.0)
-        job.kind, job.erasure = JobKind.UNLEARN, erasure
-        if most > least and not self.clock.realtime:
-            job.work = (least, most)
-        if not self.jobs.send(msg, job, self.version):
-            self.erasure.requeue(erasure, SiloLost("its silo was busy", offline=True))
-            return False
-        self.erasure.event(erasure, "erasing", **erasure.start_report)
-        return True
-
-    def excluded_ids(self, silo: int) -> tuple[str, ...]:
-        """The samples ``silo`` trains without: those erased before, and a seeded share it
-        never trains on (``silos.exclude_samples``: a sample-level erasure's retraining)."""
-        gone = self.erasure.excluded.get(silo, [])
-        if silo not in self._never:
-            share = self.cfg.silos.excluded_share(silo)
-            ids = self.silo_sample_ids(silo)
-            if share is not None and not ids:
-                raise RuntimeError(
-                    f"silos.exclude_samples names silo {silo}, whose sample ids this server "
-                    "does not hold (simulation only)"
-                )
-            seed = self.cfg.run.seed
-            never = fraction_ids(ids, seed, silo, share) if share is not None else ()
-            self._never[silo] = tuple(never)
-        return (*gone, *self._never[silo])
+        """Send ``silo`` a train.unlearn message (server/requests.py); False when refused."""
+        return self.requests.unlearn(silo, start, erasure)
 
     def silo_sample_ids(self, silo: int) -> list[str]:
-        """The sample ids ``silo`` holds (empty when the caller set no ``sample_ids_fn``)."""
-        return [] if self.sample_ids_fn is None else list(self.sample_ids_fn(silo))
+        """The sample ids ``silo`` holds (empty where the server holds no silo data)."""
+        return self.requests.silo_sample_ids(silo)
 
     def updates_accepted_between(self, t0: float, t1: float) -> int:
         """Updates accepted in the clock interval ``(t0, t1]``."""
@@ -814,7 +689,7 @@ class AsyncServer:
         )
         # jobs whose base weights the checkpoint kept go out first, as they were: re-sending a
         # job whose weights were dropped stores the current model, which could evict them
-        for j in sorted(jobs, key=lambda j: not self._base_kept(j["base_version"])):
+        for j in sorted(jobs, key=lambda j: not self.requests.base_kept(j["base_version"])):
             self.dispatch(
                 j["silo"],
                 job_id=j["job_id"],
