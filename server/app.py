@@ -49,6 +49,7 @@ from protocol.ids import fraction_ids
 from protocol.messages import EvaluateReply, EvaluateRequest
 from protocol.reading import ErrorReply, Malformed
 from protocol.transport import short_backoff
+from server.checkpoint import resume
 from server.config import FedAsyncConfig
 from server.loop import AsyncServer
 from server.roster import exchange
@@ -263,7 +264,7 @@ def run_server(
         _check_reports(srv, spec)
         if cfg.erasures or cfg.unlearning.service:
             service = _attach_erasure(srv, cfg, fed, run_dir, spec=spec, test=test)
-        resumed = cfg.run.resume and srv.resume()
+        resumed = cfg.run.resume and resume(srv)
         if cfg.run.resume and not resumed:
             log.warning("run.resume=true but %s has no checkpoint: starting afresh", run_dir)
         if not resumed and federated is None:

@@ -46,7 +46,6 @@ from flwr.serverapp import Grid
 
 from fedasync import Params, Rejection, RejectReason
 from fedasync.clock import Clock, InFlight, Next, VirtualClock, WallClock
-from fedasync.errors import CheckpointError
 from fedasync.events import EventLog
 from fedasync.flat import flatten
 from fedasync.flat import same as flat_same
@@ -56,7 +55,7 @@ from protocol.erasure_messages import reported_work
 from protocol.messages import TrainRefusal
 from protocol.reading import ErrorReply
 from server.cancel import JobCanceller
-from server.checkpoint import CheckpointState, load_state, save_state
+from server.checkpoint import write_checkpoint
 from server.clock import client_setup, silo_speeds
 from server.config import FedAsyncConfig
 from server.dispatch import Dispatcher, FaultSchedule
@@ -610,96 +609,6 @@ class AsyncServer:
             self.progress.refresh()
 
     # ---------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the loop needs to continue as if it had never stopped: the version and
-        weights, the train jobs in flight (re-sent identically; an erasure in flight is
-        restarted from the erasure store instead), the event log's length, the clock, and each
-        part's ``state_dict`` under ``parts``, as ``torch.optim.Optimizer`` combines its groups."""
-        return {
-            "mode": self.cfg.server.mode,
-            "version": self.version,
-            "params": self.params,
-            "jobs": [
-                {
-                    "silo": j.silo,
-                    "job_id": j.job_id,
-                    "base_version": j.base_version,
-                    "dispatched_at": j.dispatched_at,
-                    "finishes_at": j.finishes_at,
-                    "fault": j.fault,
-                }
-                for j in self.jobs.train_jobs()
-            ],
-            "events_offset": self.events.offset(),
-            "loop": {"clock": self.clock.state_dict(), "started_at": self.started_at},
-            "parts": {
-                "dispatcher": self.jobs.state_dict(self.params, self.version),
-                "faults": self.faults.state_dict(),
-                "pipeline": self.pipeline.state_dict(),
-                "intake": self.intake.state_dict(),
-                "stats": self.stats.state_dict(),
-                "privacy": self.privacy.state_dict(),
-                "cancels": self.cancels.state_dict(),
-                "erasure": self.erasure.state_dict(),  # (None without erasures)
-            },
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> list[dict[str, Any]]:
-        """Restore what ``state_dict`` returned; the train jobs to re-send."""
-        self.version = int(state["version"])
-        self.params = flatten(state["params"])  # (saved as a plain dict)
-        loop, parts = state["loop"], state["parts"]
-        self.clock.load_state_dict(loop["clock"])
-        started = loop["started_at"]
-        self.started_at = 0.0 if started is None else float(started)  # the budget's origin
-        self.jobs.load_state_dict(parts["dispatcher"])
-        self.faults.load_state_dict(parts["faults"])
-        self.pipeline.load_state_dict(parts["pipeline"])
-        self.intake.load_state_dict(parts["intake"])
-        self.stats.load_state_dict(parts["stats"])
-        self.privacy.load_state_dict(parts["privacy"])
-        if "cancels" in parts:  # (checkpoints written before cancellation have none)
-            self.cancels.load_state_dict(parts["cancels"])
-        if parts["erasure"] is not None:  # (ignored by a run that cannot erase)
-            self.erasure.load_state_dict(parts["erasure"])
-        return list(state["jobs"])
-
     def checkpoint(self) -> None:
-        """Write ``checkpoint.pt`` (atomically, with a digest) and a ``checkpoint`` event."""
-        save_state(self.ckpt_path, CheckpointState(**self.state_dict()))
-        self.events.write("checkpoint", t=self.clock.now, version=self.version)
-
-    def resume(self) -> bool:
-        """Restore from ``checkpoint.pt`` if present; re-send the jobs that were in flight."""
-        if not self.ckpt_path.exists():
-            return False
-        state = load_state(self.ckpt_path)
-        if state.mode != self.cfg.server.mode:
-            raise CheckpointError(
-                f"checkpoint is of server.mode={state.mode}, the run is "
-                f"server.mode={self.cfg.server.mode}; set server.mode={state.mode}, or "
-                "run.resume=false"
-            )
-        jobs = self.load_state_dict(state.as_dict())
-        self.events.truncate(state.events_offset)
-        self.erasure.reconcile()
-        self.events.write("resume", t=self.clock.now, version=self.version)
-        log.info(
-            "resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now
-        )
-        # jobs whose base weights the checkpoint kept go out first, as they were: re-sending a
-        # job whose weights were dropped stores the current model, which could evict them
-        for j in sorted(jobs, key=lambda j: not self.requests.base_kept(j["base_version"])):
-            self.dispatch(
-                j["silo"],
-                job_id=j["job_id"],
-                base_version=j["base_version"],
-                timing=(j["dispatched_at"], j["finishes_at"]),
-                fault=j["fault"],
-            )
-        if not self.barrier:  # a silo between two jobs at the checkpoint (its reply just taken)
-            busy = {j.silo for j in self.inflight.values()}
-            for silo in sorted(self.roster):
-                if silo not in busy and not self.is_down(silo):
-                    self.dispatch(silo)
-        return True
+        """Write ``checkpoint.pt`` and a ``checkpoint`` event (server/checkpoint.py)."""
+        write_checkpoint(self)
