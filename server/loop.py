@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,20 @@ class AsyncServer:
         self.id_salt = ""  # set by the caller: the silos report salted id digests (deployment)
         self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
+
+        # how a reply is taken, and what an abandoned job leaves to do, by the job's kind
+        self._takers: dict[JobKind, Callable[[Job, Message], bool]] = {
+            JobKind.TRAIN: self._take_train,
+            JobKind.CALIBRATE: self._take_calibration,
+            JobKind.UNLEARN: self._take_unlearn,
+        }
+        self._abandoned: dict[JobKind, Callable[[Job, str], None]] = {
+            JobKind.TRAIN: lambda job, detail: None,
+            JobKind.CALIBRATE: lambda job, _: self.erasure.take_calibration(job, None),
+            JobKind.UNLEARN: lambda job, detail: self.erasure.requeue(
+                job.erasure, SiloLost(detail)
+            ),
+        }
 
     @property
     def calibration(self) -> UpdateCalibration:
@@ -269,10 +284,7 @@ class AsyncServer:
             detail = f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
             self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
             self._after_failure(job, down_s=0.0)
-            if job.kind is JobKind.UNLEARN:
-                self.erasure.requeue(job.erasure, SiloLost(detail))
-            elif job.kind is JobKind.CALIBRATE:  # a FedEraser rebuild goes on without it
-                self.erasure.take_calibration(job, None)
+            self._abandoned[job.kind](job, detail)
 
     @property
     def deadline(self) -> float:
@@ -401,29 +413,31 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- one reply
     def _take(self, job: Job, reply: Message) -> bool:
-        """Validate and fold one reply; True when its silo may be sent work at once."""
-        if job.kind is JobKind.UNLEARN:
-            return self._take_unlearn(job, reply)
+        """Take one reply, by its job's kind (``_takers``); True when its silo may be sent work
+        at once."""
+        return self._takers[job.kind](job, reply)
+
+    def _checked(self, job: Job, reply: Message) -> tuple[Accepted | Rejection | None, Any]:
+        """A train or calibration reply read and checked by the intake (None: the silo refused,
+        out of privacy budget, and is stopped), and privacy's note of it."""
         got = read_reply(reply)  # an update, a refusal, or why it cannot be read
         note = self.privacy.take(job.silo, job.job_id, got)
         if isinstance(got, TrainRefusal):  # out of privacy budget: the silo is stopped
             if note.stop is not None:
                 self._stopped(note.stop)
-            if job.kind is JobKind.CALIBRATE:
-                self.erasure.take_calibration(job, None)
+            return None, note
+        if isinstance(got, Rejection):
+            return got, note
+        ref = self.params
+        return self.intake.check(
+            got, job, version=self.version, reference=ref, roster=self.roster
+        ), note
+
+    def _take_train(self, job: Job, reply: Message) -> bool:
+        """A training reply: validated, then folded (``_fold``)."""
+        res, note = self._checked(job, reply)
+        if res is None:
             return False
-        res = (
-            got
-            if isinstance(got, Rejection)
-            else self.intake.check(
-                got, job, version=self.version, reference=self.params, roster=self.roster
-            )
-        )
-        if job.kind is JobKind.CALIBRATE:  # FedEraser's: handed to the coordinator, never folded
-            if isinstance(res, Rejection):
-                self._reject(job, res)
-            self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)
-            return False  # sent regular work again only when the rebuild is done
         if isinstance(res, Rejection):
             self._reject(job, res)
             if res.reason is RejectReason.CLIENT_ERROR:
@@ -436,6 +450,17 @@ class AsyncServer:
             return False
         self._fold(job, res)
         return True
+
+    def _take_calibration(self, job: Job, reply: Message) -> bool:
+        """FedEraser's calibration reply: handed to the coordinator, never folded; its silo is
+        sent regular work again only when the rebuild is done."""
+        res, _ = self._checked(job, reply)
+        if isinstance(res, Rejection):
+            self._reject(job, res)
+        self.erasure.take_calibration(
+            job, None if res is None or isinstance(res, Rejection) else res.update
+        )
+        return False
 
     def _take_unlearn(self, job: Job, reply: Message) -> bool:
         """A silo's erasure result: validate it, then let the coordinator apply it."""
