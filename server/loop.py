@@ -93,6 +93,9 @@ class AsyncServer:
         wall_clock: bool = False,
         *,
         sample_ids_fn: Any = None,
+        id_salt: str = "",
+        erasure: Callable[[AsyncServer], ErasureCoordinator] | None = None,
+        progress: Callable[[float], Any] | None = None,
     ):
         self.cfg = cfg
         self.grid = grid
@@ -135,13 +138,16 @@ class AsyncServer:
             on_discard=self._discarded,
         )
         self.ckpt_path = run_dir / "checkpoint.pt"
-        self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
-        self.erasure: ErasureCoordinator | NoErasure = NoErasure()  # (coordinator: the caller's)
+        self.progress: Any = None  # fedasync.progress's bar or lines, made when run() starts
+        self._make_progress = progress
         self.requests = JobRequests(self, sample_ids_fn)  # silo -> its sample ids, or None
-        self.id_salt = ""  # set by the caller: the silos report salted id digests (deployment)
+        self.id_salt = id_salt  # the silos report their ids' digests under it (deployment)
         self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
-
+        # the erasure part: a coordinator made for this server, or NoErasure (cannot erase)
+        self.erasure: ErasureCoordinator | NoErasure = (
+            NoErasure() if erasure is None else erasure(self)
+        )
         # how a reply is taken, and what an abandoned job leaves to do, by the job's kind
         self._takers: dict[JobKind, Callable[[Job, Message], bool]] = {
             JobKind.TRAIN: self._take_train,
@@ -295,6 +301,8 @@ class AsyncServer:
     def run(self) -> None:
         """Train until ``run.budget_s`` has passed since the first dispatch (or
         ``run.max_versions``)."""
+        if self._make_progress is not None and self.progress is None:
+            self.progress = self._make_progress(self.clock.now)
         if self.started_at is None:
             self.started_at = self.clock.now  # 0 on the virtual clock
         budget = self.deadline
