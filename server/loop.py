@@ -7,31 +7,21 @@ synchronous FedAvg baseline on the same silos and clock: a barrier waits for eve
 reply before the round is averaged, so one straggler stalls everyone.
 
 Which reply is taken next is the clock's decision (fedasync/clock.py): virtual-finish order in
-simulation (deterministic for a seed), arrival order on the wall clock in deployment. A silo
-whose job failed (client error, crash) is sent work again after ``down_s`` of an injected
-crash or at once; a message unanswered for ``server.reply_timeout_s`` wall seconds is
-abandoned and its silo re-sent work, so a silent silo holds nothing up; every message
-carries that limit as its Flower TTL, so a SuperLink drops what nobody fetched in time and a
-SuperNode never starts expired work. A silo the SuperLink reports offline is sent work again
-after ``server.offline_retry_s``. On the wall clock the loop polls for replies every
-``server.poll_interval_s`` (each poll is a request to the SuperLink), and ``run.budget_s``
-counts from the first dispatch, not from the roster query.
+simulation (deterministic for a seed), arrival order on the wall clock in deployment. A failed
+silo is sent work again after ``down_s`` of an injected crash, ``server.offline_retry_s`` when
+the SuperLink reports it offline, or at once; a message unanswered for
+``server.reply_timeout_s`` wall seconds (also its Flower TTL) is abandoned. On the wall clock
+the loop polls every ``server.poll_interval_s``; ``run.budget_s`` counts from the first
+dispatch. One silo, at most one job in flight, always: the dispatcher's ``send`` refuses a
+second (a ``dispatch_refused`` event).
 
-One silo, at most one job (train, unlearn or calibration) in flight, always: every message
-leaves through the dispatcher's ``send``, which refuses (logs, counts in ``dispatches_refused``
-and writes a ``dispatch_refused`` event) work for a silo that already holds a job or waits out a failure,
-instead of sending it. Erasure work is started only on an idle silo (server/unlearning/).
-
-The server is made of parts it owns, each with its own ``state_dict``: the dispatcher and the
-fault schedule (server/dispatch.py), the intake (server/intake.py), the correction pipeline
-(server/pipeline.py), privacy (server/privacy.py), the run statistics (server/stats.py) and
-the erasure coordinator (server/unlearning/; ``NoErasure`` in a run that cannot erase, so
-the loop never asks whether there is one). A training reply reads top-down from
-``pull_messages`` (``_poll``) through ``run`` → ``_take`` (intake's ``read_reply`` and
-``check_reply``) → ``_fold`` (the pipeline's ``fold``) → ``_publish`` → ``_new_version``.
-One module (about 700 lines) because that event loop is one state machine: dispatching, taking
-replies, publishing versions and checkpointing all read and advance the same clock, version
-and jobs in flight; what is not the loop's own is in the parts.
+This module is the event loop only: dispatching, waiting for and taking replies in order,
+publishing versions. The rest are the server's parts (docs/how-it-works.md): the requests it
+sends (server/requests.py), the dispatcher and faults (server/dispatch.py), how a reply is
+taken by its job's kind (server/replies.py), the intake, pipeline, privacy and statistics,
+the erasure part (server/unlearning/; ``NoErasure`` in a run that cannot erase, so the loop
+never asks), and the checkpoint composed of their ``state_dict``s (server/checkpoint.py).
+The server is built complete by ``server.app.build_server``.
 """
 
 from __future__ import annotations
@@ -45,43 +35,36 @@ from typing import Any
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedasync import Params, Rejection, RejectReason
-from fedasync.clock import Clock, InFlight, Next, VirtualClock, WallClock
+from fedasync import Params
+from fedasync.clock import Clock, InFlight, Next
 from fedasync.events import EventLog
 from fedasync.flat import flatten
 from fedasync.flat import same as flat_same
 from fedasync.tensors import is_finite
 from protocol.config import to_dict
-from protocol.erasure_messages import reported_work
-from protocol.messages import TrainRefusal
-from protocol.reading import ErrorReply
 from server.cancel import JobCanceller
 from server.checkpoint import write_checkpoint
-from server.clock import client_setup, silo_speeds
+from server.clock import client_setup, run_clock, silo_speeds
 from server.config import FedAsyncConfig
 from server.dispatch import Dispatcher, FaultSchedule
-from server.intake import Accepted, Intake, Job, JobKind, read_reply
+from server.intake import Intake, Job, JobKind
 from server.pipeline import CorrectionPipeline
-from server.privacy import ServerPrivacy, Stop
+from server.privacy import ServerPrivacy
+from server.replies import ReplyRouter
 from server.requests import JobRequests
-from server.roster import discover_silos
+from server.roster import connect
 from server.stats import RunStats
-from server.unlearn_messages import SiloLost, read_unlearn_reply
 from server.unlearning import ErasureCoordinator, NoErasure, UpdateCalibration
 
 log = logging.getLogger("fedasync.server")
 
 
 class AsyncServer:
-    """Runs one federated training job on ``grid`` and returns its result record.
-
-    Made of parts it owns, each with a ``state_dict`` that ``state_dict`` combines: the
-    dispatcher (jobs in flight, retries) and the fault schedule (server/dispatch.py), the
-    intake (server/intake.py), the correction pipeline (server/pipeline.py), privacy
-    (server/privacy.py), the run statistics (server/stats.py) and the erasure part: the
-    erasure coordinator when erasures are possible (server/unlearning/, set by the caller),
-    else ``NoErasure``; its ``calibration`` calibrates every accepted update (a no-op then).
-    """
+    """Runs one federated training job on ``grid``: the event loop over the parts it owns
+    (module docstring). ``erasure`` makes the erasure coordinator for this server (None:
+    ``NoErasure``); ``progress`` makes the progress display from the clock time ``run`` starts
+    at; ``sample_ids_fn`` gives a silo's sample ids where the server holds them (simulation);
+    ``id_salt`` is what the silos salt their ids' digests with (deployment)."""
 
     def __init__(
         self,
@@ -106,17 +89,7 @@ class AsyncServer:
         self.version = 0
         self.barrier = cfg.server.mode == "sync"
         self.speeds = silo_speeds(cfg.silos, cfg.run.seed)
-        self.clock: Clock = (
-            WallClock()
-            if wall_clock
-            else VirtualClock(
-                self.speeds,
-                cfg.silos.step_time_s,
-                jitter=cfg.silos.jitter,
-                latency_s=cfg.silos.latency_s,
-                seed=cfg.run.seed,
-            )
-        )
+        self.clock: Clock = run_clock(cfg, self.speeds, wall_clock)
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.jobs = Dispatcher(grid, self.clock, self.events, cfg.server.corrections.max_snapshots)
         self.faults = FaultSchedule([to_dict(f) for f in cfg.faults])
@@ -135,7 +108,7 @@ class AsyncServer:
             self.arrived,
             now=lambda: self.clock.now,
             version=lambda: self.version,
-            on_discard=self._discarded,
+            on_discard=lambda job, reply: self.replies.discarded(job, reply),
         )
         self.ckpt_path = run_dir / "checkpoint.pt"
         self.progress: Any = None  # fedasync.progress's bar or lines, made when run() starts
@@ -148,19 +121,7 @@ class AsyncServer:
         self.erasure: ErasureCoordinator | NoErasure = (
             NoErasure() if erasure is None else erasure(self)
         )
-        # how a reply is taken, and what an abandoned job leaves to do, by the job's kind
-        self._takers: dict[JobKind, Callable[[Job, Message], bool]] = {
-            JobKind.TRAIN: self._take_train,
-            JobKind.CALIBRATE: self._take_calibration,
-            JobKind.UNLEARN: self._take_unlearn,
-        }
-        self._abandoned: dict[JobKind, Callable[[Job, str], None]] = {
-            JobKind.TRAIN: lambda job, detail: None,
-            JobKind.CALIBRATE: lambda job, _: self.erasure.take_calibration(job, None),
-            JobKind.UNLEARN: lambda job, detail: self.erasure.requeue(
-                job.erasure, SiloLost(detail)
-            ),
-        }
+        self.replies = ReplyRouter(self)  # how a reply is taken, by its job's kind
 
     @property
     def calibration(self) -> UpdateCalibration:
@@ -174,31 +135,8 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
-        """Wait for the silos' nodes and learn which node is which silo, and what each reports
-        of its data (sample and class counts; with ``id_salt``, its ids' digests)."""
-        self.roster, self.num_samples = discover_silos(
-            self.grid,
-            self.setup_json,
-            self.cfg.silos.count,
-            self.cfg.server.wait_for_nodes_s,
-            salt=self.id_salt,
-            reports=self.silo_reports,
-        )
-        counts = {s: list(r.class_counts) for s, r in self.silo_reports.items() if r.class_counts}
-        self.events.write(
-            "roster",
-            t=self.clock.now,
-            version=self.version,
-            silos={
-                str(s): {
-                    "node": n,
-                    "num_samples": self.num_samples[s],
-                    "speed": self.speeds[s],
-                    **({"class_counts": counts[s]} if s in counts else {}),
-                }
-                for s, n in self.roster.items()
-            },
-        )
+        """Learn which node is which silo and what each reports of its data (server/roster.py)."""
+        connect(self)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(
@@ -269,14 +207,6 @@ class AsyncServer:
         self.cancels.cancel(silo, request_id)
         return self.jobs.holding(silo) is None
 
-    def _discarded(self, job: Job, reply: Message) -> None:
-        """A cancelled job's reply: its privacy spend still counts, and a refusal (out of
-        budget) still stops the silo; nothing else of it is used."""
-        got = read_reply(reply)
-        note = self.privacy.take(job.silo, job.job_id, got)
-        if note.stop is not None:
-            self._stopped(note.stop)
-
     def _abandon_timed_out(self) -> None:
         limit = self.cfg.server.reply_timeout_s
         self.cancels.expire(limit)
@@ -287,10 +217,9 @@ class AsyncServer:
             expired.append(mid)
         for mid in expired:
             job = self.jobs.take(mid)
-            detail = f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
-            self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
-            self._after_failure(job, down_s=0.0)
-            self._abandoned[job.kind](job, detail)
+            self.replies.abandon(
+                job, f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
+            )
 
     @property
     def deadline(self) -> float:
@@ -307,7 +236,7 @@ class AsyncServer:
             self.started_at = self.clock.now  # 0 on the virtual clock
         budget = self.deadline
         for silo in sorted(self.roster):
-            self._budget_refuses(silo)  # a ledger kept across runs may be spent already
+            self.replies.budget_refuses(silo)  # a ledger kept across runs may be spent already
         if not self.inflight:
             for silo in sorted(self.roster):
                 self.dispatch(silo)
@@ -333,7 +262,7 @@ class AsyncServer:
                     self.dispatch(silo)
                 continue
             due = self._wait_due()
-            if due is None or self._settle(due):
+            if due is None or self.jobs.settle(due, self.arrived):
                 continue
             self.clock.advance_to(max(self.inflight[m].finishes_at for m in due))
             ready: list[int] = []
@@ -355,24 +284,6 @@ class AsyncServer:
                     self.dispatch(silo)
             self.jobs.prune_sent()
             self._tick()
-
-    def _settle(self, due: list[str]) -> bool:
-        """Virtual clock: jobs among ``due`` whose length their silo decided (``Job.work``)
-        finish after the work their reply reports (within the job's bounds; a reply that
-        reports none, an error, counts the least) rather than now; True when one moved (the
-        loop then takes whatever is due first)."""
-        moved = False
-        for mid in due:
-            job = self.inflight[mid]
-            if job.work is None:
-                continue
-            least, most = job.work
-            reported = reported_work(self.arrived[mid])
-            units = least if reported is None else min(max(reported, least), most)
-            finish = job.dispatched_at + self.clock.span(job.silo, units)  # type: ignore[attr-defined]
-            self.jobs.reschedule(mid, max(finish, job.finishes_at))
-            moved = moved or finish > job.finishes_at + 1e-9
-        return moved
 
     def _at_cap(self) -> bool:
         """The run made ``run.max_versions`` versions."""
@@ -413,7 +324,7 @@ class AsyncServer:
         if res is not None and res.params is not None:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)
             self.erasure.record(None, res.contributions, self.version)
-            self._publish(res.params, "round")
+            self.publish(res.params, "round")
         # silos that were down rejoin at the start of the next round
         self.jobs.clear_retries()
         for silo in sorted(self.roster):
@@ -421,173 +332,10 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- one reply
     def _take(self, job: Job, reply: Message) -> bool:
-        """Take one reply, by its job's kind (``_takers``); True when its silo may be sent work
-        at once."""
-        return self._takers[job.kind](job, reply)
+        """Take one reply (server/replies.py); True when its silo may be sent work at once."""
+        return self.replies.take(job, reply)
 
-    def _checked(self, job: Job, reply: Message) -> tuple[Accepted | Rejection | None, Any]:
-        """A train or calibration reply read and checked by the intake (None: the silo refused,
-        out of privacy budget, and is stopped), and privacy's note of it."""
-        got = read_reply(reply)  # an update, a refusal, or why it cannot be read
-        note = self.privacy.take(job.silo, job.job_id, got)
-        if isinstance(got, TrainRefusal):  # out of privacy budget: the silo is stopped
-            if note.stop is not None:
-                self._stopped(note.stop)
-            return None, note
-        if isinstance(got, Rejection):
-            return got, note
-        ref = self.params
-        return self.intake.check(
-            got, job, version=self.version, reference=ref, roster=self.roster
-        ), note
-
-    def _take_train(self, job: Job, reply: Message) -> bool:
-        """A training reply: validated, then folded (``_fold``)."""
-        res, note = self._checked(job, reply)
-        if res is None:
-            return False
-        if isinstance(res, Rejection):
-            self._reject(job, res)
-            if res.reason is RejectReason.CLIENT_ERROR:
-                self._after_failure(job, down_s=self._down_s(job, reply))
-                return False
-            return True
-        if note.epsilon is not None:
-            res.update.metrics["dp_epsilon"] = note.epsilon
-        if self._budget_refuses(job.silo, job.job_id):
-            return False
-        self._fold(job, res)
-        return True
-
-    def _take_calibration(self, job: Job, reply: Message) -> bool:
-        """FedEraser's calibration reply: handed to the coordinator, never folded; its silo is
-        sent regular work again only when the rebuild is done."""
-        res, _ = self._checked(job, reply)
-        if isinstance(res, Rejection):
-            self._reject(job, res)
-        self.erasure.take_calibration(
-            job, None if res is None or isinstance(res, Rejection) else res.update
-        )
-        return False
-
-    def _take_unlearn(self, job: Job, reply: Message) -> bool:
-        """A silo's erasure result: validate it, then let the coordinator apply it."""
-        erasure = job.erasure
-        result = read_unlearn_reply(reply, self.params)
-        if isinstance(result, SiloLost):  # it went down mid-erasure: queued again, not failed
-            self.erasure.requeue(erasure, result)
-            self._after_failure(job, down_s=self._down_s(job, reply))
-            return False  # sent work, and the erasure, again once it is back
-        if isinstance(result, str):
-            log.error("erasure %s failed: %s", erasure.request_id, result)
-            self.erasure.failed(erasure, result)
-            return True  # the silo goes back to training; the request says why it failed
-        self.erasure.take_unlearn(erasure, result)
-        return bool(erasure.sample_ids)  # a retired silo is not sent work again
-
-    def _stopped(self, stop: Stop) -> None:
-        self.events.write("silo_stopped", t=self.clock.now, version=self.version, **stop.event())
-
-    def _budget_refuses(self, silo: int, job_id: int | None = None) -> bool:
-        """True when central DP's budget stops ``silo`` (now, or earlier in this run)."""
-        refuses, stop = self.privacy.over_budget(silo, job_id)
-        if stop is not None:  # newly stopped
-            self._stopped(stop)
-        return refuses
-
-    def _down_s(self, job: Job, reply: Message) -> float:
-        """How long a failed silo waits before it is sent work again."""
-        if reply.has_error() and ErrorReply(reply.error.code, reply.error.reason).offline:
-            return self.cfg.server.offline_retry_s  # not at once: the SuperLink would refuse again
-        return self.faults.crash_down_s(job.silo) if job.fault == "crash" else 0.0
-
-    def _after_failure(self, job: Job, down_s: float) -> None:
-        """Re-send the silo work after ``down_s`` (0: as soon as the loop goes on)."""
-        if not self.barrier:
-            self.jobs.retry_after(job.silo, down_s)
-
-    def _reject(self, job: Job, rej: Rejection) -> None:
-        self.stats.reject(job.silo, rej.reason)
-        log.warning(
-            "rejected reply of silo %d (job %d): %s: %s",
-            job.silo,
-            job.job_id,
-            rej.reason.value,
-            rej.detail,
-        )
-        self.events.write(
-            "reject",
-            t=self.clock.now,
-            version=self.version,
-            silo=job.silo,
-            job=job.job_id,
-            reason=rej.reason.value,
-            detail=rej.detail,
-        )
-
-    def _fold(self, job: Job, acc: Accepted) -> None:
-        """Correct and fold an accepted update (server/pipeline.py), count it, and publish the
-        new model when the fold made one."""
-        update, cal = acc.update, self.calibration
-        w_base = self.jobs.sent.get(job.base_version)
-        # its base weights dropped (server.corrections.max_snapshots): no delay compensation
-        dc_skipped = w_base is None and acc.staleness > 0 and self.dc_lambda > 0
-        if not cal.compensates(job):
-            w_base, dc_skipped = None, False
-        overlaps: list[float] = []  # what the calibration measured, the last one logged
-
-        def calibrate(tensors: Params) -> Params | Rejection:
-            calibrated, overlap = cal.calibrate(job, tensors)
-            if overlap is not None:
-                overlaps.append(overlap)
-            return calibrated
-
-        def project(change: Params) -> Params:
-            projected, overlap = cal.project_measured(change)
-            if overlap is not None:
-                overlaps.append(overlap)
-            return projected
-
-        res = self.pipeline.fold(
-            self.params,
-            update,
-            staleness=acc.staleness,
-            factor=acc.decision.factor,
-            norm=acc.norm,
-            w_base=w_base,
-            calibrate=calibrate,
-            project=project if cal.projects_applied else None,
-        )
-        if overlaps:
-            update.metrics["calibration_overlap"] = overlaps[-1]
-        if isinstance(res, Rejection):
-            self._reject(job, res)
-            return
-        if res.released:
-            self.privacy.record_release(res.released, self.version + 1, res.noise_std)
-            update.metrics["central_epsilon"] = self.privacy.central_epsilon[job.silo]
-        self.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.clock.now)
-        if dc_skipped:
-            self.stats.dc_skip()
-        # the silos' exact shares of what this fold applied (kept only by an erasure part)
-        self.erasure.record(job.silo, res.contributions, self.version, acc.norm)
-        self.events.write(
-            "update",
-            t=self.clock.now,
-            version=self.version,
-            silo=job.silo,
-            job=job.job_id,
-            staleness=acc.staleness,
-            weight=res.weight,
-            action=acc.decision.action,
-            norm=acc.norm,
-            **update.metrics,
-            **({"dc_skipped": True} if dc_skipped else {}),
-        )
-        if res.params is not None:
-            self._publish(res.params, f"update of silo {job.silo} (job {job.job_id})")
-
-    def _publish(self, params: Params, cause: str) -> None:
+    def publish(self, params: Params, cause: str) -> None:
         """A fold's model becomes the next version, unless it is non-finite. Every update is
         checked finite and bounded before it is folded, so a NaN/Inf model is the server's
         doing (an overflow, a server optimiser gone wrong): it is refused and the model stays

@@ -157,7 +157,7 @@ class JobRequests:
         # the erasure's own size (scaled to its forget set) over the configured one
         erase = SiloErasure.of(srv.cfg.unlearning, erasure.overrides)
         # the erasure steps, then one gradient per signature batch; one that stops by itself
-        # is scheduled after the least it can take, and settled by its reply (``_settle``)
+        # is scheduled after the least it can take, and settled by its reply (``Dispatcher.settle``)
         least, most = erase.work_bounds(srv.cfg.client.batch_size)
         job_id, timing = self._side_job(silo, least)
         request = UnlearnRequest(
