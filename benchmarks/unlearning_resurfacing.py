@@ -334,7 +334,7 @@ def final_outputs(runs: list[Run]) -> None:
     set, into ``run.result`` (``params``, ``logits``), for the distances to retraining."""
     import torch
 
-    from server.app import _federation, initial_model
+    from server.benchmark import federation, initial_model
     from server.checkpoint import load_state
     from simulations.config import load_config
 
@@ -342,7 +342,7 @@ def final_outputs(runs: list[Run]) -> None:
     for run in runs:
         cfg = load_config(None, run.overrides)
         if cfg.data.benchmark not in test_images:
-            test_images[cfg.data.benchmark] = torch.as_tensor(_federation(cfg).test.images)
+            test_images[cfg.data.benchmark] = torch.as_tensor(federation(cfg).test.images)
         model = initial_model(cfg)
         params = load_state(run.folder / "checkpoint.pt").params
         model.load_state_dict(params)

@@ -522,12 +522,13 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
 def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:
     """Verification metrics of the retrained model (its final checkpoint), on the share it
     left out when it is a sample-level erasure's reference, else on the whole silo."""
-    from server.app import _federation, _verifier, _watched_ids
+    from server.benchmark import federation
     from server.checkpoint import load_state
+    from server.erasure_setup import verifier, watched_ids
 
-    fed = _federation(cfg)
-    verify_fn = _verifier(cfg, fed)  # cfg has the backdoor on ``silo``
-    ids = _watched_ids(cfg, fed)
+    fed = federation(cfg)
+    verify_fn = verifier(cfg, fed)  # cfg has the backdoor on ``silo``
+    ids = watched_ids(cfg, fed)
     return dict(verify_fn(load_state(run_dir / "checkpoint.pt").params, silo, ids))
 
 

@@ -1,4 +1,4 @@
-"""The federated run's timing inputs: each silo's speed, and what the ClientApp is told.
+"""The federated run's timing: each silo's speed, the run's clock, what the ClientApp is told.
 
 The clocks themselves are in the core (``fedasync.clock``): simulation runs on its virtual
 clock (a job's units are the silo's local steps, its unit time ``silos.step_time_s``, so the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedasync.clock import Clock, VirtualClock, WallClock
 from protocol.config import Setup, to_dict
 from server.config import FedAsyncConfig, SilosConfig
 
@@ -49,4 +50,15 @@ def client_setup(cfg: FedAsyncConfig) -> Setup:
         seed=cfg.run.seed,
         backdoor=to_dict(cfg.backdoor),
         emulate_speeds=silo_speeds(cfg.silos, cfg.run.seed) if cfg.silos.emulate_speed else None,
+    )
+
+
+def run_clock(cfg: FedAsyncConfig, speeds: list[float], wall_clock: bool) -> Clock:
+    """The run's clock: the wall clock (deployment), else the virtual clock of the silos'
+    ``speeds`` (``silos.step_time_s``, ``silos.jitter``, ``silos.latency_s``, ``run.seed``)."""
+    if wall_clock:
+        return WallClock()
+    s = cfg.silos
+    return VirtualClock(
+        speeds, s.step_time_s, jitter=s.jitter, latency_s=s.latency_s, seed=cfg.run.seed
     )

@@ -18,9 +18,11 @@ choice field is its Literal. To omegaconf it is a ``str`` that carries the Liter
 refuses Literal annotations, and 2.4 would check them itself in its own words before the
 section does, changing the messages. `choices` reads the allowed values from either form.
 
-One module (about 700 lines) because it is the one reference of every ``fedasync simulate``
-key: a section per key prefix, each documented field by field (docs/configuration.md and a
-test read it); splitting it would scatter the reference.
+The one reference of every ``fedasync simulate`` key, a section per key prefix, each
+documented field by field (docs/configuration.md and a test read it), in three modules: this
+one (the whole config and the run, server, silos, engine and faults sections), the erasure
+sections (server/config_erasure.py: ``unlearning``, ``erasures``, ``backdoor``) and every
+numeric key's range (server/config_ranges.py, ``RANGES``, importable from here too).
 """
 
 from __future__ import annotations
@@ -30,13 +32,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fedasync.optim import OptimizerKind
 from fedasync.ranges import (
-    AT_LEAST_ONE,
-    NON_NEGATIVE,
-    POSITIVE,
-    UNIT,
-    UNIT_OPEN,
-    UNIT_OPEN_LOW,
-    Range,
     check,
     check_ranges,
     choices,
@@ -44,10 +39,10 @@ from fedasync.ranges import (
     recheck,
 )
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
-from fedasync.unlearning import SHARE_RULES
-from medical_data.backdoor import PATTERNS
 from protocol.config import ClientConfig, DataConfig
 from runkit import configload
+from server.config_erasure import BackdoorConfig, ErasureRequestConfig, UnlearningConfig
+from server.config_ranges import RANGES
 
 ServerMode = Literal["fedasync", "fedbuff", "sync"]
 """``server.mode``."""
@@ -57,61 +52,17 @@ FaultKind = Literal[
     "crash", "nan", "wrong_shape", "replay", "huge_norm", "future_version", "unknown_silo"
 ]
 """``faults[].kind``."""
-ErasureMethod = Literal["pga", "relabel"]
-"""``unlearning.method``."""
-ErasureStop = Literal["fixed", "membership"]
-"""``unlearning.stop``."""
-RemovalPart = Literal["total", "unique"]
-"""``unlearning.server_removal_part``."""
-RadiusScaling = Literal["linear", "sqrt", "none"]
-"""``unlearning.radius_scaling``: fedasync.unlearning.SHARE_RULES (checked equal at import)."""
-SignatureDtype = Literal["float32", "float16"]
-"""``unlearning.signature_dtype``."""
-PreBoundary = Literal["project", "drop"]
-"""``unlearning.pre_boundary``."""
-CalibrationTarget = Literal["reply", "applied"]
-"""``unlearning.calibration_target``."""
-Protect = Literal["subspace", "jump", "both", "gradient", "onesided"]
-"""``unlearning.protect``."""
-TriggerPattern = Literal["solid", "checker"]
-"""``backdoor.trigger_pattern``: medical_data.backdoor.PATTERNS (checked equal at import)."""
 
 
 MODES: tuple[str, ...] = choices(ServerMode)
 SPEED_PROFILES: tuple[str, ...] = choices(SpeedProfile)
 FAULT_KINDS: tuple[str, ...] = choices(FaultKind)
 OPTIMIZER_KINDS: tuple[str, ...] = choices(OptimizerKind)
-ERASURE_METHODS: tuple[str, ...] = choices(ErasureMethod)
-ERASURE_STOPS: tuple[str, ...] = choices(ErasureStop)
-REMOVAL_PARTS: tuple[str, ...] = choices(RemovalPart)
-SIGNATURE_DTYPES: tuple[str, ...] = choices(SignatureDtype)
-PRE_BOUNDARIES: tuple[str, ...] = choices(PreBoundary)
-CALIBRATION_TARGETS: tuple[str, ...] = choices(CalibrationTarget)
-PROTECTS: tuple[str, ...] = choices(Protect)
-TRIGGER_PATTERNS: tuple[str, ...] = choices(TriggerPattern)
-
-if choices(RadiusScaling) != tuple(SHARE_RULES):  # not an assert: kept under python -O
-    raise AssertionError(f"RadiusScaling {choices(RadiusScaling)} != SHARE_RULES {SHARE_RULES}")
-if TRIGGER_PATTERNS != PATTERNS:
-    raise AssertionError(f"TriggerPattern {TRIGGER_PATTERNS} != backdoor PATTERNS {PATTERNS}")
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
-    ServerMode, SpeedProfile, FaultKind, ErasureMethod, ErasureStop = (
-        Annotated[str, t] for t in (ServerMode, SpeedProfile, FaultKind, ErasureMethod, ErasureStop)
-    )
-    RadiusScaling, SignatureDtype, PreBoundary, CalibrationTarget, Protect, RemovalPart = (
+    ServerMode, SpeedProfile, FaultKind, WeightFnName, OptimizerKind = (
         Annotated[str, t]
-        for t in (
-            RadiusScaling,
-            SignatureDtype,
-            PreBoundary,
-            CalibrationTarget,
-            Protect,
-            RemovalPart,
-        )
-    )
-    WeightFnName, OptimizerKind, TriggerPattern = (
-        Annotated[str, t] for t in (WeightFnName, OptimizerKind, TriggerPattern)
+        for t in (ServerMode, SpeedProfile, FaultKind, WeightFnName, OptimizerKind)
     )
 
 
@@ -414,216 +365,6 @@ class FaultConfig:
 
 
 @dataclass
-class ErasureRequestConfig:
-    """An erasure scheduled in a simulation (live ones come through the erasure service); an
-    entry of ``erasures``: FedAsyncConfig checks it, naming its index."""
-
-    silo: int = 0
-    """Whose data is erased."""
-    at_s: float = 0.0
-    """Virtual second at which it is submitted."""
-    fraction: float = 1.0
-    """1.0: the whole silo; less: a seeded fraction of its samples (a sample-level erasure)."""
-
-
-@dataclass
-class BackdoorConfig:
-    """Verification runs: one silo's training data carries a trigger patch with a target label."""
-
-    enabled: bool = False
-    """Poison the silo's data (classification: relabel; segmentation: the whole mask)."""
-    silo: int = 0
-    """Which silo's data carries the trigger."""
-    fraction: float = 0.5
-    """Fraction of that silo's samples that get the trigger and the target label."""
-    target_label: int = 0
-    """The label the trigger maps to."""
-    trigger_size: int = 3
-    """Side of the square trigger patch in pixels (a 3x3 patch is not learnt on nuclei)."""
-    trigger_pattern: TriggerPattern = "solid"
-    """solid (the patch at the image's maximum) or checker (a checkerboard of its maximum and
-    minimum: not ordinary anatomy, so the backdoor is learnt where a bright corner is not)."""
-    relearn_silo: int | None = None
-    """Relearning attack: this silo also trains on the backdoored silo's poisoned samples..."""
-    relearn_after_s: float = 0.0
-    """...from this virtual second on (to test that an erasure stays in force)."""
-    relearn_samples: int | None = None
-    """The relearning silo trains on only this many of the poisoned samples (a seeded choice;
-    None: all of them): how much leftover exposure brings an erased backdoor back."""
-    watch: bool = False
-    """Every evaluation also verifies the backdoored silo's data on the global model (``asr``,
-    ``forget_accuracy``, ``mia_auc`` in each ``eval`` event, prefixed ``bd_``): the backdoor
-    over time, in every run (the retraining reference and never-erased runs too)."""
-
-    def __post_init__(self) -> None:
-        """Checked when built: ranges and the pattern (which silos and labels exist,
-        FedAsyncConfig)."""
-        check_ranges(self, "backdoor.", RANGES)
-        check(
-            self.trigger_pattern in TRIGGER_PATTERNS,
-            f"backdoor.trigger_pattern must be one of {TRIGGER_PATTERNS}, "
-            f"got {self.trigger_pattern!r}",
-        )
-
-
-@dataclass
-class UnlearningConfig:
-    """Asynchronous erasure with invariance calibration (AFU-IC style; see docs/erasure.md)."""
-
-    method: ErasureMethod = "pga"
-    """Silo-side erasure: pga (projected gradient ascent, Halimi et al. 2022) or relabel."""
-    steps: int = 5
-    """Local erasure steps (with ``stop=membership``: the most the silo may take)."""
-    lr: float = 0.01
-    """Local erasure learning rate."""
-    stop: ErasureStop = "membership"
-    """PGA: when the silo stops (relabelling takes its ``steps``). Default ``membership``: with
-    the server's ``unique`` removal it was the one setting verified on every seed of the three
-    benchmarks, whole-silo, never over-erasing (docs/measured.md). ``fixed``: after ``steps``.
-    ``membership``: as soon as its forget
-    samples cannot be told apart from its own held-out samples (a two-sided Mann–Whitney test
-    on the true-label confidence at significance ``stop_alpha``; past an overshoot it returns
-    to its reading closest to indistinguishable), at most ``steps`` (docs/erasure.md)."""
-    stop_alpha: float = 0.05
-    """``stop=membership``: the test's significance level."""
-    stop_every: int = 5
-    """``stop=membership``: erasure steps between two readings."""
-    stop_probe: int = 128
-    """``stop=membership``: forget and held-out samples each reading compares (at most)."""
-    radius: float = 2.0
-    """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
-    sample-level one gets it scaled by radius_scaling)."""
-    radius_scaling: RadiusScaling = "linear"
-    """How a sample-level erasure's size (PGA radius, relabel steps) follows its share of the
-    silo's samples: linear (max(share, radius_floor)), sqrt (max(sqrt(share), radius_floor)) or
-    none (the full size for any erasure)."""
-    radius_floor: float = 0.01
-    """The smallest share of the full size a sample-level erasure gets."""
-    cancel_inflight: bool = True
-    """An erasure request cancels its silo's training job in flight, whose reply is discarded
-    when it comes (server/cancel.py): the erasure starts at once rather than after that job.
-    false: it waits for the job's reply (and folds it) first. In a deployment only with
-    ``service=true``: each node watches its silo's requests there and stops the job between
-    two local steps (``fedasync node --erasure-service``); without the service the node
-    finishes the job before it pulls the erasure's message, so the erasure waits for it."""
-    server_removal: bool = True
-    """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
-    server_removal_scale: float = 1.0
-    """With ``server_removal``: the share of those contributions subtracted (1: all of them;
-    the full removal over-erases, see docs/measured.md, so a smaller share can be tried)."""
-    server_removal_part: RemovalPart = "unique"
-    """With ``server_removal``: which part of the silo's recorded contributions is subtracted.
-    ``total``: all of it (FedEraser's first-order removal). ``unique``: only what lies outside
-    the span of the other silos' latest ``unique_window`` accepted updates, the directions
-    their training does not act on and so cannot have washed out since (what persists of the
-    silo's work); the rest stays (docs/erasure.md)."""
-    calibration: bool = True
-    """Project later updates out of the erased data's gradient signature (invariance)."""
-    calibration_strength: float = 1.0
-    """How much of an update's component in the signature subspace is removed (1: all)."""
-    signature_rank: int = 4
-    """Rank of the gradient signature the erasing silo sends."""
-    signature_batches: int = 4
-    """Forget-set batches whose loss gradients span that signature (each costs about a step)."""
-    signature_dtype: SignatureDtype = "float32"
-    """Precision the signature crosses the wire in: float32, or float16 (half the bytes; the
-    server re-orthonormalises it)."""
-    calibration_target: CalibrationTarget = "applied"
-    """What the invariance calibration projects: ``reply``, each accepted update as it arrives,
-    before delay compensation, error feedback and the server optimiser; or ``applied``, the
-    change each fold makes to the model, after all of them, with the server's carried state
-    (FedBuff's buffer, the optimiser's first moment, error-feedback residuals) projected at the
-    boundary, the erased silo's buffered deltas and residual dropped, and no delay compensation
-    across the boundary (its w_now − w_base would hold the erasure itself). Default applied
-    (with protect=jump): on benchmarks/unlearning_resurfacing.py it removed more of the
-    uncalibrated arm's resurfacing than reply did, without over-erasing (docs/measured.md)."""
-    protect: Protect = "jump"
-    """With ``calibration_target=applied``, what a change to the model may not do: ``subspace``,
-    move within the erased data's gradient signature (two-sided projection); ``jump``, move
-    back along the erasure's own jump (one-sided: only the component toward the pre-erasure
-    model is removed, PCGrad/FedOSD style); ``both``; ``gradient``, lower the erased data's
-    loss (one-sided: only the component along minus its mean loss gradient at the erased
-    model, which the erasing silo sends, is removed); ``onesided``, jump and gradient together
-    (both one-sided, projected onto their intersection). With ``calibration_target=reply`` it
-    is not used: each reply is projected out of the signature."""
-    signature_unique: bool = False
-    """At the boundary, remove from the erased data's signature the span of the other silos'
-    last ``unique_window`` accepted updates, keeping only directions unique to the erased data
-    (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event. Costs
-    ``unique_window`` x the model's size in memory and in checkpoints."""
-    unique_window: int = 64
-    """signature_unique: how many of the latest accepted updates are kept (the erasing silo's
-    own are left out at the boundary)."""
-    pre_boundary: PreBoundary = "project"
-    """Other silos' work based before the erasure boundary: project (calibrate it, when
-    ``calibration`` is on) or drop it (whether or not ``calibration`` is on)."""
-    relearn_versions: int = 20
-    """Versions after the boundary at which the erasure is verified (the relearning check)."""
-    watch_every: int = 0
-    """Between the boundary and the verification, verify the erased model every this many
-    versions (an ``erasure_watch`` event with the verification metrics and the reversion
-    ratio): the resurfacing of erased influence over time. 0: only at the two ends."""
-    max_attempts: int = 3
-    """Times an erasure may be lost by its silo going down mid-erasure (a crash, an error
-    reply, no reply within server.reply_timeout_s) before it is failed; being reported offline
-    does not count (it is retried every server.offline_retry_s)."""
-    halt: bool = False
-    """Halt the federation while a silo erases (the synchronous-unlearning baseline)."""
-    federaser: bool = False
-    """Halting baseline (with halt, server.mode=sync): instead of the silo's own erasure, rebuild
-    the model without it by FedEraser's calibration rounds (Liu et al. 2021)."""
-    federaser_interval: int = 2
-    """FedEraser: retain every this-many-th round's update norms (one calibration round each)."""
-    federaser_steps_ratio: float = 0.5
-    """FedEraser: calibration training's local steps as a share of client.local_steps."""
-    service: bool = False
-    """Run the erasure gRPC service during the run (live requests)."""
-    address: str = "127.0.0.1:50151"
-    """Where the erasure service listens (port 0: any free port)."""
-    credentials: str | None = None
-    """Credentials file (fedasync erase credentials); None: generated in the run folder."""
-    tls_certfile: str | None = None
-    """PEM certificate the erasure service serves TLS with (None: insecure, for simulation on
-    one machine); ``fedasync deploy local`` gives it the SuperLink's."""
-    tls_keyfile: str | None = None
-    """Its private key (PEM)."""
-
-    def __post_init__(self) -> None:
-        """Checked when built: ranges, the choices, and the TLS files' pairing."""
-        check_ranges(self, "unlearning.", RANGES)
-        check(self.method in ERASURE_METHODS, "unlearning.method must be pga or relabel")
-        check(self.stop in ERASURE_STOPS, "unlearning.stop must be fixed or membership")
-        check(
-            self.server_removal_part in REMOVAL_PARTS,
-            f"unlearning.server_removal_part must be one of {REMOVAL_PARTS}",
-        )
-        check(
-            self.radius_scaling in SHARE_RULES,
-            f"unlearning.radius_scaling must be one of {SHARE_RULES}, got {self.radius_scaling!r}",
-        )
-        check(
-            self.pre_boundary in PRE_BOUNDARIES,
-            "unlearning.pre_boundary must be project or drop",
-        )
-        check(
-            self.calibration_target in CALIBRATION_TARGETS,
-            "unlearning.calibration_target must be reply or applied",
-        )
-        check(
-            self.protect in PROTECTS,
-            "unlearning.protect must be subspace, jump, both, gradient or onesided",
-        )
-        check(
-            (self.tls_certfile is None) == (self.tls_keyfile is None),
-            "unlearning.tls_certfile and unlearning.tls_keyfile go together",
-        )
-        check(
-            self.signature_dtype in SIGNATURE_DTYPES,
-            "unlearning.signature_dtype must be float32 or float16",
-        )
-
-
-@dataclass
 class FedAsyncConfig:
     """Everything a run needs."""
 
@@ -701,108 +442,6 @@ class FedAsyncConfig:
             b.relearn_silo is None or b.relearn_silo < n,
             f"backdoor.relearn_silo={b.relearn_silo} is not a silo (0..{n - 1})",
         )
-
-
-RANGES: dict[str, Range] = {
-    # run
-    "run.seed": NON_NEGATIVE,
-    "run.budget_s": POSITIVE,
-    "run.max_versions": AT_LEAST_ONE,
-    "run.target_accuracy": UNIT,
-    # server
-    "server.alpha": UNIT_OPEN_LOW,
-    "server.buffer_size": AT_LEAST_ONE,
-    "server.staleness.a": NON_NEGATIVE,
-    "server.staleness.b": NON_NEGATIVE,
-    "server.max_staleness": NON_NEGATIVE,
-    "server.soft_staleness": NON_NEGATIVE,
-    "server.soft_factor": UNIT_OPEN_LOW,
-    "server.optimizer.lr": POSITIVE,
-    "server.optimizer.momentum": Range(0, 1, hi_open=True),
-    "server.corrections.delay_compensation": NON_NEGATIVE,
-    "server.corrections.error_feedback_topk": UNIT_OPEN_LOW,
-    "server.corrections.max_snapshots": NON_NEGATIVE,
-    "server.corrections.residual_budget_mb": NON_NEGATIVE,
-    "server.norm_outlier_factor": AT_LEAST_ONE,
-    "server.clip_norm": POSITIVE,
-    "server.dp.noise_multiplier": POSITIVE,
-    "server.dp.delta": Range(0, 1, lo_open=True, hi_open=True),
-    "server.dp.epsilon_budget": POSITIVE,
-    "server.eval_every": AT_LEAST_ONE,
-    "server.checkpoint_every": NON_NEGATIVE,
-    "server.wait_for_nodes_s": POSITIVE,
-    "server.reply_timeout_s": POSITIVE,
-    "server.poll_interval_s": POSITIVE,
-    "server.offline_retry_s": NON_NEGATIVE,
-    # silos
-    "silos.count": AT_LEAST_ONE,
-    "silos.straggler_fraction": UNIT,
-    "silos.straggler_slowdown": AT_LEAST_ONE,
-    "silos.sigma": NON_NEGATIVE,
-    "silos.step_time_s": POSITIVE,
-    "silos.latency_s": NON_NEGATIVE,
-    "silos.jitter": Range(0, 1, hi_open=True),
-    "silos.exclude[]": NON_NEGATIVE,
-    "silos.exclude_samples[].silo": NON_NEGATIVE,
-    "silos.exclude_samples[].fraction": UNIT_OPEN,
-    # client
-    "client.local_steps": AT_LEAST_ONE,
-    "client.batch_size": AT_LEAST_ONE,
-    "client.lr": POSITIVE,
-    "client.momentum": Range(0, 1, hi_open=True),
-    "client.weight_decay": NON_NEGATIVE,
-    "client.proximal_mu": NON_NEGATIVE,
-    "client.num_threads": AT_LEAST_ONE,
-    "client.dp.noise_multiplier": POSITIVE,
-    "client.dp.target_epsilon": POSITIVE,
-    "client.dp.max_grad_norm": POSITIVE,
-    "client.dp.delta": Range(0, 1, lo_open=True, hi_open=True),
-    "client.dp.epsilon_budget": POSITIVE,
-    # data
-    "data.dirichlet_alpha": POSITIVE,
-    "data.site_shift": NON_NEGATIVE,
-    "data.test_fraction": Range(0, 1, hi_open=True),
-    "data.max_samples": AT_LEAST_ONE,
-    # engine
-    "engine.num_cpus": AT_LEAST_ONE,
-    "engine.client_cpus": AT_LEAST_ONE,
-    "engine.client_gpus": NON_NEGATIVE,
-    # faults, erasures
-    "faults[].silo": NON_NEGATIVE,
-    "faults[].at_version": NON_NEGATIVE,
-    "faults[].down_s": NON_NEGATIVE,
-    "erasures[].silo": NON_NEGATIVE,
-    "erasures[].at_s": NON_NEGATIVE,
-    "erasures[].fraction": UNIT_OPEN_LOW,
-    # unlearning
-    "unlearning.steps": NON_NEGATIVE,
-    "unlearning.lr": POSITIVE,
-    "unlearning.stop_alpha": UNIT_OPEN,
-    "unlearning.stop_every": AT_LEAST_ONE,
-    "unlearning.stop_probe": AT_LEAST_ONE,
-    "unlearning.radius": NON_NEGATIVE,
-    "unlearning.server_removal_scale": UNIT_OPEN_LOW,
-    "unlearning.radius_floor": UNIT_OPEN_LOW,
-    "unlearning.calibration_strength": UNIT,
-    "unlearning.signature_rank": AT_LEAST_ONE,
-    "unlearning.signature_batches": AT_LEAST_ONE,
-    "unlearning.unique_window": AT_LEAST_ONE,
-    "unlearning.relearn_versions": NON_NEGATIVE,
-    "unlearning.watch_every": NON_NEGATIVE,
-    "unlearning.max_attempts": AT_LEAST_ONE,
-    "unlearning.federaser_interval": AT_LEAST_ONE,
-    "unlearning.federaser_steps_ratio": UNIT_OPEN_LOW,
-    # backdoor
-    "backdoor.silo": NON_NEGATIVE,
-    "backdoor.fraction": UNIT_OPEN_LOW,
-    "backdoor.target_label": NON_NEGATIVE,
-    "backdoor.trigger_size": AT_LEAST_ONE,
-    "backdoor.relearn_silo": NON_NEGATIVE,
-    "backdoor.relearn_after_s": NON_NEGATIVE,
-    "backdoor.relearn_samples": AT_LEAST_ONE,
-}
-"""Every numeric key's allowed values (``name[]`` is every entry of a list); None, where a key
-allows it, means off. tests/test_config.py checks that no numeric key is missing here."""
 
 
 def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +27,7 @@ from flwr.serverapp import Grid
 from fedasync import Params
 from fedasync.clock import Clock, InFlight
 from fedasync.events import EventLog
+from protocol.erasure_messages import reported_work
 from server.intake import Job, JobKind
 
 log = logging.getLogger("fedasync.server")
@@ -98,6 +100,24 @@ class Dispatcher:
         self.inflight[mid] = job
         self._by_silo[job.silo] = job
         return job
+
+    def settle(self, due: list[str], arrived: Mapping[str, Message]) -> bool:
+        """Virtual clock: jobs among ``due`` whose length their silo decided (``Job.work``)
+        finish after the work their reply (in ``arrived``) reports (within the job's bounds; a
+        reply that reports none, an error, counts the least) rather than now; True when one
+        moved (the loop then takes whatever is due first)."""
+        moved = False
+        for mid in due:
+            job = self.inflight[mid]
+            if job.work is None:
+                continue
+            least, most = job.work
+            reported = reported_work(arrived[mid])
+            units = least if reported is None else min(max(reported, least), most)
+            finish = job.dispatched_at + self.clock.span(job.silo, units)  # type: ignore[attr-defined]
+            self.reschedule(mid, max(finish, job.finishes_at))
+            moved = moved or finish > job.finishes_at + 1e-9
+        return moved
 
     def job_of(self, silo: int) -> Job | None:
         """``silo``'s job in flight, if any."""

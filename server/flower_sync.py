@@ -52,16 +52,11 @@ from protocol import keys as P
 from protocol import wire
 from protocol.messages import Malformed, TrainReply, TrainRequest
 from protocol.transport import cap_sleep, short_backoff
-from server.app import (
-    _federation,
-    _log_to,
-    evaluate_on_nodes,
-    initial_model,
-    server_test_set,
-    weighted_mean,
-)
+from server.app import _log_to
+from server.benchmark import federation, initial_model, server_test_set
 from server.clock import client_setup
 from server.config import FedAsyncConfig
+from server.evaluation import evaluate_on_nodes, weighted_mean
 from server.summary import write_summary
 
 log = logging.getLogger("fedasync.server")
@@ -193,7 +188,7 @@ def run_flower_fedavg(
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     test: SiloData | None
     if data_here:
-        fed = _federation(cfg)
+        fed = federation(cfg)
         spec, test = fed.spec, fed.test
     else:
         spec = get_spec(cfg.data.benchmark)

@@ -66,7 +66,7 @@ class Job:
     work: tuple[float, float] | None = None
     """Virtual clock, a job whose length its silo decides (an erasure that stops by itself):
     the least and the most work it can take. Scheduled to finish after the least; its reply's
-    reported work moves it to its real finish (``AsyncServer._settle``)."""
+    reported work moves it to its real finish (``Dispatcher.settle``)."""
 
 
 @dataclass

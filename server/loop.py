@@ -7,82 +7,64 @@ synchronous FedAvg baseline on the same silos and clock: a barrier waits for eve
 reply before the round is averaged, so one straggler stalls everyone.
 
 Which reply is taken next is the clock's decision (fedasync/clock.py): virtual-finish order in
-simulation (deterministic for a seed), arrival order on the wall clock in deployment. A silo
-whose job failed (client error, crash) is sent work again after ``down_s`` of an injected
-crash or at once; a message unanswered for ``server.reply_timeout_s`` wall seconds is
-abandoned and its silo re-sent work, so a silent silo holds nothing up; every message
-carries that limit as its Flower TTL, so a SuperLink drops what nobody fetched in time and a
-SuperNode never starts expired work. A silo the SuperLink reports offline is sent work again
-after ``server.offline_retry_s``. On the wall clock the loop polls for replies every
-``server.poll_interval_s`` (each poll is a request to the SuperLink), and ``run.budget_s``
-counts from the first dispatch, not from the roster query.
+simulation (deterministic for a seed), arrival order on the wall clock in deployment. A failed
+silo is sent work again after ``down_s`` of an injected crash, ``server.offline_retry_s`` when
+the SuperLink reports it offline, or at once; a message unanswered for
+``server.reply_timeout_s`` wall seconds (also its Flower TTL) is abandoned. On the wall clock
+the loop polls every ``server.poll_interval_s``; ``run.budget_s`` counts from the first
+dispatch. One silo, at most one job in flight, always: the dispatcher's ``send`` refuses a
+second (a ``dispatch_refused`` event).
 
-One silo, at most one job (train, unlearn or calibration) in flight, always: every message
-leaves through the dispatcher's ``send``, which refuses (logs, counts in ``dispatches_refused``
-and writes a ``dispatch_refused`` event) work for a silo that already holds a job or waits out a failure,
-instead of sending it. Erasure work is started only on an idle silo (server/unlearning/).
-
-The server is made of parts it owns, each with its own ``state_dict``: the dispatcher and the
-fault schedule (server/dispatch.py), the intake (server/intake.py), the correction pipeline
-(server/pipeline.py), privacy (server/privacy.py), the run statistics (server/stats.py) and
-the erasure coordinator (server/unlearning/; ``NoErasure`` in a run that cannot erase, so
-the loop never asks whether there is one). A training reply reads top-down from
-``pull_messages`` (``_poll``) through ``run`` → ``_take`` (intake's ``read_reply`` and
-``check_reply``) → ``_fold`` (the pipeline's ``fold``) → ``_publish`` → ``_new_version``.
-One module (about 700 lines) because that event loop is one state machine: dispatching, taking
-replies, publishing versions and checkpointing all read and advance the same clock, version
-and jobs in flight; what is not the loop's own is in the parts.
+This module is the event loop only: dispatching, waiting for and taking replies in order,
+publishing versions. The rest are the server's parts (docs/how-it-works.md): the requests it
+sends (server/requests.py), the dispatcher and faults (server/dispatch.py), how a reply is
+taken by its job's kind (server/replies.py), the intake, pipeline, privacy and statistics,
+the erasure part (server/unlearning/; ``NoErasure`` in a run that cannot erase, so the loop
+never asks), and the checkpoint composed of their ``state_dict``s (server/checkpoint.py).
+The server is built complete by ``server.app.build_server``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedasync import Params, Rejection, RejectReason
-from fedasync.clock import Clock, InFlight, Next, VirtualClock, WallClock
-from fedasync.errors import CheckpointError
+from fedasync import Params
+from fedasync.clock import Clock, InFlight, Next
 from fedasync.events import EventLog
 from fedasync.flat import flatten
 from fedasync.flat import same as flat_same
 from fedasync.tensors import is_finite
-from protocol.config import SiloErasure, to_dict
-from protocol.erasure_messages import UnlearnRequest, reported_work
-from protocol.ids import fraction_ids
-from protocol.messages import TrainRefusal, TrainRequest
-from protocol.reading import ErrorReply
+from protocol.config import to_dict
 from server.cancel import JobCanceller
-from server.checkpoint import CheckpointState, load_state, save_state
-from server.clock import client_setup, silo_speeds
+from server.checkpoint import write_checkpoint
+from server.clock import client_setup, run_clock, silo_speeds
 from server.config import FedAsyncConfig
 from server.dispatch import Dispatcher, FaultSchedule
-from server.intake import Accepted, Intake, Job, JobKind, read_reply
+from server.intake import Intake, Job, JobKind
 from server.pipeline import CorrectionPipeline
-from server.privacy import ServerPrivacy, Stop
-from server.roster import discover_silos
+from server.privacy import ServerPrivacy
+from server.replies import ReplyRouter
+from server.requests import JobRequests
+from server.roster import connect
 from server.stats import RunStats
-from server.unlearn_messages import SiloLost, read_unlearn_reply
 from server.unlearning import ErasureCoordinator, NoErasure, UpdateCalibration
 
 log = logging.getLogger("fedasync.server")
 
 
 class AsyncServer:
-    """Runs one federated training job on ``grid`` and returns its result record.
-
-    Made of parts it owns, each with a ``state_dict`` that ``state_dict`` combines: the
-    dispatcher (jobs in flight, retries) and the fault schedule (server/dispatch.py), the
-    intake (server/intake.py), the correction pipeline (server/pipeline.py), privacy
-    (server/privacy.py), the run statistics (server/stats.py) and the erasure part: the
-    erasure coordinator when erasures are possible (server/unlearning/, set by the caller),
-    else ``NoErasure``; its ``calibration`` calibrates every accepted update (a no-op then).
-    """
+    """Runs one federated training job on ``grid``: the event loop over the parts it owns
+    (module docstring). ``erasure`` makes the erasure coordinator for this server (None:
+    ``NoErasure``); ``progress`` makes the progress display from the clock time ``run`` starts
+    at; ``sample_ids_fn`` gives a silo's sample ids where the server holds them (simulation);
+    ``id_salt`` is what the silos salt their ids' digests with (deployment)."""
 
     def __init__(
         self,
@@ -92,6 +74,11 @@ class AsyncServer:
         initial_params: Params,
         evaluate_fn: Any,
         wall_clock: bool = False,
+        *,
+        sample_ids_fn: Any = None,
+        id_salt: str = "",
+        erasure: Callable[[AsyncServer], ErasureCoordinator] | None = None,
+        progress: Callable[[float], Any] | None = None,
     ):
         self.cfg = cfg
         self.grid = grid
@@ -102,17 +89,7 @@ class AsyncServer:
         self.version = 0
         self.barrier = cfg.server.mode == "sync"
         self.speeds = silo_speeds(cfg.silos, cfg.run.seed)
-        self.clock: Clock = (
-            WallClock()
-            if wall_clock
-            else VirtualClock(
-                self.speeds,
-                cfg.silos.step_time_s,
-                jitter=cfg.silos.jitter,
-                latency_s=cfg.silos.latency_s,
-                seed=cfg.run.seed,
-            )
-        )
+        self.clock: Clock = run_clock(cfg, self.speeds, wall_clock)
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.jobs = Dispatcher(grid, self.clock, self.events, cfg.server.corrections.max_snapshots)
         self.faults = FaultSchedule([to_dict(f) for f in cfg.faults])
@@ -131,16 +108,20 @@ class AsyncServer:
             self.arrived,
             now=lambda: self.clock.now,
             version=lambda: self.version,
-            on_discard=self._discarded,
+            on_discard=lambda job, reply: self.replies.discarded(job, reply),
         )
         self.ckpt_path = run_dir / "checkpoint.pt"
-        self.progress: Any = None  # fedasync.progress's bar or lines, set by the caller
-        self.erasure: ErasureCoordinator | NoErasure = NoErasure()  # (coordinator: the caller's)
-        self.sample_ids_fn: Any = None  # silo -> its sample ids (set by the caller)
-        self._never: dict[int, tuple[str, ...]] = {}  # silos.exclude_samples, by silo
-        self.id_salt = ""  # set by the caller: the silos report salted id digests (deployment)
+        self.progress: Any = None  # fedasync.progress's bar or lines, made when run() starts
+        self._make_progress = progress
+        self.requests = JobRequests(self, sample_ids_fn)  # silo -> its sample ids, or None
+        self.id_salt = id_salt  # the silos report their ids' digests under it (deployment)
         self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
+        # the erasure part: a coordinator made for this server, or NoErasure (cannot erase)
+        self.erasure: ErasureCoordinator | NoErasure = (
+            NoErasure() if erasure is None else erasure(self)
+        )
+        self.replies = ReplyRouter(self)  # how a reply is taken, by its job's kind
 
     @property
     def calibration(self) -> UpdateCalibration:
@@ -154,31 +135,8 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
-        """Wait for the silos' nodes and learn which node is which silo, and what each reports
-        of its data (sample and class counts; with ``id_salt``, its ids' digests)."""
-        self.roster, self.num_samples = discover_silos(
-            self.grid,
-            self.setup_json,
-            self.cfg.silos.count,
-            self.cfg.server.wait_for_nodes_s,
-            salt=self.id_salt,
-            reports=self.silo_reports,
-        )
-        counts = {s: list(r.class_counts) for s, r in self.silo_reports.items() if r.class_counts}
-        self.events.write(
-            "roster",
-            t=self.clock.now,
-            version=self.version,
-            silos={
-                str(s): {
-                    "node": n,
-                    "num_samples": self.num_samples[s],
-                    "speed": self.speeds[s],
-                    **({"class_counts": counts[s]} if s in counts else {}),
-                }
-                for s, n in self.roster.items()
-            },
-        )
+        """Learn which node is which silo and what each reports of its data (server/roster.py)."""
+        connect(self)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(
@@ -201,70 +159,7 @@ class AsyncServer:
         if why is not None:  # (before a fault or a job id is spent on it; send checks again)
             self.jobs.refuse(silo, JobKind.TRAIN, why, job_id, self.version)
             return
-        if job_id is None:
-            job_id = self.jobs.new_job_id()
-        base_version = self.version if base_version is None else base_version
-        if not self._base_kept(base_version):
-            # a resumed job whose weights were dropped (server.corrections.max_snapshots): it
-            # is sent the current model instead, as of the current version
-            log.info("job %d of silo %d re-sent at version %d", job_id, silo, self.version)
-            base_version = self.version
-        params = self.params if base_version == self.version else self.jobs.sent[base_version]
-        self.jobs.keep_sent(base_version, params)
-        if fault is None:
-            f = self.faults.take(silo, self.version, self.clock.now)
-            if f is not None:
-                self.events.write("fault", t=self.clock.now, version=self.version, **f)
-            fault = "" if f is None else str(f["kind"])
-        if timing is None:
-            jt = self.clock.schedule(silo, job_id, self.cfg.client.local_steps)
-            timing = (jt.dispatched_at, jt.finishes_at)
-        keep = self.faults.replay_pending(silo)
-        self._push_train(silo, job_id, base_version, params, timing, fault=fault, keep=keep)
-
-    def _base_kept(self, version: int) -> bool:
-        """Whether jobs of base ``version`` can be sent that version's weights (the current
-        model, or weights kept for jobs sent earlier; see server.corrections.max_snapshots)."""
-        return version == self.version or version in self.jobs.sent
-
-    def _push_train(
-        self,
-        silo: int,
-        job_id: int,
-        base_version: int,
-        params: Params,
-        timing: tuple[float, float],
-        *,
-        fault: str = "",
-        keep: bool = False,
-        local_steps: int | None = None,
-        kind: JobKind = JobKind.TRAIN,
-        erasure: Any = None,
-    ) -> bool:
-        """Build ``silo``'s train message (protocol/messages.py) and send it."""
-        cfg = self.cfg
-        request = TrainRequest(
-            setup_json=self.setup_json,
-            job_id=job_id,
-            base_version=base_version,
-            seed=int(np.random.default_rng([cfg.run.seed, silo, job_id]).integers(2**31 - 1)),
-            params=params,
-            fault=fault,
-            keep_reply=keep,
-            exclude=self.excluded_ids(silo),
-            relearn=silo == cfg.backdoor.relearn_silo
-            and cfg.backdoor.enabled
-            and self.clock.now >= cfg.backdoor.relearn_after_s,
-            local_steps=local_steps,
-            # where silos without a privacy-db node config keep their ledger
-            privacy_dir=str((self.run_dir / "privacy").resolve())
-            if cfg.client.dp.enabled
-            else None,
-        )
-        msg = request.to_message(self.roster[silo], ttl=cfg.server.reply_timeout_s)
-        job = Job("", silo, self.roster[silo], job_id, base_version, *timing, 0.0, fault)
-        job.kind, job.erasure = kind, erasure
-        return self.jobs.send(msg, job, self.version)
+        self.requests.train(silo, job_id, base_version, timing, fault)
 
     def holding(self, silo: int) -> str | None:
         """Why ``silo`` may not be sent work now (None: it is idle)."""
@@ -276,77 +171,15 @@ class AsyncServer:
 
     def dispatch_calibration(self, silo: int, start: Params, steps: int, erasure: Any) -> bool:
         """FedEraser: a train message of ``steps`` local steps from the model being rebuilt."""
-        job_id, timing = self._side_job(silo, steps)
-        return self._push_train(
-            silo,
-            job_id,
-            self.version,
-            start,
-            timing,
-            local_steps=steps,
-            kind=JobKind.CALIBRATE,
-            erasure=erasure,
-        )
-
-    def _side_job(self, silo: int, steps: float) -> tuple[int, tuple[float, float]]:
-        """A new job id and (dispatched, finishes) for a job of ``steps`` steps outside the
-        regular schedule (erasure work: no jitter, as the virtual clock's schedule has)."""
-        job_id = self.jobs.new_job_id()
-        jt = self.clock.schedule(silo, job_id, steps, jitter=False)
-        return job_id, (jt.dispatched_at, jt.finishes_at)
+        return self.requests.calibration(silo, start, steps, erasure)
 
     def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
-        """Send ``silo`` a train.unlearn message: erase ``erasure``'s samples from ``start``.
-        False when refused (the silo holds a job): the coordinator starts erasures only on an
-        idle silo, so this is a bug's trace; the request goes back to the queue."""
-        # the erasure's own size (scaled to its forget set) over the configured one
-        erase = SiloErasure.of(self.cfg.unlearning, erasure.overrides)
-        # the erasure steps, then one gradient per signature batch; one that stops by itself
-        # is scheduled after the least it can take, and settled by its reply (``_settle``)
-        least, most = erase.work_bounds(self.cfg.client.batch_size)
-        job_id, timing = self._side_job(silo, least)
-        request = UnlearnRequest(
-            setup_json=self.setup_json,
-            job_id=job_id,
-            base_version=self.version,
-            seed=int(
-                np.random.default_rng([self.cfg.run.seed, silo, job_id, 7]).integers(2**31 - 1)
-            ),
-            params=start,
-            erasure=erase,
-            forget=tuple(erasure.sample_ids),
-        )
-        msg = request.to_message(self.roster[silo], ttl=self.cfg.server.reply_timeout_s)
-        job = Job("", silo, self.roster[silo], job_id, self.version, *timing, 0.0)
-        job.kind, job.erasure = JobKind.UNLEARN, erasure
-        if most > least and not self.clock.realtime:
-            job.work = (least, most)
-        if not self.jobs.send(msg, job, self.version):
-            self.erasure.requeue(erasure, SiloLost("its silo was busy", offline=True))
-            return False
-        self.erasure.event(erasure, "erasing", **erasure.start_report)
-        return True
-
-    def excluded_ids(self, silo: int) -> tuple[str, ...]:
-        """The samples ``silo`` trains without: those erased before, and a seeded share it
-        never trains on (``silos.exclude_samples``: a sample-level erasure's retraining)."""
-        gone = self.erasure.excluded.get(silo, [])
-        if silo not in self._never:
-            share = self.cfg.silos.excluded_share(silo)
-            ids = self.silo_sample_ids(silo)
-            if share is not None and not ids:
-                raise RuntimeError(
-                    f"silos.exclude_samples names silo {silo}, whose sample ids this server "
-                    "does not hold (simulation only)"
-                )
-            seed = self.cfg.run.seed
-            never = fraction_ids(ids, seed, silo, share) if share is not None else ()
-            self._never[silo] = tuple(never)
-        return (*gone, *self._never[silo])
+        """Send ``silo`` a train.unlearn message (server/requests.py); False when refused."""
+        return self.requests.unlearn(silo, start, erasure)
 
     def silo_sample_ids(self, silo: int) -> list[str]:
-        """The sample ids ``silo`` holds (empty when the caller set no ``sample_ids_fn``)."""
-        return [] if self.sample_ids_fn is None else list(self.sample_ids_fn(silo))
+        """The sample ids ``silo`` holds (empty where the server holds no silo data)."""
+        return self.requests.silo_sample_ids(silo)
 
     def updates_accepted_between(self, t0: float, t1: float) -> int:
         """Updates accepted in the clock interval ``(t0, t1]``."""
@@ -374,14 +207,6 @@ class AsyncServer:
         self.cancels.cancel(silo, request_id)
         return self.jobs.holding(silo) is None
 
-    def _discarded(self, job: Job, reply: Message) -> None:
-        """A cancelled job's reply: its privacy spend still counts, and a refusal (out of
-        budget) still stops the silo; nothing else of it is used."""
-        got = read_reply(reply)
-        note = self.privacy.take(job.silo, job.job_id, got)
-        if note.stop is not None:
-            self._stopped(note.stop)
-
     def _abandon_timed_out(self) -> None:
         limit = self.cfg.server.reply_timeout_s
         self.cancels.expire(limit)
@@ -392,13 +217,9 @@ class AsyncServer:
             expired.append(mid)
         for mid in expired:
             job = self.jobs.take(mid)
-            detail = f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
-            self._reject(job, Rejection(RejectReason.CLIENT_ERROR, detail))
-            self._after_failure(job, down_s=0.0)
-            if job.kind is JobKind.UNLEARN:
-                self.erasure.requeue(job.erasure, SiloLost(detail))
-            elif job.kind is JobKind.CALIBRATE:  # a FedEraser rebuild goes on without it
-                self.erasure.take_calibration(job, None)
+            self.replies.abandon(
+                job, f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
+            )
 
     @property
     def deadline(self) -> float:
@@ -409,11 +230,13 @@ class AsyncServer:
     def run(self) -> None:
         """Train until ``run.budget_s`` has passed since the first dispatch (or
         ``run.max_versions``)."""
+        if self._make_progress is not None and self.progress is None:
+            self.progress = self._make_progress(self.clock.now)
         if self.started_at is None:
             self.started_at = self.clock.now  # 0 on the virtual clock
         budget = self.deadline
         for silo in sorted(self.roster):
-            self._budget_refuses(silo)  # a ledger kept across runs may be spent already
+            self.replies.budget_refuses(silo)  # a ledger kept across runs may be spent already
         if not self.inflight:
             for silo in sorted(self.roster):
                 self.dispatch(silo)
@@ -439,7 +262,7 @@ class AsyncServer:
                     self.dispatch(silo)
                 continue
             due = self._wait_due()
-            if due is None or self._settle(due):
+            if due is None or self.jobs.settle(due, self.arrived):
                 continue
             self.clock.advance_to(max(self.inflight[m].finishes_at for m in due))
             ready: list[int] = []
@@ -461,24 +284,6 @@ class AsyncServer:
                     self.dispatch(silo)
             self.jobs.prune_sent()
             self._tick()
-
-    def _settle(self, due: list[str]) -> bool:
-        """Virtual clock: jobs among ``due`` whose length their silo decided (``Job.work``)
-        finish after the work their reply reports (within the job's bounds; a reply that
-        reports none, an error, counts the least) rather than now; True when one moved (the
-        loop then takes whatever is due first)."""
-        moved = False
-        for mid in due:
-            job = self.inflight[mid]
-            if job.work is None:
-                continue
-            least, most = job.work
-            reported = reported_work(self.arrived[mid])
-            units = least if reported is None else min(max(reported, least), most)
-            finish = job.dispatched_at + self.clock.span(job.silo, units)  # type: ignore[attr-defined]
-            self.jobs.reschedule(mid, max(finish, job.finishes_at))
-            moved = moved or finish > job.finishes_at + 1e-9
-        return moved
 
     def _at_cap(self) -> bool:
         """The run made ``run.max_versions`` versions."""
@@ -519,7 +324,7 @@ class AsyncServer:
         if res is not None and res.params is not None:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)
             self.erasure.record(None, res.contributions, self.version)
-            self._publish(res.params, "round")
+            self.publish(res.params, "round")
         # silos that were down rejoin at the start of the next round
         self.jobs.clear_retries()
         for silo in sorted(self.roster):
@@ -527,167 +332,17 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- one reply
     def _take(self, job: Job, reply: Message) -> bool:
-        """Validate and fold one reply; True when its silo may be sent work at once."""
-        if job.kind is JobKind.UNLEARN:
-            return self._take_unlearn(job, reply)
-        got = read_reply(reply)  # an update, a refusal, or why it cannot be read
-        note = self.privacy.take(job.silo, job.job_id, got)
-        if isinstance(got, TrainRefusal):  # out of privacy budget: the silo is stopped
-            if note.stop is not None:
-                self._stopped(note.stop)
-            if job.kind is JobKind.CALIBRATE:
-                self.erasure.take_calibration(job, None)
-            return False
-        res = (
-            got
-            if isinstance(got, Rejection)
-            else self.intake.check(
-                got, job, version=self.version, reference=self.params, roster=self.roster
-            )
-        )
-        if job.kind is JobKind.CALIBRATE:  # FedEraser's: handed to the coordinator, never folded
-            if isinstance(res, Rejection):
-                self._reject(job, res)
-            self.erasure.take_calibration(job, None if isinstance(res, Rejection) else res.update)
-            return False  # sent regular work again only when the rebuild is done
-        if isinstance(res, Rejection):
-            self._reject(job, res)
-            if res.reason is RejectReason.CLIENT_ERROR:
-                self._after_failure(job, down_s=self._down_s(job, reply))
-                return False
-            return True
-        if note.epsilon is not None:
-            res.update.metrics["dp_epsilon"] = note.epsilon
-        if self._budget_refuses(job.silo, job.job_id):
-            return False
-        self._fold(job, res)
-        return True
+        """Take one reply (server/replies.py); True when its silo may be sent work at once."""
+        return self.replies.take(job, reply)
 
-    def _take_unlearn(self, job: Job, reply: Message) -> bool:
-        """A silo's erasure result: validate it, then let the coordinator apply it."""
-        erasure = job.erasure
-        result = read_unlearn_reply(reply, self.params)
-        if isinstance(result, SiloLost):  # it went down mid-erasure: queued again, not failed
-            self.erasure.requeue(erasure, result)
-            self._after_failure(job, down_s=self._down_s(job, reply))
-            return False  # sent work, and the erasure, again once it is back
-        if isinstance(result, str):
-            log.error("erasure %s failed: %s", erasure.request_id, result)
-            self.erasure.failed(erasure, result)
-            return True  # the silo goes back to training; the request says why it failed
-        self.erasure.take_unlearn(erasure, result)
-        return bool(erasure.sample_ids)  # a retired silo is not sent work again
-
-    def _stopped(self, stop: Stop) -> None:
-        self.events.write("silo_stopped", t=self.clock.now, version=self.version, **stop.event())
-
-    def _budget_refuses(self, silo: int, job_id: int | None = None) -> bool:
-        """True when central DP's budget stops ``silo`` (now, or earlier in this run)."""
-        refuses, stop = self.privacy.over_budget(silo, job_id)
-        if stop is not None:  # newly stopped
-            self._stopped(stop)
-        return refuses
-
-    def _down_s(self, job: Job, reply: Message) -> float:
-        """How long a failed silo waits before it is sent work again."""
-        if reply.has_error() and ErrorReply(reply.error.code, reply.error.reason).offline:
-            return self.cfg.server.offline_retry_s  # not at once: the SuperLink would refuse again
-        return self.faults.crash_down_s(job.silo) if job.fault == "crash" else 0.0
-
-    def _after_failure(self, job: Job, down_s: float) -> None:
-        """Re-send the silo work after ``down_s`` (0: as soon as the loop goes on)."""
-        if not self.barrier:
-            self.jobs.retry_after(job.silo, down_s)
-
-    def _reject(self, job: Job, rej: Rejection) -> None:
-        self.stats.reject(job.silo, rej.reason)
-        log.warning(
-            "rejected reply of silo %d (job %d): %s: %s",
-            job.silo,
-            job.job_id,
-            rej.reason.value,
-            rej.detail,
-        )
-        self.events.write(
-            "reject",
-            t=self.clock.now,
-            version=self.version,
-            silo=job.silo,
-            job=job.job_id,
-            reason=rej.reason.value,
-            detail=rej.detail,
-        )
-
-    def _fold(self, job: Job, acc: Accepted) -> None:
-        """Correct and fold an accepted update (server/pipeline.py), count it, and publish the
-        new model when the fold made one."""
-        update, cal = acc.update, self.calibration
-        w_base = self.jobs.sent.get(job.base_version)
-        # its base weights dropped (server.corrections.max_snapshots): no delay compensation
-        dc_skipped = w_base is None and acc.staleness > 0 and self.dc_lambda > 0
-        if not cal.compensates(job):
-            w_base, dc_skipped = None, False
-        overlaps: list[float] = []  # what the calibration measured, the last one logged
-
-        def calibrate(tensors: Params) -> Params | Rejection:
-            calibrated, overlap = cal.calibrate(job, tensors)
-            if overlap is not None:
-                overlaps.append(overlap)
-            return calibrated
-
-        def project(change: Params) -> Params:
-            projected, overlap = cal.project_measured(change)
-            if overlap is not None:
-                overlaps.append(overlap)
-            return projected
-
-        res = self.pipeline.fold(
-            self.params,
-            update,
-            staleness=acc.staleness,
-            factor=acc.decision.factor,
-            norm=acc.norm,
-            w_base=w_base,
-            calibrate=calibrate,
-            project=project if cal.projects_applied else None,
-        )
-        if overlaps:
-            update.metrics["calibration_overlap"] = overlaps[-1]
-        if isinstance(res, Rejection):
-            self._reject(job, res)
-            return
-        if res.released:
-            self.privacy.record_release(res.released, self.version + 1, res.noise_std)
-            update.metrics["central_epsilon"] = self.privacy.central_epsilon[job.silo]
-        self.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.clock.now)
-        if dc_skipped:
-            self.stats.dc_skipped += 1
-        # the silos' exact shares of what this fold applied (kept only by an erasure part)
-        self.erasure.record(job.silo, res.contributions, self.version, acc.norm)
-        self.events.write(
-            "update",
-            t=self.clock.now,
-            version=self.version,
-            silo=job.silo,
-            job=job.job_id,
-            staleness=acc.staleness,
-            weight=res.weight,
-            action=acc.decision.action,
-            norm=acc.norm,
-            **update.metrics,
-            **({"dc_skipped": True} if dc_skipped else {}),
-        )
-        if res.params is not None:
-            self._publish(res.params, f"update of silo {job.silo} (job {job.job_id})")
-
-    def _publish(self, params: Params, cause: str) -> None:
+    def publish(self, params: Params, cause: str) -> None:
         """A fold's model becomes the next version, unless it is non-finite. Every update is
         checked finite and bounded before it is folded, so a NaN/Inf model is the server's
         doing (an overflow, a server optimiser gone wrong): it is refused and the model stays
         where it was. Published, it would make every silo's next update non-finite and every
         silo would be blamed (``non_finite``) for the rest of the run."""
         if not is_finite(params):
-            self.stats.versions_refused += 1
+            self.stats.refuse_version()
             log.error(
                 "the model after the %s is not finite: refused, the model stays at version %d",
                 cause,
@@ -720,7 +375,7 @@ class AsyncServer:
         """Evaluate the global model (``evaluate_fn``), record it and write an ``eval`` event."""
         res = self.evaluate_fn(self.params)
         rec = {"t": self.clock.now, "version": self.version, **res}
-        self.stats.evals.append(rec)
+        self.stats.evaluated(rec)
         self.events.write("eval", **rec)
         if self.progress is not None:
             self.progress.set_postfix(
@@ -735,96 +390,6 @@ class AsyncServer:
             self.progress.refresh()
 
     # ---------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the loop needs to continue as if it had never stopped: the version and
-        weights, the train jobs in flight (re-sent identically; an erasure in flight is
-        restarted from the erasure store instead), the event log's length, the clock, and each
-        part's ``state_dict`` under ``parts``, as ``torch.optim.Optimizer`` combines its groups."""
-        return {
-            "mode": self.cfg.server.mode,
-            "version": self.version,
-            "params": self.params,
-            "jobs": [
-                {
-                    "silo": j.silo,
-                    "job_id": j.job_id,
-                    "base_version": j.base_version,
-                    "dispatched_at": j.dispatched_at,
-                    "finishes_at": j.finishes_at,
-                    "fault": j.fault,
-                }
-                for j in self.jobs.train_jobs()
-            ],
-            "events_offset": self.events.offset(),
-            "loop": {"clock": self.clock.state_dict(), "started_at": self.started_at},
-            "parts": {
-                "dispatcher": self.jobs.state_dict(self.params, self.version),
-                "faults": self.faults.state_dict(),
-                "pipeline": self.pipeline.state_dict(),
-                "intake": self.intake.state_dict(),
-                "stats": self.stats.state_dict(),
-                "privacy": self.privacy.state_dict(),
-                "cancels": self.cancels.state_dict(),
-                "erasure": self.erasure.state_dict(),  # (None without erasures)
-            },
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> list[dict[str, Any]]:
-        """Restore what ``state_dict`` returned; the train jobs to re-send."""
-        self.version = int(state["version"])
-        self.params = flatten(state["params"])  # (saved as a plain dict)
-        loop, parts = state["loop"], state["parts"]
-        self.clock.load_state_dict(loop["clock"])
-        started = loop["started_at"]
-        self.started_at = 0.0 if started is None else float(started)  # the budget's origin
-        self.jobs.load_state_dict(parts["dispatcher"])
-        self.faults.load_state_dict(parts["faults"])
-        self.pipeline.load_state_dict(parts["pipeline"])
-        self.intake.load_state_dict(parts["intake"])
-        self.stats.load_state_dict(parts["stats"])
-        self.privacy.load_state_dict(parts["privacy"])
-        if "cancels" in parts:  # (checkpoints written before cancellation have none)
-            self.cancels.load_state_dict(parts["cancels"])
-        if parts["erasure"] is not None:  # (ignored by a run that cannot erase)
-            self.erasure.load_state_dict(parts["erasure"])
-        return list(state["jobs"])
-
     def checkpoint(self) -> None:
-        """Write ``checkpoint.pt`` (atomically, with a digest) and a ``checkpoint`` event."""
-        save_state(self.ckpt_path, CheckpointState(**self.state_dict()))
-        self.events.write("checkpoint", t=self.clock.now, version=self.version)
-
-    def resume(self) -> bool:
-        """Restore from ``checkpoint.pt`` if present; re-send the jobs that were in flight."""
-        if not self.ckpt_path.exists():
-            return False
-        state = load_state(self.ckpt_path)
-        if state.mode != self.cfg.server.mode:
-            raise CheckpointError(
-                f"checkpoint is of server.mode={state.mode}, the run is "
-                f"server.mode={self.cfg.server.mode}; set server.mode={state.mode}, or "
-                "run.resume=false"
-            )
-        jobs = self.load_state_dict(state.as_dict())
-        self.events.truncate(state.events_offset)
-        self.erasure.reconcile()
-        self.events.write("resume", t=self.clock.now, version=self.version)
-        log.info(
-            "resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now
-        )
-        # jobs whose base weights the checkpoint kept go out first, as they were: re-sending a
-        # job whose weights were dropped stores the current model, which could evict them
-        for j in sorted(jobs, key=lambda j: not self._base_kept(j["base_version"])):
-            self.dispatch(
-                j["silo"],
-                job_id=j["job_id"],
-                base_version=j["base_version"],
-                timing=(j["dispatched_at"], j["finishes_at"]),
-                fault=j["fault"],
-            )
-        if not self.barrier:  # a silo between two jobs at the checkpoint (its reply just taken)
-            busy = {j.silo for j in self.inflight.values()}
-            for silo in sorted(self.roster):
-                if silo not in busy and not self.is_down(silo):
-                    self.dispatch(silo)
-        return True
+        """Write ``checkpoint.pt`` and a ``checkpoint`` event (server/checkpoint.py)."""
+        write_checkpoint(self)

@@ -57,6 +57,18 @@ class RunStats:
         row["accepted"] += 1
         row["weight"] += weight
 
+    def evaluated(self, rec: dict[str, float]) -> None:
+        """Record one evaluation of the global model (``t``, ``version`` and its metrics)."""
+        self.evals.append(rec)
+
+    def dc_skip(self) -> None:
+        """Count one stale update folded without delay compensation (its base weights dropped)."""
+        self.dc_skipped += 1
+
+    def refuse_version(self) -> None:
+        """Count one fold whose model was not finite (refused by the loop's publish guard)."""
+        self.versions_refused += 1
+
     def accepted_between(self, t0: float, t1: float) -> int:
         """Updates accepted in the clock interval ``(t0, t1]``."""
         return sum(1 for t in self.accept_times if t0 < t <= t1)

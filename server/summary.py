@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,8 @@ from fedasync.events import json_safe
 
 if TYPE_CHECKING:
     from server.loop import AsyncServer
+
+log = logging.getLogger("fedasync.server")
 
 
 def time_to_target(evals: list[dict[str, Any]], target: float | None) -> float | None:
@@ -99,3 +102,28 @@ def no_version_reason(summary: dict[str, Any], run_dir: Path) -> str | None:
         else "no update arrived within run.budget_s"
     )
     return f"the run produced no version ({why}); see {run_dir / 'run.log'}"
+
+
+def central_dp_summary(srv: AsyncServer) -> dict[str, Any]:
+    """Central DP's settings and every silo's epsilon (all runs of its ledger), also logged."""
+    dp = srv.cfg.server.dp
+    ledger = srv.privacy.ledger
+    assert ledger is not None
+    eps = {str(s): ledger.epsilon(s) for s in sorted(srv.roster)}
+    releases = {str(s): ledger.releases(s) for s in sorted(srv.roster)}
+    log.info(
+        "central DP (noise %.3g x clip %.3g, delta %g): epsilon per silo %s",
+        dp.noise_multiplier,
+        srv.cfg.server.clip_norm,
+        dp.delta,
+        ", ".join(f"{s}: {e:.3g} ({releases[s]} releases)" for s, e in eps.items()),
+    )
+    return {
+        "noise_multiplier": dp.noise_multiplier,
+        "clip_norm": srv.cfg.server.clip_norm,
+        "delta": dp.delta,
+        "epsilon_budget": dp.epsilon_budget,
+        "ledger": str(ledger.path),
+        "epsilon": eps,
+        "releases": releases,
+    }

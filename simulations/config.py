@@ -61,7 +61,7 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
     import torch
 
     from protocol.config import build_silos
-    from server.app import initial_model
+    from server.benchmark import initial_model
 
     spec = build_silos(cfg.data, cfg.silos.count, cfg.run.seed).spec
     name = cfg.data.network or spec.network

@@ -177,7 +177,7 @@ def prepare(
     if cfg.unlearning.service:
         cfg = prepare_erasure(cfg, work / "erasure", paths)
     if cfg.data.server_test is None and not datalists:
-        from server.app import write_server_test
+        from server.benchmark import write_server_test
 
         test = write_server_test(cfg, work / "server-test")
         cfg = replace(cfg, data=replace(cfg.data, server_test=str(test)))

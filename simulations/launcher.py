@@ -252,9 +252,9 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     setup_logging(run_dir, verbose)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    from server.app import _federation
+    from server.benchmark import federation
 
-    fed = _federation(cfg)
+    fed = federation(cfg)
     print(
         f"fedasync: {cfg.data.benchmark} ({fed.spec.modality}, {fed.spec.task}) across {cfg.silos.count} silos"
     )

@@ -7,7 +7,8 @@ import typing
 import pytest
 
 from fedasync.errors import ConfigError
-from server.config import RANGES, FedAsyncConfig, Range
+from fedasync.ranges import Range
+from server.config import RANGES, FedAsyncConfig
 from simulations.cli import main
 from simulations.config import load_config
 

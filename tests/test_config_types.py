@@ -22,13 +22,19 @@ from fedasync.errors import ConfigError
 from fedasync.optim import OPTIMIZER_KINDS, OptimizerKind, ServerOptimizer
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from server import config as sc
+from server import config_erasure as sce
 from server.config import FedAsyncConfig, choices, from_container
 from trainers.pipeline import config as pc
 from trainers.pipeline.config import PipelineConfig, load_pipeline_config
 from trainers.rl import config as rc
 from trainers.rl.config import RLConfig, load_rl_config
 
-OURS = {"server.config", "trainers.rl.config", "trainers.pipeline.config"}
+OURS = {
+    "server.config",
+    "server.config_erasure",
+    "trainers.rl.config",
+    "trainers.pipeline.config",
+}
 """The modules whose choice fields omegaconf is shown as ``Annotated[str, Literal]``."""
 
 
@@ -177,7 +183,7 @@ def test_the_other_tables_equal_the_literals_that_name_them():
     from trainers.pipeline.schedule import SCHEDULES
     from trainers.rl.tasks import TASKS
 
-    assert choices(sc.RadiusScaling) == tuple(SHARE_RULES)
+    assert choices(sce.RadiusScaling) == tuple(SHARE_RULES)
     assert rc.TASK_NAMES == TASKS
     assert choices(pc.Schedule) == tuple(SCHEDULES)
     assert pc.OPTIMIZERS == OPTIMIZERS

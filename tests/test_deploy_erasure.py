@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import stat
 
-from server.app import _tls
 from server.erasure.auth import Authorizer
 from server.erasure.catalog import StaticCatalog
 from server.erasure.service import ErasureService, serve
 from server.erasure.store import ErasureStore
+from server.erasure_setup import service_tls
 from simulations.certs import write_certs
 from simulations.deploy import prepare_erasure
 from simulations.erase_cli import main
@@ -45,7 +45,7 @@ def test_erasure_over_tls_with_another_silos_token_is_refused(small_cfg, tmp_pat
     store = ErasureStore(tmp_path / "e.sqlite")
     catalog = StaticCatalog(samples={0: {"a", "b"}, 1: {"c"}})
     service = ErasureService(store, Authorizer.from_file(cfg.unlearning.credentials), catalog)
-    server, port = serve(service, "127.0.0.1:0", server_credentials=_tls(cfg))
+    server, port = serve(service, "127.0.0.1:0", server_credentials=service_tls(cfg))
     tls = ["--address", f"127.0.0.1:{port}", "--ca-cert", str(paths.ca_cert), "--timeout", "5"]
     token = {s: ["--token-file", str(tmp_path / "erasure" / f"silo-{s}.token")] for s in (0, 1)}
     try:

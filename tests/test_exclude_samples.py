@@ -1,6 +1,6 @@
 """A sample-level erasure's retraining reference (``silos.exclude_samples``) never trains on
 exactly the samples the erasure of the same share erases, and the backdoor watch follows
-those samples in both runs (server/loop.py ``excluded_ids``, server/app.py ``_watched_ids``)."""
+those samples in both runs (server/requests.py ``excluded_ids``, server/erasure_setup.py ``watched_ids``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from clients.app import app as client_app
 from fedasync.errors import ConfigError
 from protocol.ids import fraction_ids
 from protocol.messages import TrainRequest
-from server.app import _watched_ids, run_server
+from server.app import run_server
+from server.erasure_setup import watched_ids
 from server.loop import AsyncServer
 
 
@@ -53,7 +54,7 @@ def test_retraining_without_a_share_never_trains_on_what_its_erasure_erases(smal
 
 
 def test_the_watch_follows_the_share_in_both_runs(small_cfg):
-    from server.app import _federation
+    from server.benchmark import federation
 
     retrain = small_cfg(
         "backdoor.enabled=true",
@@ -64,10 +65,10 @@ def test_the_watch_follows_the_share_in_both_runs(small_cfg):
         "backdoor.enabled=true", "backdoor.silo=1", "erasures=[{silo: 1, at_s: 3, fraction: 0.2}]"
     )
     whole = small_cfg("backdoor.enabled=true", "backdoor.silo=1", "erasures=[{silo: 1, at_s: 3}]")
-    fed = _federation(retrain)
+    fed = federation(retrain)
     ids = [str(x) for x in fed.silos[1].sample_ids]
-    assert _watched_ids(retrain, fed) == _watched_ids(erase, fed) == fraction_ids(ids, 0, 1, 0.2)
-    assert _watched_ids(whole, fed) == []
+    assert watched_ids(retrain, fed) == watched_ids(erase, fed) == fraction_ids(ids, 0, 1, 0.2)
+    assert watched_ids(whole, fed) == []
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ two training chains, 151 updates against its peers' 85, its crash's down time sk
 
 In-process (real ServerApp loop, real ClientApp). The grid records, per node, every message
 the server pushed whose reply the server has not yet taken; a push to a node that holds one is
-the violation. The server's own guard (``AsyncServer._send``) must never have had to refuse.
+the violation. The server's own guard (``Dispatcher.send``, server/dispatch.py) must never have had to refuse.
 """
 
 from __future__ import annotations

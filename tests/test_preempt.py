@@ -22,12 +22,12 @@ from clients.preempt import (
     write_stop,
 )
 from medical_data.federation import SiloData
-from server.app import _tls
 from server.erasure.auth import Authorizer
 from server.erasure.catalog import StaticCatalog
 from server.erasure.service import ErasureService, serve
 from server.erasure.states import State
 from server.erasure.store import ErasureStore
+from server.erasure_setup import service_tls
 from simulations.certs import write_certs
 from simulations.deploy import prepare_erasure
 from simulations.erasure_watch import ErasureWatcher, WatchError, check_address, read_token
@@ -124,7 +124,7 @@ def service(small_cfg, tmp_path):
     store = ErasureStore(tmp_path / "e.sqlite")
     catalog = StaticCatalog(samples={0: {"a"}, 1: {"b"}})
     service = ErasureService(store, Authorizer.from_file(cfg.unlearning.credentials), catalog)
-    servers = [serve(service, "127.0.0.1:0", server_credentials=_tls(cfg))]
+    servers = [serve(service, "127.0.0.1:0", server_credentials=service_tls(cfg))]
     reqs = {s: store.submit(s, None, f"silo-{s}", 0)[0].id for s in (0, 1)}
 
     class Svc:
@@ -144,7 +144,9 @@ def service(small_cfg, tmp_path):
             servers[-1][0].stop(0).wait()
 
         def restart(self) -> None:
-            servers.append(serve(service, f"127.0.0.1:{self.port}", server_credentials=_tls(cfg)))
+            servers.append(
+                serve(service, f"127.0.0.1:{self.port}", server_credentials=service_tls(cfg))
+            )
 
     svc = Svc()
     try:

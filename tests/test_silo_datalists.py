@@ -39,8 +39,10 @@ from protocol.messages import (
     TrainRequest,
     UnlearnRequest,
 )
-from server.app import _Catalog, _known_ids, run_server, server_test_set
+from server.app import run_server
+from server.benchmark import server_test_set
 from server.clock import client_setup
+from server.erasure_setup import Catalog, known_ids
 
 BRAIN = get_spec("brain-tissue")
 
@@ -408,7 +410,7 @@ def test_a_coordinator_checks_erasure_ids_against_the_digests_the_silos_reported
     )
     store = ErasureStore(tmp_path / "erasures.sqlite")
     auth = Authorizer.from_tokens([("tok", Principal("silo-0", "silo", 0))])
-    service = ErasureService(store, auth, _Catalog(srv, _known_ids(srv, None)))  # type: ignore[arg-type]
+    service = ErasureService(store, auth, Catalog(srv, known_ids(srv, None)))  # type: ignore[arg-type]
     server, port = serve(service, "127.0.0.1:0")
     md = [("authorization", "Bearer tok")]
     try:

@@ -172,7 +172,7 @@ def test_resume_from_a_damaged_baseline_checkpoint_is_refused(tmp_path, capsys, 
 
 
 def test_resume_from_a_checkpoint_of_another_mode_is_refused(small_cfg, tmp_path, capsys):
-    from server.app import initial_model
+    from server.benchmark import initial_model
     from server.checkpoint import CheckpointState, save_state
 
     cfg = small_cfg()

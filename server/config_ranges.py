@@ -1,0 +1,118 @@
+"""Every numeric config key's allowed values (``RANGES``), checked by each config section.
+
+One table for the whole config (server/config.py and its erasure sections,
+server/config_erasure.py), so that a test can check that no numeric key is missing from it.
+"""
+
+from __future__ import annotations
+
+from fedasync.ranges import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    UNIT,
+    UNIT_OPEN,
+    UNIT_OPEN_LOW,
+    Range,
+)
+
+RANGES: dict[str, Range] = {
+    # run
+    "run.seed": NON_NEGATIVE,
+    "run.budget_s": POSITIVE,
+    "run.max_versions": AT_LEAST_ONE,
+    "run.target_accuracy": UNIT,
+    # server
+    "server.alpha": UNIT_OPEN_LOW,
+    "server.buffer_size": AT_LEAST_ONE,
+    "server.staleness.a": NON_NEGATIVE,
+    "server.staleness.b": NON_NEGATIVE,
+    "server.max_staleness": NON_NEGATIVE,
+    "server.soft_staleness": NON_NEGATIVE,
+    "server.soft_factor": UNIT_OPEN_LOW,
+    "server.optimizer.lr": POSITIVE,
+    "server.optimizer.momentum": Range(0, 1, hi_open=True),
+    "server.corrections.delay_compensation": NON_NEGATIVE,
+    "server.corrections.error_feedback_topk": UNIT_OPEN_LOW,
+    "server.corrections.max_snapshots": NON_NEGATIVE,
+    "server.corrections.residual_budget_mb": NON_NEGATIVE,
+    "server.norm_outlier_factor": AT_LEAST_ONE,
+    "server.clip_norm": POSITIVE,
+    "server.dp.noise_multiplier": POSITIVE,
+    "server.dp.delta": Range(0, 1, lo_open=True, hi_open=True),
+    "server.dp.epsilon_budget": POSITIVE,
+    "server.eval_every": AT_LEAST_ONE,
+    "server.checkpoint_every": NON_NEGATIVE,
+    "server.wait_for_nodes_s": POSITIVE,
+    "server.reply_timeout_s": POSITIVE,
+    "server.poll_interval_s": POSITIVE,
+    "server.offline_retry_s": NON_NEGATIVE,
+    # silos
+    "silos.count": AT_LEAST_ONE,
+    "silos.straggler_fraction": UNIT,
+    "silos.straggler_slowdown": AT_LEAST_ONE,
+    "silos.sigma": NON_NEGATIVE,
+    "silos.step_time_s": POSITIVE,
+    "silos.latency_s": NON_NEGATIVE,
+    "silos.jitter": Range(0, 1, hi_open=True),
+    "silos.exclude[]": NON_NEGATIVE,
+    "silos.exclude_samples[].silo": NON_NEGATIVE,
+    "silos.exclude_samples[].fraction": UNIT_OPEN,
+    # client
+    "client.local_steps": AT_LEAST_ONE,
+    "client.batch_size": AT_LEAST_ONE,
+    "client.lr": POSITIVE,
+    "client.momentum": Range(0, 1, hi_open=True),
+    "client.weight_decay": NON_NEGATIVE,
+    "client.proximal_mu": NON_NEGATIVE,
+    "client.num_threads": AT_LEAST_ONE,
+    "client.dp.noise_multiplier": POSITIVE,
+    "client.dp.target_epsilon": POSITIVE,
+    "client.dp.max_grad_norm": POSITIVE,
+    "client.dp.delta": Range(0, 1, lo_open=True, hi_open=True),
+    "client.dp.epsilon_budget": POSITIVE,
+    # data
+    "data.dirichlet_alpha": POSITIVE,
+    "data.site_shift": NON_NEGATIVE,
+    "data.test_fraction": Range(0, 1, hi_open=True),
+    "data.max_samples": AT_LEAST_ONE,
+    # engine
+    "engine.num_cpus": AT_LEAST_ONE,
+    "engine.client_cpus": AT_LEAST_ONE,
+    "engine.client_gpus": NON_NEGATIVE,
+    # faults, erasures
+    "faults[].silo": NON_NEGATIVE,
+    "faults[].at_version": NON_NEGATIVE,
+    "faults[].down_s": NON_NEGATIVE,
+    "erasures[].silo": NON_NEGATIVE,
+    "erasures[].at_s": NON_NEGATIVE,
+    "erasures[].fraction": UNIT_OPEN_LOW,
+    # unlearning
+    "unlearning.steps": NON_NEGATIVE,
+    "unlearning.lr": POSITIVE,
+    "unlearning.stop_alpha": UNIT_OPEN,
+    "unlearning.stop_every": AT_LEAST_ONE,
+    "unlearning.stop_probe": AT_LEAST_ONE,
+    "unlearning.radius": NON_NEGATIVE,
+    "unlearning.server_removal_scale": UNIT_OPEN_LOW,
+    "unlearning.radius_floor": UNIT_OPEN_LOW,
+    "unlearning.calibration_strength": UNIT,
+    "unlearning.signature_rank": AT_LEAST_ONE,
+    "unlearning.signature_batches": AT_LEAST_ONE,
+    "unlearning.unique_window": AT_LEAST_ONE,
+    "unlearning.relearn_versions": NON_NEGATIVE,
+    "unlearning.watch_every": NON_NEGATIVE,
+    "unlearning.max_attempts": AT_LEAST_ONE,
+    "unlearning.federaser_interval": AT_LEAST_ONE,
+    "unlearning.federaser_steps_ratio": UNIT_OPEN_LOW,
+    # backdoor
+    "backdoor.silo": NON_NEGATIVE,
+    "backdoor.fraction": UNIT_OPEN_LOW,
+    "backdoor.target_label": NON_NEGATIVE,
+    "backdoor.trigger_size": AT_LEAST_ONE,
+    "backdoor.relearn_silo": NON_NEGATIVE,
+    "backdoor.relearn_after_s": NON_NEGATIVE,
+    "backdoor.relearn_samples": AT_LEAST_ONE,
+}
+"""Every numeric key's allowed values (``name[]`` is every entry of a list); None, where a key
+allows it, means off. tests/test_config.py checks that no numeric key is missing here."""

@@ -1,0 +1,106 @@
+"""How the global model is evaluated by the silos: each on its own data, and their mean.
+
+A coordinator without a test set of its own (deployment without ``data.server_test``) asks its
+silos to evaluate the model (``evaluate_on_nodes``, ``evaluate_silos``) and takes their mean
+weighted by sample count (``weighted_mean``); ``FederatedEvaluation`` is that ``evaluate_fn``.
+The end of a run may ask every silo the same (``server.evaluate_silos``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from flwr.serverapp import Grid
+
+from protocol import wire
+from protocol.messages import EvaluateReply, EvaluateRequest
+from protocol.reading import ErrorReply, Malformed
+from server.roster import exchange
+
+if TYPE_CHECKING:
+    from server.loop import AsyncServer
+
+log = logging.getLogger("fedasync.server")
+
+NOT_MEASURED = {"loss": math.nan, "score": math.nan}
+"""What a federated evaluation gives while silos hold jobs: not measured (never delays them)."""
+
+
+def evaluate_on_nodes(
+    grid: Grid,
+    setup_json: str,
+    nodes: list[int],
+    params: dict[str, torch.Tensor],
+    timeout_s: float = 300.0,
+) -> dict[int, dict[str, float]]:
+    """Ask each of ``nodes`` to evaluate ``params`` on its silo's own data; each answer's
+    ``loss``, ``score`` and ``num_samples`` by the silo it names (a node that did not answer is
+    left out, with a warning)."""
+    arrays = wire.encode(params)  # one encoding for every silo's message
+    request = EvaluateRequest(setup_json, params)
+    msgs = [request.to_message(n, arrays=arrays) for n in nodes]
+    out: dict[int, dict[str, float]] = {}
+    for node, reply in zip(nodes, exchange(grid, msgs, timeout_s)):
+        try:
+            if reply is None:
+                raise Malformed("no reply")
+            got = EvaluateReply.from_message(reply)
+        except (ErrorReply, Malformed) as e:
+            log.warning("node %d did not evaluate the model: %s", node, e)
+            continue
+        out[got.silo] = {"loss": got.loss, "score": got.score, "num_samples": got.num_samples}
+    return out
+
+
+def evaluate_silos(
+    srv: AsyncServer, timeout_s: float = 300.0, params: dict[str, torch.Tensor] | None = None
+) -> dict[int, dict[str, float]]:
+    """Every silo's evaluation of ``params`` (default: the current global model) on its own
+    data (``evaluate_on_nodes``), each written as a ``silo_eval`` event."""
+    params = srv.params if params is None else params
+    nodes = [srv.roster[s] for s in sorted(srv.roster)]
+    out = evaluate_on_nodes(srv.grid, srv.setup_json, nodes, params, timeout_s)
+    for silo, res in sorted(out.items()):
+        srv.events.write("silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **res)
+    return out
+
+
+def weighted_mean(per_silo: dict[int, dict[str, float]]) -> dict[str, float]:
+    """The silos' loss and score averaged with their evaluated sample counts as weights, and
+    how many silos and samples that is (``eval_silos``, ``eval_samples``); NOT_MEASURED when
+    no silo evaluated anything."""
+    n = sum(r["num_samples"] for r in per_silo.values())
+    if n <= 0:
+        return dict(NOT_MEASURED)
+    return {
+        "loss": sum(r["loss"] * r["num_samples"] for r in per_silo.values()) / n,
+        "score": sum(r["score"] * r["num_samples"] for r in per_silo.values()) / n,
+        "eval_silos": len(per_silo),
+        "eval_samples": n,
+    }
+
+
+class FederatedEvaluation:
+    """``evaluate_fn`` of a coordinator without a test set: every silo evaluates the model on
+    its own data (``evaluate_silos``) and the result is their mean weighted by sample count.
+
+    It asks the silos only when none holds a job (after a sync round) or once the run is over
+    (``final``): a message to a silo that is training would wait for it, and the loop with it.
+    Otherwise (an erasure boundary mid-run) it answers NOT_MEASURED. ``srv`` is set once the
+    server exists; ``per_silo`` keeps the last answers (the summary's per-silo evaluations)."""
+
+    def __init__(self) -> None:
+        self.srv: AsyncServer | None = None
+        self.final = False
+        self.per_silo: dict[int, dict[str, float]] = {}
+
+    def __call__(self, params: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The federated evaluation of ``params`` (see the class)."""
+        srv = self.srv
+        if srv is None or (not self.final and len(srv.inflight)):
+            return dict(NOT_MEASURED)
+        self.per_silo = evaluate_silos(srv, params=params)
+        return weighted_mean(self.per_silo)
