@@ -23,8 +23,8 @@ PURPOSES: dict[str, int | None] = {
     # federated runs
     "silo.speeds": 7919,  # which silos straggle, and how much (server.clock)
     "job.duration": 104729,  # a job's simulated duration on a silo (fedasync.clock)
-    "job.train": None,  # the seed a silo's training job gets (server)
-    "job.side": 7,  # the seed of a calibration or unlearning job (server)
+    "job.train": None,  # the seed a silo's training (or calibration) job gets (server)
+    "job.unlearn": 7,  # the seed of an unlearning job (server)
     "erasure.fraction": 4242,  # which samples a scheduled sample-level erasure names
     "site.shift": 0x7AB,  # a site's measurement shift of tabular features (medical_data)
     "backdoor.relearn": 0x5E1EA5,  # the poisoned samples a relearning attack uses

@@ -80,6 +80,20 @@ def check_compatible(
         )
 
 
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` to ``path`` as indented strict JSON (non-finite floats as null),
+    atomically: a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(json_safe(obj), indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class RunFolder:
     """``<out_dir>/<name>``: the event log, summary.json and the checkpoint of one run.
 
@@ -195,15 +209,7 @@ class RunFolder:
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         """Write summary.json atomically (a reader never sees half of one)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".summary-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(json_safe(summary), f, indent=2)
-            os.replace(tmp, self.summary_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json(self.summary_path, summary)
         return self.summary_path
 
     def read_events(self) -> list[dict[str, Any]]:

@@ -1,10 +1,12 @@
 """The run section's common keys: what every run command's ``run.*`` holds.
 
-``fedasync simulate`` (server.config.RunConfig), ``fedasync rl``, ``fedasync pipeline`` and
-``fedasync market`` each extend `RunKeys` with their own keys (length, evaluation cadence,
-workers), so ``run.seed``, ``run.name``, ``run.out_dir``, ``run.resume``, ``run.progress``,
-``run.plots`` and ``run.device`` mean the same in every command, with the same defaults except
-the name. A section that extends it and has checks of its own calls ``super().__post_init__()``.
+``fedasync simulate`` (server.config.RunConfig) extends `RunKeys`, and ``fedasync rl``,
+``fedasync pipeline`` and ``fedasync market`` extend `TrainerKeys` (RunKeys and ``run.device``),
+each with their own keys (length, evaluation cadence, workers), so ``run.seed``, ``run.name``,
+``run.out_dir``, ``run.resume``, ``run.progress``, ``run.plots`` and ``run.device`` mean the
+same in every command, with the same defaults except the name. (A federated run has no
+``run.device``: each silo trains on its own ``client.device``, the coordinator on the CPU.) A
+section that extends them and has checks of its own calls ``super().__post_init__()``.
 """
 
 from __future__ import annotations
@@ -43,13 +45,9 @@ class RunKeys:
     """A progress bar on stderr while it runs."""
     plots: bool = True
     """Write the run's PNGs at the end."""
-    device: Device = "auto"
-    """auto (CUDA when present), cpu or cuda."""
 
     def __post_init__(self) -> None:
-        """Checked when built: a device there is a name for, a name that can be a folder."""
-        if self.device not in DEVICES:
-            raise ConfigError(f"run.device={str(self.device)[:40]!r}: use one of {DEVICES}")
+        """Checked when built: a name that can be a folder."""
         if (
             not self.name
             or len(self.name) > NAME_LIMIT
@@ -63,3 +61,17 @@ class RunKeys:
             raise ConfigError(
                 f"run.name={self.name[:60]!r}: a folder name (1-{NAME_LIMIT} characters, no '/')"
             )
+
+
+@dataclass
+class TrainerKeys(RunKeys):
+    """``run.*`` keys every trainer has: the common ones and the device it computes on."""
+
+    device: Device = "auto"
+    """auto (CUDA when present), cpu or cuda."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: the common keys, a device there is a name for."""
+        super().__post_init__()
+        if self.device not in DEVICES:
+            raise ConfigError(f"run.device={str(self.device)[:40]!r}: use one of {DEVICES}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedasync import seeds
 from fedasync.clock import Clock, VirtualClock, WallClock
 from protocol.config import Setup, to_dict
 from server.config import FedAsyncConfig, SilosConfig
@@ -21,7 +22,7 @@ def silo_speeds(cfg: SilosConfig, seed: int) -> list[float]:
     stragglers: the slowest ``round(fraction * count)`` silos (at least one when fraction > 0)
     run ``straggler_slowdown`` times slower; which silos they are is drawn from the seed.
     """
-    rng = np.random.default_rng([seed, 7919])
+    rng = seeds.rng(seed, "silo.speeds")
     n = cfg.count
     if cfg.speed_profile == "uniform":
         return [1.0] * n

@@ -41,6 +41,7 @@ from fedasync.ranges import (
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from protocol.config import ClientConfig, DataConfig
 from runkit import configload
+from runkit.keys import RunKeys
 from server.config_erasure import BackdoorConfig, ErasureRequestConfig, UnlearningConfig
 from server.config_ranges import RANGES
 
@@ -287,8 +288,11 @@ class SilosConfig:
 
 
 @dataclass
-class RunConfig:
-    """The run as a whole."""
+class RunConfig(RunKeys):
+    """The run as a whole.
+
+    The common run keys (runkit.keys.RunKeys), its length, the sync baseline beside it and
+    its target."""
 
     name: str = "demo"
     """Output folder name under out_dir."""
@@ -298,19 +302,18 @@ class RunConfig:
     """Virtual seconds the run lasts (simulation) or wall seconds (deployment)."""
     max_versions: int | None = None
     """Stop after this many global versions (None: only the time budget)."""
-    out_dir: str = "runs"
-    """Where run folders are written."""
     resume: bool = False
     """Continue from <out_dir>/<name>/checkpoint.pt."""
     compare_sync: bool = True
     """After the run, also run the sync FedAvg baseline on the same data, clock and silos."""
     target_accuracy: float | None = None
     """Accuracy for time_to_target_s; None: 95% of the sync baseline's best (or of this run's)."""
-    progress: bool = True
-    """Show a progress bar."""
+    plots: bool = True
+    """Write the PNGs at the end (score against time, staleness, each silo's contribution)."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges."""
+        """Checked when built: the common keys, then ranges."""
+        super().__post_init__()
         check_ranges(self, "run.", RANGES)
 
 
@@ -459,13 +462,7 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
 def from_container(data: dict[str, Any]) -> FedAsyncConfig:
     """Build a config from a plain dict (e.g. JSON sent by the launcher), checked as it is
     built; ``data`` is left as it was."""
-    from omegaconf import OmegaConf
-
-    schema = OmegaConf.structured(FedAsyncConfig)
-    merged = OmegaConf.merge(schema, OmegaConf.create(data))
-    cfg = OmegaConf.to_object(merged)
-    assert isinstance(cfg, FedAsyncConfig)
-    return cfg
+    return configload.build(FedAsyncConfig, data)
 
 
 def build(*layers: Any, source: str) -> FedAsyncConfig:

@@ -36,11 +36,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from fedasync import seeds
 from fedasync.aggregators import fedavg
 from fedasync.events import EventLog
 from fedasync.tensors import add
@@ -120,7 +120,7 @@ class ProtocolFedAvg(FedAvg):
             job_id = self.next_job_id
             self.next_job_id += 1
             node = int(m.metadata.dst_node_id)
-            seed = int(np.random.default_rng([self.cfg.run.seed, node, job_id]).integers(2**31 - 1))
+            seed = seeds.int_seed(self.cfg.run.seed, "job.train", node, job_id)
             req = TrainRequest(self.setup_json, job_id, self.version, seed, self.params)
             out.append(req.to_message(node, ttl=self.cfg.server.reply_timeout_s, arrays=record))
             self.inflight[job_id] = {"round": server_round, "node": node, "job": job_id}

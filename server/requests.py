@@ -15,9 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from fedasync import Params
+from fedasync import Params, seeds
 from protocol.config import SiloErasure
 from protocol.erasure_messages import UnlearnRequest
 from protocol.ids import fraction_ids
@@ -33,12 +31,12 @@ log = logging.getLogger("fedasync.server")
 
 def train_seed(seed: int, silo: int, job_id: int) -> int:
     """The seed of ``silo``'s train (or calibration) job ``job_id`` in a run of ``seed``."""
-    return int(np.random.default_rng([seed, silo, job_id]).integers(2**31 - 1))
+    return seeds.int_seed(seed, "job.train", silo, job_id)
 
 
 def unlearn_seed(seed: int, silo: int, job_id: int) -> int:
     """The seed of ``silo``'s unlearn job ``job_id`` in a run of ``seed``."""
-    return int(np.random.default_rng([seed, silo, job_id, 7]).integers(2**31 - 1))
+    return seeds.int_seed(seed, "job.unlearn", silo, job_id)
 
 
 class JobRequests:

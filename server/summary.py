@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedasync.events import json_safe
+from runkit.folder import write_json
 
 if TYPE_CHECKING:
     from server.loop import AsyncServer
@@ -86,8 +85,9 @@ def build_summary(
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    """Write ``summary`` to ``path`` as indented strict JSON (non-finite floats as null)."""
-    path.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
+    """Write ``summary`` to ``path`` as indented strict JSON (non-finite floats as null),
+    atomically (the run kit's writer)."""
+    write_json(path, summary)
 
 
 def no_version_reason(summary: dict[str, Any], run_dir: Path) -> str | None:

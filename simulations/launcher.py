@@ -289,14 +289,15 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
         }
         write_summary(run_dir / BASELINE_DIR / "summary.json", baseline)
     write_summary(run_dir / "summary.json", summary)
-    from fedasync.events import read_events
+    if cfg.run.plots:
+        from fedasync.events import read_events
 
-    stal = [
-        e["staleness"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"
-    ]
-    plot_score_vs_time(runs, run_dir / "accuracy_vs_time.png", summary["metric"], target)
-    plot_staleness(stal, run_dir / "staleness_hist.png", cfg.server.mode)
-    plot_silo_contribution(summary, run_dir / "silo_contribution.png")
+        stal = [
+            e["staleness"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"
+        ]
+        plot_score_vs_time(runs, run_dir / "accuracy_vs_time.png", summary["metric"], target)
+        plot_staleness(stal, run_dir / "staleness_hist.png", cfg.server.mode)
+        plot_silo_contribution(summary, run_dir / "silo_contribution.png")
     _print_result(runs, run_dir, time.monotonic() - t0)
     return summary
 

@@ -12,6 +12,7 @@ from fedasync import seeds
         ("job.duration", (3, 11), [5, 3, 11, 104729]),
         ("silo.speeds", (), [5, 7919]),
         ("job.train", (2, 9), [5, 2, 9]),
+        ("job.unlearn", (2, 9), [5, 2, 9, 7]),
         ("market.start", (), [5, 0x3A7E]),
     ],
 )

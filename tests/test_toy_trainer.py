@@ -17,13 +17,13 @@ from fedasync.interrupt import DeferredStop, Interrupted
 from fedasync.seeds import torch_seed
 from runkit.configload import load_structured, to_container
 from runkit.folder import RunFolder
-from runkit.keys import RunKeys
+from runkit.keys import TrainerKeys
 from runkit.recipe import drive
 
 
 # ---- the toy trainer: fit y = 3x + 1 by SGD --------------------------------------------------
 @dataclass
-class ToyRun(RunKeys):
+class ToyRun(TrainerKeys):
     name: str = "toy"
     steps: int = 30
     stop_at: int = -1  # the test's own Ctrl-C, at this step

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fedasync.ranges import NON_NEGATIVE, POSITIVE, Range
 from runkit import configload
 from runkit.configload import check, check_ranges, choices, load_structured, recheck
-from runkit.keys import RunKeys
+from runkit.keys import TrainerKeys
 
 ClockMode = Literal["async", "sync"]
 """``market.clock``."""
@@ -133,8 +133,8 @@ class AgentSection:
 
 
 @dataclass
-class RunSection(RunKeys):
-    """``run.*``: the common run keys (runkit.keys.RunKeys; ``run.seed`` is the first seed, the
+class RunSection(TrainerKeys):
+    """``run.*``: the common run keys (runkit.keys.TrainerKeys; ``run.seed`` is the first seed, the
     run's seeds are seed, seed + 1, ..., seed + seeds - 1), length, measures and parallelism."""
 
     seeds: int = 3

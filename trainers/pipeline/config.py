@@ -25,7 +25,7 @@ from fedasync.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range
 from runkit import configload
 from runkit.configload import check, check_ranges, choices, load_structured, recheck
 from runkit.keys import DEVICES as DEVICES  # re-exported: the choices of run.device
-from runkit.keys import RunKeys
+from runkit.keys import TrainerKeys
 from trainers.pipeline.schedule import SCHEDULES, SYNCHRONOUS, max_drift, micro_for_drift
 
 Schedule = Literal["gpipe", "1f1b", "2bw", "paci"]
@@ -54,8 +54,8 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
 
 
 @dataclass
-class RunSection(RunKeys):
-    """``run.*``: the common run keys (runkit.keys.RunKeys: ``run.seed`` seeds the model's
+class RunSection(TrainerKeys):
+    """``run.*``: the common run keys (runkit.keys.TrainerKeys: ``run.seed`` seeds the model's
     initialisation, the same weights however the model is cut into stages) and the run's
     length, evaluation, checkpoints and threads."""
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from runkit import configload
 from runkit.configload import check, check_ranges, choices, load_structured, recheck
-from runkit.keys import RunKeys
+from runkit.keys import TrainerKeys
 from trainers.rl.config_values import RANGES, check_hf_config, check_hf_path
 
 TaskName = Literal["sort", "reverse", "copy", "add"]
@@ -63,8 +63,8 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module
 
 
 @dataclass
-class RunSection(RunKeys):
-    """``run.*``: the common run keys (runkit.keys.RunKeys: ``run.seed`` seeds the policy's
+class RunSection(TrainerKeys):
+    """``run.*``: the common run keys (runkit.keys.TrainerKeys: ``run.seed`` seeds the policy's
     initialisation, the warm start, the prompts and every sample; ``run.resume`` keeps the
     staleness bound) and the run's length, evaluation and checkpoints."""
 
