@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from fedasync import Params
-from fedasync.unlearning import ContributionLedger, outside_span
-from fedasync.unlearning import params_to_vector as flatten
+from fedasync.unlearning import ContributionLedger, outside_span, params_to_vector
 
 log = logging.getLogger("fedasync.server")
 
@@ -53,7 +52,11 @@ def removal(
     report.update(alignment(ledger, silo, total))
     if cfg.server_removal_part == "unique":
         names = sorted(k for k, v in total.items() if v.is_floating_point())
-        vectors = [flatten(p, names) for s, p in recent if s != silo and all(n in p for n in names)]
+        vectors = [
+            params_to_vector(p, names)
+            for s, p in recent
+            if s != silo and all(n in p for n in names)
+        ]
         total, kept = outside_span(total, vectors, names)
         report.update(removal_kept=kept, removal_updates=float(len(vectors)))
         log.info(
@@ -73,12 +76,12 @@ def alignment(ledger: ContributionLedger, silo: int, total: Mapping[str, Any]) -
     ``removal_cos_others``, the cosine between its sum and the sum of all other silos' sums;
     ``removal_norm_share``, its sum's norm over the norm of all sums."""
     names = sorted(k for k, v in total.items() if v.is_floating_point())
-    mine = flatten(dict(total), names).double()
+    mine = params_to_vector(dict(total), names).double()
     others = torch.zeros_like(mine)
     for s in ledger.silos():
         t = ledger.total(s) if s != str(silo) else None
         if t is not None and all(n in t for n in names):
-            others += flatten(t, names).double()
+            others += params_to_vector(t, names).double()
     n_mine, n_others = float(mine.norm()), float(others.norm())
     cos = float(mine @ others) / (n_mine * n_others) if n_mine and n_others else 0.0
     n_all = float((mine + others).norm())

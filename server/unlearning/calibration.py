@@ -35,8 +35,8 @@ from fedasync.unlearning import (
     GradientSignature,
     OneSided,
     block_one_sided,
+    params_to_vector,
 )
-from fedasync.unlearning import params_to_vector as flatten
 
 if TYPE_CHECKING:
     from server.config import UnlearningConfig
@@ -285,7 +285,7 @@ class Calibration:
         span (`GradientSignature.span_share`), the ranks before and after, and how many
         updates spanned it."""
         vectors = [
-            flatten(p, sig.names)
+            params_to_vector(p, sig.names)
             for silo, p in self.recent
             if silo != erasure.silo and all(n in p for n in sig.names)
         ]
