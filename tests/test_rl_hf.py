@@ -115,7 +115,7 @@ def test_a_tiny_gpt2_is_the_policy_and_learns(sync):
     assert sync.policy.model.config.vocab_size == VOCAB_SIZE
     assert 20_000 < sync.policy.num_parameters() < 50_000
     assert sync.version == 4 and any(s.get("grad_norm", 0.0) > 0 for s in _steps(sync.run_dir))
-    assert sync.warm["accuracy"] > 0  # the warm start works through the adapter too
+    assert sync.stats.warm["accuracy"] > 0  # the warm start works through the adapter too
     # the learning moved the weights away from the seed's (parity of still runs proves nothing)
     initial = build_policy(sync.cfg).state_dict()
     final = sync.policy.state_dict()
