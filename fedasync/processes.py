@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,10 +78,15 @@ class Processes:
         environment (``FLOWER_ENV`` and the marker are always set)."""
         tmp = home / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        bin_dir = str(Path(cmd[0]).parent)
+        # the command's folder and this interpreter's (a command run through a wrapper, such as
+        # ``ip netns exec``, still finds the environment's tools: the SuperLink its SuperExec)
+        bins = dict.fromkeys(
+            [str(Path(cmd[0]).parent)] * Path(cmd[0]).is_absolute()
+            + [str(Path(sys.executable).parent)]
+        )
         full_env = {
             **os.environ,
-            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+            "PATH": os.pathsep.join([*bins, os.environ.get("PATH", "")]),
             "FLWR_HOME": str(home),
             "TMPDIR": str(tmp),
             **FLOWER_ENV,

@@ -74,7 +74,6 @@ from simulations.erasure_watch import ErasureWatcher, start_watches
 from simulations.flower_commands import (
     FEDERATION,
     DeployError,
-    free_ports,
     pump_output,
     register_nodes,
     start_superlink,
@@ -90,6 +89,7 @@ from simulations.node import (
     check_workers,
     stop_file_env,
 )
+from simulations.placement import Local, Placement
 
 
 def privacy_ledgers(folder: Path, num_silos: int) -> dict[int, Path]:
@@ -153,6 +153,7 @@ def prepare(
     certs: Path | None,
     privacy_dir: Path | None = None,
     datalists: dict[int, Path] | None = None,
+    cert_hosts: list[str] | None = None,
 ) -> tuple[FedAsyncConfig, Path, CertPaths, dict[int, Path]]:
     """The run folder, its deploy/ folder, config.yaml, run-config.toml, certificates and the
     silos' privacy ledgers (in ``privacy_dir``, default ``<run folder>/privacy``).
@@ -173,7 +174,7 @@ def prepare(
     if not paths.complete():
         if certs is not None:
             raise DeployError(f"{certs} lacks files for {n} silos (make them: fedasync certs)")
-        paths = write_certs(paths.root, n, force=True)
+        paths = write_certs(paths.root, n, cert_hosts, force=True)
     if cfg.unlearning.service:
         cfg = prepare_erasure(cfg, work / "erasure", paths)
     if cfg.data.server_test is None and not datalists:
@@ -199,6 +200,7 @@ def deploy_local(
     serverapp: str | None = None,
     workers: str = "warm",
     datalists: dict[int, Path] | None = None,
+    where: Placement | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` on a local SuperLink and ``silos.count`` SuperNodes over TLS; return the
     run's summary with ``deployment`` added (measurements, node ids, every pid seen).
@@ -208,7 +210,8 @@ def deploy_local(
     long-lived ClientApp worker per SuperNode, restarted when it exits) or ``flower``
     (Flower's process per message); see ``WORKERS``. ``datalists``: each silo's own data, a
     Decathlon datalist (its SuperNode's ``datalist`` node config); without, the silos split the
-    benchmark and the coordinator owns its test split (``prepare``).
+    benchmark and the coordinator owns its test split (``prepare``). ``where``: each role's
+    host (simulations.placement; default all on this host's loopback).
 
     Raises DeployError when something did not start or the run did not finish, Interrupted on
     SIGTERM/SIGHUP and KeyboardInterrupt on Ctrl-C; in every case the processes it started
@@ -219,7 +222,8 @@ def deploy_local(
     except NodeError as e:
         raise DeployError(str(e)) from e
     sweep_orphans()  # what earlier deployments (or simulations) whose driver was killed left
-    cfg, run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir, datalists)
+    where = where or Local()
+    cfg, run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir, datalists, where.cert_hosts)
     work = run_dir / "deploy"
     procs = Processes(marker=f"{work}:{owner_token()}")  # whose: see processes.find_orphans
     events = EventTail(run_dir / "metrics.jsonl")
@@ -236,27 +240,34 @@ def deploy_local(
         echo(sync_warning)
     previous = set_handlers(raise_interrupted)  # Ctrl-C, SIGTERM, SIGHUP: Interrupted
     try:
-        link, link_port = start_superlink(procs, work, paths)
-        echo(f"SuperLink on 127.0.0.1:{link_port} (TLS, SuperNode authentication); logs in {work}/")
+        link, link_port = start_superlink(procs, work, paths, where)
+        echo(
+            f"SuperLink on {where.link_host}:{link_port} (TLS, SuperNode authentication); "
+            f"logs in {work}/"
+        )
         cli_home = work / "flwr-home"
-        write_cli_config(cli_home, link_port, paths.ca_cert)
+        write_cli_config(cli_home, link_port, paths.ca_cert, where.link_host)
         keys = {f"silo-{s}": paths.node_public_key(s) for s in range(cfg.silos.count)}
-        ids = register_nodes(procs, cli_home, keys)
+        ids = register_nodes(procs, cli_home, keys, lambda a: where.argv("coordinator", a))
         nodes.update({s: ids[f"silo-{s}"] for s in range(cfg.silos.count)})
         echo("registered: " + ", ".join(f"silo {s} = node {v}" for s, v in nodes.items()))
-        ports = dict(enumerate(free_ports(cfg.silos.count)))
+        ports = dict(enumerate(where.node_ports(cfg.silos.count)))
         supernodes = [
             procs.start(
                 f"silo-{s}",
-                supernode_command(
-                    link_port,
-                    port,
-                    paths,
-                    s,
-                    cfg.silos.count,
-                    ledgers[s],
-                    workers=workers,
-                    datalist=None if datalists is None else datalists[s],
+                where.argv(
+                    f"silo-{s}",
+                    supernode_command(
+                        link_port,
+                        port,
+                        paths,
+                        s,
+                        cfg.silos.count,
+                        ledgers[s],
+                        workers=workers,
+                        datalist=None if datalists is None else datalists[s],
+                        link_host=where.link_host,
+                    ),
                 ),
                 work / f"silo-{s}",
                 env={**SUPEREXEC_ENV, **stop_file_env(work / f"silo-{s}")},
@@ -267,15 +278,20 @@ def deploy_local(
         if workers == "warm":
             homes = {s: work / f"silo-{s}" for s in ports}
             stops = {s: stop_file_env(home) for s, home in homes.items()}
-            supervisor = WorkerSupervisor(procs, homes, ports, echo, env=stops)
+            supervisor = WorkerSupervisor(
+                procs, homes, ports, echo, env=stops, wrap=lambda s, a: where.argv(f"silo-{s}", a)
+            )
             supervisor.start()
         flwr_run = procs.start(
             "flwr-run",
-            [
-                tool("flwr"),
-                *("run", str(stage_app(work / "app", serverapp)), FEDERATION),
-                *("--run-config", str(work / "run-config.toml"), "--stream"),
-            ],
+            where.argv(
+                "coordinator",
+                [
+                    tool("flwr"),
+                    *("run", str(stage_app(work / "app", serverapp)), FEDERATION),
+                    *("--run-config", str(work / "run-config.toml"), "--stream"),
+                ],
+            ),
             cli_home,
             pipe=True,
         )
@@ -323,7 +339,7 @@ def deploy_local(
             echo(f"fedasync deploy: processes {left} are still running")
     summary: dict[str, Any] = json.loads(summary_path.read_text())
     deployment = {
-        "superlink": f"127.0.0.1:{link_port}",
+        "superlink": f"{where.link_host}:{link_port}",
         "nodes": {str(s): v for s, v in nodes.items()},
         "privacy_db": {str(s): str(p) for s, p in ledgers.items()},
         "compare_sync": SYNC_NOT_RUN if sync_warning is not None else False,

@@ -22,6 +22,7 @@ from fedasync.processes import Proc, Processes
 from protocol.keys import DATALIST, PRIVACY_DB
 from simulations.certs import CertPaths
 from simulations.node import NodeError, supernode_args
+from simulations.placement import Local, Placement
 
 FEDERATION = "fedasync-local"
 """The SuperLink connection's name in the flwr CLI's config.toml."""
@@ -51,28 +52,38 @@ def tool(name: str) -> str:
     return str(path)
 
 
-def wait_for_port(port: int, alive: Callable[[], bool], timeout_s: float) -> None:
-    """Wait until something listens on ``port``; DeployError if ``alive()`` turns False or
-    ``timeout_s`` passes first."""
+def wait_for_port(
+    port: int,
+    alive: Callable[[], bool],
+    timeout_s: float,
+    listening: Callable[[int], bool] | None = None,
+) -> None:
+    """Wait until something listens on ``port`` (``listening``: how to tell; default a connect
+    to 127.0.0.1); DeployError if ``alive()`` turns False or ``timeout_s`` passes first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
             raise DeployError("the SuperLink exited while starting")
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+        if listening is not None:
+            if listening(port):
                 return
+        else:
+            with socket.socket() as s:
+                s.settimeout(0.5)
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
         time.sleep(0.2)
     raise DeployError(f"the SuperLink did not listen on port {port} within {timeout_s:.0f}s")
 
 
-def write_cli_config(home: Path, port: int, ca_cert: Path) -> None:
-    """The flwr CLI's config.toml: one connection, ``FEDERATION``, to the local SuperLink."""
+def write_cli_config(home: Path, port: int, ca_cert: Path, host: str = "127.0.0.1") -> None:
+    """The flwr CLI's config.toml: one connection, ``FEDERATION``, to the SuperLink at
+    ``host``:``port``."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{FEDERATION}"\n\n'
         f"[superlink.{FEDERATION}]\n"
-        f'address = "127.0.0.1:{port}"\n'
+        f'address = "{host}:{port}"\n'
         f"root-certificates = {json.dumps(str(ca_cert.resolve()))}\n"
     )
 
@@ -91,14 +102,22 @@ def pump_output(stream: Any, log_path: Path, echo: Callable[[str], None]) -> Non
                 echo(f"  server | {text}")
 
 
-def register_nodes(procs: Processes, cli_home: Path, keys: dict[str, Path]) -> dict[str, int]:
+def register_nodes(
+    procs: Processes,
+    cli_home: Path,
+    keys: dict[str, Path],
+    wrap: Callable[[list[str]], list[str]] = list,
+) -> dict[str, int]:
     """Register SuperNode public keys (name -> key file) with the SuperLink through its Control
-    API (``flwr supernode register``, all at once); their node ids by name."""
+    API (``flwr supernode register``, all at once, each command as ``wrap`` runs it); their
+    node ids by name."""
     started = {
         name: procs.start(
             f"register-{name}",
-            [tool("flwr"), "supernode", "register", str(key), FEDERATION]
-            + ["--name", name, "--format", "json"],
+            wrap(
+                [tool("flwr"), "supernode", "register", str(key), FEDERATION]
+                + ["--name", name, "--format", "json"]
+            ),
             cli_home,
             pipe=True,
         )
@@ -150,13 +169,14 @@ def supernode_command(
     *,
     datalist: Path | None = None,
     workers: str = "warm",
+    link_host: str = "127.0.0.1",
 ) -> list[str]:
     """The SuperNode of ``silo`` (``simulations.node.supernode_args``: Flower's SuperNode,
     its sleeps capped): TLS to the SuperLink, its auth key, its partition, its privacy
     ledger and its own data (``datalist``); ``--isolation process`` with warm workers."""
     try:
         return supernode_args(
-            f"127.0.0.1:{link_port}",
+            f"{link_host}:{link_port}",
             paths.ca_cert,
             paths.node_key(silo),
             node_config(silo, num_silos, privacy_db, datalist),
@@ -167,20 +187,25 @@ def supernode_command(
         raise DeployError(str(e)) from e
 
 
-def superlink_command(port: int, paths: CertPaths) -> list[str]:
-    """flower-superlink on 127.0.0.1:``port``: TLS, SuperNode authentication, no installs."""
+def superlink_command(port: int, paths: CertPaths, host: str = "127.0.0.1") -> list[str]:
+    """flower-superlink on ``host``:``port``: TLS, SuperNode authentication, no installs."""
     return [
         tool("flower-superlink"),
         *("--ssl-certfile", str(paths.server_cert), "--ssl-keyfile", str(paths.server_key)),
         *("--ssl-ca-certfile", str(paths.ca_cert), "--enable-supernode-auth"),
         "--disable-runtime-dependency-installation",
-        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--host", host, "--port", str(port)),
     ]
 
 
-def start_superlink(procs: Processes, work: Path, paths: CertPaths) -> tuple[Proc, int]:
-    """Start the SuperLink and wait until it listens; (its process, its port)."""
-    (port,) = free_ports(1)
-    link = procs.start("superlink", superlink_command(port, paths), work / "superlink")
-    wait_for_port(port, lambda: link.popen.poll() is None, timeout_s=60.0)
+def start_superlink(
+    procs: Processes, work: Path, paths: CertPaths, where: Placement | None = None
+) -> tuple[Proc, int]:
+    """Start the SuperLink (on the coordinator's host of ``where``, default this one's
+    loopback) and wait until it listens; (its process, its port)."""
+    where = where or Local()
+    port = where.link_port()
+    cmd = where.argv("coordinator", superlink_command(port, paths, where.link_host))
+    link = procs.start("superlink", cmd, work / "superlink")
+    wait_for_port(port, lambda: link.popen.poll() is None, 60.0, where.listening)
     return link, port

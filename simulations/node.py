@@ -102,8 +102,11 @@ class WorkerSupervisor:
         max_restarts: int = 5,
         window_s: float = 60.0,
         env: dict[int, dict[str, str]] | None = None,
+        wrap: Callable[[int, list[str]], list[str]] | None = None,
     ):
         self.procs, self.homes, self.ports, self.echo = procs, homes, ports, echo
+        self.wrap = wrap
+        """How silo s's worker command runs (its hospital's host); None: as it is."""
         self.env = env or {}
         """What each silo's worker adds to its environment (its node's stop file)."""
         self.max_restarts, self.window_s = max_restarts, window_s
@@ -118,6 +121,8 @@ class WorkerSupervisor:
 
     def _start(self, silo: int) -> None:
         cmd = worker_command(self.ports[silo])
+        if self.wrap is not None:
+            cmd = self.wrap(silo, cmd)
         self.workers[silo] = self.procs.start(
             f"worker-{silo}", cmd, self.homes[silo], env=self.env.get(silo)
         )

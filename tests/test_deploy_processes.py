@@ -205,10 +205,15 @@ def test_deploy_local_gives_supernodes_ledgers_and_says_sync_is_not_run(
     monkeypatch.setattr(
         deploy,
         "start_superlink",
-        lambda procs, work, paths: (procs.start("superlink", ["true"], work / "superlink"), 1),
+        lambda procs, work, paths, where=None: (
+            procs.start("superlink", ["true"], work / "superlink"),
+            1,
+        ),
     )
     monkeypatch.setattr(
-        deploy, "register_nodes", lambda procs, home, keys: {k: 100 + i for i, k in enumerate(keys)}
+        deploy,
+        "register_nodes",
+        lambda procs, home, keys, wrap=list: {k: 100 + i for i, k in enumerate(keys)},
     )
     monkeypatch.setattr(deploy, "stage_app", lambda dest, serverapp=None: dest)
     folder = None if privacy_dir is None else tmp_path / privacy_dir
