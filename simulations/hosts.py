@@ -271,3 +271,37 @@ def sweep(tag: str | None = None) -> list[str]:
             _ip("link", "del", name, check=False)
             gone.append(name)
     return gone
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m simulations.hosts up NAME... [--tag T] | down --tag T | sweep``: make a
+    federation of hosts (printing each host's namespace and address), remove one, or remove
+    every federation's leftovers."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m simulations.hosts", description=main.__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="make hosts (e.g. coordinator hospital0 hospital1)")
+    up.add_argument("names", nargs="+")
+    up.add_argument("--tag", default=None)
+    down = sub.add_parser("down", help="remove a federation and what runs in it")
+    down.add_argument("--tag", required=True)
+    sub.add_parser("sweep", help="remove every federation's namespaces and links")
+    args = ap.parse_args(argv)
+    why = available()
+    if why is not None:
+        print(f"hosts: {why}")
+        return 2
+    if args.cmd == "up":
+        fed = HostFederation(args.names, args.tag).up()
+        for h in fed.hosts.values():
+            print(f"{h.name}\t{h.namespace}\t{h.address}")
+        print(f"tag {fed.tag}: run a command on a host with 'ip netns exec <namespace> ...'")
+    else:
+        gone = sweep(args.tag if args.cmd == "down" else None)
+        print("removed: " + (", ".join(gone) or "nothing"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
