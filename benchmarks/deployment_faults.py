@@ -34,6 +34,12 @@ from simulations.hosts import HostFederation, available  # noqa: E402
 from simulations.placement import OnHosts  # noqa: E402
 
 
+WARM_UPDATES = 60
+"""Updates applied before the cut: the rates before it are those of a run in its stride."""
+RATE_WINDOW_S = 5.0
+"""Seconds over which an update rate is measured (before the cut, and back at full rate)."""
+
+
 def _config(out: Path, name: str, seed: int, budget_s: float):
     return load_config(
         None,
@@ -80,7 +86,7 @@ def partition(out: Path, seed: int, cut_s: float, budget_s: float) -> dict:
             now = time.monotonic()
             for i in range(len(seen), len(_updates(metrics))):
                 seen[i] = now
-            if "cut" not in marks and len(seen) >= 6:
+            if "cut" not in marks and len(seen) >= WARM_UPDATES:
                 marks["cut"] = now
                 fed.partition("hospital0")
             if "cut" in marks and "healed" not in marks and now - marks["cut"] >= cut_s:
@@ -104,18 +110,18 @@ def partition(out: Path, seed: int, cut_s: float, budget_s: float) -> dict:
     if cut is None or healed is None:
         return {"seed": seed, "error": "the run ended before the partition was over"}
     first = next((e for e in events if e["silo"] == 0 and e["wall"] > healed), None)
-    before = _rate(events, 0, cut - 10, cut)
+    before = _rate(events, 0, cut - RATE_WINDOW_S, cut)
     back_full = None
     if first is not None:
         for e in events:
             if e["silo"] == 0 and e["wall"] >= first["wall"]:
-                if _rate(events, 0, e["wall"], e["wall"] + 5) >= 0.8 * before:
+                if _rate(events, 0, e["wall"], e["wall"] + RATE_WINDOW_S) >= 0.8 * before:
                     back_full = e["wall"] - healed
                     break
     jobs = [(e["silo"], e["job"]) for e in events]
     return {
         "seed": seed,
-        "others_rate_before": _rate(events, None, cut - 10, cut) - before,
+        "others_rate_before": _rate(events, None, cut - RATE_WINDOW_S, cut) - before,
         "others_rate_during": _rate(events, None, cut, healed),
         "h0_rate_before": before,
         "h0_first_update_after_heal_s": None if first is None else first["wall"] - healed,
