@@ -33,7 +33,6 @@ from simulations.deploy import deploy_local  # noqa: E402
 from simulations.hosts import HostFederation, available  # noqa: E402
 from simulations.placement import OnHosts  # noqa: E402
 
-
 WARM_UPDATES = 60
 """Updates applied before the cut: the rates before it are those of a run in its stride."""
 RATE_WINDOW_S = 5.0
