@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import simulations.deploy as deploy
+import simulations.flower_commands as flower_commands
 import simulations.node as node
 import simulations.supernode as supernode
 import simulations.worker as worker
@@ -332,7 +333,7 @@ def test_fedasync_node_runs_a_supernode_and_its_worker_and_stops_both(tmp_path):
         deploy.write_cli_config(tmp_path / "cli", port, paths.ca_cert)
         keys = {"silo-0": paths.node_public_key(0)}
         (node_id,) = deploy.register_nodes(procs, tmp_path / "cli", keys).values()
-        (runtime_port,) = deploy.free_ports(1)
+        (runtime_port,) = flower_commands.free_ports(1)
         cmd = [sys.executable, "-m", "simulations.cli", "node"]
         cmd += ["--superlink", f"127.0.0.1:{port}", "--root-certificates", str(paths.ca_cert)]
         cmd += ["--auth-key", str(paths.node_key(0)), "--node-config", "partition-id=0"]
