@@ -102,6 +102,12 @@ def pump_output(stream: Any, log_path: Path, echo: Callable[[str], None]) -> Non
                 echo(f"  server | {text}")
 
 
+REGISTER_TRIES = 5
+"""Attempts at registering a key while the SuperLink, listening already, is still starting
+(its HTTP app answers a moment after its port accepts: the CLI then says "Connection to the
+SuperLink is unavailable")."""
+
+
 def register_nodes(
     procs: Processes,
     cli_home: Path,
@@ -110,29 +116,37 @@ def register_nodes(
 ) -> dict[str, int]:
     """Register SuperNode public keys (name -> key file) with the SuperLink through its Control
     API (``flwr supernode register``, all at once, each command as ``wrap`` runs it); their
-    node ids by name."""
-    started = {
-        name: procs.start(
-            f"register-{name}",
-            wrap(
-                [tool("flwr"), "supernode", "register", str(key), FEDERATION]
-                + ["--name", name, "--format", "json"]
-            ),
-            cli_home,
-            pipe=True,
-        )
-        for name, key in keys.items()
-    }
+    node ids by name. A key the SuperLink could not yet take is tried again (`REGISTER_TRIES`,
+    one second apart)."""
     ids: dict[str, int] = {}
-    for name, p in started.items():
-        try:
-            out, _ = p.popen.communicate(timeout=60.0)
-        except subprocess.TimeoutExpired as e:
-            raise DeployError(f"registering {name}'s key timed out") from e
-        try:
-            ids[name] = int(json.loads(out[out.index("{") :])["node-id"])
-        except (ValueError, KeyError) as e:
-            raise DeployError(f"registering {name}'s key failed:\n{out}") from e
+    todo = dict(keys)
+    for attempt in range(1, REGISTER_TRIES + 1):
+        started = {
+            name: procs.start(
+                f"register-{name}",
+                wrap(
+                    [tool("flwr"), "supernode", "register", str(key), FEDERATION]
+                    + ["--name", name, "--format", "json"]
+                ),
+                cli_home,
+                pipe=True,
+            )
+            for name, key in todo.items()
+        }
+        for name, p in started.items():
+            try:
+                out, _ = p.popen.communicate(timeout=60.0)
+            except subprocess.TimeoutExpired as e:
+                raise DeployError(f"registering {name}'s key timed out") from e
+            try:
+                ids[name] = int(json.loads(out[out.index("{") :])["node-id"])
+                del todo[name]
+            except (ValueError, KeyError) as e:
+                if "SuperLink is unavailable" not in out or attempt == REGISTER_TRIES:
+                    raise DeployError(f"registering {name}'s key failed:\n{out[-2000:]}") from e
+        if not todo:
+            break
+        time.sleep(1.0)
     return ids
 
 
