@@ -329,6 +329,9 @@ def _run_config(cfg: PipelineConfig, where: _Where) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     where.ours, where.steps = cfg.run.resume, cfg.run.steps
     start = _resume_step(cfg, run_dir) if cfg.run.resume else 0
+    corpus = load_corpus(val_fraction=cfg.data.val_fraction)
+    job = job_of(cfg, corpus.vocab.size, start)
+    # the event log appears as the stages are about to start (a watcher takes it for that)
     if start:  # the steps after the checkpoint are made again: their events go
         folder.open_events(to_container(cfg))
         folder.keep_events(lambda e: int(e.get("step") or 0) <= start)
@@ -338,8 +341,6 @@ def _run_config(cfg: PipelineConfig, where: _Where) -> dict[str, Any]:
     else:
         folder.start(to_container(cfg))
         where.ours = True
-    corpus = load_corpus(val_fraction=cfg.data.val_fraction)
-    job = job_of(cfg, corpus.vocab.size, start)
     try:
         return _train_and_measure(cfg, folder, job, corpus, start, where)
     finally:
