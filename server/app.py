@@ -24,6 +24,8 @@ the stop handle (server/stopping.py) and the summary (server/summary.py).
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -35,6 +37,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedasync.errors import ConfigError
+from fedasync.interrupt import DeferredStop
 from medical_data.federation import Federation, SiloData
 from medical_data.registry import BenchmarkSpec, get_spec
 from medical_data.tasks import evaluate
@@ -52,11 +55,14 @@ from server.erasure_setup import (
 )
 from server.evaluation import FederatedEvaluation, evaluate_silos
 from server.loop import AsyncServer
-from server.stopping import RunStopped, StopHandle, StoppableGrid
+from server.stopping import RunStopped, StopHandle, StoppableGrid, stop_reason
 from server.summary import build_summary, central_dp_summary, write_summary
 from server.unlearning import ErasureCoordinator
 
 log = logging.getLogger("fedasync.server")
+milestones = logging.getLogger("fedasync.run")
+"""A run's start, stop and end: in run.log, and in a deployment on the ServerApp's stderr too,
+which Flower streams to ``flwr run --stream`` and keeps for ``flwr log``."""
 
 
 def run_server(
@@ -66,8 +72,14 @@ def run_server(
     *,
     wall_clock: bool = False,
     data_here: bool = True,
+    summary_on_stop: bool = False,
 ) -> dict[str, Any]:
     """Run one federated job on ``grid``; write metrics.jsonl, checkpoints and summary.json.
+
+    A stop (``RunStopped`` from a ``StoppableGrid``, or the SuperLink refusing the run after
+    ``flwr stop``: server.stopping.stop_reason) writes a checkpoint and is raised again; with ``summary_on_stop`` the
+    run ends there as a finished one does instead (evaluated where it can be without the
+    silos, summary.json with ``stopped``: the reason and the version).
 
     ``data_here``: the benchmark's federation may be built in this process (simulation, and the
     tests that play a deployment in-process); False for the deployment ServerApp, which holds
@@ -147,21 +159,45 @@ def run_server(
         resumed = cfg.run.resume and resume(srv)
         if cfg.run.resume and not resumed:
             log.warning("run.resume=true but %s has no checkpoint: starting afresh", run_dir)
+        milestones.info(
+            "run %s at version %d: %s, %d silos, budget %gs, run folder %s",
+            "resumed" if resumed else "started",
+            srv.version,
+            cfg.server.mode,
+            cfg.silos.count,
+            cfg.run.budget_s,
+            run_dir,
+        )
         if not resumed and federated is None:
             srv.evaluate()
-        srv.run()
+        stopped: str | None = None
+        try:
+            srv.run()
+        except BaseException as e:
+            if stop_reason(e) is None:
+                raise
+            if srv.started_at is not None:
+                srv.checkpoint()  # a resume goes on from where it stopped
+            if not summary_on_stop:
+                raise
+            stopped = stop_reason(e)
+            milestones.info(
+                "run stopped at version %d (%s): checkpoint written", srv.version, stopped
+            )
         if federated is not None:
             federated.final = True  # the run is over: the silos' jobs may be waited for
         evals = srv.stats.evals
-        if not evals or evals[-1]["version"] != srv.version:
-            srv.evaluate()
+        if (not evals or evals[-1]["version"] != srv.version) and not (stopped and federated):
+            srv.evaluate()  # (a stopped run cannot reach its silos: no federated evaluation)
         if srv.progress is not None:
             srv.progress.close()
         srv.checkpoint()
         if federated is not None:
             silo_evals = federated.per_silo
+        elif cfg.server.evaluate_silos and stopped is None:
+            silo_evals = evaluate_silos(srv)
         else:
-            silo_evals = evaluate_silos(srv) if cfg.server.evaluate_silos else {}
+            silo_evals = {}
         metric = "accuracy" if task == "classification" else "dice"
         summary = build_summary(
             srv, metric=metric, wall_time_s=time.monotonic() - t0, silo_evals=silo_evals
@@ -171,20 +207,34 @@ def run_server(
             str(s): {"num_samples": r.num_samples, "class_counts": list(r.class_counts)}
             for s, r in sorted(srv.silo_reports.items())
         }
+        if stopped is not None:
+            summary["stopped"] = {"reason": stopped, "version": srv.version}
         srv.events.write(
-            "end", t=srv.clock.now, version=srv.version, final_score=summary["final_accuracy"]
+            "end",
+            t=srv.clock.now,
+            version=srv.version,
+            final_score=summary["final_accuracy"],
+            **({"stopped": stopped} if stopped is not None else {}),
         )
         if isinstance(srv.erasure, ErasureCoordinator):
             summary["erasures"] = erasure_summary(srv.erasure, srv.params)
         if srv.privacy.ledger is not None:
             summary["central_dp"] = central_dp_summary(srv)
         write_summary(run_dir / "summary.json", summary)
+        milestones.info(
+            "run %s at version %d: score %s; summary in %s",
+            "stopped" if stopped else "ended",
+            srv.version,
+            summary["final_accuracy"],
+            run_dir / "summary.json",
+        )
         return summary
-    except RunStopped:
-        if srv.started_at is not None:
+    except BaseException as e:
+        if stop_reason(e) is not None and srv.started_at is not None:
             srv.checkpoint()  # a resume goes on from where it stopped
         raise
     finally:
+        srv.puller.close()
         if service is not None:
             service.stop(grace=1.0).wait(5.0)
         srv.events.close()
@@ -309,7 +359,11 @@ def make_server_app(
         else:
             handle.started = True
             try:
-                summary = run_server(StoppableGrid(grid, handle.requested), cfg, run_dir)  # type: ignore[arg-type]
+                asked = handle.requested
+                grid = StoppableGrid(
+                    grid, lambda: "stopped by the launcher" if asked.is_set() else None
+                )  # type: ignore[assignment]
+                summary = run_server(grid, cfg, run_dir)
             except RunStopped:
                 log.info("the run was stopped")
                 return
@@ -349,20 +403,48 @@ def main(grid: Grid, context: Context) -> None:
             "run.compare_sync=true is run by `fedasync simulate` only, not under `flwr run` "
             "(benchmarks/deployment_overhead.py compares with Flower's FedAvg in deployment)"
         )
-    in_simulation = simulated(grid)
-    if not in_simulation:  # replies whose content is still arriving: retry in 10 ms, not 1 s
-        from flwr.superlink.grid import http_grid
+    if simulated(grid):
+        run_server(grid, cfg, run_dir, wall_clock=False, data_here=True)
+        return
+    from flwr.superlink.grid import http_grid
 
-        short_backoff(http_grid, "pull_objects")
-    run_server(grid, cfg, run_dir, wall_clock=not in_simulation, data_here=in_simulation)
+    short_backoff(http_grid, "pull_objects")  # replies still arriving: retry in 10 ms, not 1 s
+    # A stop (``flwr stop``: Flower's heartbeat then sends this process SIGINT, and the
+    # SuperLink refuses the run's calls; a SIGTERM from whoever runs the coordinator) is taken
+    # at the loop's next poll: checkpoint, evaluation, summary.json; then the process ends as
+    # Flower ends a stopped ServerApp (its own SIGINT handler, put back). A second signal, or
+    # no safe point within 60 s, stops at once (the last checkpoint stays).
+    with DeferredStop(grace_s=60.0) as stop:
+
+        def reason() -> str | None:  # read at each poll
+            return None if stop.requested is None else signal.Signals(stop.requested).name
+
+        try:
+            run_server(
+                StoppableGrid(grid, reason),  # type: ignore[arg-type]
+                cfg,
+                run_dir,
+                wall_clock=True,
+                data_here=False,
+                summary_on_stop=True,
+            )
+        finally:
+            signum = stop.requested
+    if signum is not None:
+        signal.raise_signal(signum)  # Flower's handler: "Task stopped by user.", its exit code
 
 
 def _log_to(path: Path) -> None:
     """The ``fedasync`` loggers' INFO and above to ``path`` (run.log, as in simulation);
-    warnings still reach stderr, which Flower streams to ``flwr run``."""
+    warnings and the run's milestones (``fedasync.run``: start, stop, end) also to stderr,
+    which Flower streams to ``flwr run --stream`` and keeps for ``flwr log``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("fedasync")
     root.setLevel(logging.INFO)
     root.addHandler(handler)
+    shown = logging.StreamHandler(sys.stderr)  # (Flower mirrors stderr to the run's log)
+    shown.setFormatter(logging.Formatter("fedasync: %(message)s"))
+    shown.setLevel(logging.INFO)
+    logging.getLogger("fedasync.run").addHandler(shown)

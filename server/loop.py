@@ -51,6 +51,7 @@ from server.intake import Intake, Job, JobKind
 from server.pipeline import CorrectionPipeline
 from server.privacy import ServerPrivacy
 from server.replies import ReplyRouter
+from server.reply_pull import ReplyPuller
 from server.requests import JobRequests
 from server.roster import connect
 from server.stats import RunStats
@@ -82,6 +83,7 @@ class AsyncServer:
     ):
         self.cfg = cfg
         self.grid = grid
+        self.puller = ReplyPuller(grid, cfg.server.reply_timeout_s)  # never waits on one reply
         self.run_dir = run_dir
         # one flat buffer per dtype (fedasync/flat.py): every fold and correction is fused
         self.params: Params = flatten(initial_params, device="cpu")
@@ -194,7 +196,7 @@ class AsyncServer:
         waiting = list(self.jobs.unanswered)  # in send order
         waiting += self.cancels.waiting_ids()  # (pulled to be dropped: none is left behind)
         if waiting:
-            for reply in self.grid.pull_messages(waiting):
+            for reply in self.puller.pull(waiting):
                 mid = reply.metadata.reply_to_message_id
                 if self.cancels.on_reply(mid, reply):
                     continue

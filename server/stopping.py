@@ -8,6 +8,7 @@ stopped between two steps, checkpoint written, never inside one.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from flwr.serverapp import Grid
@@ -21,26 +22,49 @@ class RunStopped(BaseException):
 
 class StoppableGrid:
     """``grid`` whose reading calls (``pull_messages``, ``get_node_ids``) raise RunStopped once
-    ``stop`` is set; everything else is passed through. Pushing never raises, so the loop is
-    stopped between two steps, never inside one."""
+    ``stopped()`` gives a reason (None: go on); everything else is passed through. Pushing
+    never raises, so the loop is stopped between two steps, never inside one."""
 
-    def __init__(self, grid: Grid, stop: threading.Event):
-        self._grid, self._stop = grid, stop
+    def __init__(self, grid: Grid, stopped: Callable[[], str | None]):
+        self.inner, self._stopped = grid, stopped
+
+    def check(self) -> None:
+        """RunStopped (with the reason) if the run was asked to stop."""
+        reason = self._stopped()
+        if reason is not None:
+            raise RunStopped(reason)
 
     def pull_messages(self, *args: Any, **kwargs: Any) -> Any:
         """The grid's, unless the run was stopped (then ``RunStopped``)."""
-        if self._stop.is_set():
-            raise RunStopped
-        return self._grid.pull_messages(*args, **kwargs)
+        self.check()
+        return self.inner.pull_messages(*args, **kwargs)
 
     def get_node_ids(self, *args: Any, **kwargs: Any) -> Any:
         """The grid's, unless the run was stopped (then ``RunStopped``)."""
-        if self._stop.is_set():
-            raise RunStopped
-        return self._grid.get_node_ids(*args, **kwargs)
+        self.check()
+        return self.inner.get_node_ids(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._grid, name)
+        return getattr(self.inner, name)
+
+
+def stop_reason(e: BaseException) -> str | None:
+    """What stopped a run, in words, from the exception that ended its loop (None: it is no
+    stop but a failure): ``RunStopped`` (its reason), or the SuperLink refusing the run's calls
+    after ``flwr stop``, which Flower 1.42 shows the ServerApp as ``RunNotRunningException``
+    or as HTTP 401 on the Runtime API (the run's task token revoked)."""
+    if isinstance(e, RunStopped):
+        return str(e) or "stop requested"
+    from flwr.supercore.run import RunNotRunningException
+
+    if isinstance(e, RunNotRunningException):
+        return "stopped at the SuperLink (flwr stop)"
+    response = getattr(e, "response", None)  # httpx.HTTPStatusError
+    if getattr(response, "status_code", None) == 401 and "/v1/runtime/" in str(
+        getattr(getattr(response, "request", None), "url", "")
+    ):
+        return "stopped at the SuperLink (flwr stop: the run's task token was revoked)"
+    return None
 
 
 class StopHandle:

@@ -20,6 +20,11 @@ SuperNode authentication. It is the demo and the integration test of deployment.
    failure and on Ctrl-C / SIGTERM, and the stop is verified: each process carries a marker in
    its environment, which also finds those Flower detaches into sessions of their own.
 
+The SuperLink keeps its state in ``deploy/superlink/state.db``: with ``coordinator_restarts``
+a lost coordinator is brought back from it and the run resumed from its checkpoint
+(``simulations.coordinator``, which also submits the run). A run stopped with ``flwr stop``
+ends with its checkpoint and a summary (``stopped``), as a finished one does.
+
 ``run.compare_sync`` (the sync FedAvg baseline after the run) is simulation-only: a deployment
 says so on the console and in ``deploy.json`` (``compare_sync``) instead of running it;
 ``benchmarks/deployment_overhead.py`` runs Flower's FedAvg on the same deployment.
@@ -44,7 +49,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -64,21 +68,24 @@ from fedasync.interrupt import (
 from fedasync.processes import Processes, owner_token, sweep_orphans
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
-from server.run_config import run_config_toml
 from server.summary import no_version_reason
-from simulations.app_bundle import stage_app
 from simulations.certs import CertPaths, private_dir, write_certs, write_file
 from simulations.config import to_yaml
+from simulations.coordinator import (
+    fresh_database,
+    restart_coordinator,
+    serverapp_gone,
+    stop_watches,
+    submit_run,
+    write_run_config,
+)
 from simulations.deploy_progress import EventTail, measurements, print_result, show
 from simulations.erasure_watch import ErasureWatcher, start_watches
 from simulations.flower_commands import (
-    FEDERATION,
     DeployError,
-    pump_output,
     register_nodes,
     start_superlink,
     supernode_command,
-    tool,
     write_cli_config,
 )
 from simulations.node import (
@@ -117,14 +124,6 @@ def sync_comparison_warning(cfg: FedAsyncConfig) -> str | None:
         "deployment (benchmarks/deployment_overhead.py runs Flower's FedAvg on the same "
         "deployment; set run.compare_sync=false to silence this)"
     )
-
-
-def write_run_config(cfg: FedAsyncConfig, path: Path) -> None:
-    """The run config ``flwr run`` is given: ``cfg`` as JSON, with the ServerApp's progress bar
-    off (the console shows progress from the event log) and no sync-comparison warning of its
-    own (``deploy_local`` has said it, once). ``cfg`` itself is left as it was."""
-    server_cfg = replace(cfg, run=replace(cfg.run, progress=False, compare_sync=False))
-    path.write_text(run_config_toml(server_cfg))  # flat keys, as pyproject.toml declares
 
 
 def prepare_erasure(cfg: FedAsyncConfig, folder: Path, paths: CertPaths) -> FedAsyncConfig:
@@ -201,6 +200,7 @@ def deploy_local(
     workers: str = "warm",
     datalists: dict[int, Path] | None = None,
     where: Placement | None = None,
+    coordinator_restarts: int = 0,
 ) -> dict[str, Any]:
     """Run ``cfg`` on a local SuperLink and ``silos.count`` SuperNodes over TLS; return the
     run's summary with ``deployment`` added (measurements, node ids, every pid seen).
@@ -211,7 +211,10 @@ def deploy_local(
     (Flower's process per message); see ``WORKERS``. ``datalists``: each silo's own data, a
     Decathlon datalist (its SuperNode's ``datalist`` node config); without, the silos split the
     benchmark and the coordinator owns its test split (``prepare``). ``where``: each role's
-    host (simulations.placement; default all on this host's loopback).
+    host (simulations.placement; default all on this host's loopback). ``coordinator_restarts``:
+    how many times a lost coordinator (its SuperLink gone: the host crashed, the process was
+    killed) is brought back, as a service manager would (`restart_coordinator`); 0: the run
+    fails with the SuperLink's exit.
 
     Raises DeployError when something did not start or the run did not finish, Interrupted on
     SIGTERM/SIGHUP and KeyboardInterrupt on Ctrl-C; in every case the processes it started
@@ -235,12 +238,13 @@ def deploy_local(
     cpu: dict[str, float] = {}
     cpu_wall = 0.0
     watches: list[ErasureWatcher] | None = None
+    restarts: list[dict[str, Any]] = []
     sync_warning = sync_comparison_warning(cfg)
     if sync_warning is not None:
         echo(sync_warning)
     previous = set_handlers(raise_interrupted)  # Ctrl-C, SIGTERM, SIGHUP: Interrupted
     try:
-        link, link_port = start_superlink(procs, work, paths, where)
+        link, link_port = start_superlink(procs, work, paths, where, database=fresh_database(work))
         echo(
             f"SuperLink on {where.link_host}:{link_port} (TLS, SuperNode authentication); "
             f"logs in {work}/"
@@ -282,39 +286,36 @@ def deploy_local(
                 procs, homes, ports, echo, env=stops, wrap=lambda s, a: where.argv(f"silo-{s}", a)
             )
             supervisor.start()
-        flwr_run = procs.start(
-            "flwr-run",
-            where.argv(
-                "coordinator",
-                [
-                    tool("flwr"),
-                    *("run", str(stage_app(work / "app", serverapp)), FEDERATION),
-                    *("--run-config", str(work / "run-config.toml"), "--stream"),
-                ],
-            ),
-            cli_home,
-            pipe=True,
-        )
-        pump = threading.Thread(
-            target=pump_output, args=(flwr_run.popen.stdout, flwr_run.log, echo), daemon=True
-        )
-        pump.start()
+        flwr_run, pump = submit_run(procs, where, work, cli_home, serverapp, echo)
         last_scan = 0.0
-        while flwr_run.popen.poll() is None:
-            if watches is None:
-                watches = start_watches(cfg, run_dir, paths, started_at)
-            show(events.poll(), echo, cfg.run.progress)
-            for p in [link, *supernodes]:
-                if p.popen.poll() is not None:
-                    raise DeployError(
-                        f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}"
-                    )
-            if supervisor is not None:
-                supervisor.check()
-            if time.monotonic() - last_scan > 2.0:
-                procs.scan()  # remember the ServerApp's and ClientApps' pids
-                last_scan = time.monotonic()
-            time.sleep(0.3)
+        while True:
+            while flwr_run.popen.poll() is None and link.popen.poll() is None:
+                if watches is None:
+                    watches = start_watches(cfg, run_dir, paths, started_at)
+                show(events.poll(), echo, cfg.run.progress)
+                for p in supernodes:
+                    if p.popen.poll() is not None:
+                        raise DeployError(
+                            f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}"
+                        )
+                if supervisor is not None:
+                    supervisor.check()
+                if time.monotonic() - last_scan > 2.0:
+                    procs.scan()  # remember the ServerApp's and ClientApps' pids
+                    last_scan = time.monotonic()
+                time.sleep(0.3)
+            ended = flwr_run.popen.poll() is not None
+            if ended and (flwr_run.popen.returncode == 0 or link.popen.poll() is None):
+                break  # the run ended (flwr run exited): judged below
+            if len(restarts) >= coordinator_restarts:
+                raise DeployError(
+                    f"{link.name} exited with code {link.popen.returncode}:\n{link.tail()}"
+                )
+            link, flwr_run, pump = restart_coordinator(
+                cfg, procs, where, paths, run_dir, link_port, serverapp, echo, restarts
+            )
+            watches = stop_watches(watches)
+        serverapp_gone(procs, timeout_s=60.0)  # a stopped run's may still write its summary
         cpu = procs.cpu_seconds()  # before the stop: what each process used over the run
         cpu_wall = time.monotonic() - t0
         pump.join(timeout=5.0)
@@ -344,10 +345,11 @@ def deploy_local(
         "privacy_db": {str(s): str(p) for s, p in ledgers.items()},
         "compare_sync": SYNC_NOT_RUN if sync_warning is not None else False,
         "wall_s": time.monotonic() - t0,
-        **measurements(events.events),
+        **measurements(_events(run_dir / "metrics.jsonl")),  # (the file: a resume cut it)
         "stop_s": stop_s,
         "workers": workers,
         "worker_restarts": 0 if supervisor is None else supervisor.restarts,
+        "coordinator_restarts": restarts,
         "cpu_s": cpu_by_role(cpu),
         "cpu_wall_s": cpu_wall,
         "pids": sorted(procs.seen),
@@ -356,6 +358,11 @@ def deploy_local(
     (run_dir / "deploy.json").write_text(json.dumps(json_safe(deployment), indent=2) + "\n")
     summary["deployment"] = deployment
     return summary
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    """The run's events, as the run left them (none when it wrote none)."""
+    return read_events(path) if path.exists() else []
 
 
 def _where_deploy(cfg: FedAsyncConfig) -> str:

@@ -108,6 +108,60 @@ REGISTER_TRIES = 5
 SuperLink is unavailable")."""
 
 
+def flwr_cli(
+    procs: Processes,
+    cli_home: Path,
+    args: list[str],
+    wrap: Callable[[list[str]], list[str]] = list,
+    timeout_s: float = 60.0,
+) -> dict[str, Any]:
+    """``flwr ARGS FEDERATION --format json`` (as ``wrap`` runs it: on the coordinator's host)
+    against the deployment's SuperLink; its JSON answer. DeployError when it fails or answers
+    something else (the tail of its output in the message)."""
+    p = procs.start(
+        f"flwr-{args[0]}",
+        wrap([tool("flwr"), *args, FEDERATION, "--format", "json"]),
+        cli_home,
+        pipe=True,
+    )
+    try:
+        out, _ = p.popen.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        p.popen.kill()
+        p.popen.communicate()
+        raise DeployError(f"flwr {args[0]} timed out after {timeout_s:g}s") from e
+    try:
+        answer = json.loads(out[out.index("{") :])
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or not answer.get("success", False):
+        raise DeployError(f"flwr {' '.join(args)} failed:\n{out[-2000:]}")
+    return answer
+
+
+def runs_at(
+    procs: Processes, cli_home: Path, wrap: Callable[[list[str]], list[str]] = list
+) -> list[dict[str, Any]]:
+    """The runs the SuperLink knows (``flwr ls``): run id, status (``running``,
+    ``finished:stopped``, ...), times, traffic."""
+    return list(flwr_cli(procs, cli_home, ["ls"], wrap)["runs"])
+
+
+def stop_orphan_runs(
+    procs: Processes, cli_home: Path, wrap: Callable[[list[str]], list[str]] = list
+) -> list[int]:
+    """``flwr stop`` every run the SuperLink still counts as pending, starting or running:
+    after a coordinator restart none has a ServerApp any more, and a SuperNode that was
+    fetching one's message would retry it until Flower's heartbeat timeout gave up on the run
+    (~40 s) before it took the new run's work. The run ids stopped."""
+    stopped = []
+    for run in runs_at(procs, cli_home, wrap):
+        if run["status"].split(":")[0] in ("pending", "starting", "running"):
+            flwr_cli(procs, cli_home, ["stop", str(run["run-id"])], wrap)
+            stopped.append(int(run["run-id"]))
+    return stopped
+
+
 def register_nodes(
     procs: Processes,
     cli_home: Path,
@@ -201,25 +255,36 @@ def supernode_command(
         raise DeployError(str(e)) from e
 
 
-def superlink_command(port: int, paths: CertPaths, host: str = "127.0.0.1") -> list[str]:
-    """flower-superlink on ``host``:``port``: TLS, SuperNode authentication, no installs."""
+def superlink_command(
+    port: int, paths: CertPaths, host: str = "127.0.0.1", database: Path | None = None
+) -> list[str]:
+    """flower-superlink on ``host``:``port``: TLS, SuperNode authentication, no installs; its
+    state (registered nodes, runs, messages) in the SQLite file ``database`` (None: memory)."""
     return [
         tool("flower-superlink"),
         *("--ssl-certfile", str(paths.server_cert), "--ssl-keyfile", str(paths.server_key)),
         *("--ssl-ca-certfile", str(paths.ca_cert), "--enable-supernode-auth"),
         "--disable-runtime-dependency-installation",
         *("--host", host, "--port", str(port)),
+        *(("--database", str(database)) if database is not None else ()),
     ]
 
 
 def start_superlink(
-    procs: Processes, work: Path, paths: CertPaths, where: Placement | None = None
+    procs: Processes,
+    work: Path,
+    paths: CertPaths,
+    where: Placement | None = None,
+    *,
+    port: int | None = None,
+    database: Path | None = None,
 ) -> tuple[Proc, int]:
     """Start the SuperLink (on the coordinator's host of ``where``, default this one's
-    loopback) and wait until it listens; (its process, its port)."""
+    loopback; on ``port``, default the placement's) with its state in ``database`` (see
+    `superlink_command`), and wait until it listens; (its process, its port)."""
     where = where or Local()
-    port = where.link_port()
-    cmd = where.argv("coordinator", superlink_command(port, paths, where.link_host))
+    port = where.link_port() if port is None else port
+    cmd = where.argv("coordinator", superlink_command(port, paths, where.link_host, database))
     link = procs.start("superlink", cmd, work / "superlink")
     wait_for_port(port, lambda: link.popen.poll() is None, 60.0, where.listening)
     return link, port

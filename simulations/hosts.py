@@ -154,7 +154,6 @@ class HostFederation:
         for h in self.hosts.values():
             for pid in namespace_pids(h.namespace):
                 _kill(pid)
-        left = []
         for h in self.hosts.values():
             if h.namespace in list_namespaces():
                 _ip("netns", "del", h.namespace, check=False)
@@ -204,6 +203,24 @@ class HostFederation:
         self.partitioned.discard(host)
         log.info("host %s healed", host)
 
+    def crash(self, host: str) -> list[int]:
+        """``host`` goes down at once, as a machine that loses power: SIGKILL to every process
+        in its namespace (nothing ends cleanly, nothing is flushed); the pids killed. Its
+        network stays: a restarted process listens at the same address."""
+        pids = namespace_pids(self.hosts[host].namespace)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+            time.sleep(0.05)  # (a zombie keeps its /proc entry until its parent reaps it)
+            if all(_zombie(p) for p in pids if Path(f"/proc/{p}").exists()):
+                break
+        log.info("host %s crashed: %d processes killed", host, len(pids))
+        return pids
+
     def limit(self, host: str, mbit: float, burst_kb: int = 64) -> None:
         """``host``'s link limited to ``mbit`` Mbit/s in both directions (``tc tbf``)."""
         h = self.hosts[host]
@@ -234,6 +251,13 @@ def namespace_pids(namespace: str) -> list[int]:
     """The processes running in ``namespace``."""
     out = _ip("netns", "pids", namespace, check=False).stdout
     return [int(x) for x in out.split() if x.isdigit()]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _kill(pid: int, grace_s: float = 3.0) -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Protocol
 
-from simulations.hosts import HostFederation
+from simulations.hosts import HostFederation, namespace_pids
 
 LINK_PORT = 9092
 """The SuperLink's port on a host of its own (a fresh network stack: always free)."""
@@ -41,6 +42,10 @@ class Placement(Protocol):
 
     def listening(self, port: int) -> bool:
         """Whether the SuperLink accepts connections on ``port`` (from the coordinator)."""
+
+    def coordinator_pids(self, marked: list[int]) -> list[int]:
+        """The coordinator's live processes (SuperLink, SuperExec, ServerApp, flwr CLI), of
+        ``marked`` (the deployment's) where the placement cannot tell otherwise."""
 
 
 class Local:
@@ -70,6 +75,10 @@ class Local:
         with socket.socket() as s:
             s.settimeout(0.5)
             return s.connect_ex(("127.0.0.1", port)) == 0
+
+    def coordinator_pids(self, marked: list[int]) -> list[int]:
+        """Those of ``marked`` running a coordinator's program (by their command line)."""
+        return [pid for pid in marked if program_names(pid) & COORDINATOR_PROGRAMS]
 
 
 class OnHosts:
@@ -104,3 +113,20 @@ class OnHosts:
         )
         cmd = self.fed.argv("coordinator", [sys.executable, "-c", probe, self.link_host, str(port)])
         return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+
+    def coordinator_pids(self, marked: list[int]) -> list[int]:
+        """Every process on the coordinator's host."""
+        return namespace_pids(self.fed.hosts["coordinator"].namespace)
+
+
+COORDINATOR_PROGRAMS = {"flower-superlink", "flower-superexec", "flwr-serverapp", "flwr"}
+"""The programs a coordinator runs (a silo's are flower-supernode and its ClientApp workers)."""
+
+
+def program_names(pid: int) -> set[str]:
+    """The program names in ``pid``'s command line (empty when it is gone)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return set()
+    return {Path(a.decode(errors="replace")).name for a in args[:3] if a}

@@ -71,6 +71,15 @@ CLIENT_APP_TASK = "flwr-clientapp"
 """Flower's task type of a ClientApp task (``flwr.supercore.constant.TaskType.CLIENT_APP``)."""
 
 
+class TaskGone(BaseException):
+    """The task's run was stopped at the SuperLink (``flwr stop``) while the worker held it:
+    Flower's HTTP client, refused with 401 on the task's token, sends its own process SIGINT
+    (it expects a one-task ``flwr-clientapp``, which then exits). The worker takes that SIGINT
+    as "drop the task in hand" and goes on to the next one instead of dying and being
+    restarted (a fresh worker needs seconds to import torch and MONAI). A BaseException, so
+    that no retry loop of Flower's takes it for a failed attempt."""
+
+
 def check_flower_internals() -> dict[str, Any]:
     """Import everything the worker uses from Flower; FlowerInternalsMoved (naming what is
     missing and the installed flwr version) when any of it moved, so that an upgrade fails
@@ -162,6 +171,8 @@ class Worker:
         self.app: Any = None
         self.tasks = 0
         self.stopping = False
+        self.in_task = False
+        """Inside ``run_task`` (a SIGINT then drops the task: `TaskGone`)."""
         import torch
 
         self.torch_seed = torch.initial_seed()  # what a fresh process's generator starts at
@@ -263,6 +274,7 @@ class Worker:
         message = reply = context = None
         marks = {"start": t0}
         status, details = f["SubStatus"].FAILED, "ClientApp task failed due to unknown reason"
+        self.in_task = True
         try:
             heartbeat.start()
             message, context, run, fab = f["pull_task_input"](client)
@@ -272,6 +284,9 @@ class Worker:
             reply = app(message=message, context=context)
             marks["ran"] = time.perf_counter()
             status, details = f["SubStatus"].COMPLETED, ""
+        except TaskGone:
+            log.info("task %d: its run was stopped at the SuperLink: dropped", task_id)
+            reply = None  # nothing to reply to: the SuperLink refuses the task's calls
         except Exception as e:  # noqa: BLE001 - as flwr-clientapp: an error reply, not a crash
             log.exception("task %d: the ClientApp raised", task_id)
             details = f"{type(e)}:<'{str(e)[:500]}'>"
@@ -279,6 +294,7 @@ class Worker:
                 error = f["Error"](code=f["ErrorCode"].CLIENT_APP_RAISED_EXCEPTION, reason=details)
                 reply = Message(error, reply_to=message)
         finally:
+            self.in_task = False
             try:
                 if reply is not None and context is not None:
                     f["push_message"](client, reply, context)
@@ -395,7 +411,12 @@ def main(argv: list[str] | None = None) -> int:
             return
         raise SystemExit(128 + signum)
 
+    def drop_task(signum: int, frame: Any) -> None:
+        if worker.in_task and not worker.stopping:
+            raise TaskGone  # (between tasks a SIGINT changes nothing)
+
     set_handlers(stop, (signal.SIGTERM,))
+    set_handlers(drop_task, (signal.SIGINT,))
     return worker.serve()
 
 

@@ -239,7 +239,8 @@ def test_the_rl_backend_fallback_returns_a_new_config(monkeypatch, caplog):
 
 def test_deploy_prepare_returns_a_new_config(tmp_path, monkeypatch):
     # Prepare: a relative out_dir, the erasure service on
-    from simulations.deploy import prepare, write_run_config
+    from simulations.coordinator import write_run_config
+    from simulations.deploy import prepare
 
     monkeypatch.chdir(tmp_path)
     cfg = from_container(

@@ -56,7 +56,8 @@ from protocol.config import build_silos
 from server.checkpoint import load_state
 from simulations.app_bundle import stage_app
 from simulations.config import load_config
-from simulations.deploy import prepare, write_run_config
+from simulations.coordinator import write_run_config
+from simulations.deploy import prepare
 from simulations.deploy_progress import EventTail
 from simulations.erase_cli import main as erase
 from simulations.erasure_watch import ErasureWatcher, start_watches

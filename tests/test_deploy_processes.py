@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
+import simulations.coordinator as coordinator
 import simulations.deploy as deploy
 from clients.privacy import ledger_path
 from fedasync.processes import Proc, Processes, _kill, alive, find_orphans, sweep_orphans
 from protocol.keys import PRIVACY_DB
-from server.run_config import config_from_run_config
+from server.run_config import config_from_run_config, run_config_toml
 from simulations.certs import CertPaths
 from simulations.config import to_container
-from simulations.deploy import SYNC_NOT_RUN, deploy_local, privacy_ledgers, run_config_toml
+from simulations.deploy import SYNC_NOT_RUN, deploy_local, privacy_ledgers
 from simulations.deploy_progress import EventTail, measurements, round_trips
 from simulations.flower_commands import FEDERATION, DeployError, supernode_command, write_cli_config
 
@@ -205,7 +206,7 @@ def test_deploy_local_gives_supernodes_ledgers_and_says_sync_is_not_run(
     monkeypatch.setattr(
         deploy,
         "start_superlink",
-        lambda procs, work, paths, where=None: (
+        lambda procs, work, paths, where=None, **kw: (
             procs.start("superlink", ["true"], work / "superlink"),
             1,
         ),
@@ -215,7 +216,7 @@ def test_deploy_local_gives_supernodes_ledgers_and_says_sync_is_not_run(
         "register_nodes",
         lambda procs, home, keys, wrap=list: {k: 100 + i for i, k in enumerate(keys)},
     )
-    monkeypatch.setattr(deploy, "stage_app", lambda dest, serverapp=None: dest)
+    monkeypatch.setattr(coordinator, "stage_app", lambda dest, serverapp=None: dest)
     folder = None if privacy_dir is None else tmp_path / privacy_dir
     lines: list[str] = []
     # Execute
