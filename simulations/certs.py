@@ -137,6 +137,17 @@ def parse_hosts(hosts: list[str]) -> list[x509.GeneralName]:
     return names
 
 
+def names_hosts(cert_path: Path, hosts: list[str]) -> bool:
+    """Whether the certificate at ``cert_path`` names every one of ``hosts`` (its subject
+    alternative names); False when it cannot be read."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return False
+    return all(name in list(san) for name in parse_hosts(hosts))
+
+
 def make_server_cert(
     ca_key: ec.EllipticCurvePrivateKey,
     ca_cert: x509.Certificate,

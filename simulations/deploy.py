@@ -69,7 +69,7 @@ from fedasync.processes import Processes, owner_token, sweep_orphans
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
 from server.summary import no_version_reason
-from simulations.certs import CertPaths, private_dir, write_certs, write_file
+from simulations.certs import CertPaths, names_hosts, private_dir, write_certs, write_file
 from simulations.config import to_yaml
 from simulations.coordinator import (
     fresh_database,
@@ -173,6 +173,9 @@ def prepare(
     if not paths.complete():
         if certs is not None:
             raise DeployError(f"{certs} lacks files for {n} silos (make them: fedasync certs)")
+        paths = write_certs(paths.root, n, cert_hosts, force=True)
+    elif certs is None and not names_hosts(paths.server_cert, cert_hosts or []):
+        # a resumed run on other addresses (another host federation): certificates for them
         paths = write_certs(paths.root, n, cert_hosts, force=True)
     if cfg.unlearning.service:
         cfg = prepare_erasure(cfg, work / "erasure", paths)
@@ -291,7 +294,11 @@ def deploy_local(
         while True:
             while flwr_run.popen.poll() is None and link.popen.poll() is None:
                 if watches is None:
-                    watches = start_watches(cfg, run_dir, paths, started_at)
+                    watches = (
+                        start_watches(cfg, run_dir, paths, started_at)
+                        if where.erasure_watches
+                        else []
+                    )
                 show(events.poll(), echo, cfg.run.progress)
                 for p in supernodes:
                     if p.popen.poll() is not None:

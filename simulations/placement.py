@@ -30,6 +30,9 @@ class Placement(Protocol):
 
     link_host: str
     cert_hosts: list[str]
+    erasure_watches: bool
+    """Whether each silo's erasure watch (``fedasync node --erasure-service``) runs in the
+    deployment's own process (it reaches the service on the coordinator's loopback)."""
 
     def argv(self, role: str, argv: list[str]) -> list[str]:
         """``argv`` as ``role`` runs it."""
@@ -53,6 +56,7 @@ class Local:
 
     link_host = "127.0.0.1"
     cert_hosts: list[str] = []
+    erasure_watches = True
 
     def argv(self, role: str, argv: list[str]) -> list[str]:
         """``argv`` unchanged."""
@@ -83,6 +87,11 @@ class Local:
 
 class OnHosts:
     """The coordinator on host ``coordinator`` of ``fed``, silo s on host ``hospital<s>``."""
+
+    erasure_watches = False
+    """The erasure service listens on the coordinator's host, which this machine's own
+    network does not reach: the silos' watches (which stop a training job an erasure
+    interrupts) are not run; an erasure then starts when its silo's job in flight ends."""
 
     def __init__(self, fed: HostFederation) -> None:
         self.fed = fed

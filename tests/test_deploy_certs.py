@@ -150,3 +150,21 @@ def test_node_keys_load_the_way_flower_loads_them(certs):
         b"x",
         sign_message(other, b"x"),  # type: ignore[arg-type]
     )
+
+
+def test_a_resumed_deployment_on_other_addresses_gets_certificates_that_name_them(
+    small_cfg, tmp_path
+):
+    from simulations.certs import names_hosts
+    from simulations.deploy import prepare
+
+    cfg = small_cfg("silos.count=2", f"run.out_dir={tmp_path}")
+    _, _, first, _ = prepare(cfg, None, cert_hosts=["10.101.0.1"])
+    assert names_hosts(first.server_cert, ["10.101.0.1"])
+    assert not names_hosts(first.server_cert, ["10.102.0.1"])
+    again = first.server_cert.read_bytes()
+    _, _, same, _ = prepare(cfg, None, cert_hosts=["10.101.0.1"])  # same hosts: kept
+    assert same.server_cert.read_bytes() == again
+    _, _, moved, _ = prepare(cfg, None, cert_hosts=["10.102.0.1"])  # another federation
+    assert names_hosts(moved.server_cert, ["10.102.0.1"])
+    assert names_hosts(moved.server_cert, [])  # (the loopback names, always)

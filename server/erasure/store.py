@@ -20,7 +20,7 @@ the database's mode, and files left by an older version are chmod-ed on open.
 
 Refused calls go to a capped table in the same file (``refusals.RefusalLog``).
 
-One file (over 400 lines) because every method is a transaction or read on the one
+One file (over 500 lines) because every method is a transaction or read on the one
 connection under the one lock, and the write path's guarantees (request and audit row in one
 commit, then ``changed``) are checked here in one place; the row types and the refusal table
 are already apart (``records``, ``refusals``).

@@ -52,6 +52,17 @@ ACTOR_START_S = 180.0
 """How long the first actors may take to start (import torch, build the policy)."""
 
 
+def kill_actors(actors: list[Any]) -> None:
+    """``ray.kill`` each of ``actors`` (no restart); one already gone is skipped."""
+    import ray
+
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already gone
+            pass
+
+
 def ray_available() -> str | None:
     """None when Ray can be used here, else a one-line reason."""
     try:
@@ -314,11 +325,7 @@ class RayBackend:
         self.pending.clear()
         self.refs.clear()
         if ray.is_initialized():
-            for a in self.actors:
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception:  # already gone
-                    pass
+            kill_actors(self.actors)
         self.actors = []
         if self.started_ray:
             self._stop_ray()

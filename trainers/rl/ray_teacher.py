@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainers.rl.config import RLConfig
-from trainers.rl.ray_backend import ACTOR_START_S
+from trainers.rl.ray_backend import ACTOR_START_S, kill_actors
 from trainers.rl.rollout import Group
 
 if TYPE_CHECKING:
@@ -273,11 +273,7 @@ class RayTeacherPool:
                     self.pids_seen.update(ray.get(done, timeout=0))
             except Exception:
                 pass
-            for a in self.actors:
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception:  # already gone
-                    pass
+            kill_actors(self.actors)
         self.actors = []
         self.pending.clear()
         self._pid_refs = []
