@@ -470,6 +470,8 @@ def slow_link(out: Path, seed: int, args: argparse.Namespace) -> dict:
             res[f"{link}_fedavg"]["time_to_target_s"],
         )
         res[f"{link}_speedup"] = None if a is None or f is None else f / a
+        if a is not None and f is None:  # FedAvg never got there: a lower bound
+            res[f"{link}_speedup_at_least"] = args.slow_budget_s / a
     return res
 
 

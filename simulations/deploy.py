@@ -437,6 +437,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="warm: one long-lived ClientApp worker per SuperNode (default); flower: Flower's "
         "own process per message",
     )
+    loc.add_argument(
+        "--coordinator-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="bring the coordinator back up to N times when its SuperLink exits (SuperLink "
+        "from its database, run from its checkpoint), as a service manager would (default 0: "
+        "the run fails)",
+    )
     loc.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.budget_s=120")
 
 
@@ -454,8 +463,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedasync: {e}", file=sys.stderr)
         return 2
     try:
+        if not 0 <= args.coordinator_restarts <= 100:
+            raise DeployError("--coordinator-restarts must be within [0, 100]")
         summary = deploy_local(
-            cfg, certs=args.certs, privacy_dir=args.privacy_dir, workers=args.workers
+            cfg,
+            certs=args.certs,
+            privacy_dir=args.privacy_dir,
+            workers=args.workers,
+            coordinator_restarts=args.coordinator_restarts,
         )
     except (DeployError, NodeError) as e:
         print(f"fedasync deploy: {e}", file=sys.stderr)

@@ -177,6 +177,11 @@ class Worker:
 
         self.torch_seed = torch.initial_seed()  # what a fresh process's generator starts at
 
+    def drop_task(self, signum: int, frame: Any) -> None:
+        """SIGINT's handler: `TaskGone` inside a task (between tasks it changes nothing)."""
+        if self.in_task and not self.stopping:
+            raise TaskGone
+
     def _client(self, component: str, token: str | None = None) -> Any:
         f = self.f
         interceptors = [f["RuntimeVersionHttpInterceptor"](component_name=component)]
@@ -411,12 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             return
         raise SystemExit(128 + signum)
 
-    def drop_task(signum: int, frame: Any) -> None:
-        if worker.in_task and not worker.stopping:
-            raise TaskGone  # (between tasks a SIGINT changes nothing)
-
     set_handlers(stop, (signal.SIGTERM,))
-    set_handlers(drop_task, (signal.SIGINT,))
+    set_handlers(worker.drop_task, (signal.SIGINT,))
     return worker.serve()
 
 

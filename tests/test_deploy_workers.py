@@ -362,3 +362,55 @@ def test_fedasync_node_runs_a_supernode_and_its_worker_and_stops_both(tmp_path):
         if proc is not None and proc.poll() is None:
             proc.kill()
         assert procs.stop(grace_s=10.0) == []
+
+
+def test_a_task_whose_run_was_stopped_is_dropped_and_the_worker_goes_on(monkeypatch):
+    """flwr stop: Flower's HTTP client, refused with 401 on the task's token, sends its own
+    process SIGINT. The warm worker drops the task in hand (no reply, its end reported) and
+    serves the next one, where Flower's one-task ClientApp process would exit; between tasks a
+    SIGINT changes nothing."""
+    from simulations.worker import Worker
+
+    worker = Worker("127.0.0.1:1")  # (nothing is dialled: the runtime calls are stand-ins)
+    seen: dict[str, object] = {}
+
+    class Client:
+        def close(self) -> None:
+            seen["closed"] = True
+
+    class Heartbeat:
+        is_running = False
+
+        def __init__(self, fn) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+    def pull_task_input(client):
+        os.kill(os.getpid(), signal.SIGINT)  # as Flower's retry does on a 401
+        for _ in range(200):  # the signal lands at the next bytecode: in this loop
+            time.sleep(0.05)
+        seen["not interrupted"] = True
+        raise AssertionError("the task was not dropped")
+
+    monkeypatch.setattr(worker, "_client", lambda component, token=None: Client())
+    worker.f = {
+        **worker.f,
+        "HeartbeatSender": Heartbeat,
+        "make_task_heartbeat_fn_http": lambda client: None,
+        "pull_task_input": pull_task_input,
+        "push_message": lambda *a: seen.setdefault("replied", a),
+        "push_task_output": lambda client, context, status, details: seen.setdefault(
+            "status", status
+        ),
+    }
+    previous = signal.signal(signal.SIGINT, worker.drop_task)
+    try:
+        worker.run_task("token", 7)
+        assert "not interrupted" not in seen and "replied" not in seen
+        assert seen["status"] == worker.f["SubStatus"].FAILED and seen["closed"]
+        assert worker.tasks == 1 and not worker.in_task
+        worker.drop_task(signal.SIGINT, None)  # between tasks: nothing happens
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -193,3 +193,25 @@ def test_a_stoppable_grid_around_the_deployment_grid_still_stops_the_run_at_a_po
             puller.pull(["sent-1"])
     finally:
         puller.close()
+
+
+def test_what_counts_as_a_stop_and_what_as_a_failure():
+    import httpx
+    from flwr.supercore.run import RunNotRunningException
+
+    from server.stopping import RunStopped, stop_reason
+
+    def refused(status: int, path: str) -> httpx.HTTPStatusError:
+        request = httpx.Request("POST", f"https://10.0.0.1:9092{path}")
+        response = httpx.Response(status, request=request)
+        return httpx.HTTPStatusError("refused", request=request, response=response)
+
+    assert stop_reason(RunStopped("SIGINT")) == "SIGINT"
+    assert stop_reason(RunStopped()) == "stop requested"
+    assert "flwr stop" in stop_reason(RunNotRunningException())
+    assert "revoked" in stop_reason(refused(401, "/v1/runtime/pull-messages"))
+    # anything else is a failure, not a stop: the run must not end as if stopped on purpose
+    assert stop_reason(refused(401, "/v1/fleet/pull-messages")) is None
+    assert stop_reason(refused(500, "/v1/runtime/pull-messages")) is None
+    assert stop_reason(ValueError("bad reply")) is None
+    assert stop_reason(KeyboardInterrupt()) is None
