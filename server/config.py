@@ -191,6 +191,10 @@ class ServerConfig:
     """Wall seconds after which an unanswered message is abandoned and its silo re-sent work;
     also every message's Flower TTL (the SuperLink drops it, a SuperNode never starts it, after
     this long)."""
+    reply_stall_s: float = 30.0
+    """Deployment: wall seconds a reply whose content is still arriving may go without any of
+    it arriving before it counts as failed and its silo is sent new work (a link that dropped
+    mid-upload can leave content that never comes; server/reply_pull.py)."""
     poll_interval_s: float = 0.05
     """Wall clock (deployment): seconds between polls for replies; each poll is a request to the
     SuperLink. The virtual clock (simulation) polls every 5 ms."""

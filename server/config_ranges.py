@@ -45,6 +45,7 @@ RANGES: dict[str, Range] = {
     "server.checkpoint_every": NON_NEGATIVE,
     "server.wait_for_nodes_s": POSITIVE,
     "server.reply_timeout_s": POSITIVE,
+    "server.reply_stall_s": POSITIVE,
     "server.poll_interval_s": POSITIVE,
     "server.offline_retry_s": NON_NEGATIVE,
     # silos

@@ -83,7 +83,7 @@ class AsyncServer:
     ):
         self.cfg = cfg
         self.grid = grid
-        self.puller = ReplyPuller(grid, cfg.server.reply_timeout_s)  # never waits on one reply
+        self.puller = ReplyPuller(grid, cfg.server.reply_timeout_s, cfg.server.reply_stall_s)
         self.run_dir = run_dir
         # one flat buffer per dtype (fedasync/flat.py): every fold and correction is fused
         self.params: Params = flatten(initial_params, device="cpu")

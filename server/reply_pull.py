@@ -14,9 +14,13 @@ after its link came back (the hospital's TCP retransmission, then its upload's r
 ``PullMessages`` call; each reply's objects are tried once at once, and a reply with objects
 still missing is finished on a thread of its own (retries after 10 ms, doubling up to 0.2 s)
 while the loop goes on. A later ``pull`` returns it once its content is complete. A reply
-whose content has not come within ``max_wait_s`` becomes an error reply (as Flower makes one,
-``MESSAGE_UNAVAILABLE``): the loop counts its silo's work as failed and sends it new work; the
-loop abandons the job at the same deadline anyway (``server.reply_timeout_s``).
+whose content stops arriving for ``stall_s`` (``server.reply_stall_s``), or is not whole
+within ``max_wait_s`` (``server.reply_timeout_s``, when the loop abandons the job anyway),
+becomes an error reply (as Flower makes one, ``MESSAGE_UNAVAILABLE``): the loop counts its
+silo's work as failed and sends it new work. The stall bound matters: a SuperNode whose link
+dropped mid-upload retries its push once the link is back and reports it sent, while the
+content the SuperLink handed out stays incomplete; without the bound its silo got no work for
+``server.reply_timeout_s`` (600 s by default) after a 60 s partition.
 
 Any other grid (Flower's simulation runtime, a test's) is pulled as it is; a
 ``StoppableGrid`` around the HTTP grid still stops the run at a poll. This relies on
@@ -62,15 +66,18 @@ log = logging.getLogger("fedasync.server")
 FIRST_RETRY_S = 0.01
 """Seconds before an object that is not there yet is tried again (doubling, up to 0.2 s)."""
 RETRY_CAP_S = 0.2
+SLOW_S = 5.0
+"""A reply whose content is still arriving after this many seconds is logged (once)."""
 
 
 class ReplyPuller:
     """``pull(ids)``: the replies to ``ids`` whose content is complete, never waiting for one
     whose content is still arriving (see the module's docstring)."""
 
-    def __init__(self, grid: Any, max_wait_s: float):
+    def __init__(self, grid: Any, max_wait_s: float, stall_s: float | None = None):
         self.grid = grid
         self.max_wait_s = max_wait_s
+        self.stall_s = max_wait_s if stall_s is None else min(stall_s, max_wait_s)
         self.two_step = isinstance(getattr(grid, "inner", grid), HttpGrid)  # (StoppableGrid)
         self._done: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._arriving: dict[str, threading.Thread] = {}  # reply_to id -> its content's thread
@@ -163,16 +170,38 @@ class ReplyPuller:
         self, proto: Any, run_id: int, fetch: Any, missing: list[str], contents: dict[str, bytes]
     ) -> None:
         start, delay = time.monotonic(), FIRST_RETRY_S
+        progress, told = start, False  # when an object last came; the slow line said
+        mid = proto.metadata.reply_to_message_id
         try:
             while missing:
                 if self._closed.wait(delay):
                     return
+                before = len(missing)
                 missing = self._try_once(fetch, missing, contents)
-                if missing and time.monotonic() - start >= self.max_wait_s:
+                now = time.monotonic()
+                if len(missing) < before:
+                    progress, delay = now, FIRST_RETRY_S
+                    continue
+                if not told and now - start >= SLOW_S:
+                    told = True
+                    log.info(
+                        "the reply to %s: %d of its objects still not here after %.0f s",
+                        mid[:12],
+                        len(missing),
+                        now - start,
+                    )
+                if now - progress >= self.stall_s:
+                    raise ObjectPullError(
+                        missing[0],
+                        f"none of its last {len(missing)} objects came for {self.stall_s:g}s "
+                        "(server.reply_stall_s; a link cut mid-upload)",
+                    )
+                if now - start >= self.max_wait_s:
                     raise ObjectPullError(missing[0], f"not there after {self.max_wait_s:g}s")
                 delay = min(delay * 2, RETRY_CAP_S)
             self._done.put(self._finish(proto, run_id, contents))
         except ObjectPullError as e:
+            log.warning("the reply to %s counts as failed: %s", mid[:12], e)
             self._done.put(self._unavailable(proto, run_id, str(e)))
         except Exception as e:  # the SuperLink went away: the loop's own pull will say so
             if not self._closed.is_set():

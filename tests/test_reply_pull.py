@@ -215,3 +215,49 @@ def test_what_counts_as_a_stop_and_what_as_a_failure():
     assert stop_reason(refused(500, "/v1/runtime/pull-messages")) is None
     assert stop_reason(ValueError("bad reply")) is None
     assert stop_reason(KeyboardInterrupt()) is None
+
+
+def _pull_until(puller: ReplyPuller, ids: list[str], timeout_s: float = 15.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = puller.pull(ids)
+        if got:
+            return got
+        time.sleep(0.02)
+    return []
+
+
+def test_content_that_stops_arriving_counts_as_failed_after_the_stall_bound():
+    """A link cut mid-upload: the SuperNode later reports its reply sent, but the content the
+    SuperLink handed out never completes. Past ``server.reply_stall_s`` without an object
+    arriving the reply is an error reply (its silo is sent new work), long before
+    ``server.reply_timeout_s``."""
+    api = RuntimeAPI()
+    api.add("sent-0", _reply(0), hold=True)
+    puller = ReplyPuller(_grid(api), max_wait_s=600, stall_s=0.3)
+    try:
+        assert puller.pull(["sent-0"]) == []
+        (got,) = _pull_until(puller, ["sent-0"])
+        assert got.has_error() and "reply_stall_s" in got.error.reason
+    finally:
+        puller.close()
+
+
+def test_content_arriving_slowly_but_steadily_is_waited_for():
+    """A slow link: each object takes a while, but objects keep coming; the stall bound is
+    between two objects, not over the whole reply."""
+    api = RuntimeAPI()
+    api.add("sent-0", _reply(0), hold=True)
+    held = sorted(api.held)
+    assert len(held) >= 2
+    puller = ReplyPuller(_grid(api), max_wait_s=600, stall_s=2.0)
+    try:
+        assert puller.pull(["sent-0"]) == []
+        for oid in held:  # one object every 1.2 s: 1.2 s x n in all, more than 2 s
+            time.sleep(1.2)
+            with api.lock:
+                api.held.discard(oid)
+        (got,) = _pull_until(puller, ["sent-0"])
+        assert not got.has_error() and got.content["m"]["silo"] == 0
+    finally:
+        puller.close()
