@@ -501,7 +501,13 @@ def main() -> int:
     )
     ap.add_argument("--out", default="runs/bench-deployment-faults")
     ap.add_argument("--json", help="write every row here too")
+    ap.add_argument(
+        "--report", help="print the summary and verdicts of a saved --json; run nothing"
+    )
     args = ap.parse_args()
+    if args.report:
+        rows = json.loads(Path(args.report).read_text())
+        return 0 if _report(rows) else 1
     why = available()
     if why is not None:
         print(f"deployment_faults: cannot make network namespaces here: {why}")
@@ -529,8 +535,7 @@ def main() -> int:
             print(json.dumps(row, default=str), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    _report(rows)
-    return 0
+    return 0 if _report(rows) else 1
 
 
 def _spread(values: list) -> str:
@@ -540,7 +545,55 @@ def _spread(values: list) -> str:
     return f"{statistics.fmean(v):.2f} [{min(v):.2f}, {max(v):.2f}] (n={len(v)})"
 
 
-def _report(rows: list[dict]) -> None:
+BACK_WITHIN_S = 30.0
+"""Goal: the partitioned hospital back at its full update rate within this long."""
+
+
+def verdict(row: dict) -> list[str]:
+    """What ``row`` (one scenario, one seed) fails of the goals; empty when it passes."""
+    bad = []
+    if "error" in row:
+        return [row["error"]]
+    if row.get("applied_twice"):
+        bad.append(f"{row['applied_twice']} updates applied twice")
+    if row.get("accepted_lost"):
+        bad.append(f"{row['accepted_lost']} accepted updates lost")
+    name = row["scenario"]
+    if name in ("partition", "erasure"):
+        back = row.get("h0_full_rate_after_heal_s")
+        if back is None or back > BACK_WITHIN_S:
+            bad.append(f"hospital 0 not back at full rate within {BACK_WITHIN_S:g} s ({back})")
+        if not row.get("others_rate_during"):
+            bad.append("the other hospitals stalled during the cut")
+    for e in row.get("erasures", []):
+        if e["applied"] > 1:
+            bad.append(f"silo {e['silo']}'s erasure applied {e['applied']} times")
+    if name == "erasure" and len(row.get("erasures", [])) != 2:
+        bad.append(f"{len(row.get('erasures', []))} erasure requests in the store, 2 submitted")
+    if name == "restart":
+        if len(row.get("erasures", [])) != row.get("requests_at_crash"):
+            bad.append("an erasure request was lost or added across the restart")
+        if row.get("all_back_s") is None:
+            bad.append("a hospital did not come back after the restart")
+    if name == "stop":
+        if row.get("ls_status") != "finished:stopped" or not row.get("stopped_summary"):
+            bad.append(
+                f"the stop: flwr ls {row.get('ls_status')}, summary {row.get('stopped_summary')}"
+            )
+        if row.get("resumed_at_version") != row.get("stopped_at_version"):
+            bad.append("the resume did not continue from the stop's checkpoint")
+        if not row.get("flwr_log_shows_start"):
+            bad.append("flwr log does not show the run")
+    if name == "slow-link":
+        lim, unl = row.get("limited_speedup"), row.get("unlimited_speedup")
+        lim = lim if lim is not None else row.get("limited_speedup_at_least")
+        if lim is None or unl is None or lim < unl:
+            bad.append(f"async's advantage on the slow link {lim} < unlimited {unl}")
+    return bad
+
+
+def _report(rows: list[dict]) -> bool:
+    """Print the summary over seeds and each row's verdict; True when every row passes."""
     print("\nsummary (mean [min, max] over seeds):")
     for name in SCENARIOS:
         r = [x for x in rows if x["scenario"] == name and "error" not in x]
@@ -554,9 +607,20 @@ def _report(rows: list[dict]) -> None:
         print(f"  {name}:")
         for k in keys:
             print(f"    {k}: {_spread([x.get(k) for x in r])}")
-        errors = [x for x in rows if x["scenario"] == name and "error" in x]
-        if errors:
-            print(f"    errors: {[x['error'] for x in errors]}")
+        for x in r:
+            for e in x.get("erasures", []):
+                print(f"    seed {x['seed']}: silo {e['silo']}'s erasure {' -> '.join(e['path'])}")
+    ok = True
+    print("\nverdicts:")
+    for x in rows:
+        if x["scenario"] == "undisturbed":
+            continue
+        bad = verdict(x)
+        ok = ok and not bad
+        print(
+            f"  {x['scenario']} seed {x['seed']}: {'PASS' if not bad else 'FAIL: ' + '; '.join(bad)}"
+        )
+    return ok
 
 
 if __name__ == "__main__":
