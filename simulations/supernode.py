@@ -17,11 +17,18 @@ its task claimed, so a warm worker holding the task retried the objects for ~100
 500 tries) before it could take the next run's work; Flower's own failure path deletes both
 and finishes the task, and the worker's next try finds the objects gone.
 
+A SuperNode that lost the SuperLink (its link dropped, the coordinator restarted) tries again
+at most ``--retry-max-s`` apart (default 2 s; Flower: doubling up to 20 s), so that it is back
+within seconds of the link (``cap_retry_delay``): after a 60 s partition hospitals came back
+8-26 s after the link did with Flower's 20 s, as the retries had spread out by then.
+
 The price: an idle SuperNode asks the SuperLink for work every ``--idle-max-s`` instead of
 every 3 s, and more often right after a message (one HTTPS request each;
-``benchmarks/deployment_overhead.py`` reports the SuperLink's and the SuperNodes' CPU).
+``benchmarks/deployment_overhead.py`` reports the SuperLink's and the SuperNodes' CPU); a
+disconnected one tries to connect every ``--retry-max-s``.
 
-    python -m simulations.supernode [--idle-s 0.05] [--idle-max-s 0.5] [--push-s 0.02] <args>
+    python -m simulations.supernode [--idle-s 0.05] [--idle-max-s 0.5] [--push-s 0.02]
+        [--retry-max-s 2] <args>
 
 ``check_sleeps`` refuses to start when the sleeps are not where flwr 1.42 has them (an
 upgrade moved them): silently slow would be worse than a clear error.
@@ -140,6 +147,26 @@ def fail_stopped_runs(module: types.ModuleType) -> None:
     module.pull_objects = pull_objects  # type: ignore[attr-defined]
 
 
+RETRY_MODULE = "flwr.supercore.retry.http_retry"
+"""Where Flower 1.42's HTTP retry reads its longest wait between two tries (20 s)."""
+
+
+def cap_retry_delay(max_s: float) -> None:
+    """Make the SuperNode's HTTP retries (a lost connection to the SuperLink) wait at most
+    ``max_s`` between two tries (Flower: up to 20 s), so that a hospital whose link comes back
+    is connected again within about ``max_s`` instead of up to 20 s later. Each try is one
+    connect attempt. FlowerInternalsMoved if the constant is not where flwr 1.42 has it."""
+    import importlib
+
+    module = importlib.import_module(RETRY_MODULE)
+    if not isinstance(getattr(module, "MAX_RETRY_DELAY", None), (int, float)):
+        raise FlowerInternalsMoved(
+            f"{RETRY_MODULE} has no MAX_RETRY_DELAY: simulations.supernode was written for "
+            "flwr 1.42"
+        )
+    module.MAX_RETRY_DELAY = max_s  # type: ignore[attr-defined]
+
+
 def cap_sleeps(
     idle_s: float = 0.05, push_s: float = 0.02, idle_max_s: float = 0.5
 ) -> types.ModuleType:
@@ -160,7 +187,7 @@ def cap_sleeps(
     return module
 
 
-OPTIONS = {"--idle-s": 0.05, "--idle-max-s": 0.5, "--push-s": 0.02}
+OPTIONS = {"--idle-s": 0.05, "--idle-max-s": 0.5, "--push-s": 0.02, "--retry-max-s": 2.0}
 """The launcher's own options and their defaults (seconds)."""
 
 
@@ -186,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     """Cap the sleeps, then run Flower's ``flower-supernode`` with the other arguments."""
     opts, rest = split_args(sys.argv[1:] if argv is None else argv)
     cap_sleeps(opts["--idle-s"], opts["--push-s"], opts["--idle-max-s"])
+    cap_retry_delay(opts["--retry-max-s"])
     from flwr.common.logger import update_console_handler
     from flwr.supernode.cli import flower_supernode
 

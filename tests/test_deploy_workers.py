@@ -414,3 +414,21 @@ def test_a_task_whose_run_was_stopped_is_dropped_and_the_worker_goes_on(monkeypa
         worker.drop_task(signal.SIGINT, None)  # between tasks: nothing happens
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_supernode_that_lost_the_superlink_tries_again_at_most_2_s_apart(monkeypatch):
+    """Flower's retries double up to 20 s: after a 60 s partition a hospital came back up to
+    26 s after its link did. The launcher caps the wait between two tries."""
+    import flwr.supercore.retry.http_retry as http_retry
+
+    from simulations.supernode import cap_retry_delay, split_args
+
+    monkeypatch.setattr(http_retry, "MAX_RETRY_DELAY", http_retry.MAX_RETRY_DELAY)
+    opts, rest = split_args(["--superlink", "x:1"])
+    assert opts["--retry-max-s"] == 2.0 and rest == ["--superlink", "x:1"]
+    cap_retry_delay(opts["--retry-max-s"])
+    waits = http_retry.make_simple_http_retry_invoker().wait_gen_factory()
+    assert max(next(waits) for _ in range(12)) <= 2.0
+    monkeypatch.delattr(http_retry, "MAX_RETRY_DELAY")
+    with pytest.raises(FlowerInternalsMoved, match="MAX_RETRY_DELAY"):
+        cap_retry_delay(2.0)
