@@ -178,9 +178,11 @@ class Worker:
         self.torch_seed = torch.initial_seed()  # what a fresh process's generator starts at
 
     def drop_task(self, signum: int, frame: Any) -> None:
-        """SIGINT's handler: `TaskGone` inside a task (between tasks it changes nothing)."""
+        """SIGINT's handler: `TaskGone` inside a task; between tasks it is Ctrl-C, as Python's
+        own handler has it (KeyboardInterrupt)."""
         if self.in_task and not self.stopping:
             raise TaskGone
+        signal.default_int_handler(signum, frame)
 
     def _client(self, component: str, token: str | None = None) -> Any:
         f = self.f

@@ -368,7 +368,7 @@ def test_a_task_whose_run_was_stopped_is_dropped_and_the_worker_goes_on(monkeypa
     """flwr stop: Flower's HTTP client, refused with 401 on the task's token, sends its own
     process SIGINT. The warm worker drops the task in hand (no reply, its end reported) and
     serves the next one, where Flower's one-task ClientApp process would exit; between tasks a
-    SIGINT changes nothing."""
+    SIGINT is Ctrl-C."""
     from simulations.worker import Worker
 
     worker = Worker("127.0.0.1:1")  # (nothing is dialled: the runtime calls are stand-ins)
@@ -411,7 +411,8 @@ def test_a_task_whose_run_was_stopped_is_dropped_and_the_worker_goes_on(monkeypa
         assert "not interrupted" not in seen and "replied" not in seen
         assert seen["status"] == worker.f["SubStatus"].FAILED and seen["closed"]
         assert worker.tasks == 1 and not worker.in_task
-        worker.drop_task(signal.SIGINT, None)  # between tasks: nothing happens
+        with pytest.raises(KeyboardInterrupt):  # between tasks: Ctrl-C, as ever
+            worker.drop_task(signal.SIGINT, None)
     finally:
         signal.signal(signal.SIGINT, previous)
 
