@@ -34,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import Message
 
@@ -215,7 +215,7 @@ class ReplyPuller:
                 node=self.grid.node, run_id=run_id, message_object_id=msg_id
             )
         )
-        message = inflate_object_from_contents(msg_id, contents)
+        message = cast(Message, inflate_object_from_contents(msg_id, contents))
         message.metadata.__dict__["_message_id"] = msg_id
         return message
 

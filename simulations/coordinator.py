@@ -151,4 +151,3 @@ def stop_watches(watches: list[ErasureWatcher] | None) -> None:
     """Stop the erasure watches (they are started again against the restarted service)."""
     for watch in watches or []:
         watch.stop(timeout=2.0)
-    return None

@@ -321,7 +321,8 @@ def deploy_local(
             link, flwr_run, pump = restart_coordinator(
                 cfg, procs, where, paths, run_dir, link_port, serverapp, echo, restarts
             )
-            watches = stop_watches(watches)
+            stop_watches(watches)
+            watches = None  # started again against the restarted service
         serverapp_gone(procs, timeout_s=60.0)  # a stopped run's may still write its summary
         cpu = procs.cpu_seconds()  # before the stop: what each process used over the run
         cpu_wall = time.monotonic() - t0
