@@ -181,7 +181,7 @@ def test_launcher_rejects_bad_caps(bad):
 
 def test_launcher_passes_everything_else_to_flower():
     opts, rest = supernode.split_args(["--superlink", "h:1", "--idle-s", "0.2", "--x"])
-    assert opts == {"--idle-s": 0.2, "--idle-max-s": 0.5, "--push-s": 0.02}
+    assert opts == {"--idle-s": 0.2, "--idle-max-s": 0.5, "--push-s": 0.02, "--retry-max-s": 2.0}
     assert rest == ["--superlink", "h:1", "--x"]
 
 
