@@ -116,27 +116,33 @@ def flwr_cli(
     timeout_s: float = 60.0,
 ) -> dict[str, Any]:
     """``flwr ARGS FEDERATION --format json`` (as ``wrap`` runs it: on the coordinator's host)
-    against the deployment's SuperLink; its JSON answer. DeployError when it fails or answers
-    something else (the tail of its output in the message)."""
-    p = procs.start(
-        f"flwr-{args[0]}",
-        wrap([tool("flwr"), *args, FEDERATION, "--format", "json"]),
-        cli_home,
-        pipe=True,
-    )
-    try:
-        out, _ = p.popen.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        p.popen.kill()
-        p.popen.communicate()
-        raise DeployError(f"flwr {args[0]} timed out after {timeout_s:g}s") from e
-    try:
-        answer = json.loads(out[out.index("{") :])
-    except ValueError:
-        answer = None
-    if not isinstance(answer, dict) or not answer.get("success", False):
-        raise DeployError(f"flwr {' '.join(args)} failed:\n{out[-2000:]}")
-    return answer
+    against the deployment's SuperLink; its JSON answer. A SuperLink that listens but does not
+    answer yet ("SuperLink is unavailable", just restarted) is asked again (`REGISTER_TRIES`,
+    a second apart). DeployError when it fails or answers something else (the tail of its
+    output in the message)."""
+    for attempt in range(1, REGISTER_TRIES + 1):
+        p = procs.start(
+            f"flwr-{args[0]}",
+            wrap([tool("flwr"), *args, FEDERATION, "--format", "json"]),
+            cli_home,
+            pipe=True,
+        )
+        try:
+            out, _ = p.popen.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            p.popen.kill()
+            p.popen.communicate()
+            raise DeployError(f"flwr {args[0]} timed out after {timeout_s:g}s") from e
+        try:
+            answer = json.loads(out[out.index("{") :])
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and answer.get("success", False):
+            return answer
+        if "SuperLink is unavailable" not in out or attempt == REGISTER_TRIES:
+            raise DeployError(f"flwr {' '.join(args)} failed:\n{out[-2000:]}")
+        time.sleep(1.0)
+    raise AssertionError("unreachable")  # (the loop returns or raises)
 
 
 def runs_at(
