@@ -8,10 +8,11 @@ Scenarios (3 hospitals; brain tissue patches and cnn-small unless said):
               updates are in, then back.
   erasure     the same cut, taken while hospital 0 erases (its request ``erasing``) and while
               hospital 1's erasure is being verified (``calibrating``).
-  slow-link   hospital 0 behind a --mbit Mbit/s link (tc tbf) with DenseNet121 (27 MB a
-              model) on radiomics-slice (64x64 CT/MR slices, offline): fedasync against
-              Flower's FedAvg on the same deployment, updates per wall second and time to a
-              held-out loss (--target-loss); then both again on unlimited links.
+  slow-link   hospital 0 behind a --mbit Mbit/s link (tc tbf) with MONAI's BasicUNet at its
+              default widths (``unet``: 2.0M parameters, 7.9 MB a model each way) on nuclei
+              (64x64 microscopy tiles, offline): fedasync against Flower's FedAvg on the same
+              deployment, updates per wall second and time to a held-out Dice
+              (--target-dice); then both again on unlimited links.
   restart     the coordinator's host crashes (SIGKILL to every process on it) once 60 updates
               are in, with an erasure request submitted just before; ``deploy_local`` brings
               it back (SuperLink from its database, run from its checkpoint).
@@ -431,15 +432,18 @@ def stop(out: Path, seed: int, args: argparse.Namespace) -> dict:
 
 
 def slow_link(out: Path, seed: int, args: argparse.Namespace) -> dict:
-    """fedasync and Flower's FedAvg with DenseNet121, hospital 0 at --mbit and unlimited."""
+    """fedasync and Flower's FedAvg with a 7.9 MB UNet, hospital 0 at --mbit and unlimited.
+
+    (Not DenseNet121 on radiomics-slice: its held-out set is 36 slices, 83% one class, so its
+    accuracy sits at the majority class and its loss jumps between evaluations. Nuclei's
+    held-out Dice climbs smoothly: a time to target means something.)"""
     from simulations.deploy import deploy_local as deploy
 
     res: dict[str, Any] = {}
     extra = (
-        "data.benchmark=radiomics-slice",
-        "data.network=densenet121",
-        "data.max_samples=300",
-        "client.local_steps=1",
+        "data.benchmark=nuclei",
+        "data.network=unet",
+        "client.local_steps=2",
         "client.batch_size=8",
         "server.eval_every=3",  # (FedAvg evaluates every round)
         "server.checkpoint_every=0",
@@ -458,7 +462,7 @@ def slow_link(out: Path, seed: int, args: argparse.Namespace) -> dict:
             events = read_events(Path(cfg.run.out_dir) / name / "metrics.jsonl")
             evals = [e for e in events if e["event"] == "eval"]
             n_updates = sum(1 for e in events if e["event"] == "update")
-            hit = next((e["t"] for e in evals if e["loss"] <= args.target_loss), None)
+            hit = next((e["t"] for e in evals if e["score"] >= args.target_dice), None)
             res[f"{link}_{mode}"] = {
                 "versions": summary["versions"],
                 "updates_per_s": n_updates / max(evals[-1]["t"], 1e-9) if evals else None,
@@ -494,11 +498,10 @@ def main() -> int:
     ap.add_argument("--mbit", type=float, default=10.0)
     ap.add_argument("--slow-budget-s", type=float, default=150.0)
     ap.add_argument(
-        "--target-loss",
+        "--target-dice",
         type=float,
-        default=0.45,
-        help="slow-link: the held-out loss to reach (radiomics-slice is 85%% one class: its "
-        "accuracy says little)",
+        default=0.80,
+        help="slow-link: the held-out Dice (nuclei) to reach",
     )
     ap.add_argument("--out", default="runs/bench-deployment-faults")
     ap.add_argument("--json", help="write every row here too")

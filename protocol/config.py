@@ -112,7 +112,7 @@ class DataConfig:
     data_dir: str | None = None
     """Where fetched data lives (default $FEDASYNC_DATA or ~/.cache/fedasync/data)."""
     network: str | None = None
-    """Override the benchmark's default network (cnn-small, densenet121, resnet18, unet-small,
+    """Override the benchmark's default network (cnn-small, densenet121, resnet18, unet-small, unet,
     mlp-small)."""
     server_test: str | None = None
     """Deployment: the coordinator's own held-out set, a Decathlon datalist on its machine

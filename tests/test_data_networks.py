@@ -14,6 +14,7 @@ from medical_data.registry import BENCHMARKS, get_spec
         ("cnn-small", 1, 3, (28, 28), (2, 3)),
         ("cnn-small", 3, 9, (64, 64), (2, 9)),
         ("unet-small", 1, 2, (64, 64), (2, 2, 64, 64)),
+        ("unet", 1, 2, (64, 64), (2, 2, 64, 64)),
         ("resnet18", 1, 2, (64, 64), (2, 2)),
         ("densenet121", 1, 2, (64, 64), (2, 2)),
     ],
@@ -27,7 +28,12 @@ def test_forward_shapes(name: str, channels: int, classes: int, size: tuple, out
 
 
 def test_no_batchnorm_anywhere() -> None:
-    for name, size in [("cnn-small", (28, 28)), ("unet-small", (64, 64)), ("resnet18", (64, 64))]:
+    for name, size in [
+        ("cnn-small", (28, 28)),
+        ("unet-small", (64, 64)),
+        ("unet", (64, 64)),
+        ("resnet18", (64, 64)),
+    ]:
         net = build_network(name, 1, 2, size)
         assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
 
@@ -44,5 +50,7 @@ def test_bad_network_arguments() -> None:
         build_network("vgg", 1, 2, (28, 28))
     with pytest.raises(ValueError, match="divisible by 16"):
         build_network("unet-small", 1, 2, (28, 28))
+    with pytest.raises(ValueError, match="unet needs H, W divisible by 16"):
+        build_network("unet", 1, 2, (28, 28))
     with pytest.raises(ValueError, match="unknown benchmark.*brain-tissue"):
         get_spec("nope")
