@@ -489,7 +489,7 @@ SCENARIOS = {
 }
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--seeds", default="0,1,2")
@@ -508,7 +508,10 @@ def main() -> int:
     ap.add_argument(
         "--report", help="print the summary and verdicts of a saved --json; run nothing"
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main(args: argparse.Namespace) -> int:
     if args.report:
         rows = json.loads(Path(args.report).read_text())
         return 0 if _report(rows) else 1
@@ -627,5 +630,24 @@ def _report(rows: list[dict]) -> bool:
     return ok
 
 
+def _stopped(e: BaseException, json_out: str | None) -> int:
+    """One line for a signal (Ctrl-C): the rows finished so far are in --json (each is written
+    when its scenario ends); the deployment in progress was stopped by deploy_local. The exit
+    status (130 for Ctrl-C)."""
+    from fedasync.interrupt import signal_of
+
+    name, code = signal_of(e)
+    kept = f"the finished rows are in {json_out}" if json_out else "no --json: nothing kept"
+    print(f"deployment_faults: stopped by {name}; {kept}", file=sys.stderr, flush=True)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from fedasync.interrupt import Interrupted, exit_now, raise_interrupted, set_handlers
+
+    set_handlers(raise_interrupted)  # SIGTERM and SIGHUP end it like Ctrl-C
+    cli = _parser().parse_args()
+    try:
+        sys.exit(main(cli))
+    except (Interrupted, KeyboardInterrupt) as stop:
+        exit_now(_stopped(stop, cli.json))
