@@ -103,9 +103,57 @@ def pump_output(stream: Any, log_path: Path, echo: Callable[[str], None]) -> Non
 
 
 REGISTER_TRIES = 5
-"""Attempts at registering a key while the SuperLink, listening already, is still starting
-(its HTTP app answers a moment after its port accepts: the CLI then says "Connection to the
-SuperLink is unavailable")."""
+"""Attempts at a Control API command while the SuperLink, listening already, is still starting
+(its HTTP app answers a moment after its port accepts, or a restarted one reads its database:
+the CLI then says "Connection to the SuperLink is unavailable")."""
+
+
+def flwr_json(
+    procs: Processes,
+    cli_home: Path,
+    commands: dict[str, list[str]],
+    wrap: Callable[[list[str]], list[str]] = list,
+    timeout_s: float = 60.0,
+) -> dict[str, dict[str, Any]]:
+    """Run ``flwr ARGS FEDERATION --format json`` for every name -> ARGS of ``commands``, all at
+    once (each as ``wrap`` runs it: on the coordinator's host), against the deployment's
+    SuperLink; each one's JSON answer by name. A command the SuperLink could not answer yet
+    ("SuperLink is unavailable") is run again (`REGISTER_TRIES`, a second apart). DeployError
+    when one fails, times out or answers something else (the tail of its output in the
+    message)."""
+    answers: dict[str, dict[str, Any]] = {}
+    todo = dict(commands)
+    for attempt in range(1, REGISTER_TRIES + 1):
+        started = {
+            name: procs.start(
+                f"flwr-{name}",
+                wrap([tool("flwr"), *args, FEDERATION, "--format", "json"]),
+                cli_home,
+                pipe=True,
+            )
+            for name, args in todo.items()
+        }
+        for name, p in started.items():
+            what = " ".join(todo[name])[:200]
+            try:
+                out, _ = p.popen.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired as e:
+                p.popen.kill()
+                p.popen.communicate()
+                raise DeployError(f"flwr {what} timed out after {timeout_s:g}s") from e
+            try:
+                answer = json.loads(out[out.index("{") :])
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict) and answer.get("success", True):
+                answers[name] = answer
+                del todo[name]
+            elif "SuperLink is unavailable" not in out or attempt == REGISTER_TRIES:
+                raise DeployError(f"flwr {what} failed:\n{out[-2000:]}")
+        if not todo:
+            break
+        time.sleep(1.0)
+    return answers
 
 
 def flwr_cli(
@@ -115,34 +163,8 @@ def flwr_cli(
     wrap: Callable[[list[str]], list[str]] = list,
     timeout_s: float = 60.0,
 ) -> dict[str, Any]:
-    """``flwr ARGS FEDERATION --format json`` (as ``wrap`` runs it: on the coordinator's host)
-    against the deployment's SuperLink; its JSON answer. A SuperLink that listens but does not
-    answer yet ("SuperLink is unavailable", just restarted) is asked again (`REGISTER_TRIES`,
-    a second apart). DeployError when it fails or answers something else (the tail of its
-    output in the message)."""
-    for attempt in range(1, REGISTER_TRIES + 1):
-        p = procs.start(
-            f"flwr-{args[0]}",
-            wrap([tool("flwr"), *args, FEDERATION, "--format", "json"]),
-            cli_home,
-            pipe=True,
-        )
-        try:
-            out, _ = p.popen.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            p.popen.kill()
-            p.popen.communicate()
-            raise DeployError(f"flwr {args[0]} timed out after {timeout_s:g}s") from e
-        try:
-            answer = json.loads(out[out.index("{") :])
-        except ValueError:
-            answer = None
-        if isinstance(answer, dict) and answer.get("success", False):
-            return answer
-        if "SuperLink is unavailable" not in out or attempt == REGISTER_TRIES:
-            raise DeployError(f"flwr {' '.join(args)} failed:\n{out[-2000:]}")
-        time.sleep(1.0)
-    raise AssertionError("unreachable")  # (the loop returns or raises)
+    """One `flwr_json` command (``flwr ls``, ``flwr stop ID``): its JSON answer."""
+    return flwr_json(procs, cli_home, {args[0]: args}, wrap, timeout_s)[args[0]]
 
 
 def runs_at(
@@ -175,39 +197,18 @@ def register_nodes(
     wrap: Callable[[list[str]], list[str]] = list,
 ) -> dict[str, int]:
     """Register SuperNode public keys (name -> key file) with the SuperLink through its Control
-    API (``flwr supernode register``, all at once, each command as ``wrap`` runs it); their
-    node ids by name. A key the SuperLink could not yet take is tried again (`REGISTER_TRIES`,
-    one second apart)."""
-    ids: dict[str, int] = {}
-    todo = dict(keys)
-    for attempt in range(1, REGISTER_TRIES + 1):
-        started = {
-            name: procs.start(
-                f"register-{name}",
-                wrap(
-                    [tool("flwr"), "supernode", "register", str(key), FEDERATION]
-                    + ["--name", name, "--format", "json"]
-                ),
-                cli_home,
-                pipe=True,
-            )
-            for name, key in todo.items()
-        }
-        for name, p in started.items():
-            try:
-                out, _ = p.popen.communicate(timeout=60.0)
-            except subprocess.TimeoutExpired as e:
-                raise DeployError(f"registering {name}'s key timed out") from e
-            try:
-                ids[name] = int(json.loads(out[out.index("{") :])["node-id"])
-                del todo[name]
-            except (ValueError, KeyError) as e:
-                if "SuperLink is unavailable" not in out or attempt == REGISTER_TRIES:
-                    raise DeployError(f"registering {name}'s key failed:\n{out[-2000:]}") from e
-        if not todo:
-            break
-        time.sleep(1.0)
-    return ids
+    API (``flwr supernode register``, all at once: `flwr_json`); their node ids by name."""
+    commands = {
+        f"register-{name}": ["supernode", "register", str(key), "--name", name]
+        for name, key in keys.items()
+    }
+    answers = flwr_json(procs, cli_home, commands, wrap)
+    try:
+        return {name: int(answers[f"register-{name}"]["node-id"]) for name in keys}
+    except (KeyError, TypeError, ValueError) as e:
+        raise DeployError(
+            f"registering the SuperNodes' keys: no node id in {answers}"[:2000]
+        ) from e
 
 
 def node_config_string(value: str) -> str:
