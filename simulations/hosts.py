@@ -24,12 +24,15 @@ federation leaves nothing behind, and `sweep` removes those of a federation whos
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 import uuid
 import zlib
@@ -191,6 +194,30 @@ class HostFederation:
         """``host``'s address."""
         return self.hosts[host].address
 
+    def connects(self, host: str, address: str, port: int, timeout_s: float = 0.5) -> bool:
+        """Whether a TCP connect from inside ``host`` to ``address:port`` succeeds, within
+        ``timeout_s``. The socket is made in ``host``'s namespace by a thread of its own that
+        enters it (setns) and ends with the probe: no process per probe, and the caller's
+        threads stay in the machine's namespace."""
+        answer: list[bool | BaseException] = []
+
+        def probe() -> None:
+            try:
+                with open(f"/run/netns/{self.hosts[host].namespace}", "rb") as ns:
+                    _setns_net(ns.fileno())
+                with socket.socket() as s:
+                    s.settimeout(timeout_s)
+                    answer.append(s.connect_ex((address, port)) == 0)
+            except BaseException as e:  # handed to the caller's thread
+                answer.append(e)
+
+        t = threading.Thread(target=probe, name=f"connects-{host}", daemon=True)
+        t.start()
+        t.join()
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        return answer[0]
+
     def partition(self, host: str) -> None:
         """Cut ``host`` off: its bridge port down, every packet to or from it dropped."""
         _ip("link", "set", self.hosts[host].port, "down")
@@ -239,6 +266,18 @@ class HostFederation:
         _tc("qdisc", "del", "dev", h.port, "root", check=False)
         _tc("-n", h.namespace, "qdisc", "del", "dev", h.inside, "root", check=False)
         self.limits.pop(host, None)
+
+
+CLONE_NEWNET = 0x40000000
+"""setns(2)'s network-namespace type (``os.setns`` and ``os.CLONE_NEWNET`` are Python 3.12+)."""
+
+
+def _setns_net(fd: int) -> None:
+    """Move the calling thread into the network namespace open at ``fd``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
 
 
 def list_namespaces() -> list[str]:

@@ -12,8 +12,6 @@ and the addresses the SuperLink's certificate must name (`cert_hosts`).
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -116,12 +114,7 @@ class OnHosts:
 
     def listening(self, port: int) -> bool:
         """A connect from the coordinator's host to its address succeeds."""
-        probe = (
-            "import socket,sys; s=socket.socket(); s.settimeout(0.5); "
-            "sys.exit(s.connect_ex((sys.argv[1], int(sys.argv[2]))))"
-        )
-        cmd = self.fed.argv("coordinator", [sys.executable, "-c", probe, self.link_host, str(port)])
-        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+        return self.fed.connects("coordinator", self.link_host, port)
 
     def coordinator_pids(self, marked: list[int]) -> list[int]:
         """Every process on the coordinator's host."""

@@ -6,6 +6,7 @@ Skipped, naming the missing capability, where namespaces cannot be made (not roo
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -105,6 +106,30 @@ def test_each_host_has_its_own_namespace_and_address_and_they_reach_one_another(
             fed.address("coordinator")
             not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
         )
+    finally:
+        echo.kill()
+        echo.wait()
+
+
+def test_connects_probes_from_inside_a_host_without_moving_the_caller(fed):
+    # Prepare: a listener on the coordinator's address, inside its namespace
+    echo = _start(fed, "coordinator", ECHO)
+    own_namespace = os.readlink("/proc/thread-self/ns/net")
+    try:
+        addr = fed.address("coordinator")
+        # Execute / Assert: reached from a hospital and from the coordinator itself, not on a
+        # port nobody listens on, and not from a partitioned hospital
+        assert fed.connects("hospital0", addr, 7000)
+        assert fed.connects("coordinator", addr, 7000)
+        assert not fed.connects("hospital0", addr, 7009)
+        fed.partition("hospital1")
+        try:
+            assert not fed.connects("hospital1", addr, 7000, timeout_s=0.3)
+        finally:
+            fed.heal("hospital1")
+        # the caller's own thread never left the machine's namespace (a connect from it would
+        # not tell: this machine's network may answer any 10.x address through a proxy)
+        assert os.readlink("/proc/thread-self/ns/net") == own_namespace
     finally:
         echo.kill()
         echo.wait()
