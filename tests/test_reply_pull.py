@@ -98,70 +98,92 @@ def _reply(silo: int, size: int = 1000) -> Message:
     return Message(RecordDict({"arrays": arrays, "m": ConfigRecord({"silo": silo})}), reply_to=sent)
 
 
-def test_a_complete_reply_is_taken_while_another_is_still_arriving():
+def _api(held: tuple[int, ...] = (0,), ready: tuple[int, ...] = ()) -> RuntimeAPI:
+    """A Runtime API holding the replies of silos ``held`` (their content still arriving) and
+    those of ``ready`` whole."""
     api = RuntimeAPI()
-    api.add("sent-0", _reply(0), hold=True)
-    api.add("sent-1", _reply(1))
-    puller = ReplyPuller(_grid(api), max_wait_s=30)
-    try:
-        result: list = []
-        t = threading.Thread(target=lambda: result.append(puller.pull(["sent-0", "sent-1"])))
-        t.start()
-        t.join(timeout=20)  # Flower's own pull waits here until the held objects come
-        assert not t.is_alive(), "the pull waited for the reply still arriving"
-        (got,) = result
-        assert [m.metadata.reply_to_message_id for m in got] == ["sent-1"]
-        assert got[0].content["m"]["silo"] == 1
-        assert np.all(got[0].content["arrays"].to_numpy_ndarrays()[0] == 1.0)
-        assert puller.arriving == ["sent-0"]
-        assert puller.pull(["sent-0"]) == []  # not asked for again (the SuperLink: unavailable)
-        with api.lock:
-            api.held.clear()  # the link is back: the upload completes
-        deadline = time.monotonic() + 5
-        got = []
-        while not got and time.monotonic() < deadline:
-            got = puller.pull(["sent-0"])
-            time.sleep(0.02)
-        assert [m.metadata.reply_to_message_id for m in got] == ["sent-0"]
-        assert got[0].content["m"]["silo"] == 0 and not got[0].has_error()
-        assert len(api.confirmed) == 2 and puller.arriving == []
-    finally:
+    for silo in held:
+        api.add(f"sent-{silo}", _reply(silo), hold=True)
+    for silo in ready:
+        api.add(f"sent-{silo}", _reply(silo))
+    return api
+
+
+def _release(api: RuntimeAPI) -> None:
+    """The link is back: every held object arrives."""
+    with api.lock:
+        api.held.clear()
+
+
+def _wait_for(condition, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def puller_of():
+    """``puller_of(grid_or_api, **kw)``: a ReplyPuller (on the deployment grid over an api),
+    closed after the test."""
+    made: list[ReplyPuller] = []
+
+    def make(grid, max_wait_s: float = 30, **kw) -> ReplyPuller:
+        puller = ReplyPuller(
+            _grid(grid) if isinstance(grid, RuntimeAPI) else grid, max_wait_s, **kw
+        )
+        made.append(puller)
+        return puller
+
+    yield make
+    for puller in made:
         puller.close()
 
 
-def test_a_reply_whose_content_never_comes_becomes_an_error_reply():
-    api = RuntimeAPI()
-    api.add("sent-0", _reply(0), hold=True)
-    puller = ReplyPuller(_grid(api), max_wait_s=0.3)
-    try:
-        assert puller.pull(["sent-0"]) == []
-        time.sleep(0.8)
-        (got,) = puller.pull(["sent-0"])
-        assert got.has_error() and got.metadata.reply_to_message_id == "sent-0"
-        assert "unavailable" in got.error.reason and api.confirmed == []
-    finally:
-        puller.close()
+def test_a_complete_reply_is_taken_while_another_is_still_arriving(puller_of):
+    api = _api(held=(0,), ready=(1,))
+    puller = puller_of(api)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(puller.pull(["sent-0", "sent-1"])))
+    t.start()
+    t.join(timeout=20)  # Flower's own pull waits here until the held objects come
+    assert not t.is_alive(), "the pull waited for the reply still arriving"
+    (got,) = result
+    assert [m.metadata.reply_to_message_id for m in got] == ["sent-1"]
+    assert got[0].content["m"]["silo"] == 1
+    assert np.all(got[0].content["arrays"].to_numpy_ndarrays()[0] == 1.0)
+    assert puller.arriving == ["sent-0"]
+    assert puller.pull(["sent-0"]) == []  # not asked for again (the SuperLink: unavailable)
+    _release(api)  # the link is back: the upload completes
+    got = _pull_until(puller, ["sent-0"], timeout_s=5)
+    assert [m.metadata.reply_to_message_id for m in got] == ["sent-0"]
+    assert got[0].content["m"]["silo"] == 0 and not got[0].has_error()
+    assert len(api.confirmed) == 2 and puller.arriving == []
 
 
-def test_a_reply_completed_after_its_job_was_abandoned_is_dropped():
-    api = RuntimeAPI()
-    api.add("sent-0", _reply(0), hold=True)
-    puller = ReplyPuller(_grid(api), max_wait_s=30)
-    try:
-        assert puller.pull(["sent-0"]) == []
-        with api.lock:
-            api.held.clear()
-        time.sleep(0.5)
-        assert puller.pull(["sent-9"]) == []  # the loop no longer waits for sent-0
-        assert puller.arriving == []
-    finally:
-        puller.close()
+def test_a_reply_whose_content_never_comes_becomes_an_error_reply(puller_of):
+    api = _api(held=(0,))
+    puller = puller_of(api, max_wait_s=0.3)
+    assert puller.pull(["sent-0"]) == []
+    (got,) = _pull_until(puller, ["sent-0"])
+    assert got.has_error() and got.metadata.reply_to_message_id == "sent-0"
+    assert "unavailable" in got.error.reason and api.confirmed == []
+
+
+def test_a_reply_completed_after_its_job_was_abandoned_is_dropped(puller_of):
+    api = _api(held=(0,))
+    puller = puller_of(api)
+    assert puller.pull(["sent-0"]) == []
+    _release(api)
+    assert _wait_for(lambda: len(api.confirmed) == 1)  # its content came in whole
+    assert puller.pull(["sent-9"]) == []  # the loop no longer waits for sent-0: not handed out
+    assert puller.arriving == []
 
 
 def test_closing_ends_the_threads_finishing_replies():
-    api = RuntimeAPI()
-    api.add("sent-0", _reply(0), hold=True)
-    puller = ReplyPuller(_grid(api), max_wait_s=30)
+    puller = ReplyPuller(_grid(_api(held=(0,))), max_wait_s=30)
     puller.pull(["sent-0"])
     (thread,) = [t for t in threading.enumerate() if t.name.startswith("reply-")]
     puller.close()
@@ -178,21 +200,17 @@ def test_another_grid_is_pulled_as_it_is():
     assert not puller.two_step and puller.pull(["a"]) == ["reply to a"]
 
 
-def test_a_stoppable_grid_around_the_deployment_grid_still_stops_the_run_at_a_poll():
+def test_a_stoppable_grid_around_the_deployment_grid_still_stops_the_run_at_a_poll(puller_of):
     from server.stopping import RunStopped, StoppableGrid
 
-    api = RuntimeAPI()
-    api.add("sent-1", _reply(1))
     reason: list[str] = []
-    puller = ReplyPuller(StoppableGrid(_grid(api), lambda: reason[0] if reason else None), 30)
-    try:
-        assert puller.two_step
-        assert [m.metadata.reply_to_message_id for m in puller.pull(["sent-1"])] == ["sent-1"]
-        reason.append("SIGINT")
-        with pytest.raises(RunStopped, match="SIGINT"):
-            puller.pull(["sent-1"])
-    finally:
-        puller.close()
+    grid = StoppableGrid(_grid(_api(held=(), ready=(1,))), lambda: reason[0] if reason else None)
+    puller = puller_of(grid)
+    assert puller.two_step
+    assert [m.metadata.reply_to_message_id for m in puller.pull(["sent-1"])] == ["sent-1"]
+    reason.append("SIGINT")
+    with pytest.raises(RunStopped, match="SIGINT"):
+        puller.pull(["sent-1"])
 
 
 def test_what_counts_as_a_stop_and_what_as_a_failure():
@@ -227,37 +245,28 @@ def _pull_until(puller: ReplyPuller, ids: list[str], timeout_s: float = 15.0) ->
     return []
 
 
-def test_content_that_stops_arriving_counts_as_failed_after_the_stall_bound():
+def test_content_that_stops_arriving_counts_as_failed_after_the_stall_bound(puller_of):
     """A link cut mid-upload: the SuperNode later reports its reply sent, but the content the
     SuperLink handed out never completes. Past ``server.reply_stall_s`` without an object
     arriving the reply is an error reply (its silo is sent new work), long before
     ``server.reply_timeout_s``."""
-    api = RuntimeAPI()
-    api.add("sent-0", _reply(0), hold=True)
-    puller = ReplyPuller(_grid(api), max_wait_s=600, stall_s=0.3)
-    try:
-        assert puller.pull(["sent-0"]) == []
-        (got,) = _pull_until(puller, ["sent-0"])
-        assert got.has_error() and "reply_stall_s" in got.error.reason
-    finally:
-        puller.close()
+    puller = puller_of(_api(held=(0,)), max_wait_s=600, stall_s=0.3)
+    assert puller.pull(["sent-0"]) == []
+    (got,) = _pull_until(puller, ["sent-0"])
+    assert got.has_error() and "reply_stall_s" in got.error.reason
 
 
-def test_content_arriving_slowly_but_steadily_is_waited_for():
+def test_content_arriving_slowly_but_steadily_is_waited_for(puller_of):
     """A slow link: each object takes a while, but objects keep coming; the stall bound is
     between two objects, not over the whole reply."""
-    api = RuntimeAPI()
-    api.add("sent-0", _reply(0), hold=True)
+    api = _api(held=(0,))
     held = sorted(api.held)
     assert len(held) >= 2
-    puller = ReplyPuller(_grid(api), max_wait_s=600, stall_s=2.0)
-    try:
-        assert puller.pull(["sent-0"]) == []
-        for oid in held:  # one object every 1.2 s: 1.2 s x n in all, more than 2 s
-            time.sleep(1.2)
-            with api.lock:
-                api.held.discard(oid)
-        (got,) = _pull_until(puller, ["sent-0"])
-        assert not got.has_error() and got.content["m"]["silo"] == 0
-    finally:
-        puller.close()
+    puller = puller_of(api, max_wait_s=600, stall_s=2.0)
+    assert puller.pull(["sent-0"]) == []
+    for oid in held:  # one object every 1.2 s: 1.2 s x n in all, more than 2 s
+        time.sleep(1.2)
+        with api.lock:
+            api.held.discard(oid)
+    (got,) = _pull_until(puller, ["sent-0"])
+    assert not got.has_error() and got.content["m"]["silo"] == 0
