@@ -147,7 +147,13 @@ def start_service(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Path
     # what the default leaves for silos' and the admin's own streams
     limits = Limits(streams_total=Limits().streams_total + cfg.silos.count)
     catalog = Catalog(srv, known_ids(srv, fed))
-    service = ErasureService(store, Authorizer.from_file(cred), catalog, limits=limits)
+    service = ErasureService(
+        store,
+        Authorizer.from_file(cred),
+        catalog,
+        limits=limits,
+        events=run_dir / "metrics.jsonl",  # certificates read it beside the store
+    )
     server, port = serve(service, cfg.unlearning.address, server_credentials=service_tls(cfg))
     host = cfg.unlearning.address.rsplit(":", 1)[0]
     tmp = run_dir / "erasure_address.tmp"

@@ -6,13 +6,19 @@ fedasync erase status ID
 fedasync erase list [--silo N] [--state S]
 fedasync erase watch [ID] [--from-seq N]
 fedasync erase refusals [--limit N]          refused calls (admin only)
+fedasync erase certificate ID --out DIR      the request's erasure certificate: DIR/certificate.html
+                                             and DIR/certificate.json (admin or the request's silo)
+    offline, from the files alone (no service, no token): --run RUN_DIR (its erasures.sqlite and
+    metrics.jsonl), or --store FILE [--events FILE]; and --reference RUN_DIR (repeatable):
+    retraining reference runs, for the distance to retraining
 fedasync erase credentials DIR --silos N     make tokens (DIR/tokens.json, keep it secret)
                                              and their hashes (DIR/credentials.json, server)
 
 Common options: --address host:port (default $FEDASYNC_ERASURE_ADDRESS or 127.0.0.1:50151),
 --token (default $FEDASYNC_TOKEN) or --token-file, --ca-cert FILE for TLS (the
 deployment's ca.pem; --tls-ca is the same), --json.
-Exit codes: 0 ok, 1 failed call, 2 authentication / permission / usage.
+Exit codes: 0 ok, 1 failed call, 2 authentication / permission / usage (and, for a
+certificate, an unknown request or a missing file).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from google.protobuf.message import Message
 from server.erasure.auth import generate_credentials, write_private
 from server.erasure.gen import erasure_pb2 as pb
 from server.erasure.gen import erasure_pb2_grpc
+from server.erasure.limits import Limits, quoted
 
 DEFAULT_ADDRESS = "127.0.0.1:50151"
 STATES = ("queued", "erasing", "calibrating", "verified", "failed")
@@ -74,10 +81,32 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--from-seq", type=int, default=0, help="first event seq to show")
     refusals = sub.add_parser("refusals", parents=[common], help="refused calls (admin only)")
     refusals.add_argument("--limit", type=int, default=20, help="newest rows to show")
+    _certificate_parser(sub, common)
     creds = sub.add_parser("credentials", help="generate tokens for an admin and N silos")
     creds.add_argument("dir", type=Path)
     creds.add_argument("--silos", type=int, required=True)
     return parser
+
+
+def _certificate_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    cert = sub.add_parser(
+        "certificate",
+        parents=[common],
+        help="the erasure certificate of one request (HTML and JSON)",
+    )
+    cert.add_argument("id", help="the request's id")
+    cert.add_argument("--out", type=Path, required=True, help="folder to write the two files to")
+    offline = cert.add_argument_group("offline: from the files, without the service")
+    offline.add_argument("--run", type=Path, help="run folder (erasures.sqlite, metrics.jsonl)")
+    offline.add_argument("--store", type=Path, help="erasure store file (erasures.sqlite)")
+    offline.add_argument("--events", type=Path, help="the run's event log (with --store)")
+    offline.add_argument(
+        "--reference",
+        type=Path,
+        action="append",
+        default=[],
+        help="retraining reference run folder (repeatable; offline only)",
+    )
 
 
 def _ms(ms: int) -> str:
@@ -146,10 +175,12 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
+    # a Certificate answer may be up to Limits.max_certificate_bytes (gRPC's default: 4 MiB)
+    options = [("grpc.max_receive_message_length", Limits().max_certificate_bytes + 65536)]
     if args.tls_ca is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=args.tls_ca.read_bytes())
-        return grpc.secure_channel(args.address, creds)
-    return grpc.insecure_channel(args.address)
+        return grpc.secure_channel(args.address, creds, options=options)
+    return grpc.insecure_channel(args.address, options=options)
 
 
 def _credentials(args: argparse.Namespace) -> int:
@@ -195,6 +226,11 @@ def _call(
         msg = pb.WatchRequest(request_id=args.id, from_seq=args.from_seq)
         for e in stub.Watch(msg, metadata=metadata):
             _emit(e, args.json, format_event)
+    elif args.cmd == "certificate":
+        reply = stub.Certificate(
+            pb.CertificateRequest(request_id=args.id), metadata=metadata, timeout=t
+        )
+        _write_certificate(args, reply.json, reply.html)
     elif args.cmd == "refusals":
         reply = stub.ListRefusals(
             pb.ListRefusalsRequest(limit=args.limit), metadata=metadata, timeout=t
@@ -205,11 +241,67 @@ def _call(
             _emit(r, args.json, format_refusal)
 
 
+def _write_certificate(args: argparse.Namespace, text: str, page: str) -> None:
+    """Write ``certificate.json`` and ``certificate.html`` into ``--out``; say where."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": args.out / "certificate.json", "html": args.out / "certificate.html"}
+    paths["json"].write_text(text, encoding="utf-8")
+    paths["html"].write_text(page, encoding="utf-8")
+    if args.json:
+        print(json.dumps({k: str(v) for k, v in paths.items()}, sort_keys=True), flush=True)
+    else:
+        print(f"certificate of {args.id}: {paths['html']} and {paths['json']}", flush=True)
+
+
+def _offline_certificate(args: argparse.Namespace) -> int:
+    """``certificate`` from the files (``--run``, or ``--store`` [``--events``]): no service.
+    An unknown request or a missing file: one line, exit 2."""
+    from server.erasure.certificate import build, to_json
+    from server.erasure.certificate_html import render
+    from server.erasure.records import RequestNotFound
+    from server.erasure.store import ErasureStore
+
+    if args.run is not None and (args.store is not None or args.events is not None):
+        return _usage("give --run, or --store with --events, not both")
+    if args.events is not None and args.store is None:
+        return _usage("--events needs --store (or give --run)")
+    store_path = args.store if args.run is None else args.run / "erasures.sqlite"
+    events = args.events
+    if args.run is not None and (args.run / "metrics.jsonl").is_file():
+        events = args.run / "metrics.jsonl"
+    for path in (events, *(r / "metrics.jsonl" for r in args.reference)):
+        if path is not None and not path.is_file():
+            return _usage(f"no such file: {path}")
+    try:
+        store = ErasureStore(store_path, readonly=True)
+    except (OSError, ValueError) as e:
+        return _usage(f"cannot read the erasure store: {e}")
+    try:
+        cert = build(store, args.id, events=events, references=args.reference)
+    except RequestNotFound:
+        return _usage(f"no erasure request {quoted(args.id)} in {store_path}")
+    finally:
+        store.close()
+    _write_certificate(args, to_json(cert), render(cert))
+    return 0
+
+
+def _usage(message: str) -> int:
+    print(f"fedasync erase: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``fedasync erase`` with ``argv`` (without the leading ``erase``)."""
     args = _parser().parse_args(argv)
     if args.cmd == "credentials":
         return _credentials(args)
+    if args.cmd == "certificate" and any(
+        x is not None for x in (args.run, args.store, args.events)
+    ):
+        return _offline_certificate(args)
+    if args.cmd == "certificate" and args.reference:
+        return _usage("--reference is for a certificate built offline (with --run or --store)")
 
     try:
         token = _token(args)
@@ -227,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:
         code = e.code()
         print(f"fedasync erase: {code.name}: {e.details()}", file=sys.stderr)
-        return 2 if code in AUTH_CODES else 1
+        unknown = args.cmd == "certificate" and code is grpc.StatusCode.NOT_FOUND
+        return 2 if code in AUTH_CODES or unknown else 1
     except OSError as e:
         print(f"fedasync erase: {e}", file=sys.stderr)
         return 1

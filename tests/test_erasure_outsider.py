@@ -211,7 +211,7 @@ def test_unknown_enum_values_are_invalid_not_unknown(env):
 
 def test_malformed_bytes_are_invalid_argument(env):
     garbage = b"\xff\xff\xff\xff\x0f"
-    for method in ("Submit", "Get", "List", "Watch", "ListRefusals"):
+    for method in ("Submit", "Get", "List", "Watch", "ListRefusals", "Certificate"):
         err = env.out.refused(method, garbage)
         assert err.code() == C.INVALID_ARGUMENT, (method, err.code())
     assert env.rows() == (0, 0)

@@ -33,6 +33,10 @@ class Limits:
     """Most states in one List filter."""
     max_refusals: int = 1000
     """Most refusal rows in one ListRefusals answer."""
+    max_certificate_bytes: int = 4 * 1024 * 1024
+    """Largest Certificate answer (its JSON and HTML together, UTF-8): RESOURCE_EXHAUSTED
+    beyond. A certificate lists at most ``max_sample_ids`` digests (2.3 MB of JSON) and is
+    otherwise bounded (``certificate.Bounds``), so only an oversized store reaches it."""
     streams_per_principal: int = 2
     """Open streams (Watch, health Watch, reflection) per principal; an unauthenticated
     caller counts per peer host."""

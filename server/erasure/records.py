@@ -55,6 +55,9 @@ class AuditRow:
     model_version: int
     detail: str
     metrics: dict[str, float] = field(default_factory=dict)
+    facts: dict[str, str] = field(default_factory=dict)
+    """Named strings recorded with the row (the model's SHA-256 before and after, the
+    calibration in force; ``ErasureStore.transition``'s ``facts``)."""
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,21 @@ def _cut(text: str, limit: int = REFUSAL_TEXT) -> str:
 class RefusalLog:
     """The refusal tables on the store's connection, behind the store's lock."""
 
-    def __init__(self, db: sqlite3.Connection, lock: threading.RLock) -> None:
+    def __init__(
+        self, db: sqlite3.Connection, lock: threading.RLock, *, readonly: bool = False
+    ) -> None:
+        """The tables on ``db`` (made if absent); ``readonly``: read them as they are (a
+        store without them reads as one with no refusals)."""
         self._db, self._lock = db, lock
         with self._lock:
-            self._db.executescript(SCHEMA)
+            if readonly:
+                found = db.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'refusals'"
+                ).fetchone()
+                self._present = found is not None
+            else:
+                self._db.executescript(SCHEMA)
+                self._present = True
 
     def record(self, who: str, peer: str, method: str, code: str, reason: str) -> None:
         """Keep one refused call; drop rows beyond the newest ``REFUSALS_KEPT``; count it.
@@ -91,6 +102,8 @@ class RefusalLog:
 
     def rows(self, limit: int = 100) -> list[Refusal]:
         """The newest refused calls, newest first."""
+        if not self._present:
+            return []
         with self._lock:
             rows = self._db.execute(
                 "SELECT time_ms, who, peer, method, code, reason FROM refusals"
@@ -99,8 +112,25 @@ class RefusalLog:
             ).fetchall()
         return [Refusal(*r) for r in rows]
 
+    def naming(self, text: str, limit: int = 100) -> list[Refusal]:
+        """The newest kept refused calls whose reason holds ``text``, newest first: the calls
+        refused about one request (its id is in the status details the service wrote;
+        a call refused before its request id was read, e.g. unauthenticated, does not name
+        it)."""
+        if not self._present or not text:
+            return []
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT time_ms, who, peer, method, code, reason FROM refusals"
+                " WHERE instr(reason, ?) > 0 ORDER BY id DESC LIMIT ?",
+                (text, limit),
+            ).fetchall()
+        return [Refusal(*r) for r in rows]
+
     def counts(self) -> list[RefusalCount]:
         """How many calls were refused per (who, method, code), most frequent first."""
+        if not self._present:
+            return []
         with self._lock:
             rows = self._db.execute(
                 "SELECT who, method, code, count, last_ms FROM refusal_counts"

@@ -22,10 +22,14 @@ store's refusals table instead (``guard.Guard``). Status codes:
 - a message over ``Limits.max_message_bytes``, or more open streams than
   ``Limits.streams_per_principal`` / ``streams_total``: RESOURCE_EXHAUSTED
 - ListRefusals by a silo: PERMISSION_DENIED (admin only)
+- Certificate of a request the caller may not see: NOT_FOUND (as Get); one over
+  ``Limits.max_certificate_bytes``: RESOURCE_EXHAUSTED
 - anything unexpected: INTERNAL with a fixed message (the traceback is logged); never UNKNOWN
 
 Silo principals see only requests about their own silo (others are NOT_FOUND); the admin
-sees all. The training server drives the lifecycle with ``ErasureStore.transition``;
+sees all, and a request's certificate (``certificate.py``: built from the store and the run's
+event log, ``events``) is for the admin and the request's silo alone. The training server
+drives the lifecycle with ``ErasureStore.transition``;
 ``Watch`` streams those changes from the store's change feed and ends when its request is
 finished, when the client goes away, or when the server stops.
 """
@@ -36,6 +40,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,6 +48,8 @@ from grpc_reflection.v1alpha import reflection
 
 from server.erasure.auth import Authorizer, Principal, bearer_token
 from server.erasure.catalog import Catalog
+from server.erasure.certificate import build, to_json
+from server.erasure.certificate_html import render
 from server.erasure.gen import erasure_pb2 as pb
 from server.erasure.gen import erasure_pb2_grpc
 from server.erasure.guard import Guard, Metadata
@@ -98,7 +105,9 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
     """Implements the Erasure RPCs over an ``ErasureStore``.
 
     ``poll_s`` bounds how long a ``Watch`` blocks between checks that its client is still
-    there; new events, the client leaving and the server stopping wake it at once.
+    there; new events, the client leaving and the server stopping wake it at once. ``events``:
+    the run's event log (``metrics.jsonl``), which certificates read beside the store (None,
+    or a file not there yet: certificates without it, saying what that leaves out).
     """
 
     def __init__(
@@ -109,8 +118,10 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         *,
         poll_s: float = 0.5,
         limits: Limits | None = None,
+        events: Path | None = None,
     ) -> None:
         self.store = store
+        self.events = events
         self.authorizer = authorizer
         self.catalog = catalog
         self.poll_s = poll_s
@@ -329,6 +340,34 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
                 if r is not None and is_terminal(r.state):
                     return  # from_seq lies past its terminal event
             self.store.wait_for_change(seq, self.poll_s, stop=gone.is_set)
+
+    def Certificate(
+        self, request: pb.CertificateRequest, context: grpc.ServicerContext
+    ) -> pb.CertificateResponse:
+        """The certificate of one request, as JSON and HTML: the admin's, or the request's
+        silo's; NOT_FOUND for anyone else (as Get); RESOURCE_EXHAUSTED when it is larger than
+        ``Limits.max_certificate_bytes``."""
+        principal = self._principal(context)
+        self._check_request_id(context, request.request_id)
+        r = self._visible(principal, request.request_id)
+        if r is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no erasure request {quoted(request.request_id)}"
+            )
+        assert r is not None
+        events = self.events if self.events is not None and self.events.is_file() else None
+        cert = build(self.store, r.id, events=events)
+        text, page = to_json(cert), render(cert)
+        size = len(text.encode()) + len(page.encode())
+        if size > self.limits.max_certificate_bytes:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the certificate of request {r.id} is {size} bytes (at most "
+                f"{self.limits.max_certificate_bytes}): build it from the run folder, "
+                "fedasync erase certificate ID --run RUN_DIR --out DIR",
+            )
+        log.info("erasure %s: certificate sent to %s", r.id, principal.name)
+        return pb.CertificateResponse(json=text, html=page)
 
     def ListRefusals(
         self, request: pb.ListRefusalsRequest, context: grpc.ServicerContext

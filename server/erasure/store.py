@@ -20,6 +20,12 @@ the database's mode, and files left by an older version are chmod-ed on open.
 
 Refused calls go to a capped table in the same file (``refusals.RefusalLog``).
 
+An audit row may carry **facts**: named strings recorded in the same transaction
+(``audit_facts``, append-only like the audit): the global model's SHA-256 before and after the
+erasure and when verified, and the calibration in force, so that an erasure certificate
+(``certificate.py``) can be regenerated from this file later. ``readonly=True`` opens an
+existing store without writing to it (a certificate built offline, beside a running server).
+
 One file (over 500 lines) because every method is a transaction or read on the one
 connection under the one lock, and the write path's guarantees (request and audit row in one
 commit, then ``changed``) are checked here in one place; the row types and the refusal table
@@ -34,6 +40,7 @@ import json
 import os
 import sqlite3
 import threading
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -63,7 +70,7 @@ __all__ = [
     "now_ms",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -104,6 +111,16 @@ CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
     BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
 CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
     BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
+CREATE TABLE IF NOT EXISTS audit_facts (  -- since version 3
+    seq INTEGER NOT NULL REFERENCES audit (seq),
+    key TEXT NOT NULL,                    -- e.g. 'model_sha256'
+    value TEXT NOT NULL,
+    PRIMARY KEY (seq, key)
+);
+CREATE TRIGGER IF NOT EXISTS audit_facts_no_update BEFORE UPDATE ON audit_facts
+    BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS audit_facts_no_delete BEFORE DELETE ON audit_facts
+    BEGIN SELECT RAISE(ABORT, 'audit log is append-only'); END;
 """
 
 
@@ -132,15 +149,20 @@ def _normalise_ids(sample_ids: Iterable[str] | None) -> tuple[str, ...]:
 class ErasureStore:
     """Erasure requests and their audit log in one SQLite file (``":memory:"`` for tests)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
+        """Open (or create) the store at ``path``; ``readonly``: open an existing file for
+        reading only (FileNotFoundError when there is none), changing nothing in it."""
         self.path = str(path)
         self.opened_ms = now_ms()
         """When this store was opened: a request created before was made before a restart."""
-        if self.path != ":memory:" and not self.path.startswith("file:"):
-            _private(self.path)
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)
         """Notified after every committed write; see ``wait_for_change``."""
+        if readonly:
+            self._open_readonly()
+            return
+        if self.path != ":memory:" and not self.path.startswith("file:"):
+            _private(self.path)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -154,6 +176,23 @@ class ErasureStore:
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         if self.path != ":memory:" and not self.path.startswith("file:"):
             _private(self.path)  # the WAL and SHM now exist
+        self._has_facts = True
+        self._last_seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()[0]
+
+    def _open_readonly(self) -> None:
+        """``__init__`` with ``readonly``: SQLite's read-only mode, no schema or pragma written
+        (a store older than version 3 has no facts: its rows read with none)."""
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"no erasure store at {self.path}")
+        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+        self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master")}
+        if "audit" not in tables:
+            self._db.close()
+            raise ValueError(f"{self.path} is not an erasure store (no audit table)")
+        self.refusal_log = RefusalLog(self._db, self._lock, readonly=True)
+        self._has_facts = "audit_facts" in tables
         self._last_seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()[0]
 
     # -- writes ------------------------------------------------------------------------
@@ -255,12 +294,14 @@ class ErasureStore:
         detail: str = "",
         boundary_version: int | None = None,
         metrics: dict[str, float] | None = None,
+        facts: dict[str, str] | None = None,
     ) -> Request:
         """Move request ``id`` to ``to_state`` and append the audit row, in one transaction.
 
         Raises ``InvalidTransition`` for a move the lifecycle forbids and ``RequestNotFound``
         for an unknown id. ``metrics`` are merged into the request's; for ``failed`` the
-        ``detail`` becomes the ``failure_reason``.
+        ``detail`` becomes the ``failure_reason``. ``facts`` (named strings: the model's
+        SHA-256, the calibration in force) are kept with the audit row (``AuditRow.facts``).
         """
         to_state = State(to_state)
         new_metrics = {k: float(v) for k, v in (metrics or {}).items()}
@@ -294,6 +335,7 @@ class ErasureStore:
                 model_version,
                 detail,
                 new_metrics,
+                facts,
             )
             request = self._get(id)
         assert request is not None
@@ -330,6 +372,11 @@ class ErasureStore:
     def refusals(self, limit: int = 100) -> builtins.list[Refusal]:
         """``RefusalLog.rows``: the newest refused calls, newest first."""
         return self.refusal_log.rows(limit)
+
+    def refusals_naming(self, text: str, limit: int = 100) -> builtins.list[Refusal]:
+        """``RefusalLog.naming``: the newest kept refused calls whose reason holds ``text``
+        (a request id), newest first."""
+        return self.refusal_log.naming(text, limit)
 
     def refusal_counts(self) -> builtins.list[RefusalCount]:
         """``RefusalLog.counts``: refused calls per (who, method, code), most first."""
@@ -378,7 +425,25 @@ class ErasureStore:
             sql, args = sql + " WHERE request_id = ?", (request_id,)
         with self._lock:
             rows = self._db.execute(sql + " ORDER BY seq", args).fetchall()
-        return [AuditRow(**_decode(r)) for r in rows]  # type: ignore[arg-type]
+            facts = self._facts(request_id)
+        return [
+            AuditRow(**_decode(r), facts=facts.get(r["seq"], {}))  # type: ignore[arg-type]
+            for r in rows
+        ]
+
+    def _facts(self, request_id: str | None) -> dict[int, dict[str, str]]:
+        """The facts of the audit rows (of ``request_id``, or all), by audit seq."""
+        if not self._has_facts:
+            return {}
+        sql = "SELECT f.seq, f.key, f.value FROM audit_facts f"
+        args: tuple[str, ...] = ()
+        if request_id is not None:
+            sql += " JOIN audit a ON a.seq = f.seq WHERE a.request_id = ?"
+            args = (request_id,)
+        out: dict[int, dict[str, str]] = {}
+        for seq, key, value in self._db.execute(sql + " ORDER BY f.seq, f.key", args):
+            out.setdefault(seq, {})[key] = value
+        return out
 
     def requeues(self, request_id: str) -> builtins.list[AuditRow]:
         """The audit rows that sent request ``request_id`` back from ``erasing`` to ``queued``
@@ -475,8 +540,9 @@ class ErasureStore:
         model_version: int,
         detail: str,
         metrics: dict[str, float],
+        facts: dict[str, str] | None = None,
     ) -> None:
-        db.execute(
+        cur = db.execute(
             "INSERT INTO audit (time_ms, request_id, requester, actor, action, from_state,"
             " to_state, model_version, detail, metrics) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -492,6 +558,11 @@ class ErasureStore:
                 json.dumps(metrics),
             ),
         )
+        for key, value in sorted((facts or {}).items()):
+            db.execute(
+                "INSERT INTO audit_facts (seq, key, value) VALUES (?, ?, ?)",
+                (cur.lastrowid, str(key), str(value)),
+            )
 
     def _get(self, id: str) -> Request | None:
         row = self._db.execute("SELECT * FROM requests WHERE id = ?", (id,)).fetchone()

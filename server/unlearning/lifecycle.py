@@ -35,6 +35,7 @@ from server.intake import JobKind
 from server.removal import removal
 from server.unlearn_messages import SiloLost
 from server.unlearning import resume
+from server.unlearning.attest import boundary_facts, erasing_facts, model_sha256, verified_facts
 from server.unlearning.bounds import bound_delta, size
 from server.unlearning.calibration import Calibration, carries_nothing
 from server.unlearning.rebuild import FedEraserRebuild
@@ -212,6 +213,7 @@ class ErasureCoordinator:
                 actor="server",
                 model_version=srv.version,
                 detail=f"sent train.unlearn to silo {req.silo}{note}",
+                facts=erasing_facts(self.cfg, self.rebuild is not None),
             )
         if self.rebuild is not None:  # FedEraser (the halting baseline): whole silos only
             if e.sample_ids:
@@ -308,6 +310,7 @@ class ErasureCoordinator:
             self.retired.add(erasure.silo)
             self.ledger.forget(str(erasure.silo))
         before = float(srv.evaluate_fn(srv.params)["score"])  # just before the boundary
+        model_before = (srv.version, model_sha256(srv.params))
         erasure.around_boundary = (srv.params, new)
         srv.apply_erasure(new)
         erasure.boundary = self.calibration.boundary = srv.version
@@ -332,6 +335,7 @@ class ErasureCoordinator:
             boundary_version=srv.version,
             metrics=erasure.metrics_at_boundary,
             detail=f"erasure applied at version {srv.version}; calibrating",
+            facts=boundary_facts(self.cfg, model_before, srv.params),
         )
         self.event(erasure, "calibrating", **erasure.metrics_at_boundary)
         self.halting = False  # re-evaluated by the next poll if more requests wait
@@ -429,6 +433,7 @@ class ErasureCoordinator:
                 model_version=srv.version,
                 metrics=after,
                 detail=f"verified after {self.cfg.relearn_versions} versions",
+                facts=verified_facts(srv.params),
             )
             self.event(e, "verified", **after)
 

@@ -174,3 +174,17 @@ class ListRefusalsResponse(_message.Message):
     refusals: _containers.RepeatedCompositeFieldContainer[Refusal]
     counts: _containers.RepeatedCompositeFieldContainer[RefusalCount]
     def __init__(self, refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., counts: _Optional[_Iterable[_Union[RefusalCount, _Mapping]]] = ...) -> None: ...
+
+class CertificateRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CertificateResponse(_message.Message):
+    __slots__ = ("json", "html")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    HTML_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    html: str
+    def __init__(self, json: _Optional[str] = ..., html: _Optional[str] = ...) -> None: ...

@@ -60,6 +60,11 @@ class ErasureStub:
                 request_serializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsRequest.SerializeToString,
                 response_deserializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsResponse.FromString,
                 _registered_method=True)
+        self.Certificate = channel.unary_unary(
+                '/fedasync.erasure.v1.Erasure/Certificate',
+                request_serializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.CertificateRequest.SerializeToString,
+                response_deserializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.CertificateResponse.FromString,
+                _registered_method=True)
 
 
 class ErasureServicer:
@@ -103,6 +108,15 @@ class ErasureServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Certificate(self, request, context):
+        """The erasure certificate of one request (server/erasure/certificate.py), as JSON and
+        as a self-contained HTML page, built from the store and the run's event log. The
+        admin, or a token of the request's silo; any other caller gets NOT_FOUND, as for Get.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ErasureServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +144,11 @@ def add_ErasureServicer_to_server(servicer, server):
                     servicer.ListRefusals,
                     request_deserializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsRequest.FromString,
                     response_serializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsResponse.SerializeToString,
+            ),
+            'Certificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Certificate,
+                    request_deserializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.CertificateRequest.FromString,
+                    response_serializer=fedasync_dot_erasure_dot_v1_dot_erasure__pb2.CertificateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +286,33 @@ class Erasure:
             '/fedasync.erasure.v1.Erasure/ListRefusals',
             fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsRequest.SerializeToString,
             fedasync_dot_erasure_dot_v1_dot_erasure__pb2.ListRefusalsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Certificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedasync.erasure.v1.Erasure/Certificate',
+            fedasync_dot_erasure_dot_v1_dot_erasure__pb2.CertificateRequest.SerializeToString,
+            fedasync_dot_erasure_dot_v1_dot_erasure__pb2.CertificateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,455 @@
+"""The checks of an erasure certificate: every figure the system has for one request, each
+beside its reference, and every check that did not run for it, with why.
+
+What exists (docs/erasure.md) and where it is stored:
+
+- at the erasure boundary, the server's verification of the model just after the erasure
+  (forget-set score, membership-inference AUC, backdoor success, the global test score
+  before and after): the metrics of the store's ``calibrating`` audit row;
+- distance to retraining, per forgetting metric, against retraining's noise floor: only
+  where retraining reference runs are given (offline; their ``bd_*`` evaluations);
+- the silo's own membership test (``unlearning.stop=membership``): the ``silo_*`` metrics
+  the silo reported, in the same row;
+- the bound on the erasure's delta (``delta_norm``, ``delta_bound``): the same row;
+- the calibration in force (the row's facts) and the overlap of each later update with the
+  erased data's signature subspace (``calibration_overlap`` of ``update`` events);
+- resurfacing: the checks between the boundary and verification (``erasure_watch``
+  events, ``unlearning.watch_every``) and the verification after the relearning window (the
+  ``verified`` row), with the reversion ratio toward the pre-erasure model;
+- what the server did with the silo's work (cancelled jobs, updates refused or taken).
+
+What did not run, and why, is certificate_gaps.py's.
+
+No verdict is made up here: a figure says ``within``/``above``/``below`` only where the
+system has a rule for it (the silo's test band, retraining's noise floor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from server.erasure.states import State
+
+if TYPE_CHECKING:
+    from server.erasure.certificate import Bounds
+    from server.erasure.certificate_events import Reference, RunEvents
+    from server.erasure.records import AuditRow, Request
+
+MIN_BAND = 0.01
+"""A retraining noise floor under 0.01 counts as 0.01 (benchmarks/unlearning_vs_retrain.py)."""
+FORGETTING = ("forget_accuracy", "mia_auc", "asr")
+SUBSPACE = ("subspace", "both")
+"""``unlearning.protect`` values whose calibration measures each update's overlap."""
+
+_BOUNDARY = (
+    (
+        "forget_accuracy",
+        "Score on the erased samples (forget set)",
+        "test_accuracy",
+        "the same model's score on unseen test data",
+    ),
+    (
+        "mia_auc",
+        "Membership-inference AUC, erased samples against unseen data",
+        0.5,
+        "0.5: an attacker cannot tell them from data the model never saw",
+    ),
+    (
+        "asr",
+        "Backdoor attack success rate (the erased silo's trigger)",
+        "asr_without_trigger",
+        "the same images without the trigger",
+    ),
+    (
+        "score_after",
+        "Global test score just after the boundary",
+        "score_before",
+        "just before the boundary",
+    ),
+)
+
+
+def num(v: object) -> float | None:
+    """``v`` as a finite float, or None (not a number, NaN, infinite)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(float(v)) else None
+
+
+def last(rows: Sequence[AuditRow], to: State) -> AuditRow | None:
+    """The last audit row that moved the request into ``to`` (None: never)."""
+    found = [a for a in rows if a.action == "transition" and a.to_state is to]
+    return found[-1] if found else None
+
+
+def figure(
+    name: str,
+    label: str,
+    value: object,
+    reference: object = None,
+    reference_label: str = "",
+    **extra: Any,
+) -> dict[str, Any]:
+    """One figure: its value, its reference and what the reference is."""
+    v, ref = num(value), num(reference)
+    diff = None if v is None or ref is None else v - ref
+    return {
+        "name": name,
+        "label": label,
+        "value": v,
+        "reference": ref,
+        "reference_label": reference_label,
+        "difference": diff,
+        **extra,
+    }
+
+
+def check(
+    cid: str, title: str, source: str, figures: list[dict[str, Any]], **kw: Any
+) -> dict[str, Any]:
+    """One check: ``ran`` when it has a figure; ``notes`` say what to keep in mind."""
+    return {
+        "id": cid,
+        "title": title,
+        "source": source,
+        "ran": bool(figures),
+        "figures": figures,
+        "notes": list(kw.get("notes", [])),
+        **{k: v for k, v in kw.items() if k != "notes"},
+    }
+
+
+def checks(
+    r: Request,
+    rows: Sequence[AuditRow],
+    run: RunEvents | None,
+    refs: Sequence[Reference],
+    b: Bounds,
+) -> list[dict[str, Any]]:
+    """Every check a certificate reports, in a fixed order (ran or not)."""
+    boundary, verified = last(rows, State.CALIBRATING), last(rows, State.VERIFIED)
+    at_b = {} if boundary is None else boundary.metrics
+    after = {} if verified is None else verified.metrics
+    return [
+        _at_boundary(at_b),
+        _retraining(at_b, after, run, refs),
+        _membership(r, at_b),
+        _bound(at_b),
+        _calibration(boundary, at_b, run),
+        _resurfacing(at_b, after, verified, run, b),
+        _silo_work(r, boundary, run, b),
+    ]
+
+
+def _at_boundary(m: dict[str, float]) -> dict[str, Any]:
+    figures = []
+    for key, label, ref, ref_label in _BOUNDARY:
+        if key in m:
+            ref_value = m.get(ref) if isinstance(ref, str) else ref
+            figures.append(figure(key, label, m[key], ref_value, ref_label))
+    if "boundary_dip" in m:
+        figures.append(
+            figure(
+                "boundary_dip",
+                "Dip of the global test score at the boundary",
+                m["boundary_dip"],
+                0.0,
+                "no dip (positive: a drop)",
+            )
+        )
+    return check(
+        "at_boundary",
+        "Forgetting at the erasure boundary",
+        "erasure store: the calibrating audit row's metrics",
+        figures,
+        notes=["measured by the server on the model just after the erasure"],
+    )
+
+
+def _retraining(
+    at_b: dict[str, float],
+    after: dict[str, float],
+    run: RunEvents | None,
+    refs: Sequence[Reference],
+) -> dict[str, Any]:
+    figures: list[dict[str, Any]] = []
+    floors: dict[str, float | None] = {}
+    if refs and run is not None:
+        moments = (("boundary", at_b, "calibrating"), ("verified", after, "verified"))
+        for moment, metrics, state in moments:
+            times = [num(e.get("t")) for e in run.erasure if e.get("state") == state]
+            t = times[-1] if times else None
+            for key in FORGETTING:
+                if t is None or num(metrics.get(key)) is None:
+                    continue
+                fig = _against_retraining(key, moment, metrics[key], t, refs, floors)
+                if fig is not None:
+                    figures.append(fig)
+    return check(
+        "retraining",
+        "Distance to retraining, against retraining's noise floor",
+        "the event log's boundary time and the reference runs' evaluations",
+        figures,
+        references=len(refs),
+        notes=[
+            "within: |value - retraining| <= the noise floor (how far retrainings on "
+            f"different seeds land apart; at least {MIN_BAND}); above: under-erased; "
+            "below: over-erased"
+        ]
+        if figures
+        else [],
+    )
+
+
+def _against_retraining(
+    key: str,
+    moment: str,
+    value: float,
+    t: float,
+    refs: Sequence[Reference],
+    floors: dict[str, float | None],
+) -> dict[str, Any] | None:
+    values = [v for v in (x.at(key, t) for x in refs) if v is not None]
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    if key not in floors:
+        pairs = [abs(a - c) for i, a in enumerate(values) for c in values[i + 1 :]]
+        floors[key] = sum(pairs) / len(pairs) if pairs else None
+    floor = floors[key]
+    band = max(floor or 0.0, MIN_BAND)
+    gap = value - mean
+    verdict = "within" if abs(gap) <= band else ("above" if gap > 0 else "below")
+    return figure(
+        f"{key}@{moment}",
+        f"{key} at the {moment} against retraining",
+        value,
+        mean,
+        f"retraining ({len(values)} run(s)) at t={t:.1f}",
+        noise_floor=floor,
+        band=band,
+        verdict=verdict,
+    )
+
+
+def _membership(r: Request, m: dict[str, float]) -> dict[str, Any]:
+    figures = []
+    band = num(m.get("silo_auc_band"))
+    if "silo_auc" in m:
+        if "silo_auc_before" in m:
+            figures.append(
+                figure(
+                    "silo_auc_before",
+                    "AUC before erasing",
+                    m["silo_auc_before"],
+                    0.5,
+                    "0.5: forget samples look like the silo's held-out samples",
+                )
+            )
+        indist = num(m.get("silo_indistinguishable"))
+        over = num(m.get("silo_overshoot")) == 1.0
+        verdict = "within" if indist == 1.0 else ("below (reverted)" if over else "above")
+        figures.append(
+            figure(
+                "silo_auc",
+                "AUC when the silo stopped",
+                m["silo_auc"],
+                0.5,
+                "0.5 ± the test's band",
+                band=band,
+                verdict=verdict,
+            )
+        )
+        for key, label in (
+            ("silo_steps", "Erasure steps taken"),
+            ("silo_readings", "Readings taken"),
+            ("silo_compared", "Samples compared (forget + held-out)"),
+        ):
+            if key in m:
+                figures.append(figure(key, label, m[key]))
+    notes = []
+    if figures and r.whole_silo:
+        notes.append(
+            "a whole silo's influence also lives in its distribution (its site, a trigger on "
+            "all its samples), which shows on its held-out samples too: this test cannot see "
+            "it (docs/erasure.md); the server's removal and the checks above stand for it"
+        )
+    return check(
+        "silo_membership",
+        "The silo's own membership test",
+        "erasure store: the metrics the silo reported (silo_*)",
+        figures,
+        notes=notes,
+    )
+
+
+def _bound(m: dict[str, float]) -> dict[str, Any]:
+    figures = []
+    if "delta_norm" in m and "delta_bound" in m:
+        figures.append(
+            figure(
+                "delta_norm",
+                "Norm of the silo's erasure delta, as sent",
+                m["delta_norm"],
+                m["delta_bound"],
+                "its bound (larger is clipped to it)",
+            )
+        )
+    if "clip_factor" in m:
+        figures.append(figure("clip_factor", "Clipped by", m["clip_factor"], 1.0, "not clipped"))
+    return check(
+        "bound",
+        "The erasure's size is bounded",
+        "erasure store: the calibrating audit row's metrics",
+        figures,
+    )
+
+
+def _calibration(
+    boundary: AuditRow | None,
+    m: dict[str, float],
+    run: RunEvents | None,
+) -> dict[str, Any]:
+    figures = []
+    facts = {} if boundary is None else boundary.facts
+    laps = [] if run is None or boundary is None else run.overlaps
+    if laps:
+        figures += [
+            figure(
+                "overlap_mean",
+                "Mean share of a later update's norm in the erased data's subspace",
+                sum(laps) / len(laps),
+                0.0,
+                "0: none of it (that part is projected out)",
+                count=len(laps),
+            ),
+            figure(
+                "overlap_max",
+                "Largest share of one update's norm in it",
+                max(laps),
+                0.0,
+                "0: none",
+            ),
+        ]
+    if "signature_shared" in m:
+        figures.append(
+            figure(
+                "signature_shared",
+                "Share of the signature other silos' updates span",
+                m["signature_shared"],
+                0.0,
+                "0: all of it unique to the erased data",
+            )
+        )
+    if "forget_gradient" in m:
+        figures.append(
+            figure(
+                "forget_gradient",
+                "The silo sent its forget gradient",
+                m["forget_gradient"],
+                1.0,
+                "1: sent (protect=gradient or onesided)",
+            )
+        )
+    settings = {k: v for k, v in sorted(facts.items()) if k.startswith("calibration_")}
+    return check(
+        "calibration",
+        "Calibration of later updates",
+        "the calibrating audit row's facts; update events' calibration_overlap",
+        figures,
+        settings=settings,
+        notes=["with several erasures the signature is merged: an overlap is against all of them"]
+        if figures
+        else [],
+    )
+
+
+def _resurfacing(
+    at_b: dict[str, float],
+    after: dict[str, float],
+    verified: AuditRow | None,
+    run: RunEvents | None,
+    b: Bounds,
+) -> dict[str, Any]:
+    figures = []
+    for key in (*FORGETTING, "test_accuracy"):
+        if key in after:
+            figures.append(
+                figure(key, f"{key} at verification", after[key], at_b.get(key), "at the boundary")
+            )
+    if num(after.get("reversion_ratio")) is not None:
+        figures.append(
+            figure(
+                "reversion_ratio",
+                "Reversion toward the pre-erasure model",
+                after["reversion_ratio"],
+                0.0,
+                "0: none; 1: all the way back",
+            )
+        )
+    points = []
+    if run is not None:
+        for w in run.watch[: b.points]:
+            keys = (*FORGETTING, "test_accuracy", "reversion_ratio")
+            points.append(
+                {
+                    "since_boundary": w.get("since_boundary"),
+                    "version": w.get("version"),
+                    "t": num(w.get("t")),
+                    **{k: num(w.get(k)) for k in keys if k in w},
+                }
+            )
+    return check(
+        "resurfacing",
+        "Resurfacing: checks after the boundary",
+        "erasure store: the verified audit row's metrics; erasure_watch events",
+        figures,
+        points=points,
+        points_left_out=0 if run is None else max(0, len(run.watch) - b.points),
+        verified_version=None if verified is None else verified.model_version,
+    )
+
+
+def _silo_work(
+    r: Request, boundary: AuditRow | None, run: RunEvents | None, b: Bounds
+) -> dict[str, Any]:
+    figures = []
+    if run is not None:
+        figures += [
+            figure(
+                "jobs_cancelled",
+                "Training jobs of the silo cancelled for the erasure",
+                len(run.cancelled),
+            ),
+            figure("replies_discarded", "Replies of cancelled jobs dropped", run.discarded),
+            figure("refused_erased", "Updates of the silo refused as erased", run.refused_erased),
+        ]
+        if boundary is not None:
+            figures.append(
+                figure(
+                    "silo_updates_after",
+                    "Updates of the silo taken after the boundary",
+                    run.silo_after,
+                    0.0 if r.whole_silo else None,
+                    "none: the silo is retired"
+                    if r.whole_silo
+                    else "the silo trains on without the erased samples",
+                )
+            )
+    return check(
+        "silo_work",
+        "What the server did with the silo's work",
+        "event log: job_cancelled, reply_discarded, reject, update",
+        figures,
+        cancelled=[] if run is None else [_job(j) for j in run.cancelled[: b.points]],
+    )
+
+
+def _job(e: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "job": e.get("job"),
+        "t": num(e.get("t")),
+        "would_finish_at": num(e.get("would_finish_at")),
+    }

@@ -1,0 +1,536 @@
+"""The erasure certificate (server/erasure/certificate*.py): built from a real erasure's store and
+event log, its JSON, its HTML (escaped, bounded, fetching nothing), its regeneration, the
+Certificate RPC's access control and bound, ``fedasync erase certificate`` online and offline,
+and the page as headless Chromium renders it."""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from inprocess import InProcessGrid
+
+from clients.app import app as client_app
+from protocol.ids import digest
+from server.app import run_server
+from server.erasure.auth import Authorizer, Principal
+from server.erasure.catalog import StaticCatalog
+from server.erasure.certificate import build, sample_digest, to_json
+from server.erasure.certificate_html import CSP, render
+from server.erasure.gen import erasure_pb2 as pb
+from server.erasure.gen import erasure_pb2_grpc
+from server.erasure.limits import Limits
+from server.erasure.records import RequestNotFound
+from server.erasure.service import ErasureService, serve
+from server.erasure.states import State
+from server.erasure.store import ErasureStore
+from server.unlearning.attest import model_sha256
+from simulations.config import load_config
+from simulations.erase_cli import main as erase
+
+TOKENS = {"admin": "tok-admin", **{f"silo-{i}": f"tok-silo-{i}" for i in range(3)}}
+C = grpc.StatusCode
+HOSTILE = '<script>alert("x")</script><img src="http://evil.example/a.png"> & "quotes"'
+
+
+@pytest.fixture(scope="module")
+def erased(tmp_path_factory):
+    """One real run (3 silos, the real ClientApp in process): 30% of silo 2's samples erased
+    at t=10 s with a backdoor on silo 2, checked every version after the boundary, calibrated
+    in the signature subspace (so updates carry their overlap), verified 4 versions later."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = load_config(
+        None,
+        [
+            f"run.out_dir={out}",
+            "run.name=t",
+            "run.compare_sync=false",
+            "run.progress=false",
+            "run.budget_s=1000",
+            "run.max_versions=30",
+            "silos.count=3",
+            "silos.speed_profile=uniform",
+            "client.local_steps=2",
+            "client.batch_size=16",
+            "data.max_samples=600",
+            "server.eval_every=5",
+            "server.checkpoint_every=0",
+            "server.evaluate_silos=false",
+            "erasures=[{silo: 2, at_s: 10, fraction: 0.3}]",
+            "unlearning.relearn_versions=4",
+            "unlearning.watch_every=1",
+            "unlearning.protect=subspace",
+            "backdoor.enabled=true",
+            "backdoor.silo=2",
+            "backdoor.target_label=0",
+        ],
+    )
+    run_dir = out / "t"
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    (req,) = summary["erasures"]["requests"]
+    assert req["state"] == "verified"
+    store = ErasureStore(run_dir / "erasures.sqlite", readonly=True)
+    try:
+        yield run_dir, store, store.get(req["id"])
+    finally:
+        store.close()
+
+
+def _cert(erased, **kw):
+    run_dir, store, r = erased
+    return build(store, r.id, events=run_dir / "metrics.jsonl", **kw)
+
+
+def _copy_run(run_dir: Path, to: Path) -> None:
+    """The run's store (a consistent copy, its WAL included: SQLite's backup) and event log."""
+    with (
+        sqlite3.connect(run_dir / "erasures.sqlite") as src,
+        sqlite3.connect(to / "erasures.sqlite") as dst,
+    ):
+        src.backup(dst)
+    shutil.copy(run_dir / "metrics.jsonl", to / "metrics.jsonl")
+
+
+def _check(cert, cid):
+    return next(c for c in cert["checks"] if c["id"] == cid)
+
+
+# -- the JSON -------------------------------------------------------------------------------
+
+
+def test_the_certificate_of_a_real_erasure(erased):
+    run_dir, store, r = erased
+    cert = _cert(erased)
+    # who asked, when, which silo and which samples: digests, never the ids
+    req = cert["request"]
+    assert (req["id"], req["silo"], req["scope"], req["state"]) == (r.id, 2, "samples", "verified")
+    assert req["requester"] == "schedule" and req["submitted_at_ms"] == r.created_at_ms
+    assert req["samples"]["count"] == len(r.sample_ids) > 0
+    assert req["samples"]["digests"] == sorted(sample_digest(r.id, s) for s in r.sample_ids)
+    text = to_json(cert) + render(cert)
+    assert not [s for s in r.sample_ids if f'"{s}"' in text or f">{s}<" in text]
+    # the timeline, in order, from the store's rows and the run's clock
+    steps = cert["timeline"]
+    assert [s["step"] for s in steps] == [
+        "requested",
+        "silo_started",
+        "in_global_model",
+        "calibration",
+        "verified",
+    ]
+    assert all(s["reached"] for s in steps)
+    assert [s["time_ms"] for s in steps] == sorted(s["time_ms"] for s in steps)
+    events = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"event": "erasure"' in line
+    ]
+    clock = {e["state"]: e["t"] for e in events}
+    assert steps[1]["clock_t"] == clock["erasing"] and steps[4]["clock_t"] == clock["verified"]
+    assert clock["calibrating"] <= steps[3]["clock_t"] <= clock["verified"]
+    # the model's version and SHA-256 before, at the boundary and when verified
+    model = cert["model"]
+    assert model["after"]["version"] == r.boundary_version == steps[2]["model_version"]
+    assert model["before"]["version"] == r.boundary_version - 1
+    assert model["verified"]["version"] == steps[4]["model_version"] > r.boundary_version
+    shas = [model[k]["sha256"] for k in ("before", "after", "verified")]
+    assert all(re.fullmatch("[0-9a-f]{64}", s) for s in shas)
+    assert model["changed"] == (shas[0] != shas[1])
+    assert shas[2] != shas[1], "four versions of training after the boundary moved the model"
+
+
+def test_each_figure_has_its_reference(erased):
+    cert = _cert(erased)
+    _, store, r = erased
+    boundary = [a for a in store.audit(r.id) if a.to_state is State.CALIBRATING][-1]
+    at = {f["name"]: f for f in _check(cert, "at_boundary")["figures"]}
+    assert (
+        at["mia_auc"]["value"] == boundary.metrics["mia_auc"] and at["mia_auc"]["reference"] == 0.5
+    )
+    assert at["forget_accuracy"]["reference"] == boundary.metrics["test_accuracy"]
+    assert at["asr"]["reference"] == boundary.metrics["asr_without_trigger"]
+    silo = {f["name"]: f for f in _check(cert, "silo_membership")["figures"]}
+    assert silo["silo_auc"]["band"] == boundary.metrics["silo_auc_band"]
+    assert silo["silo_auc"]["verdict"] in ("within", "above", "below (reverted)")
+    cal = _check(cert, "calibration")
+    assert cal["ran"] and cal["settings"]["calibration_protect"] == "subspace"
+    mean = next(f for f in cal["figures"] if f["name"] == "overlap_mean")
+    assert mean["count"] >= 1 and 0.0 <= mean["value"] <= 1.0
+    res = _check(cert, "resurfacing")
+    assert [p["since_boundary"] for p in res["points"]] == [1, 2, 3]
+    assert {f["name"] for f in res["figures"]} >= {"forget_accuracy", "mia_auc", "asr"}
+    work = {f["name"]: f["value"] for f in _check(cert, "silo_work")["figures"]}
+    assert work["refused_erased"] == 0 and work["jobs_cancelled"] >= 0
+
+
+def test_what_was_not_verified_is_said_plainly(erased):
+    cert = _cert(erased)
+    missing = {x["check"]: x["why"] for x in cert["not_verified"]}
+    assert "--reference" in missing["distance to retraining"]
+    assert "deletion of the records at the silo" in missing
+    assert not _check(cert, "retraining")["ran"]
+    page = render(cert)
+    section = page[page.index("What was NOT verified") :]
+    for check in missing:
+        assert html.escape(check) in section
+    # a request not yet carried out: nothing of it is claimed
+    store = ErasureStore(":memory:")
+    q, _ = store.submit(1, ["a"], "silo-1", 3)
+    early = build(store, q.id)
+    assert {"the erasure itself", "the relearning check"} <= {
+        x["check"] for x in early["not_verified"]
+    }
+    assert not any(c["ran"] for c in early["checks"]) and not early["outcome"]["verified"]
+    assert [s["reached"] for s in early["timeline"]] == [True, False, False, False, False]
+
+
+def test_retraining_reference_runs_give_the_distance_and_the_noise_floor(erased, tmp_path):
+    cert0 = _cert(erased)
+    refs = []
+    for i, mia in enumerate((0.40, 0.44)):  # two retrainings: floor |0.40 - 0.44| = 0.04
+        run = tmp_path / f"retrain-{i}"
+        run.mkdir()
+        lines = [
+            {"event": "eval", "t": t, "version": k, "bd_mia_auc": mia, "bd_asr": 0.1}
+            for k, t in enumerate((0.0, 50.0, 100.0))
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        refs.append(run)
+    cert = _cert(erased, references=refs)
+    figs = {f["name"]: f for f in _check(cert, "retraining")["figures"]}
+    mia = figs["mia_auc@boundary"]
+    assert mia["reference"] == pytest.approx(0.42) and mia["noise_floor"] == pytest.approx(0.04)
+    v = _check(cert0, "at_boundary")["figures"][1]["value"]
+    assert mia["verdict"] == (
+        "within" if abs(v - 0.42) <= 0.04 else "above" if v > 0.42 else "below"
+    )
+    assert figs["asr@verified"]["band"] == 0.01  # a zero floor counts as 0.01
+    assert "forget_accuracy@boundary" not in figs  # the references never measured it
+    assert [x["sha256"] for x in cert["sources"]["references"]] == [
+        hashlib.sha256((r / "metrics.jsonl").read_bytes()).hexdigest() for r in refs
+    ]
+    assert "distance to retraining" not in {x["check"] for x in cert["not_verified"]}
+
+
+def test_regenerating_gives_the_same_json(erased, tmp_path):
+    run_dir, store, r = erased
+    first = to_json(_cert(erased))
+    copy = tmp_path / "later"
+    copy.mkdir()
+    _copy_run(run_dir, copy)
+    with ErasureStore(copy / "erasures.sqlite", readonly=True) as again:
+        second = to_json(build(again, r.id, events=copy / "metrics.jsonl"))
+    assert first == second
+    json.loads(first)  # strict JSON: no NaN (a reversion ratio may be one)
+
+
+def test_sample_digests_are_the_protocol_s_salted_digest_with_the_request_id():
+    assert sample_digest("req-1", "case 7") == digest("req-1", "case 7").hex()
+    assert sample_digest("req-1", "case 7") != sample_digest("req-2", "case 7")
+
+
+def test_the_model_hash_ignores_the_order_of_the_tensors_not_their_values():
+    a = {"w": torch.ones(2, 3), "b": torch.zeros(3)}
+    b = {"b": torch.zeros(3), "w": torch.ones(2, 3)}
+    assert model_sha256(a) == model_sha256(b)
+    b["w"][0, 0] = 1.5
+    assert model_sha256(a) != model_sha256(b)
+
+
+# -- the HTML: escaped, bounded, self-contained ----------------------------------------------
+
+
+def _hostile_store(path):
+    store = ErasureStore(path)
+    r, _ = store.submit(0, ["x"], HOSTILE, 1, reason=HOSTILE + "y" * 100_000)
+    store.transition(r.id, State.ERASING, actor="server", model_version=1, detail=HOSTILE)
+    store.transition(r.id, State.FAILED, actor=HOSTILE, model_version=2, detail="<blink>" * 2000)
+    store.record_refusal(
+        "silo-1", "ipv4:x", "/m", "NOT_FOUND", f"no erasure request {r.id} {HOSTILE}"
+    )
+    return store, r
+
+
+def test_hostile_strings_are_escaped_and_cut(tmp_path):
+    store, r = _hostile_store(tmp_path / "s.sqlite")
+    cert = build(store, r.id)
+    page = render(cert)
+    for tag in ("<script", "<img", "<blink"):
+        assert tag not in page.lower()
+    assert "&lt;script&gt;" in page and "&quot;quotes&quot;" in page and "&lt;blink&gt;" in page
+    assert len(cert["request"]["reason"]) < 600 and "(100" in cert["request"]["reason"]
+    assert len(page) < 60_000  # 100 kB of reason and 15 kB of markup do not get through
+    assert cert["refusals"]["rows"][0]["code"] == "NOT_FOUND"
+    assert cert["outcome"]["state"] == "failed"
+
+
+class _Markup(HTMLParser):
+    """The tags and attributes of a page, and the text of its style elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, list[tuple[str, str | None]]]] = []
+        self.css: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, attrs))
+
+    def handle_data(self, data):
+        if self.tags and self.tags[-1][0] == "style":
+            self.css.append(data)
+
+
+def test_the_page_fetches_nothing_and_needs_no_script(erased, tmp_path):
+    store, r = _hostile_store(tmp_path / "s.sqlite")
+    for page in (render(_cert(erased)), render(build(store, r.id))):
+        m = _Markup()
+        m.feed(page)
+        tags = {t for t, _ in m.tags}
+        assert not tags & {"script", "link", "iframe", "object", "embed", "img", "base", "frame"}
+        attrs = {k for _, kv in m.tags for k, _ in kv}
+        assert not attrs & {"src", "href", "srcset", "action", "formaction", "background"}
+        assert not [k for k in attrs if k.startswith("on")]  # no event handlers either
+        css = " ".join(m.css).lower()
+        assert "url(" not in css and "@import" not in css and "@font-face" not in css
+        assert ("meta", [("http-equiv", "Content-Security-Policy"), ("content", CSP)]) in m.tags
+    # a certificate without hostile input names no address at all
+    assert not re.search(r"https?://", render(_cert(erased)))
+
+
+# -- the service -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def service(erased, tmp_path):
+    """The Certificate RPC over a copy of the real run's files."""
+    run_dir, _, r = erased
+    _copy_run(run_dir, tmp_path)
+    store = ErasureStore(tmp_path / "erasures.sqlite")
+    principals = [(TOKENS["admin"], Principal("admin", "admin"))] + [
+        (TOKENS[f"silo-{i}"], Principal(f"silo-{i}", "silo", i)) for i in range(3)
+    ]
+    catalog = StaticCatalog(samples={i: set() for i in range(3)})
+    svc = ErasureService(
+        store, Authorizer.from_tokens(principals), catalog, events=tmp_path / "metrics.jsonl"
+    )
+    server, port = serve(svc, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = erasure_pb2_grpc.ErasureStub(channel)
+
+    def call(rid, who="admin"):
+        md = [("authorization", f"Bearer {TOKENS[who]}")] if who else []
+        return stub.Certificate(pb.CertificateRequest(request_id=rid), metadata=md, timeout=30)
+
+    try:
+        yield call, store, svc, r, tmp_path, port
+    finally:
+        channel.close()
+        server.stop(0).wait()
+        store.close()
+
+
+def _code(fn):
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code()
+
+
+def test_the_service_serves_it_to_the_admin_and_the_request_s_silo_only(service):
+    call, store, _, r, folder, _ = service
+    offline = to_json(build(store, r.id, events=folder / "metrics.jsonl"))
+    for who in ("admin", "silo-2"):
+        reply = call(r.id, who)
+        assert reply.json == offline and reply.html.startswith("<!DOCTYPE html>")
+    assert _code(lambda: call(r.id, "silo-0")) == C.NOT_FOUND
+    assert _code(lambda: call(r.id, None)) == C.UNAUTHENTICATED
+    assert _code(lambda: call("0" * 32)) == C.NOT_FOUND
+    assert _code(lambda: call("x" * 129)) == C.INVALID_ARGUMENT
+    # refused like every other call, and the ones naming the request are in its certificate
+    refused = [(x.who, x.code) for x in store.refusals() if x.method.endswith("/Certificate")]
+    assert sorted(refused) == sorted(
+        [
+            ("silo-0", "NOT_FOUND"),
+            ("unauthenticated", "UNAUTHENTICATED"),
+            ("admin", "NOT_FOUND"),
+            ("admin", "INVALID_ARGUMENT"),
+        ]
+    )
+    listed = json.loads(call(r.id).json)["refusals"]["rows"]
+    assert [(x["who"], x["code"]) for x in listed] == [("silo-0", "NOT_FOUND")]
+
+
+def test_a_certificate_over_its_bound_is_refused(service):
+    call, store, svc, r, _, _ = service
+    svc.limits = Limits(max_certificate_bytes=10_000)
+    assert _code(lambda: call(r.id)) == C.RESOURCE_EXHAUSTED
+    assert store.refusals(1)[0].code == "RESOURCE_EXHAUSTED"
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_the_command_online_and_offline(service, tmp_path, capsys):
+    call, store, _, r, folder, port = service
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    common = ["--address", f"127.0.0.1:{port}", "--token", TOKENS["silo-2"]]
+    assert erase(["certificate", r.id, "--out", str(online), *common]) == 0
+    assert erase(["certificate", r.id, "--out", str(offline), "--run", str(folder)]) == 0
+    for name in ("certificate.json", "certificate.html"):
+        assert (online / name).read_text() == (offline / name).read_text()
+    capsys.readouterr()
+    # unknown request, online and offline; bad combinations and missing files: one line, exit 2
+    assert erase(["certificate", "nope", "--out", str(online), *common]) == 2
+    assert erase(["certificate", "nope", "--out", str(offline), "--run", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "NOT_FOUND" in err and "no erasure request 'nope' in" in err
+    for bad in (
+        ["--events", str(folder / "metrics.jsonl")],
+        ["--store", str(tmp_path / "absent.sqlite")],
+        ["--run", str(folder), "--store", str(folder / "erasures.sqlite")],
+        ["--reference", str(folder)],
+        ["--run", str(folder), "--reference", str(tmp_path / "absent")],
+    ):
+        assert erase(["certificate", r.id, "--out", str(offline), *bad]) == 2, bad
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_readonly_store_changes_nothing(erased, tmp_path):
+    run_dir, _, r = erased
+    _copy_run(run_dir, tmp_path)
+    path = tmp_path / "erasures.sqlite"
+    before = path.read_bytes()
+    with ErasureStore(path, readonly=True) as s:
+        assert s.get(r.id) is not None and s.refusals() == []
+        with pytest.raises(Exception, match="readonly"):
+            s.submit(0, None, "admin", 1)
+        with pytest.raises(RequestNotFound):
+            build(s, "0" * 32)
+    assert path.read_bytes() == before
+    with pytest.raises(FileNotFoundError):
+        ErasureStore(tmp_path / "absent.sqlite", readonly=True)
+
+
+# -- in a real browser -----------------------------------------------------------------------
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.skip("the chromium binary is missing: install it with `apt-get install -y chromium`")
+
+
+def _browse(binary: str, page: Path, tmp: Path, *flags: str, timeout: float = 60.0) -> str:
+    """Run headless Chromium on ``page``; its stdout. Killed (its whole process group, by the
+    pid started here) on timeout, and always left with nothing running."""
+    cmd = [
+        binary,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp / 'profile'}",
+        "--no-first-run",
+        *flags,
+        page.as_uri(),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"chromium did not finish within {timeout} s")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group of the process started here
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("chromium left processes running")
+    return out.decode("utf-8", errors="replace")
+
+
+class _Text(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self._skip = 0
+
+    def handle_starttag(self, tag, attrs):
+        self._skip += tag in ("style", "script", "title")
+
+    def handle_endtag(self, tag):
+        self._skip -= tag in ("style", "script", "title")
+
+    def handle_data(self, data):
+        if not self._skip:
+            self.parts.append(data)
+
+
+def test_chromium_renders_the_certificate_with_the_request_s_figures(erased, tmp_path):
+    from PIL import Image
+
+    binary = _chromium()
+    cert = _cert(erased)
+    page = tmp_path / "certificate.html"
+    page.write_text(render(cert), encoding="utf-8")
+    shot = tmp_path / "certificate.png"
+    _browse(binary, page, tmp_path, "--window-size=1200,2000", f"--screenshot={shot}")
+    with Image.open(shot) as im:
+        assert im.format == "PNG" and im.size == (1200, 2000)
+        colours = im.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colours is not None and len(colours) > 50, "a page, not a blank screen"
+    reader = _Text()
+    reader.feed(_browse(binary, page, tmp_path, "--dump-dom"))
+    text = " ".join(" ".join(reader.parts).split())
+    r = cert["request"]
+    at = {f["name"]: f for f in _check(cert, "at_boundary")["figures"]}
+    for expected in (
+        r["id"],
+        f"{r['samples']['count']} sample(s) of silo 2",
+        r["samples"]["digests"][0],
+        "What was NOT verified",
+        f"model version {cert['model']['after']['version']}",
+        cert["model"]["after"]["sha256"],
+        cert["model"]["verified"]["sha256"],
+        f"{at['mia_auc']['value']:.4g}",
+        "distance to retraining",
+        "Erasure request",
+    ):
+        assert expected in text, expected
+
+
+def test_facts_are_kept_with_their_audit_row_and_append_only(tmp_path):
+    store = ErasureStore(tmp_path / "s.sqlite")
+    r, _ = store.submit(1, ["a"], "silo-1", 3)
+    store.transition(r.id, State.ERASING, actor="server", model_version=3, facts={"k": "v"})
+    rows = store.audit(r.id)
+    assert [a.facts for a in rows] == [{}, {"k": "v"}]
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        store._db.execute("UPDATE audit_facts SET value = 'w'")
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        store._db.execute("DELETE FROM audit_facts")
+    store.close()
