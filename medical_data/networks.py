@@ -24,6 +24,9 @@ resnet18 64x64 1.5; mlp-small 1x30 under 0.001. ``unet`` 64x64 at batch 8: 0.22.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from monai.networks.blocks import Convolution
 from monai.networks.nets import BasicUNet, DenseNet121, FullyConnectedNet, resnet18
@@ -49,22 +52,28 @@ class SmallCNN(nn.Module):
 
     def __init__(self, in_channels: int, num_classes: int, widths: tuple[int, ...] = (16, 32, 64)):
         super().__init__()
-        layers, ch = [], in_channels
-        for i, w in enumerate(widths):
-            layers.append(
-                Convolution(
-                    spatial_dims=2,
-                    in_channels=ch,
-                    out_channels=w,
-                    strides=1 if i == 0 else 2,
-                    kernel_size=3,
-                    act=("relu", {"inplace": False}),
-                    norm=_group_norm(w),
-                )
-            )
-            ch = w
-        self.features = nn.Sequential(*layers)
-        self.head = nn.Linear(ch, num_classes)
+        self.features = nn.Sequential(
+            *(Convolution(**kw) for kw in self.unit_args(in_channels, widths))
+        )
+        self.head = nn.Linear(widths[-1], num_classes)
+
+    @staticmethod
+    def unit_args(in_channels: int, widths: tuple[int, ...] = (16, 32, 64)) -> list[dict[str, Any]]:
+        """The keyword arguments of each ``blocks.Convolution`` unit of ``features``, in order
+        (what the unit is built from here and in a MONAI bundle's config, server/bundle.py)."""
+        chans = (in_channels, *widths)
+        return [
+            {
+                "spatial_dims": 2,
+                "in_channels": chans[i],
+                "out_channels": w,
+                "strides": 1 if i == 0 else 2,
+                "kernel_size": 3,
+                "act": ("relu", {"inplace": False}),
+                "norm": _group_norm(w),
+            }
+            for i, w in enumerate(widths)
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``(b, num_classes)`` for images ``(b, in_channels, H, W)``, average-pooled."""
@@ -87,6 +96,66 @@ def _no_batchnorm(net: nn.Module) -> nn.Module:
     return net
 
 
+MONAI_CLASSES: dict[str, Callable[..., nn.Module]] = {
+    "monai.networks.nets.DenseNet121": DenseNet121,
+    "monai.networks.nets.resnet18": resnet18,
+    "monai.networks.nets.BasicUNet": BasicUNet,
+    "monai.networks.nets.FullyConnectedNet": FullyConnectedNet,
+}
+"""What each network but cnn-small is an instance of (or, resnet18, made by), by dotted path."""
+
+
+def monai_recipe(
+    name: str, in_channels: int, num_classes: int, image_size: tuple[int, int]
+) -> tuple[str, dict[str, Any]]:
+    """The MONAI class or function (its dotted path, a key of MONAI_CLASSES) network ``name``
+    is built by, and its keyword arguments; ValueError when the images do not fit it.
+    ``resnet18`` has its BatchNorm swapped afterwards (`_no_batchnorm`); ``cnn-small`` is a
+    class of this module's (`SmallCNN`), not a recipe."""
+    h, w = image_size
+    if name == "densenet121":
+        if min(h, w) < 64:
+            raise ValueError(f"densenet121 needs images >= 64x64, got {image_size}")
+        return "monai.networks.nets.DenseNet121", {
+            "spatial_dims": 2,
+            "in_channels": in_channels,
+            "out_channels": num_classes,
+            "norm": ("group", {"num_groups": 8}),
+            "act": ("relu", {"inplace": False}),
+        }
+    if name == "resnet18":
+        if min(h, w) < 32:
+            raise ValueError(f"resnet18 needs images >= 32x32, got {image_size}")
+        return "monai.networks.nets.resnet18", {
+            "spatial_dims": 2,
+            "n_input_channels": in_channels,
+            "num_classes": num_classes,
+            "norm": ("group", {"num_groups": 8}),
+            "act": ("relu", {"inplace": False}),
+        }
+    if name in ("unet-small", "unet"):
+        if h % 16 or w % 16:
+            raise ValueError(f"{name} needs H, W divisible by 16, got {image_size}")
+        small = name == "unet-small"
+        return "monai.networks.nets.BasicUNet", {
+            "spatial_dims": 2,
+            "in_channels": in_channels,
+            "out_channels": num_classes,
+            "features": (8, 8, 16, 32, 64, 8) if small else (32, 32, 64, 128, 256, 32),
+            "norm": ("group", {"num_groups": 4 if small else 8}),
+            "act": ("LeakyReLU", {"negative_slope": 0.1, "inplace": False}),
+        }
+    if name == "mlp-small":
+        return "monai.networks.nets.FullyConnectedNet", {
+            "in_channels": in_channels * h * w,
+            "out_channels": num_classes,
+            "hidden_channels": MLP_HIDDEN,
+            "dropout": None,
+            "act": ("relu", {"inplace": False}),
+        }
+    raise ValueError(f"unknown network {name!r}; choose one of {NETWORKS}")
+
+
 def build_network(
     name: str, in_channels: int, num_classes: int, image_size: tuple[int, int]
 ) -> nn.Module:
@@ -96,51 +165,11 @@ def build_network(
     ``(B, num_classes, H, W)`` and needs H and W divisible by 16 (``unet`` too); ``mlp-small`` takes any
     size (it sees ``in_channels * H * W`` features) and classifies only.
     """
-    h, w = image_size
     if name == "cnn-small":
         return SmallCNN(in_channels, num_classes)
-    if name == "densenet121":
-        if min(h, w) < 64:
-            raise ValueError(f"densenet121 needs images >= 64x64, got {image_size}")
-        return DenseNet121(
-            spatial_dims=2,
-            in_channels=in_channels,
-            out_channels=num_classes,
-            norm=("group", {"num_groups": 8}),
-            act=("relu", {"inplace": False}),
-        )
-    if name == "resnet18":
-        if min(h, w) < 32:
-            raise ValueError(f"resnet18 needs images >= 32x32, got {image_size}")
-        net = resnet18(
-            spatial_dims=2,
-            n_input_channels=in_channels,
-            num_classes=num_classes,
-            norm=("group", {"num_groups": 8}),
-            act=("relu", {"inplace": False}),
-        )
-        return _no_batchnorm(net)
-    if name in ("unet-small", "unet"):
-        if h % 16 or w % 16:
-            raise ValueError(f"{name} needs H, W divisible by 16, got {image_size}")
-        small = name == "unet-small"
-        return BasicUNet(
-            spatial_dims=2,
-            in_channels=in_channels,
-            out_channels=num_classes,
-            features=(8, 8, 16, 32, 64, 8) if small else (32, 32, 64, 128, 256, 32),
-            norm=("group", {"num_groups": 4 if small else 8}),
-            act=("LeakyReLU", {"negative_slope": 0.1, "inplace": False}),
-        )
-    if name == "mlp-small":
-        return FullyConnectedNet(
-            in_channels=in_channels * h * w,
-            out_channels=num_classes,
-            hidden_channels=MLP_HIDDEN,
-            dropout=None,
-            act=("relu", {"inplace": False}),
-        )
-    raise ValueError(f"unknown network {name!r}; choose one of {NETWORKS}")
+    target, kwargs = monai_recipe(name, in_channels, num_classes, image_size)
+    net = MONAI_CLASSES[target](**kwargs)
+    return _no_batchnorm(net) if name == "resnet18" else net
 
 
 def network_for(spec: BenchmarkSpec) -> nn.Module:

@@ -18,12 +18,15 @@ holds no silo's data (``run_server(..., data_here=False)``):
 The server is built complete by ``build_server``. What a run does around the loop lives
 beside it: the benchmark's federation and model (server/benchmark.py), evaluation by the silos
 (server/evaluation.py), the erasure coordinator, verifier and service (server/erasure_setup.py),
-the stop handle (server/stopping.py) and the summary (server/summary.py).
+the stop handle (server/stopping.py), the summary (server/summary.py) and the final and best
+models as MONAI bundles (server/bundle.py; the run's description they need is written as it
+starts).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import sys
 import time
@@ -44,6 +47,7 @@ from medical_data.tasks import evaluate
 from protocol import ids as digests
 from protocol.transport import short_backoff
 from server.benchmark import federation, initial_model, server_test_set
+from server.bundle import BUNDLE_DIR, describe_run, write_run_bundles, write_run_info
 from server.checkpoint import resume
 from server.config import FedAsyncConfig
 from server.erasure_setup import (
@@ -55,6 +59,7 @@ from server.erasure_setup import (
 )
 from server.evaluation import FederatedEvaluation, evaluate_silos
 from server.loop import AsyncServer
+from server.models import MODELS_DIR
 from server.stopping import RunStopped, StopHandle, StoppableGrid, stop_reason
 from server.summary import build_summary, central_dp_summary, write_summary
 from server.unlearning import ErasureCoordinator
@@ -159,6 +164,9 @@ def run_server(
         resumed = cfg.run.resume and resume(srv)
         if cfg.run.resume and not resumed:
             log.warning("run.resume=true but %s has no checkpoint: starting afresh", run_dir)
+        samples = None if test is None else len(test)
+        info = describe_run(cfg, spec, srv.silo_reports, evaluation_on=on, test_samples=samples)
+        write_run_info(run_dir, info)  # what its bundles say of the run (server/bundle.py)
         milestones.info(
             "run %s at version %d: %s, %d silos, budget %gs, run folder %s",
             "resumed" if resumed else "started",
@@ -220,6 +228,7 @@ def run_server(
             summary["erasures"] = erasure_summary(srv.erasure, srv.params)
         if srv.privacy.ledger is not None:
             summary["central_dp"] = central_dp_summary(srv)
+        summary["bundles"] = _bundles(srv, info)
         write_summary(run_dir / "summary.json", summary)
         milestones.info(
             "run %s at version %d: score %s; summary in %s",
@@ -325,10 +334,31 @@ def _check_reports(srv: AsyncServer, spec: BenchmarkSpec) -> None:
             )
 
 
+def _bundles(srv: AsyncServer, info: dict[str, Any]) -> dict[str, str]:
+    """The run's final and best models as MONAI bundles (server/bundle.py), their folders by
+    name; a failure is logged and leaves none (the checkpoint and snapshots are written:
+    ``fedasync export`` makes them again)."""
+    try:
+        return write_run_bundles(srv, info)
+    except Exception as e:  # noqa: BLE001 - the run's results are written; say what failed
+        log.error(
+            "the run's MONAI bundles were not written (%s: %s); make one with "
+            "`fedasync export %s --version %d`",
+            type(e).__name__,
+            str(e)[:300],
+            srv.run_dir,
+            srv.version,
+            exc_info=True,
+        )
+        return {}
+
+
 def _start_afresh(run_dir: Path) -> None:
-    """A run that does not resume starts a new event log; an old erasure store (an audit
-    log) is kept aside, never deleted."""
+    """A run that does not resume starts a new event log and no model snapshots or bundles;
+    an old erasure store (an audit log) is kept aside, never deleted."""
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    for folder in (MODELS_DIR, BUNDLE_DIR):
+        shutil.rmtree(run_dir / folder, ignore_errors=True)
     store = run_dir / "erasures.sqlite"
     if store.exists():
         stamp = time.strftime("%Y%m%dT%H%M%S")

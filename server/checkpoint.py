@@ -6,7 +6,9 @@ in flight (re-sent identically), the byte offset of metrics.jsonl, the loop's ow
 clock, the budget's origin) and each part's ``state_dict`` (the dispatcher's job ids, retries
 and the weights the jobs were sent, the faults, the correction pipeline's aggregator and
 residuals, the intake's norm detectors, the run statistics, privacy, the cancellations, the
-erasure coordinator). ``load_server_state`` hands each part back its own; ``write_checkpoint``
+erasure coordinator, the best evaluated model). Each checkpoint also keeps the weights as a
+model snapshot first (server/models.py), for ``fedasync export``. ``load_server_state``
+hands each part back its own; ``write_checkpoint``
 and ``resume`` are what the loop and the run call. All randomness is derived from
 (seed, silo, job id), so there is no generator state to save. Files are written atomically
 with a SHA-256 digest and verified when read (fedasync.checkpoint); `check_resumable` tells,
@@ -138,6 +140,7 @@ def server_state(srv: AsyncServer) -> dict[str, Any]:
             "privacy": srv.privacy.state_dict(),
             "cancels": srv.cancels.state_dict(),
             "erasure": srv.erasure.state_dict(),  # (None without erasures)
+            "best": srv.best.state_dict(),  # (None before an evaluation scored)
         },
     }
 
@@ -160,12 +163,14 @@ def load_server_state(srv: AsyncServer, state: dict[str, Any]) -> list[dict[str,
         srv.cancels.load_state_dict(parts["cancels"])
     if parts["erasure"] is not None:  # (ignored by a run that cannot erase)
         srv.erasure.load_state_dict(parts["erasure"])
+    srv.best.load_state_dict(parts.get("best"))  # (checkpoints written before it have none)
     return list(state["jobs"])
 
 
 def write_checkpoint(srv: AsyncServer) -> None:
-    """Write ``srv``'s ``checkpoint.pt`` (atomically, with a digest) and a ``checkpoint``
-    event."""
+    """Write ``srv``'s model snapshot (server/models.py), then its ``checkpoint.pt``
+    (atomically, with a digest) and a ``checkpoint`` event."""
+    srv.models.save(srv.version, srv.params)
     save_state(srv.ckpt_path, CheckpointState(**server_state(srv)))
     srv.events.write("checkpoint", t=srv.clock.now, version=srv.version)
 
@@ -184,6 +189,7 @@ def resume(srv: AsyncServer) -> bool:
         )
     jobs = load_server_state(srv, state.as_dict())
     srv.events.truncate(state.events_offset)
+    srv.models.drop(after=srv.version)  # written past the checkpoint by the run that stopped
     srv.erasure.reconcile()
     srv.events.write("resume", t=srv.clock.now, version=srv.version)
     log.info("resumed from %s at version %d, t=%.1f", srv.ckpt_path, srv.version, srv.clock.now)

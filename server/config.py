@@ -183,6 +183,10 @@ class ServerConfig:
     """Evaluate the global model on the held-out test set every N versions."""
     checkpoint_every: int = 20
     """Write a checkpoint every N versions (0 disables)."""
+    keep_models: int = 5
+    """Model snapshots kept, the newest (<run>/models/, weights only, one at each checkpoint),
+    for ``fedasync export RUN_DIR --version N``; 0: none (the checkpoint's version and the
+    best evaluated one stay exportable)."""
     evaluate_silos: bool = True
     """At the end, ask every silo to evaluate the final model on its own data."""
     wait_for_nodes_s: float = 120.0

@@ -43,6 +43,7 @@ RANGES: dict[str, Range] = {
     "server.dp.epsilon_budget": POSITIVE,
     "server.eval_every": AT_LEAST_ONE,
     "server.checkpoint_every": NON_NEGATIVE,
+    "server.keep_models": Range(0, 1000),
     "server.wait_for_nodes_s": POSITIVE,
     "server.reply_timeout_s": POSITIVE,
     "server.reply_stall_s": POSITIVE,

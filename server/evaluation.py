@@ -4,13 +4,16 @@ A coordinator without a test set of its own (deployment without ``data.server_te
 silos to evaluate the model (``evaluate_on_nodes``, ``evaluate_silos``) and takes their mean
 weighted by sample count (``weighted_mean``); ``FederatedEvaluation`` is that ``evaluate_fn``.
 The end of a run may ask every silo the same (``server.evaluate_silos``).
+
+``BestModel`` keeps a copy of the global model at its best evaluation so far, for the run's
+``best`` MONAI bundle (server/bundle.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.serverapp import Grid
@@ -104,3 +107,47 @@ class FederatedEvaluation:
             return dict(NOT_MEASURED)
         self.per_silo = evaluate_silos(srv, params=params)
         return weighted_mean(self.per_silo)
+
+
+class BestModel:
+    """The global model at its best evaluation so far: its version, score and a copy of its
+    weights (the loop's own are folded into in place), kept in the checkpoint (part ``best``)
+    so that a resumed run goes on from it.
+
+    A score that is not a finite number (a federated evaluation not measured) is never best;
+    of equal scores the earlier version stays. An erasure forgets it (``forget``): a model
+    from before the erasure boundary still carries the erased data, so the best is then
+    chosen among the versions after it."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.score = math.nan
+        self.params: dict[str, torch.Tensor] | None = None
+
+    def offer(self, version: int, score: Any, params: dict[str, torch.Tensor]) -> bool:
+        """Keep ``params`` (copied) if ``score`` beats the best so far; True when it did."""
+        if not isinstance(score, int | float) or not math.isfinite(score):
+            return False
+        if self.params is not None and score <= self.score:
+            return False
+        self.version, self.score = version, float(score)
+        self.params = {k: v.detach().clone() for k, v in params.items()}
+        return True
+
+    def forget(self) -> None:
+        """No best model (an erasure was applied)."""
+        self.version, self.score, self.params = None, math.nan, None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The version, score and weights; None when there is none."""
+        if self.params is None:
+            return None
+        return {"version": self.version, "score": self.score, "params": self.params}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore what ``state_dict`` returned."""
+        if state is None:
+            self.forget()
+            return
+        self.version, self.score = int(state["version"]), float(state["score"])
+        self.params = dict(state["params"])

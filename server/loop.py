@@ -47,7 +47,9 @@ from server.checkpoint import write_checkpoint
 from server.clock import client_setup, run_clock, silo_speeds
 from server.config import FedAsyncConfig
 from server.dispatch import Dispatcher, FaultSchedule
+from server.evaluation import BestModel
 from server.intake import Intake, Job, JobKind
+from server.models import MODELS_DIR, ModelStore
 from server.pipeline import CorrectionPipeline
 from server.privacy import ServerPrivacy
 from server.replies import ReplyRouter
@@ -113,6 +115,8 @@ class AsyncServer:
             on_discard=lambda job, reply: self.replies.discarded(job, reply),
         )
         self.ckpt_path = run_dir / "checkpoint.pt"
+        self.models = ModelStore(run_dir / MODELS_DIR, cfg.server.keep_models)  # (snapshots)
+        self.best = BestModel()  # the model at its best evaluation (the ``best`` bundle)
         self.progress: Any = None  # fedasync.progress's bar or lines, made when run() starts
         self._make_progress = progress
         self.requests = JobRequests(self, sample_ids_fn)  # silo -> its sample ids, or None
@@ -188,8 +192,11 @@ class AsyncServer:
         return self.stats.accepted_between(t0, t1)
 
     def apply_erasure(self, params: Params) -> None:
-        """The erasure's model becomes the newest version (the erasure boundary)."""
+        """The erasure's model becomes the newest version (the erasure boundary). No model
+        from before it is kept (the best so far, the snapshots): they carry the erased data."""
+        self.best.forget()
         self._new_version(params)
+        self.models.drop(before=self.version)
 
     # ---------------------------------------------------------------- the loop
     def _poll(self) -> None:
@@ -379,6 +386,7 @@ class AsyncServer:
         rec = {"t": self.clock.now, "version": self.version, **res}
         self.stats.evaluated(rec)
         self.events.write("eval", **rec)
+        self.best.offer(self.version, res.get("score"), self.params)
         if self.progress is not None:
             self.progress.set_postfix(
                 version=self.version, score=f"{res['score']:.3f}", refresh=False
