@@ -38,6 +38,7 @@ from flwr.clientapp import ClientApp
 
 from clients.faults import inject_fault
 from clients.local import train_local
+from clients.node_log import record
 from clients.preempt import JobStop, Preempted
 from clients.privacy import BudgetExhausted, Refusal, ledger_path
 from fedasync.devices import pick_device
@@ -282,6 +283,7 @@ def _train(
         stats["train_emulated_wait_s"] = wait  # every silo reports it (FedAvg wants equal keys)
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     reply = TrainReply(silo, req.job_id, req.base_version, len(data), sub(local, base), stats)
+    record("train", version=req.base_version, job=req.job_id, silo=silo, samples=len(data), **stats)
     return reply.to_message(reply_to=msg)
 
 
@@ -296,6 +298,7 @@ def _refuse(
     """A typed refusal (no arrays): the silo cannot do the work (its privacy budget, ``e``, does
     not allow it, or it has no data left); the server stops sending it training."""
     log.warning("silo %d refuses training: %s", silo, detail)
+    record("refuse", version=req.base_version, job=req.job_id, silo=silo, reason=reason)
     refusal = TrainRefusal(
         silo,
         req.job_id,
@@ -322,6 +325,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     res = evaluate(model, data, task=here.spec.task, device=pick_device(ccfg.device))
     rest = {k: v for k, v in res.items() if k not in ("loss", "score")}
     reply = EvaluateReply(here.id, len(data), res["loss"], res["score"], rest)
+    record("evaluate", silo=here.id, samples=len(data), loss=res["loss"], score=res["score"])
     return reply.to_message(reply_to=msg)
 
 
@@ -426,6 +430,7 @@ def unlearn(msg: Message, context: Context) -> Message:
         steps, compared, int(stats.get("readings", 0)), ccfg.batch_size
     )
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    record("unlearn", version=req.base_version, job=req.job_id, silo=silo, samples=len(forget))
     reply = UnlearnReply(
         silo,
         req.job_id,

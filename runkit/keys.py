@@ -3,8 +3,9 @@
 ``fedasync simulate`` (server.config.RunConfig) extends `RunKeys`, and ``fedasync rl``,
 ``fedasync pipeline`` and ``fedasync market`` extend `TrainerKeys` (RunKeys and ``run.device``),
 each with their own keys (length, evaluation cadence, workers), so ``run.seed``, ``run.name``,
-``run.out_dir``, ``run.resume``, ``run.progress``, ``run.plots`` and ``run.device`` mean the
-same in every command, with the same defaults except the name. (A federated run has no
+``run.out_dir``, ``run.resume``, ``run.progress``, ``run.plots``, the metrics sinks'
+``run.tensorboard``, ``run.mlflow`` and ``run.mlflow_uri`` (runkit.sinks) and ``run.device``
+mean the same in every command, with the same defaults except the name. (A federated run has no
 ``run.device``: each silo trains on its own ``client.device``, the coordinator on the CPU.) A
 section that extends them and has checks of its own calls ``super().__post_init__()``.
 """
@@ -27,6 +28,8 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (runkit
 
 NAME_LIMIT = 200
 """Characters a run name may have (it names a folder)."""
+URI_LIMIT = 500
+"""Characters ``run.mlflow_uri`` may have."""
 
 
 @dataclass
@@ -45,9 +48,17 @@ class RunKeys:
     """A progress bar on stderr while it runs."""
     plots: bool = True
     """Write the run's PNGs at the end."""
+    tensorboard: bool = True
+    """Follow the event log live into TensorBoard event files in ``<run folder>/tensorboard``
+    (when the tensorboard package is installed; runkit.sinks)."""
+    mlflow: bool = False
+    """Also follow it into MLflow (``pip install 'fedasync[mlflow]'``)."""
+    mlflow_uri: str | None = None
+    """MLflow's tracking URI (``http://host:5000``, ``sqlite:///path/mlflow.db``, ...); None: a
+    local store in the run folder (``sqlite:///<run folder>/mlflow.db``)."""
 
     def __post_init__(self) -> None:
-        """Checked when built: a name that can be a folder."""
+        """Checked when built: a name that can be a folder, a tracking URI for MLflow only."""
         if (
             not self.name
             or len(self.name) > NAME_LIMIT
@@ -61,6 +72,22 @@ class RunKeys:
             raise ConfigError(
                 f"run.name={self.name[:60]!r}: a folder name (1-{NAME_LIMIT} characters, no '/')"
             )
+        uri = self.mlflow_uri
+        if uri is not None:
+            if (
+                not uri
+                or len(uri) > URI_LIMIT
+                or any(c.isspace() or not c.isprintable() for c in uri)
+            ):
+                raise ConfigError(
+                    f"run.mlflow_uri={uri[:60]!r}: a tracking URI (1-{URI_LIMIT} characters, "
+                    "no spaces), e.g. http://host:5000 or sqlite:///path/mlflow.db"
+                )
+            if not self.mlflow:
+                raise ConfigError(
+                    "run.mlflow_uri is set but run.mlflow=false: add run.mlflow=true to log to "
+                    "MLflow"
+                )
 
 
 @dataclass

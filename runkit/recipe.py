@@ -14,7 +14,10 @@ resumed run needs, and ``summary`` says what the run measured.
    ``stop.check()`` there); drive then writes a checkpoint and lets the
    :class:`fedasync.interrupt.Interrupted` go on, carrying the run folder and the checkpoint,
    so the command prints its one stop line and exits 128 + the signal;
-4. the final checkpoint and ``summary.json``.
+4. the final checkpoint and ``summary.json``;
+5. meanwhile, the metrics sinks follow the event log (runkit.sinks: every numeric field of
+   every event, as ``<event>/<field>``, until the trainer has rows of its own in
+   runkit.sinks.tags).
 
 A recipe may also checkpoint as it goes (``folder.save_checkpoint(self.state_dict())``).
 docs/architecture.md walks through a forty-line trainer written this way.
@@ -25,9 +28,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from fedasync.events import EventLog
 from fedasync.interrupt import DeferredStop, Interrupted
 from runkit.folder import RunFolder
 from runkit.keys import RunKeys
+from runkit.sinks import following
 
 
 class Recipe(Protocol):
@@ -76,28 +81,40 @@ def drive(
         assert folder.events is not None
         events = folder.events
     try:
-        recipe.setup(folder)
-        if state is not None:
-            recipe.load_state_dict(state)
-            events.write("resume")
-        else:
-            events.write("start", config=config)
-        with DeferredStop(grace_s) as stop:
-            try:
-                recipe.run(stop)
-            except Interrupted as e:
-                e.run_dir = folder.path
-                if e.at_safe_point:
-                    folder.save_checkpoint(recipe.state_dict())
-                e.checkpoint = _checkpoint_or_none(folder.checkpoint_path)
-                raise
-        folder.save_checkpoint(recipe.state_dict())
-        summary = recipe.summary()
-        events.write("end")
-        folder.write_summary(summary)
-        return summary
+        with following(keys, "trainer", folder.path, config=config):
+            return _drive(recipe, folder, events, state, grace_s)
     finally:
         folder.close()
+
+
+def _drive(
+    recipe: Recipe,
+    folder: RunFolder,
+    events: EventLog,
+    state: dict[str, Any] | None,
+    grace_s: float,
+) -> dict[str, Any]:
+    """`drive`'s steps 2 to 4, once the folder is ready."""
+    recipe.setup(folder)
+    if state is not None:
+        recipe.load_state_dict(state)
+        events.write("resume")
+    else:
+        events.write("start", config=folder.config)
+    with DeferredStop(grace_s) as stop:
+        try:
+            recipe.run(stop)
+        except Interrupted as e:
+            e.run_dir = folder.path
+            if e.at_safe_point:
+                folder.save_checkpoint(recipe.state_dict())
+            e.checkpoint = _checkpoint_or_none(folder.checkpoint_path)
+            raise
+    folder.save_checkpoint(recipe.state_dict())
+    summary = recipe.summary()
+    events.write("end")
+    folder.write_summary(summary)
+    return summary
 
 
 def _checkpoint_or_none(path: Path) -> Path | None:

@@ -6,6 +6,7 @@ fedasync data table [--benchmark B] [--silos N]     print what each silo holds
 fedasync erase submit|status|list|watch|...         erasure requests (simulations/erase_cli.py)
 fedasync certs DIR --silos N [--host H]             CA, SuperLink certificate, SuperNode keys
 fedasync checkpoint seal FILE...                    trust an old checkpoint (no digest): add one
+fedasync export RUN_DIR --version N [--out DIR]     a MONAI bundle of a version the run kept
 fedasync deploy local [--silos N] [--config FILE] [--workers warm|flower] [key=value ...]
                                                     SuperLink + SuperNodes here, over TLS
 fedasync node --superlink H:P --root-certificates CA --auth-key KEY [--node-config C]
@@ -29,7 +30,7 @@ from typing import Any
 from fedasync.errors import UserError
 from fedasync.processes import sweep_orphans
 from server.summary import no_version_reason
-from simulations import certs, deploy, node
+from simulations import certs, deploy, export_cli, node
 from trainers.market import cli as market_cli
 from trainers.pipeline import cli as pipeline_cli
 from trainers.rl import cli as rl_cli
@@ -124,6 +125,7 @@ def _main(argv: list[str] | None = None) -> int:
     )
     seal.add_argument("files", nargs="+", type=Path)
     certs.add_parser(sub)
+    export_cli.add_parser(sub)
     deploy.add_parser(sub)
     node.add_parser(sub)
     rl_cli.add_parser(sub)
@@ -148,6 +150,8 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "certs":
         return certs.run(args)
+    if args.cmd == "export":
+        return export_cli.run(args)
     if args.cmd == "pipeline":
         return pipeline_cli.run(args)
     if args.cmd == "rl":

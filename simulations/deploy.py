@@ -66,6 +66,8 @@ from fedasync.interrupt import (
     stop_line,
 )
 from fedasync.processes import Processes, owner_token, sweep_orphans
+from runkit.configload import to_container
+from runkit.sinks import following
 from server.config import FedAsyncConfig
 from server.erasure.auth import generate_credentials
 from server.summary import no_version_reason
@@ -463,16 +465,20 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"fedasync: {e}", file=sys.stderr)
         return 2
+    run_dir = Path(cfg.run.out_dir).resolve() / cfg.run.name  # as deploy_local's prepare has it
     try:
         if not 0 <= args.coordinator_restarts <= 100:
             raise DeployError("--coordinator-restarts must be within [0, 100]")
-        summary = deploy_local(
-            cfg,
-            certs=args.certs,
-            privacy_dir=args.privacy_dir,
-            workers=args.workers,
-            coordinator_restarts=args.coordinator_restarts,
-        )
+        # the metrics sinks follow the run's metrics.jsonl from here: the coordinator's code
+        # (the ServerApp, another process) knows nothing of them
+        with following(cfg.run, "deploy", run_dir, config=to_container(cfg)):
+            summary = deploy_local(
+                cfg,
+                certs=args.certs,
+                privacy_dir=args.privacy_dir,
+                workers=args.workers,
+                coordinator_restarts=args.coordinator_restarts,
+            )
     except (DeployError, NodeError) as e:
         print(f"fedasync deploy: {e}", file=sys.stderr)
         return 1
@@ -481,7 +487,6 @@ def run(args: argparse.Namespace) -> int:
             stop_line("deploy", e, _where_deploy(cfg), _resume_deploy(cfg, args)), file=sys.stderr
         )
         return signal_of(e)[1]
-    run_dir = Path(cfg.run.out_dir).resolve() / cfg.run.name  # as deploy_local's prepare has it
     print_result(summary, run_dir)
     why = no_version_reason(summary, run_dir)
     if why is not None:

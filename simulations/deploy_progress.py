@@ -2,15 +2,19 @@
 
 Progress comes from the run's own event log (metrics.jsonl, written by the ServerApp), so the
 console shows what the server did, on its wall clock: silos connected, updates, rejections,
-evaluations. The measurements are derived from the same events (``deploy.json``).
+evaluations. The measurements are derived from the same events (``deploy.json``). The log is
+followed by runkit.tail's `EventTail` (re-exported here), as the metrics sinks follow it.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from runkit.tail import EventTail
+
+__all__ = ["EventTail", "describe", "measurements", "print_result", "round_trips", "show", "takes"]
 
 
 def round_trips(events: list[dict[str, Any]]) -> dict[int, list[float]]:
@@ -66,34 +70,6 @@ def measurements(events: list[dict[str, Any]]) -> dict[str, Any]:
         "round_trips_by_silo": {str(s): v for s, v in sorted(trips.items())},
         "updates_per_wall_s": len(updates) / (end - start) if end > start else None,
     }
-
-
-class EventTail:
-    """New lines of the run's metrics.jsonl since the last call (the file may be recreated)."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0
-        self.events: list[dict[str, Any]] = []
-        """Every event read so far."""
-        self._partial = ""
-        self._inode = 0
-
-    def poll(self) -> list[dict[str, Any]]:
-        """The events appended since the last call (a line still being written waits)."""
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            return []
-        if st.st_ino != self._inode or st.st_size < self.offset:  # a new file, or truncated
-            self.offset, self._partial, self._inode = 0, "", st.st_ino
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self.offset)
-            text = self._partial + f.read()
-            self.offset = f.tell()
-        *lines, self._partial = text.split("\n")
-        new = [json.loads(x) for x in lines if x.strip()]
-        self.events += new
-        return new
 
 
 def describe(e: dict[str, Any]) -> str | None:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fedasync.errors import UserError
+from fedasync.events import read_events
 from fedasync.interrupt import Interrupted, exit_now, restore, set_handlers
 from fedasync.processes import (
     FLOWER_ENV,
@@ -45,6 +46,9 @@ from fedasync.processes import (
     sweep_orphans,
     write_owner,
 )
+from runkit.configload import to_container
+from runkit.folder import EVENTS
+from runkit.sinks import following
 from server.config import EngineConfig, FedAsyncConfig
 from server.summary import time_to_target, write_summary
 from simulations.config import to_yaml
@@ -248,7 +252,8 @@ def _baseline_config(cfg: FedAsyncConfig) -> FedAsyncConfig:
 
 
 def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
-    """Run ``cfg`` (and its sync baseline); write summaries and plots; return the summary."""
+    """Run ``cfg`` (and its sync baseline); write summaries and plots; return the summary.
+    The metrics sinks follow both runs' event logs meanwhile (runkit.sinks)."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     setup_logging(run_dir, verbose)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -260,6 +265,18 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
     )
     print(fed.table())
     t0 = time.monotonic()
+    logs = (EVENTS, f"{BASELINE_DIR}/{EVENTS}")
+    with following(cfg.run, "simulate", run_dir, patterns=logs, config=to_container(cfg)):
+        runs, summary = _run_and_plot(cfg, run_dir)
+    _print_result(runs, run_dir, time.monotonic() - t0)
+    return summary
+
+
+def _run_and_plot(
+    cfg: FedAsyncConfig, run_dir: Path
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The run and its sync baseline, their time to target, summaries and plots: every run's
+    summary by mode, and the run's own."""
     summary = run_engine(cfg, run_dir)
     runs: dict[str, dict[str, Any]] = {cfg.server.mode: summary}
     baseline = None
@@ -290,16 +307,13 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
         write_summary(run_dir / BASELINE_DIR / "summary.json", baseline)
     write_summary(run_dir / "summary.json", summary)
     if cfg.run.plots:
-        from fedasync.events import read_events
-
         stal = [
             e["staleness"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"
         ]
         plot_score_vs_time(runs, run_dir / "accuracy_vs_time.png", summary["metric"], target)
         plot_staleness(stal, run_dir / "staleness_hist.png", cfg.server.mode)
         plot_silo_contribution(summary, run_dir / "silo_contribution.png")
-    _print_result(runs, run_dir, time.monotonic() - t0)
-    return summary
+    return runs, summary
 
 
 def _print_result(runs: dict[str, dict[str, Any]], run_dir: Path, wall: float) -> None:

@@ -13,6 +13,11 @@ exits (its exit status is this command's: run it under a supervisor such as syst
 ``Restart=on-failure``, as docs/deployment.md says) or until SIGTERM / Ctrl-C, and stops
 every process it started, by process group and pid, before it exits.
 
+The node keeps its own event log, ``<home>/metrics.jsonl``: every job its ClientApp ran, with
+its local training loss, score, seconds and DP epsilon (``clients.node_log``), followed live
+into the node's own TensorBoard files in ``<home>/tensorboard`` (``--no-tensorboard``: none;
+``--mlflow [--mlflow-uri URI]``: MLflow too; runkit.sinks). Nothing of it leaves the node.
+
 With ``--erasure-service`` it also follows its silo's erasure requests there
 (``simulations.erasure_watch``): a training job the coordinator cancelled for an erasure stops
 at its next local step, so the erasure starts without waiting for it (``clients.preempt``).
@@ -28,9 +33,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from clients.node_log import NODE_EVENTS_ENV
 from clients.preempt import STOP_FILE, STOP_FILE_ENV
+from fedasync.errors import ConfigError
 from fedasync.interrupt import Interrupted, interruptible, shielded
 from fedasync.processes import Proc, Processes, owner_token
+from runkit.folder import EVENTS
+from runkit.keys import RunKeys
+from runkit.sinks import start_following
 from simulations.erasure_watch import ErasureWatcher, WatchError, read_token
 
 WORKERS = ("warm", "flower")
@@ -159,6 +169,25 @@ def stop_file_env(home: Path) -> dict[str, str]:
     return {STOP_FILE_ENV: str(home / STOP_FILE)}
 
 
+def node_events_env(home: Path) -> dict[str, str]:
+    """The environment that points a node's ClientApp processes at its own event log."""
+    return {NODE_EVENTS_ENV: str(home / EVENTS)}
+
+
+def sink_keys(args: argparse.Namespace, home: Path) -> RunKeys:
+    """The metrics sinks' settings of ``fedasync node`` (checked as ``run.*`` keys are; an
+    error names the flag)."""
+    try:
+        return RunKeys(
+            name=home.name or "node",
+            tensorboard=not args.no_tensorboard,
+            mlflow=args.mlflow or bool(args.mlflow_uri),  # a tracking URI: MLflow on
+            mlflow_uri=args.mlflow_uri or None,
+        )
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("run.mlflow_uri", "--mlflow-uri")) from e
+
+
 def start_watch(args: argparse.Namespace, home: Path) -> ErasureWatcher | None:
     """The node's erasure watch (``--erasure-service``), started; None without one. Raises
     NodeError for a bad address or token file."""
@@ -182,8 +211,10 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
     """Run one SuperNode (and its worker) until it exits or a signal; its exit status."""
     check_workers(args.workers)
     home = Path(args.home).resolve()
+    keys = sink_keys(args, home)  # a bad --mlflow-uri: one line, exit 2
     home.mkdir(parents=True, exist_ok=True)
-    env = {**SUPEREXEC_ENV, **stop_file_env(home)}
+    node_env = {**stop_file_env(home), **node_events_env(home)}
+    env = {**SUPEREXEC_ENV, **node_env}
     procs = Processes(marker=f"{home}:node:{owner_token()}")
     cmd = supernode_args(
         args.superlink,
@@ -196,6 +227,8 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
 
     code = 0
     watch: ErasureWatcher | None = None
+    # the node's whole log, at every start (its TensorBoard files are rebuilt from it)
+    follower = start_following(keys, "node", home, echo=echo, fresh=False)
     try:
         with interruptible():  # SIGINT, SIGTERM, SIGHUP: Interrupted, exit 128 + the signal
             watch = start_watch(args, home)
@@ -206,7 +239,7 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
             supervisor = None
             if args.workers == "warm":
                 supervisor = WorkerSupervisor(
-                    procs, {0: home}, {0: args.port}, echo, env={0: stop_file_env(home)}
+                    procs, {0: home}, {0: args.port}, echo, env={0: node_env}
                 )
                 supervisor.start()
                 echo(
@@ -230,6 +263,7 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
             if watch is not None:
                 watch.stop()
             left = procs.stop(grace_s=10.0)
+            follower.close(ok=code != 1)  # after its processes: their last jobs are in the log
         if left:
             echo(f"fedasync node: processes {left} are still running")
     return code
@@ -257,4 +291,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", choices=WORKERS, default="warm")
     p.add_argument(
         "--home", default="fedasync-node", help="its FLWR_HOME, temp folder and logs (made)"
+    )
+    p.add_argument(
+        "--no-tensorboard",
+        action="store_true",
+        help="no TensorBoard files of the node's own metrics (default: <home>/tensorboard)",
+    )
+    p.add_argument(
+        "--mlflow", action="store_true", help="also log the node's own metrics to MLflow"
+    )
+    p.add_argument(
+        "--mlflow-uri",
+        default="",
+        help="MLflow's tracking URI, MLflow on (with --mlflow alone: sqlite:///<home>/mlflow.db)",
     )

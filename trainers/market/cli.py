@@ -37,12 +37,20 @@ from fedasync.interrupt import (
     signal_of,
     stop_line,
 )
+from runkit.folder import EVENTS
+from runkit.sinks import following
 from trainers.market.config import MarketConfig, load_market_config, to_container
 
 
 def run_market(cfg: MarketConfig) -> dict[str, Any]:
     """Run ``cfg`` (one setting or its sweep); the summary, also in
-    ``<out_dir>/<name>/summary.json``."""
+    ``<out_dir>/<name>/summary.json``. The metrics sinks follow every seed's event log
+    (runkit.sinks: one stream per seed)."""
+    with following(cfg.run, "market", patterns=(f"*/seed-*/{EVENTS}",), config=to_container(cfg)):
+        return _run_market(cfg)
+
+
+def _run_market(cfg: MarketConfig) -> dict[str, Any]:
     from fedasync.progress import progress
     from trainers.market.run import run_settings, sweep_settings
 

@@ -14,7 +14,20 @@ from trainers.market.config import MarketConfig, to_container
 RESULT = "result.json"
 """A finished seed's result, in its folder (what ``run.resume`` loads)."""
 MAY_DIFFER_ON_RESUME = frozenset(
-    {"seed", "seeds", "name", "out_dir", "workers", "progress", "plots", "resume", "device"}
+    {
+        "seed",
+        "seeds",
+        "name",
+        "out_dir",
+        "workers",
+        "progress",
+        "plots",
+        "resume",
+        "device",
+        "tensorboard",
+        "mlflow",
+        "mlflow_uri",
+    }
 )
 """``run.*`` keys a loaded seed's config may differ in (none changes one seed's result)."""
 

@@ -3,7 +3,8 @@ process per stage, or the one-process emulator), evaluation, measurements, the r
 
 The run folder (``<run.out_dir>/<run.name>``) holds ``metrics.jsonl`` (a ``step`` event per
 optimiser step with the batch's training loss and the seconds since the run started, an
-``eval`` event with the held-out loss every ``run.eval_every`` steps, ``resume``),
+``eval`` event with the held-out loss every ``run.eval_every`` steps, ``resume``, and at the
+end ``measured``: the measured and simulated bubble, tokens per second, the largest drift),
 ``summary.json`` (final held-out loss, tokens per second, measured bubble and memory per
 stage, the drift seen, the simulator's prediction from the measured stage costs),
 ``events.json`` (every operation's start and end, per stage), ``checkpoints/``, ``evals/``
@@ -46,6 +47,7 @@ from fedasync.errors import CheckpointError, ConfigError
 from fedasync.events import EventLog, read_events
 from fedasync.interrupt import Interrupted
 from runkit.folder import RunFolder, check_compatible
+from runkit.sinks import following
 from trainers.pipeline.config import PipelineConfig, to_container
 from trainers.pipeline.dist import (
     BatchSource,
@@ -72,6 +74,9 @@ MAY_DIFFER_ON_RESUME = (  # the checkpoint's config against the run's (runkit.fo
     "run.resume",
     "run.progress",
     "run.plots",
+    "run.tensorboard",
+    "run.mlflow",
+    "run.mlflow_uri",
     "run.checkpoint_every",
     "faults.kill_stage",
     "faults.kill_at_step",
@@ -307,11 +312,13 @@ def measure(job: PipeJob, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_config(cfg: PipelineConfig) -> dict[str, Any]:
-    """Run ``cfg``; its summary (also ``summary.json`` in the run folder). A signal ends it
-    with :class:`fedasync.interrupt.Interrupted` (module docstring)."""
+    """Run ``cfg``; its summary (also ``summary.json`` in the run folder), the metrics sinks
+    following its event log (runkit.sinks). A signal ends it with
+    :class:`fedasync.interrupt.Interrupted` (module docstring)."""
     where = _Where()
     try:
-        return _run_config(cfg, where)
+        with following(cfg.run, "pipeline", config=to_container(cfg)):
+            return _run_config(cfg, where)
     except Interrupted as e:
         run_dir = Path(cfg.run.out_dir) / cfg.run.name
         e.run_dir, e.where = run_dir, where.describe()
@@ -426,6 +433,14 @@ def _train_and_measure(
         "correction": job.correction,
         "run_dir": str(run_dir),
     }
+    elog.write(  # the run's measured figures as an event too: the metrics sinks follow the log
+        "measured",
+        step=cfg.run.steps,
+        bubble_fraction=measured.get("bubble_fraction"),
+        simulated_bubble_fraction=measured.get("simulated", {}).get("bubble_fraction"),
+        tokens_per_s=summary["tokens_per_s"],
+        max_drift_seen=summary["max_drift_seen"],
+    )
     folder.write_summary(summary)
     if cfg.run.plots:
         summary["plots"] = [str(p) for p in plot_run(run_dir, job, events, losses, vals, start)]

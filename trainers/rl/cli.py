@@ -29,7 +29,8 @@ from fedasync.interrupt import (
     signal_of,
     stop_line,
 )
-from trainers.rl.config import RLConfig, load_rl_config
+from runkit.sinks import following
+from trainers.rl.config import RLConfig, load_rl_config, to_container
 
 log = logging.getLogger("fedasync.rl")
 
@@ -70,11 +71,17 @@ def make_backend(cfg: RLConfig) -> Any:
 
 
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
-    """Run ``cfg`` and return its summary (also in ``<out_dir>/<name>/summary.json``).
+    """Run ``cfg`` and return its summary (also in ``<out_dir>/<name>/summary.json``), the
+    metrics sinks following its event log (runkit.sinks).
 
     A signal (handled by the caller, e.g. :func:`fedasync.interrupt.interruptible`) ends it
     with :class:`fedasync.interrupt.Interrupted` once every process it started is stopped;
     the exception says where it stopped and the checkpoint to resume from."""
+    with following(cfg.run, "rl", config=to_container(cfg)):
+        return _run_rl(cfg)
+
+
+def _run_rl(cfg: RLConfig) -> dict[str, Any]:
     from trainers.rl.engine import RLRun
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
