@@ -74,14 +74,19 @@ def supernode_args(
     *,
     host: str = "127.0.0.1",
     workers: str = "warm",
+    heartbeat_s: float = 30.0,
 ) -> list[str]:
     """The SuperNode's command: Flower's ``flower-supernode`` options through the launcher
-    that caps its sleeps; ``--isolation process`` for warm workers (the worker takes the
-    SuperExec's place)."""
+    that caps its sleeps and announces a heartbeat every ``heartbeat_s``; ``--isolation
+    process`` for warm workers (the worker takes the SuperExec's place)."""
     check_workers(workers)
+    if not 10.0 <= heartbeat_s <= 1800.0:
+        raise NodeError(
+            f"the heartbeat must be 10-1800 s (what a SuperLink takes), not {heartbeat_s:g}"
+        )
     return [
         sys.executable,
-        *("-m", "simulations.supernode", *NODE_SLEEPS),
+        *("-m", "simulations.supernode", *NODE_SLEEPS, "--heartbeat-s", f"{heartbeat_s:g}"),
         *("--superlink", superlink),
         *("--root-certificates", str(root_certificates)),
         *("--auth-supernode-private-key", str(auth_key)),
@@ -223,6 +228,7 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
         args.node_config,
         args.port,
         workers=args.workers,
+        heartbeat_s=args.heartbeat_s,
     )
 
     code = 0
@@ -269,6 +275,17 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
     return code
 
 
+def _heartbeat(text: str) -> float:
+    """``--heartbeat-s``: seconds, within what a SuperLink accepts."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:20]!r}") from None
+    if not 10.0 <= value <= 1800.0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not within 10-1800 s")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``fedasync node`` on the CLI's sub-command parser."""
     p = sub.add_parser("node", help="a hospital's SuperNode and its warm ClientApp worker")
@@ -289,6 +306,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--erasure-token", default="", help="this silo's erasure token file")
     p.add_argument("--workers", choices=WORKERS, default="warm")
+    p.add_argument(
+        "--heartbeat-s",
+        type=_heartbeat,
+        default=30.0,
+        help="seconds between the SuperNode's heartbeats (10-1800, Flower's default 30): the "
+        "SuperLink marks a node that stopped offline after two, and only then takes it back "
+        "after a restart",
+    )
     p.add_argument(
         "--home", default="fedasync-node", help="its FLWR_HOME, temp folder and logs (made)"
     )

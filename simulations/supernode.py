@@ -22,13 +22,20 @@ at most ``--retry-max-s`` apart (default 2 s; Flower: doubling up to 20 s), so t
 within seconds of the link (``cap_retry_delay``): after a 60 s partition hospitals came back
 8-26 s after the link did with Flower's 20 s, as the retries had spread out by then.
 
+A SuperNode tells the SuperLink how often it sends heartbeats (``--heartbeat-s``, default
+Flower's 30 s; the SuperLink accepts 10-1800): the SuperLink marks a node that stopped sending
+them offline after two intervals, and refuses a restarted SuperNode with the same key until
+then ("Failed to activate SuperNode"). At 10 s a hospital whose host died is seen offline,
+and can come back, after ~20 s instead of ~60 s, at one small request every ~4 s
+(``set_heartbeat``).
+
 The price: an idle SuperNode asks the SuperLink for work every ``--idle-max-s`` instead of
 every 3 s, and more often right after a message (one HTTPS request each;
 ``benchmarks/deployment_overhead.py`` reports the SuperLink's and the SuperNodes' CPU); a
 disconnected one tries to connect every ``--retry-max-s``.
 
     python -m simulations.supernode [--idle-s 0.05] [--idle-max-s 0.5] [--push-s 0.02]
-        [--retry-max-s 2] <args>
+        [--retry-max-s 2] [--heartbeat-s 30] <args>
 
 ``check_sleeps`` refuses to start when the sleeps are not where flwr 1.42 has them (an
 upgrade moved them): silently slow would be worse than a clear error.
@@ -167,6 +174,26 @@ def cap_retry_delay(max_s: float) -> None:
     module.MAX_RETRY_DELAY = max_s  # type: ignore[attr-defined]
 
 
+HEARTBEAT_MODULES = ("flwr.supercore.heartbeat", "flwr.supernode.fleet_http_connection")
+"""Where Flower 1.42 reads the heartbeat interval a SuperNode announces and keeps (30 s)."""
+
+
+def set_heartbeat(interval_s: float) -> None:
+    """Make this process's SuperNode announce and keep a heartbeat every ``interval_s``
+    (Flower: 30 s; the SuperLink takes 10-1800). FlowerInternalsMoved if the constant is not
+    where flwr 1.42 has it."""
+    import importlib
+
+    for name in HEARTBEAT_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(getattr(module, "HEARTBEAT_DEFAULT_INTERVAL", None), (int, float)):
+            raise FlowerInternalsMoved(
+                f"{name} has no HEARTBEAT_DEFAULT_INTERVAL: simulations.supernode was written "
+                "for flwr 1.42"
+            )
+        module.HEARTBEAT_DEFAULT_INTERVAL = interval_s  # type: ignore[attr-defined]
+
+
 def cap_sleeps(
     idle_s: float = 0.05, push_s: float = 0.02, idle_max_s: float = 0.5
 ) -> types.ModuleType:
@@ -187,8 +214,17 @@ def cap_sleeps(
     return module
 
 
-OPTIONS = {"--idle-s": 0.05, "--idle-max-s": 0.5, "--push-s": 0.02, "--retry-max-s": 2.0}
+OPTIONS = {
+    "--idle-s": 0.05,
+    "--idle-max-s": 0.5,
+    "--push-s": 0.02,
+    "--retry-max-s": 2.0,
+    "--heartbeat-s": 30.0,
+}
 """The launcher's own options and their defaults (seconds)."""
+
+RANGES = {"--heartbeat-s": (10.0, 1800.0)}
+"""Bounds of an option other than [0.001, 10] (the heartbeat: what the SuperLink accepts)."""
 
 
 def split_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
@@ -201,8 +237,9 @@ def split_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
                 value = float(next(it))
             except (StopIteration, ValueError):
                 raise SystemExit(f"{arg} needs a number of seconds") from None
-            if not 0.001 <= value <= 10.0:
-                raise SystemExit(f"{arg} must be within [0.001, 10]")
+            low, high = RANGES.get(arg, (0.001, 10.0))
+            if not low <= value <= high:
+                raise SystemExit(f"{arg} must be within [{low:g}, {high:g}]")
             values[arg] = value
         else:
             rest.append(arg)
@@ -214,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     opts, rest = split_args(sys.argv[1:] if argv is None else argv)
     cap_sleeps(opts["--idle-s"], opts["--push-s"], opts["--idle-max-s"])
     cap_retry_delay(opts["--retry-max-s"])
+    set_heartbeat(opts["--heartbeat-s"])
     from flwr.common.logger import update_console_handler
     from flwr.supernode.cli import flower_supernode
 

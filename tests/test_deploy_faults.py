@@ -184,6 +184,7 @@ class Federation:
         cmd += ["--auth-key", str(self.paths.node_key(silo))]
         cmd += ["--node-config", node_config(silo, 2, self.ledgers[silo])]
         cmd += ["--port", str(self.node_ports[silo]), "--home", str(home)]
+        cmd += ["--heartbeat-s", "10"]  # the dead node seen offline after ~20 s, not ~60 s
         return self.procs.start(name, cmd, home)
 
     def kill_host(self, silo: int) -> list[int]:

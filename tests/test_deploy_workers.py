@@ -173,7 +173,16 @@ def test_a_moved_stopped_run_path_refuses_to_start(tmp_path):
         supernode.fail_stopped_runs(fake)
 
 
-@pytest.mark.parametrize("bad", [["--idle-s"], ["--idle-s", "x"], ["--push-s", "0"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--idle-s"],
+        ["--idle-s", "x"],
+        ["--push-s", "0"],
+        ["--heartbeat-s", "5"],
+        ["--push-s", "30"],
+    ],
+)
 def test_launcher_rejects_bad_caps(bad):
     with pytest.raises(SystemExit):
         supernode.split_args(bad)
@@ -181,7 +190,13 @@ def test_launcher_rejects_bad_caps(bad):
 
 def test_launcher_passes_everything_else_to_flower():
     opts, rest = supernode.split_args(["--superlink", "h:1", "--idle-s", "0.2", "--x"])
-    assert opts == {"--idle-s": 0.2, "--idle-max-s": 0.5, "--push-s": 0.02, "--retry-max-s": 2.0}
+    assert opts == {
+        "--idle-s": 0.2,
+        "--idle-max-s": 0.5,
+        "--push-s": 0.02,
+        "--retry-max-s": 2.0,
+        "--heartbeat-s": 30.0,
+    }
     assert rest == ["--superlink", "h:1", "--x"]
 
 
@@ -415,6 +430,25 @@ def test_a_task_whose_run_was_stopped_is_dropped_and_the_worker_goes_on(monkeypa
             worker.drop_task(signal.SIGINT, None)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_heartbeat_a_supernode_announces_is_the_launchers(monkeypatch):
+    """The SuperLink marks a dead node offline after two of the intervals its SuperNode
+    announced; `set_heartbeat` sets both the interval announced and the one kept."""
+    import flwr.supercore.heartbeat as heartbeat
+    import flwr.supernode.fleet_http_connection as connection
+
+    from simulations.supernode import HEARTBEAT_MODULES, set_heartbeat, split_args
+
+    for module in (heartbeat, connection):
+        monkeypatch.setattr(module, "HEARTBEAT_DEFAULT_INTERVAL", module.HEARTBEAT_DEFAULT_INTERVAL)
+    opts, _ = split_args(["--heartbeat-s", "10"])
+    set_heartbeat(opts["--heartbeat-s"])
+    assert heartbeat.HEARTBEAT_DEFAULT_INTERVAL == connection.HEARTBEAT_DEFAULT_INTERVAL == 10.0
+    assert {m.__name__ for m in (heartbeat, connection)} == set(HEARTBEAT_MODULES)
+    monkeypatch.delattr(connection, "HEARTBEAT_DEFAULT_INTERVAL")
+    with pytest.raises(FlowerInternalsMoved, match="HEARTBEAT_DEFAULT_INTERVAL"):
+        set_heartbeat(10.0)
 
 
 def test_a_supernode_that_lost_the_superlink_tries_again_at_most_2_s_apart(monkeypatch):
