@@ -25,7 +25,7 @@ accepted updates lost, erasure requests and their final states, final score agai
 undisturbed run. Needs root (namespaces); prints why and exits 2 otherwise. Delay is not
 emulated: this kernel has no netem qdisc (tbf limits rate only; its queue adds delay only
 when the link is saturated). Usage (about 14 minutes a seed for the four fault scenarios and
-their undisturbed run, 13 more for slow-link):
+their undisturbed run, 12 more for slow-link):
   .venv/bin/python benchmarks/deployment_faults.py [--scenarios partition,restart,stop]
       [--seeds 0,1,2] [--cut-s 60] [--budget-s 140] [--json out.json]
 """
