@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # worker (--dist loadfile), as some share one expensive run (docs/testing.md)
 WORKERS ?= 3
 
-.PHONY: install data demo test lint unit coverage clean proto
+.PHONY: install data demo test lint unit coverage clean proto browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,16 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -m "serial and not slow"
 	$(BIN)/python -m pytest -m "not slow and not serial" -n $(WORKERS) --dist loadfile
 
-test: data lint
+# Debian's chromium for the erasure certificate's browser test: installed when missing and we
+# are root with apt (as on CI); otherwise that one test skips and says what to install
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 \
+	      && apt-get install -y -q chromium >/dev/null 2>&1)) \
+	  && echo "installed chromium (the certificate's browser test)"; } \
+	  || echo "no chromium: the certificate's browser test will skip (apt-get install -y chromium)"
+
+test: data lint browser
 	$(BIN)/python -m pytest -m serial
 	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --dist loadfile --durations=25
 
