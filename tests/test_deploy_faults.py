@@ -30,8 +30,8 @@ A reply arriving twice, late past the staleness bound or corrupted is not re-tes
 network: those are properties of the loop's intake, covered in-process by
 tests/test_server_faults.py. A SuperNode with an unregistered key or a foreign CA is refused in
 tests/test_deploy_local.py; Flower's process per message (``--workers flower``) is
-tests/test_deploy_workers.py's. Slow: the SuperLink takes about a minute to mark a dead node
-offline.
+tests/test_deploy_workers.py's. Slow: three runs on one deployment, and the SuperLink takes
+two heartbeats (the nodes announce one every 10 s here) to mark a dead node offline.
 """
 
 from __future__ import annotations
@@ -140,10 +140,15 @@ class Federation:
                 "run.progress=false",
                 "run.budget_s=900",
                 "silos.count=2",
-                # about a second of training a message, most of it: the kill below lands in
-                # the worker's training (a host killed mid-upload leaves a half-pushed reply,
-                # which Flower gives up on only ~100 s later)
-                "client.local_steps=30",
+                # about a second a message, most of it in the worker: the kill below lands
+                # there (a host killed mid-upload leaves a half-pushed reply, which Flower
+                # gives up on only ~100 s later). 3 local steps and 10x their time waited
+                # (both silos emulated stragglers): a tenth of the CPU of 30 real steps
+                "client.local_steps=3",
+                "silos.emulate_speed=true",
+                "silos.speed_profile=stragglers",
+                "silos.straggler_fraction=1.0",
+                "silos.straggler_slowdown=10",
                 "client.batch_size=16",
                 "data.max_samples=300",
                 "server.checkpoint_every=1",
