@@ -158,20 +158,25 @@ RETRY_MODULE = "flwr.supercore.retry.http_retry"
 """Where Flower 1.42's HTTP retry reads its longest wait between two tries (20 s)."""
 
 
+def _set_number(module_name: str, name: str, value: float) -> None:
+    """Set Flower's numeric constant ``module_name.name`` in this process;
+    FlowerInternalsMoved if it is not where flwr 1.42 has it."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    if not isinstance(getattr(module, name, None), (int, float)):
+        raise FlowerInternalsMoved(
+            f"{module_name} has no {name}: simulations.supernode was written for flwr 1.42"
+        )
+    setattr(module, name, value)
+
+
 def cap_retry_delay(max_s: float) -> None:
     """Make the SuperNode's HTTP retries (a lost connection to the SuperLink) wait at most
     ``max_s`` between two tries (Flower: up to 20 s), so that a hospital whose link comes back
     is connected again within about ``max_s`` instead of up to 20 s later. Each try is one
     connect attempt. FlowerInternalsMoved if the constant is not where flwr 1.42 has it."""
-    import importlib
-
-    module = importlib.import_module(RETRY_MODULE)
-    if not isinstance(getattr(module, "MAX_RETRY_DELAY", None), (int, float)):
-        raise FlowerInternalsMoved(
-            f"{RETRY_MODULE} has no MAX_RETRY_DELAY: simulations.supernode was written for "
-            "flwr 1.42"
-        )
-    module.MAX_RETRY_DELAY = max_s  # type: ignore[attr-defined]
+    _set_number(RETRY_MODULE, "MAX_RETRY_DELAY", max_s)
 
 
 HEARTBEAT_MODULES = ("flwr.supercore.heartbeat", "flwr.supernode.fleet_http_connection")
@@ -182,16 +187,8 @@ def set_heartbeat(interval_s: float) -> None:
     """Make this process's SuperNode announce and keep a heartbeat every ``interval_s``
     (Flower: 30 s; the SuperLink takes 10-1800). FlowerInternalsMoved if the constant is not
     where flwr 1.42 has it."""
-    import importlib
-
     for name in HEARTBEAT_MODULES:
-        module = importlib.import_module(name)
-        if not isinstance(getattr(module, "HEARTBEAT_DEFAULT_INTERVAL", None), (int, float)):
-            raise FlowerInternalsMoved(
-                f"{name} has no HEARTBEAT_DEFAULT_INTERVAL: simulations.supernode was written "
-                "for flwr 1.42"
-            )
-        module.HEARTBEAT_DEFAULT_INTERVAL = interval_s  # type: ignore[attr-defined]
+        _set_number(name, "HEARTBEAT_DEFAULT_INTERVAL", interval_s)
 
 
 def cap_sleeps(
