@@ -16,19 +16,21 @@ job.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
-from fedasync.events import json_safe
+from fedasync.events import EventLog
 
 NODE_EVENTS_ENV = "FEDASYNC_NODE_EVENTS"
 """The environment variable that names a node's event log (set by ``fedasync node``)."""
 
 log = logging.getLogger("fedasync.client")
 
+_logs: dict[str, EventLog] = {}
+"""This process's open node logs, by path (a process appends to its node's one log)."""
 _failed = False
 
 
@@ -38,13 +40,10 @@ def record(event: str, **fields: Any) -> None:
     path = os.environ.get(NODE_EVENTS_ENV)
     if not path:
         return
-    line = json.dumps({"event": event, "wall": time.time(), **json_safe(fields)}) + "\n"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode("utf-8"))
-        finally:
-            os.close(fd)
+        if path not in _logs:
+            _logs[path] = EventLog(Path(path))
+        _logs[path].write(event, wall=time.time(), **fields)
     except OSError as e:
         if not _failed:
             _failed = True

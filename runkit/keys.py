@@ -30,6 +30,9 @@ NAME_LIMIT = 200
 """Characters a run name may have (it names a folder)."""
 URI_LIMIT = 500
 """Characters ``run.mlflow_uri`` may have."""
+SINK_KEYS = ("tensorboard", "mlflow", "mlflow_uri")
+"""The ``run.*`` keys of the metrics sinks: where a run is watched, never what it computes (a
+resumed run may change them)."""
 
 
 @dataclass

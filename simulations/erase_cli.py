@@ -28,7 +28,6 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +108,10 @@ def _certificate_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
 
 
-def _ms(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+def _ms(ms: int) -> str | None:
+    from server.erasure.certificate import iso
+
+    return iso(ms)
 
 
 def _state(value: int) -> str:

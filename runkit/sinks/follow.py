@@ -23,8 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -146,7 +145,6 @@ class Follower:
         self.poll_s = poll_s
         self.streams: dict[Path, Stream] = {}
         self.anchor = time.time()
-        self.started = self.anchor
         self._stale = {p: _signature(p) for p in self._paths()} if fresh else {}
         self._opened = False
         self._stop = threading.Event()
@@ -241,11 +239,17 @@ class Follower:
         out = []
         for p in sorted(self.run_dir.glob("*.png")):
             try:
-                if p.stat().st_mtime >= self.started - 1.0:
+                if p.stat().st_mtime >= self.anchor - 1.0:
                     out.append(p)
             except OSError:
                 continue
         return out
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(ok=exc_type is None)
 
     def close(self, ok: bool = True) -> None:
         """Stop the thread, read what is left, add the PNGs, close the sinks. Never raises."""
@@ -345,27 +349,7 @@ def start_following(
     ).start()
 
 
-@contextmanager
-def following(
-    keys: RunKeys,
-    kind: str,
-    run_dir: Path | None = None,
-    *,
-    patterns: Iterable[str] = (EVENTS,),
-    config: dict[str, Any] | None = None,
-    echo: Callable[[str], None] = print,
-    fresh: bool | None = None,
-) -> Iterator[Follower]:
-    """Follow the run of ``kind`` (`FAMILY`'s keys) in ``run_dir`` (default
-    ``<run.out_dir>/<run.name>``) while the block runs; see the module's docstring.
-    ``config``: the run's config as plain dicts (MLflow's parameters). ``fresh``: whether an
-    earlier run's logs are left unread until replaced (default: unless ``run.resume``)."""
-    follower = start_following(
-        keys, kind, run_dir, patterns=patterns, config=config, echo=echo, fresh=fresh
-    )
-    try:
-        yield follower
-    except BaseException:
-        follower.close(ok=False)
-        raise
-    follower.close(ok=True)
+following = start_following
+"""``with following(keys, kind, run_dir, ...) as follower:``: follow the run of ``kind``
+(`FAMILY`'s keys) in ``run_dir`` (default ``<run.out_dir>/<run.name>``) while the block runs,
+and close the follower with the block (``ok`` unless it raised); see the module's docstring."""

@@ -31,9 +31,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from server.erasure.certificate_checks import checks, last, num
+from server.erasure.certificate_checks import checks, last, num, transitions
 from server.erasure.certificate_events import RunEvents, read_reference, read_run_events
 from server.erasure.certificate_gaps import not_verified
+from server.erasure.limits import Limits
 from server.erasure.records import AuditRow, Refusal, Request, RequestNotFound
 from server.erasure.refusals import REFUSALS_KEPT
 from server.erasure.states import State
@@ -50,8 +51,8 @@ class Bounds:
 
     text_chars: int = 512
     """Longest text (a reason, an audit detail, a failure reason)."""
-    digests: int = 65_536
-    """Most sample digests listed (the service's ``Limits.max_sample_ids``)."""
+    digests: int = Limits.max_sample_ids
+    """Most sample digests listed (as many as the service accepts in a request)."""
     audit_rows: int = 200
     """Most audit rows (the first and the last half of them)."""
     refusals: int = 100
@@ -150,11 +151,6 @@ def _safe(v: Any) -> Any:
     return v
 
 
-def transitions(rows: Sequence[AuditRow], to: State) -> list[AuditRow]:
-    """The audit rows that moved the request into ``to``, in order."""
-    return [a for a in rows if a.action == "transition" and a.to_state is to]
-
-
 def _request(r: Request, rows: Sequence[AuditRow], b: Bounds) -> dict[str, Any]:
     digests = sorted(sample_digest(r.id, s) for s in r.sample_ids)
     boundary = last(rows, State.CALIBRATING)
@@ -246,7 +242,7 @@ def _timeline(
     started = starts[-1] if starts else None
     boundary, verified = last(rows, State.CALIBRATING), last(rows, State.VERIFIED)
     again = f"; started {len(starts)} times (see the audit rows)" if len(starts) > 1 else ""
-    cal = _calibration_step(r, boundary, verified, run)
+    cal = _calibration_step(boundary, verified, run)
     steps = [
         _step(
             "requested",
@@ -295,7 +291,7 @@ def _detail(row: AuditRow | None) -> str:
 
 
 def _calibration_step(
-    r: Request, boundary: AuditRow | None, verified: AuditRow | None, run: RunEvents | None
+    boundary: AuditRow | None, verified: AuditRow | None, run: RunEvents | None
 ) -> tuple[float | None, str]:
     """The calibration step's run-clock time (the first update calibrated) and its detail."""
     if boundary is None:

@@ -78,9 +78,14 @@ def num(v: object) -> float | None:
     return float(v) if math.isfinite(float(v)) else None
 
 
+def transitions(rows: Sequence[AuditRow], to: State) -> list[AuditRow]:
+    """The audit rows that moved the request into ``to``, in order."""
+    return [a for a in rows if a.action == "transition" and a.to_state is to]
+
+
 def last(rows: Sequence[AuditRow], to: State) -> AuditRow | None:
     """The last audit row that moved the request into ``to`` (None: never)."""
-    found = [a for a in rows if a.action == "transition" and a.to_state is to]
+    found = transitions(rows, to)
     return found[-1] if found else None
 
 

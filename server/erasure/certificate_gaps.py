@@ -58,7 +58,7 @@ def not_verified(
         miss("the silo's membership test", _why_no_membership(facts))
     if boundary is not None and not ran["bound"]:
         miss("the bound on the erasure's delta", "no delta bound recorded (FedEraser rebuilds)")
-    _calibration_gaps(boundary, verified, facts, run, found, miss)
+    _calibration_gaps(boundary, facts, run, found, miss)
     _resurfacing_gaps(boundary, verified, run, miss)
     if boundary is not None and "model_sha256" not in boundary.facts:
         miss(
@@ -143,7 +143,6 @@ def _why_no_membership(facts: dict[str, str]) -> str:
 
 def _calibration_gaps(
     boundary: AuditRow | None,
-    verified: AuditRow | None,
     facts: dict[str, str],
     run: RunEvents | None,
     found: list[dict[str, Any]],

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from runkit.keys import SINK_KEYS
 from trainers.market.config import MarketConfig, to_container
 
 RESULT = "result.json"
@@ -24,9 +25,7 @@ MAY_DIFFER_ON_RESUME = frozenset(
         "plots",
         "resume",
         "device",
-        "tensorboard",
-        "mlflow",
-        "mlflow_uri",
+        *SINK_KEYS,
     }
 )
 """``run.*`` keys a loaded seed's config may differ in (none changes one seed's result)."""

@@ -47,6 +47,7 @@ from fedasync.errors import CheckpointError, ConfigError
 from fedasync.events import EventLog, read_events
 from fedasync.interrupt import Interrupted
 from runkit.folder import RunFolder, check_compatible
+from runkit.keys import SINK_KEYS
 from runkit.sinks import following
 from trainers.pipeline.config import PipelineConfig, to_container
 from trainers.pipeline.dist import (
@@ -74,9 +75,7 @@ MAY_DIFFER_ON_RESUME = (  # the checkpoint's config against the run's (runkit.fo
     "run.resume",
     "run.progress",
     "run.plots",
-    "run.tensorboard",
-    "run.mlflow",
-    "run.mlflow_uri",
+    *(f"run.{k}" for k in SINK_KEYS),
     "run.checkpoint_every",
     "faults.kill_stage",
     "faults.kill_at_step",
