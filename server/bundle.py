@@ -41,6 +41,7 @@ import torch
 
 from fedasync.checkpoint import state_digest
 from fedasync.errors import CheckpointError
+from fedasync.fetch import sha256_file
 from medical_data.bundle_config import (
     network_data_format,
     network_entries,
@@ -183,7 +184,7 @@ def write_bundle(
     try:
         (tmp / "models").mkdir(parents=True)
         torch.save(weights, tmp / "models" / "model.pt")
-        model_sha = hashlib.sha256((tmp / "models" / "model.pt").read_bytes()).hexdigest()
+        model_sha = sha256_file(tmp / "models" / "model.pt")
         meta = _metadata(
             info, spec, network, weights, version, model_sha, selected, evaluation, erasures
         )

@@ -41,11 +41,10 @@ def _checkpoint(run_dir: Path) -> CheckpointState | None:
     return load_state(path) if path.exists() else None
 
 
-def kept_versions(run_dir: Path) -> dict[int, str]:
+def kept_versions(run_dir: Path, state: CheckpointState | None) -> dict[int, str]:
     """Every version whose weights ``run_dir`` keeps, and where: ``snapshot``,
-    ``checkpoint`` or ``best`` (the first of these that has it)."""
+    ``checkpoint`` or ``best`` (the first of these that has it); ``state``: its checkpoint."""
     out = {v: "snapshot" for v in ModelStore(run_dir / MODELS_DIR, 0).versions()}
-    state = _checkpoint(run_dir)
     if state is not None:
         out.setdefault(state.version, "checkpoint")
         best = state.parts.get("best")
@@ -57,11 +56,12 @@ def kept_versions(run_dir: Path) -> dict[int, str]:
 def load_version(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
     """Version ``version``'s weights from ``run_dir``; CheckpointError (a UserError) naming
     the versions kept when it is not."""
-    kept = kept_versions(run_dir)
-    where = kept.get(version)
-    if where == "snapshot":
-        return ModelStore(run_dir / MODELS_DIR, 0).load(version)
+    store = ModelStore(run_dir / MODELS_DIR, 0)
+    if version in store.versions():
+        return store.load(version)
     state = _checkpoint(run_dir)
+    kept = kept_versions(run_dir, state)
+    where = kept.get(version)
     if where == "checkpoint" and state is not None:
         return dict(state.params)
     if where == "best" and state is not None:

@@ -114,13 +114,16 @@ def flwr_json(
     commands: dict[str, list[str]],
     wrap: Callable[[list[str]], list[str]] = list,
     timeout_s: float = 60.0,
+    *,
+    require_success: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Run ``flwr ARGS FEDERATION --format json`` for every name -> ARGS of ``commands``, all at
     once (each as ``wrap`` runs it: on the coordinator's host), against the deployment's
     SuperLink; each one's JSON answer by name. A command the SuperLink could not answer yet
     ("SuperLink is unavailable") is run again (`REGISTER_TRIES`, a second apart). DeployError
     when one fails, times out or answers something else (the tail of its output in the
-    message)."""
+    message): an answer without ``"success": true`` too, unless not ``require_success`` (the
+    caller checks the answer itself)."""
     answers: dict[str, dict[str, Any]] = {}
     todo = dict(commands)
     for attempt in range(1, REGISTER_TRIES + 1):
@@ -145,7 +148,7 @@ def flwr_json(
                 answer = json.loads(out[out.index("{") :])
             except ValueError:
                 answer = None
-            if isinstance(answer, dict) and answer.get("success", True):
+            if isinstance(answer, dict) and answer.get("success", not require_success):
                 answers[name] = answer
                 del todo[name]
             elif "SuperLink is unavailable" not in out or attempt == REGISTER_TRIES:
@@ -202,7 +205,7 @@ def register_nodes(
         f"register-{name}": ["supernode", "register", str(key), "--name", name]
         for name, key in keys.items()
     }
-    answers = flwr_json(procs, cli_home, commands, wrap)
+    answers = flwr_json(procs, cli_home, commands, wrap, require_success=False)
     try:
         return {name: int(answers[f"register-{name}"]["node-id"]) for name in keys}
     except (KeyError, TypeError, ValueError) as e:
