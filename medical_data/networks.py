@@ -44,13 +44,17 @@ def _group_norm(channels: int, max_groups: int = 8) -> tuple[str, dict[str, int]
     return ("group", {"num_groups": groups})
 
 
+CNN_WIDTHS = (16, 32, 64)
+"""cnn-small's channel widths, unit by unit."""
+
+
 class SmallCNN(nn.Module):
     """Conv(16) -> Conv(32, stride 2) -> Conv(64, stride 2) -> global avg pool -> Linear.
 
     Input ``(B, C, H, W)``, output logits ``(B, num_classes)``; about 25k parameters.
     """
 
-    def __init__(self, in_channels: int, num_classes: int, widths: tuple[int, ...] = (16, 32, 64)):
+    def __init__(self, in_channels: int, num_classes: int, widths: tuple[int, ...] = CNN_WIDTHS):
         super().__init__()
         self.features = nn.Sequential(
             *(Convolution(**kw) for kw in self.unit_args(in_channels, widths))
@@ -58,7 +62,7 @@ class SmallCNN(nn.Module):
         self.head = nn.Linear(widths[-1], num_classes)
 
     @staticmethod
-    def unit_args(in_channels: int, widths: tuple[int, ...] = (16, 32, 64)) -> list[dict[str, Any]]:
+    def unit_args(in_channels: int, widths: tuple[int, ...] = CNN_WIDTHS) -> list[dict[str, Any]]:
         """The keyword arguments of each ``blocks.Convolution`` unit of ``features``, in order
         (what the unit is built from here and in a MONAI bundle's config, server/bundle.py)."""
         chans = (in_channels, *widths)

@@ -172,12 +172,15 @@ def write_bundle(
     selected: str,
     evaluation: dict[str, Any] | None,
     erasures: dict[str, list[dict[str, Any]]],
+    network: dict[str, Any] | None = None,
 ) -> Path:
     """Write the bundle of ``params`` (global model version ``version``) to ``folder``,
     replacing what is there whole; ``selected``: why this version (final, best, export);
-    ``evaluation``: the run's evaluation of it (None: not evaluated)."""
+    ``evaluation``: the run's evaluation of it (None: not evaluated); ``network``: the run's
+    `network_def` entries when the caller has them (`network_of`)."""
     spec = spec_of(info)
-    network = network_entries(info["network"], spec.in_channels, spec.num_classes, spec.image_size)
+    if network is None:
+        network = network_of(info)
     weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in params.items()}
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -315,6 +318,13 @@ def evaluation_of(
     return {**info["evaluation"], "version": version, **{k: rec[k] for k in keep if k in rec}}
 
 
+def network_of(info: dict[str, Any]) -> dict[str, Any]:
+    """The ConfigParser entries of the run's network (``network_def``; building it to check
+    them is what this costs)."""
+    spec = spec_of(info)
+    return network_entries(info["network"], spec.in_channels, spec.num_classes, spec.image_size)
+
+
 def write_run_bundles(srv: AsyncServer, info: dict[str, Any]) -> dict[str, str]:
     """At the end of a run: its final model and its best evaluated one (server/evaluation.py
     ``BestModel``; none when no evaluation since the last erasure scored) as bundles in
@@ -328,6 +338,7 @@ def write_run_bundles(srv: AsyncServer, info: dict[str, Any]) -> dict[str, str]:
         picks.append(("best", srv.best.version, srv.best.params))
     else:
         shutil.rmtree(root / "best", ignore_errors=True)
+    network = network_of(info)
     for name, version, params in picks:
         folder = write_bundle(
             root / name,
@@ -337,6 +348,7 @@ def write_run_bundles(srv: AsyncServer, info: dict[str, Any]) -> dict[str, str]:
             selected=name,
             evaluation=evaluation_of(evals, version, info),
             erasures=erasures_at(store, version),
+            network=network,
         )
         made[name] = str(folder)
     return made
