@@ -148,6 +148,18 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         r = self.store.get(request_id) if request_id else None
         return r if r is not None and self.authorizer.may_see(principal, r.silo) else None
 
+    def _visible_or_abort(
+        self, context: grpc.ServicerContext, principal: Principal, rid: str
+    ) -> Request:
+        """Request ``rid`` (its id checked first) if ``principal`` may see it; NOT_FOUND
+        otherwise, also when it exists (a silo learns nothing of another's requests)."""
+        self._check_request_id(context, rid)
+        r = self._visible(principal, rid)
+        if r is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no erasure request {quoted(rid)}")
+        assert r is not None  # (abort raises)
+        return r
+
     def _check_len(self, context: grpc.ServicerContext, what: str, text: str, limit: int) -> None:
         if len(text) > limit:
             context.abort(
@@ -265,12 +277,7 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.ErasureRequest:
         """One request by id; NOT_FOUND also when the caller may not see it."""
-        principal = self._principal(context)
-        self._check_request_id(context, request.id)
-        r = self._visible(principal, request.id)
-        if r is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no erasure request {quoted(request.id)}")
-        assert r is not None
+        r = self._visible_or_abort(context, self._principal(context), request.id)
         return request_to_pb(r)
 
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
@@ -348,13 +355,7 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
         silo's; NOT_FOUND for anyone else (as Get); RESOURCE_EXHAUSTED when it is larger than
         ``Limits.max_certificate_bytes``."""
         principal = self._principal(context)
-        self._check_request_id(context, request.request_id)
-        r = self._visible(principal, request.request_id)
-        if r is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no erasure request {quoted(request.request_id)}"
-            )
-        assert r is not None
+        r = self._visible_or_abort(context, principal, request.request_id)
         events = self.events if self.events is not None and self.events.is_file() else None
         cert = build(self.store, r.id, events=events)
         text, page = to_json(cert), render(cert)
