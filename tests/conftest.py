@@ -20,24 +20,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def small_cfg(tmp_path):
     """A tiny but real configuration: brain tissue patches, cnn-small, 3 silos."""
+    from inprocess import SMALL
+
     from simulations.config import load_config
 
     def make(*overrides: str):
-        base = [
-            f"run.out_dir={tmp_path}",
-            "run.name=t",
-            "run.compare_sync=false",
-            "run.progress=false",
-            "run.budget_s=1000",
-            "silos.count=3",
-            "silos.speed_profile=uniform",
-            "client.local_steps=2",
-            "client.batch_size=16",
-            "data.max_samples=600",
-            "server.eval_every=2",
-            "server.checkpoint_every=0",
-            "server.evaluate_silos=false",
-        ]
+        base = [f"run.out_dir={tmp_path}", "run.name=t", *SMALL]
         return load_config(None, base + list(overrides))
 
     return make

@@ -14,6 +14,22 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
+SMALL = [
+    "run.compare_sync=false",
+    "run.progress=false",
+    "run.budget_s=1000",
+    "silos.count=3",
+    "silos.speed_profile=uniform",
+    "client.local_steps=2",
+    "client.batch_size=16",
+    "data.max_samples=600",
+    "server.eval_every=2",
+    "server.checkpoint_every=0",
+    "server.evaluate_silos=false",
+]
+"""A tiny but real run's overrides: brain tissue patches, cnn-small, 3 silos (the ``small_cfg``
+fixture's; a later override of the same key wins)."""
+
 
 def set_task_identity(run_id: int = 1) -> None:
     """What Flower's runtimes set before a ServerApp runs (messages are stamped with it)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from inprocess import InProcessGrid
+from inprocess import SMALL, InProcessGrid
 
 from clients.app import app as client_app
 from server.app import run_server
@@ -21,20 +21,7 @@ from server.benchmark import federation
 from simulations.cli import main as cli
 from simulations.config import load_config
 
-BASE = [
-    "run.compare_sync=false",
-    "run.progress=false",
-    "run.budget_s=1000",
-    "silos.count=3",
-    "silos.speed_profile=uniform",
-    "client.local_steps=2",
-    "client.batch_size=16",
-    "data.max_samples=600",
-    "server.eval_every=2",
-    "server.checkpoint_every=2",
-    "server.keep_models=3",
-    "server.evaluate_silos=false",
-]
+BASE = [*SMALL, "server.checkpoint_every=2", "server.keep_models=3"]
 ERASE = (  # tests/test_erasure_e2e.py's: a share of silo 2's samples relabelled away
     "run.max_versions=30",
     "erasures=[{silo: 2, at_s: 10, fraction: 0.3}]",
