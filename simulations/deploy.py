@@ -194,6 +194,22 @@ def prepare(
     return cfg, run_dir, paths, ledgers
 
 
+def coordinator_lost(flwr_run: Any, link: Any, settle_s: float = 5.0) -> bool:
+    """Whether the coordinator went down (False: the run ended by itself). The SuperLink gone
+    is a loss. So is ``flwr run`` killed by a signal: a host that loses power takes its
+    processes one by one, and ``flwr run`` may be seen dead while the SuperLink, killed a
+    moment later, is not yet; it is given ``settle_s`` to be seen gone."""
+    if link.poll() is not None:
+        return True
+    code = flwr_run.poll()
+    if code is None or code >= 0:
+        return False
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline and link.poll() is None:
+        time.sleep(0.05)
+    return True
+
+
 def deploy_local(
     cfg: FedAsyncConfig,
     *,
@@ -313,10 +329,11 @@ def deploy_local(
                     procs.scan()  # remember the ServerApp's and ClientApps' pids
                     last_scan = time.monotonic()
                 time.sleep(0.3)
-            ended = flwr_run.popen.poll() is not None
-            if ended and (flwr_run.popen.returncode == 0 or link.popen.poll() is None):
+            if not coordinator_lost(flwr_run.popen, link.popen):
                 break  # the run ended (flwr run exited): judged below
             if len(restarts) >= coordinator_restarts:
+                if link.popen.poll() is None:
+                    break  # flwr run killed, the SuperLink up: judged below
                 raise DeployError(
                     f"{link.name} exited with code {link.popen.returncode}:\n{link.tail()}"
                 )

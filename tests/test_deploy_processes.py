@@ -276,3 +276,52 @@ def test_what_a_killed_deploy_driver_started_is_swept_by_the_next_command(tmp_pa
 
 def orphans_of(tmp_path: Path) -> list[int]:
     return [p for p, o in find_orphans().items() if f"deployment {tmp_path}/deploy" in o.what]
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_run_that_ends_by_itself_is_not_a_coordinator_loss(code):
+    link = _sleeper()
+    try:
+        run = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        run.wait(timeout=30)
+        assert deploy.coordinator_lost(run, link, settle_s=0.5) is False
+        assert link.poll() is None
+    finally:
+        link.kill()
+        link.wait()
+
+
+def test_flwr_run_killed_before_its_superlink_is_seen_dead_is_a_coordinator_loss():
+    """A host losing power kills its processes one at a time: flwr run can be seen dead
+    while the SuperLink is not yet (CI saw this judged as a finished run)."""
+    link, run = _sleeper(), _sleeper()
+    try:
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=10)
+        later = subprocess.Popen(
+            [sys.executable, "-c", f"import os,time; time.sleep(0.5); os.kill({link.pid}, 9)"]
+        )
+        assert deploy.coordinator_lost(run, link, settle_s=20.0) is True
+        assert link.poll() == -signal.SIGKILL  # waited for it, not 20 s past it
+        later.wait(timeout=10)
+    finally:
+        for p in (link, run):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_dead_superlink_is_a_coordinator_loss_at_once():
+    link, run = _sleeper(), _sleeper()
+    try:
+        link.kill()
+        link.wait(timeout=10)
+        assert deploy.coordinator_lost(run, link) is True
+        assert run.poll() is None
+    finally:
+        run.kill()
+        run.wait()
