@@ -200,23 +200,34 @@ def test_what_was_not_verified_is_said_plainly(erased):
 def test_retraining_reference_runs_give_the_distance_and_the_noise_floor(erased, tmp_path):
     cert0 = _cert(erased)
     refs = []
-    for i, mia in enumerate((0.40, 0.44)):  # two retrainings: floor |0.40 - 0.44| = 0.04
+    # two retrainings: 0.40 throughout, and 0.44 at t=0 drifting to 0.64 at t=1000, so their
+    # spread (the noise floor) at t is 0.04 + 0.2 * t / 1000: each moment has its own
+    for i in range(2):
         run = tmp_path / f"retrain-{i}"
         run.mkdir()
         lines = [
-            {"event": "eval", "t": t, "version": k, "bd_mia_auc": mia, "bd_asr": 0.1}
-            for k, t in enumerate((0.0, 50.0, 100.0))
-        ]
+            {"event": "eval", "t": t, "version": k, "bd_asr": 0.1,
+             "bd_mia_auc": 0.40 + i * (0.04 + 0.2 * t / 1000)}
+            for k, t in enumerate((0.0, 1000.0))
+        ]  # fmt: skip
         (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         refs.append(run)
     cert = _cert(erased, references=refs)
     figs = {f["name"]: f for f in _check(cert, "retraining")["figures"]}
     mia = figs["mia_auc@boundary"]
-    assert mia["reference"] == pytest.approx(0.42) and mia["noise_floor"] == pytest.approx(0.04)
+    floors = {}
+    for moment in ("boundary", "verified"):
+        f = figs[f"mia_auc@{moment}"]
+        floors[moment] = f["noise_floor"]
+        assert f["noise_floor"] == pytest.approx(2 * (f["reference"] - 0.40))  # at its own t
+        assert f["verdict"] == (
+            "within"
+            if abs(f["value"] - f["reference"]) <= f["band"]
+            else "above" if f["value"] > f["reference"] else "below"
+        )
+    assert floors["verified"] > floors["boundary"] >= 0.04  # verified later, the spread wider
     v = _check(cert0, "at_boundary")["figures"][1]["value"]
-    assert mia["verdict"] == (
-        "within" if abs(v - 0.42) <= 0.04 else "above" if v > 0.42 else "below"
-    )
+    assert mia["value"] == v
     assert figs["asr@verified"]["band"] == 0.01  # a zero floor counts as 0.01
     assert "forget_accuracy@boundary" not in figs  # the references never measured it
     assert [x["sha256"] for x in cert["sources"]["references"]] == [

@@ -180,7 +180,6 @@ def _retraining(
     refs: Sequence[Reference],
 ) -> dict[str, Any]:
     figures: list[dict[str, Any]] = []
-    floors: dict[str, float | None] = {}
     if refs and run is not None:
         moments = (("boundary", at_b, "calibrating"), ("verified", after, "verified"))
         for moment, metrics, state in moments:
@@ -189,7 +188,7 @@ def _retraining(
             for key in FORGETTING:
                 if t is None or num(metrics.get(key)) is None:
                     continue
-                fig = _against_retraining(key, moment, metrics[key], t, refs, floors)
+                fig = _against_retraining(key, moment, metrics[key], t, refs)
                 if fig is not None:
                     figures.append(fig)
     return check(
@@ -214,16 +213,16 @@ def _against_retraining(
     value: float,
     t: float,
     refs: Sequence[Reference],
-    floors: dict[str, float | None],
 ) -> dict[str, Any] | None:
+    """``value`` against the retrainings' mean at ``t``; the noise floor is their spread at
+    that same moment (the mean pairwise gap), so the boundary's and the verification's
+    figures each get their own."""
     values = [v for v in (x.at(key, t) for x in refs) if v is not None]
     if not values:
         return None
     mean = sum(values) / len(values)
-    if key not in floors:
-        pairs = [abs(a - c) for i, a in enumerate(values) for c in values[i + 1 :]]
-        floors[key] = sum(pairs) / len(pairs) if pairs else None
-    floor = floors[key]
+    pairs = [abs(a - c) for i, a in enumerate(values) for c in values[i + 1 :]]
+    floor = sum(pairs) / len(pairs) if pairs else None
     band = max(floor or 0.0, MIN_BAND)
     gap = value - mean
     verdict = "within" if abs(gap) <= band else ("above" if gap > 0 else "below")
