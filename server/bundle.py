@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedasync.checkpoint import state_digest
 from fedasync.errors import CheckpointError
 from fedasync.fetch import sha256_file
 from medical_data.bundle_config import (
@@ -54,6 +53,7 @@ from runkit.configload import bounded
 from runkit.folder import write_json
 from server.config import FedAsyncConfig
 from server.models import MODELS_DIR
+from server.unlearning.attest import model_sha256
 
 if TYPE_CHECKING:
     from server.erasure.store import ErasureStore
@@ -266,7 +266,7 @@ def _metadata(
             "model_version": version,
             "selected_as": selected,
             "model_sha256": model_sha,
-            "weights_sha256": state_digest(weights),
+            "weights_sha256": model_sha256(weights),  # as the erasure certificate hashes it
             "config_sha256": info["config_sha256"],
             "run": info["run"],
             "mode": info["mode"],

@@ -18,6 +18,8 @@ from inprocess import SMALL, InProcessGrid
 from clients.app import app as client_app
 from server.app import run_server
 from server.benchmark import federation
+from server.erasure.certificate import build
+from server.erasure.store import ErasureStore
 from simulations.cli import main as cli
 from simulations.config import load_config
 
@@ -231,6 +233,18 @@ def test_an_erased_model_names_the_erasure_it_honours_and_nothing_older_is_kept(
         assert not [i for i in federation(cfg).silos[2].sample_ids if str(i) in text]
     kept = [int(p.stem.split("-")[1]) for p in (run_dir / "models").glob("version-*.pt")]
     assert kept and min(kept) >= boundary
+    # the certificate's hash of the model at verification is the bundle's of that version
+    store = ErasureStore(run_dir / "erasures.sqlite", readonly=True)
+    try:
+        at = build(store, req["id"], events=run_dir / "metrics.jsonl")["model"]["verified"]
+    finally:
+        store.close()
+    assert at["version"] in kept
+    assert (
+        cli(["export", str(run_dir), "--version", str(at["version"]), "--out", str(tmp_path / "x")])
+        == 0
+    )
+    assert _meta(tmp_path / "x")["fedasync"]["weights_sha256"] == at["sha256"]
 
 
 def test_an_erasure_forgets_the_best_model_and_every_snapshot_before_it(tmp_path):

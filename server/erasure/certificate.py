@@ -326,7 +326,8 @@ def _model(r: Request, rows: Sequence[AuditRow]) -> dict[str, Any]:
         "changed": None if before is None or after is None else before != after,
         "hash": (
             "SHA-256 of the global model's named tensors, sorted by name, each fed as name, "
-            "dtype, shape and bytes (server/unlearning/attest.py model_sha256)"
+            "dtype, shape and bytes (server/unlearning/attest.py model_sha256); a MONAI "
+            "bundle of the same version gives it as fedasync.weights_sha256"
         ),
         "version_at_submit": r.model_version_at_submit,
         "before": at(facts.get("model_before_version", -1), facts.get("model_before_sha256")),
