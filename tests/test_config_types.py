@@ -284,3 +284,10 @@ def test_an_override_that_is_not_yaml_is_one_line_naming_it(override):
         load_rl_config(None, [override + "x" * 5000])
     msg = str(e.value)
     assert "\n" not in msg and len(msg) < 400 and override[:10] in msg
+
+
+def test_trigger_patterns_of_the_config_are_the_backdoors():
+    from medical_data.backdoor import PATTERNS
+    from server.config_erasure import TRIGGER_PATTERNS
+
+    assert TRIGGER_PATTERNS == PATTERNS

@@ -223,7 +223,9 @@ def test_retraining_reference_runs_give_the_distance_and_the_noise_floor(erased,
         assert f["verdict"] == (
             "within"
             if abs(f["value"] - f["reference"]) <= f["band"]
-            else "above" if f["value"] > f["reference"] else "below"
+            else "above"
+            if f["value"] > f["reference"]
+            else "below"
         )
     assert floors["verified"] > floors["boundary"] >= 0.04  # verified later, the spread wider
     v = _check(cert0, "at_boundary")["figures"][1]["value"]
