@@ -47,8 +47,15 @@ browser:
 	  && echo "installed chromium (the certificate's browser test)"; } \
 	  || echo "no chromium: the certificate's browser test will skip (apt-get install -y chromium)"
 
-test: data lint browser
-	$(BIN)/python -m pytest -m serial
+# mypy (a minute of one core) runs beside the serial tests, which mostly wait on the processes
+# they start; its report is printed after them, and either failing fails the target
+test: data browser
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	@log=$$(mktemp); $(BIN)/mypy >$$log 2>&1 & typing=$$!; \
+	  $(BIN)/python -m pytest -m serial; serial=$$?; \
+	  wait $$typing; typed=$$?; echo "mypy:"; cat $$log; rm -f $$log; \
+	  [ $$serial -eq 0 ] && [ $$typed -eq 0 ]
 	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --dist loadfile --durations=25
 
 # line coverage of the eight packages, subprocesses included (runs/coverage/)

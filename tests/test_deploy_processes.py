@@ -325,3 +325,11 @@ def test_a_dead_superlink_is_a_coordinator_loss_at_once():
     finally:
         run.kill()
         run.wait()
+
+
+def test_a_finished_run_is_not_a_loss_when_its_superlink_went_after_it():
+    link = subprocess.Popen(["true"])
+    run = subprocess.Popen(["true"])
+    link.wait(timeout=10)
+    run.wait(timeout=10)
+    assert deploy.coordinator_lost(run, link) is False
