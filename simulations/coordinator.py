@@ -93,6 +93,25 @@ def fresh_database(work: Path) -> Path:
     return db
 
 
+def coordinator_lost(flwr_run: Any, link: Any, settle_s: float = 5.0) -> bool:
+    """Whether the coordinator went down (False: the run ended by itself). ``flwr run``
+    exited 0 is a finished run; otherwise the SuperLink gone is a loss. So is ``flwr run``
+    killed by a signal: a host that loses power takes its processes one by one, and ``flwr
+    run`` may be seen dead while the SuperLink, killed a moment later, is not yet; it is given
+    ``settle_s`` to be seen gone."""
+    code = flwr_run.poll()
+    if code == 0:
+        return False  # finished, whatever came after
+    if link.poll() is not None:
+        return True
+    if code is None or code > 0:
+        return False
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline and link.poll() is None:
+        time.sleep(0.05)
+    return True
+
+
 def restart_coordinator(
     cfg: FedAsyncConfig,
     procs: Processes,

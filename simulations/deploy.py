@@ -74,6 +74,7 @@ from server.summary import no_version_reason
 from simulations.certs import CertPaths, names_hosts, private_dir, write_certs, write_file
 from simulations.config import to_yaml
 from simulations.coordinator import (
+    coordinator_lost,
     fresh_database,
     restart_coordinator,
     serverapp_gone,
@@ -192,25 +193,6 @@ def prepare(
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # progress reads only this run's
     ledgers = privacy_ledgers(run_dir / "privacy" if privacy_dir is None else privacy_dir, n)
     return cfg, run_dir, paths, ledgers
-
-
-def coordinator_lost(flwr_run: Any, link: Any, settle_s: float = 5.0) -> bool:
-    """Whether the coordinator went down (False: the run ended by itself). ``flwr run``
-    exited 0 is a finished run; otherwise the SuperLink gone is a loss. So is ``flwr run``
-    killed by a signal: a host that loses power takes its processes one by one, and ``flwr
-    run`` may be seen dead while the SuperLink, killed a moment later, is not yet; it is given
-    ``settle_s`` to be seen gone."""
-    code = flwr_run.poll()
-    if code == 0:
-        return False  # finished, whatever came after
-    if link.poll() is not None:
-        return True
-    if code is None or code > 0:
-        return False
-    deadline = time.monotonic() + settle_s
-    while time.monotonic() < deadline and link.poll() is None:
-        time.sleep(0.05)
-    return True
 
 
 def deploy_local(

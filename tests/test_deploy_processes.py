@@ -288,7 +288,7 @@ def test_a_run_that_ends_by_itself_is_not_a_coordinator_loss(code):
     try:
         run = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
         run.wait(timeout=30)
-        assert deploy.coordinator_lost(run, link, settle_s=0.5) is False
+        assert coordinator.coordinator_lost(run, link, settle_s=0.5) is False
         assert link.poll() is None
     finally:
         link.kill()
@@ -305,7 +305,7 @@ def test_flwr_run_killed_before_its_superlink_is_seen_dead_is_a_coordinator_loss
         later = subprocess.Popen(
             [sys.executable, "-c", f"import os,time; time.sleep(0.5); os.kill({link.pid}, 9)"]
         )
-        assert deploy.coordinator_lost(run, link, settle_s=20.0) is True
+        assert coordinator.coordinator_lost(run, link, settle_s=20.0) is True
         assert link.poll() == -signal.SIGKILL  # waited for it, not 20 s past it
         later.wait(timeout=10)
     finally:
@@ -320,7 +320,7 @@ def test_a_dead_superlink_is_a_coordinator_loss_at_once():
     try:
         link.kill()
         link.wait(timeout=10)
-        assert deploy.coordinator_lost(run, link) is True
+        assert coordinator.coordinator_lost(run, link) is True
         assert run.poll() is None
     finally:
         run.kill()
@@ -332,4 +332,4 @@ def test_a_finished_run_is_not_a_loss_when_its_superlink_went_after_it():
     run = subprocess.Popen(["true"])
     link.wait(timeout=10)
     run.wait(timeout=10)
-    assert deploy.coordinator_lost(run, link) is False
+    assert coordinator.coordinator_lost(run, link) is False
