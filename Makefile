@@ -12,11 +12,15 @@ WORKERS ?= 3
 
 .PHONY: install data demo test lint unit coverage clean proto browser
 
+# pip compiles every installed file to bytecode on one core; compileall does it on all of them
+# (a third-party file that is not valid Python 3.11, such as torch's py312 test helper, is
+# skipped as pip skips it)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[dev,hf,mlflow]"
+	$(BIN)/python -m pip install -q --no-compile $(TORCH)
+	$(BIN)/python -m pip install -q --no-compile -e ".[dev,hf,mlflow]"
+	$(BIN)/python -m compileall -qq -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -49,7 +53,9 @@ browser:
 
 # mypy (a minute of one core) runs beside the serial tests, which mostly wait on the processes
 # they start; its report is printed after them, and either failing fails the target
-test: data browser
+# the environment and data, and Debian's chromium beside them (apt and pip do not wait on each other)
+test:
+	@$(MAKE) --no-print-directory -j2 data browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@log=$$(mktemp); $(BIN)/mypy >$$log 2>&1 & typing=$$!; \
