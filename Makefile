@@ -51,9 +51,10 @@ browser:
 	  && echo "installed chromium (the certificate's browser test)"; } \
 	  || echo "no chromium: the certificate's browser test will skip (apt-get install -y chromium)"
 
-# mypy (a minute of one core) runs beside the serial tests, which mostly wait on the processes
-# they start; its report is printed after them, and either failing fails the target
-# the environment and data, and Debian's chromium beside them (apt and pip do not wait on each other)
+# The environment and data, with Debian's chromium installed beside them (apt and pip do not
+# wait on each other); then ruff; then mypy (a minute of one core) beside the serial tests,
+# which mostly wait on the processes they start: its report is printed after them, and either
+# failing fails the target; then the rest on the workers
 test:
 	@$(MAKE) --no-print-directory -j2 data browser
 	$(BIN)/ruff check .
