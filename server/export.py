@@ -28,7 +28,7 @@ from server.bundle import (
     write_bundle,
 )
 from server.checkpoint import CHECKPOINT_FILE, CheckpointState, load_state
-from server.models import MODELS_DIR, ModelStore
+from server.models import MODELS_DIR, ModelStore, snapshot_name
 
 log = logging.getLogger("fedasync.server")
 
@@ -57,7 +57,7 @@ def load_version(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
     """Version ``version``'s weights from ``run_dir``; CheckpointError (a UserError) naming
     the versions kept when it is not."""
     store = ModelStore(run_dir / MODELS_DIR, 0)
-    if version in store.versions():
+    if (store.folder / snapshot_name(version)).is_file():
         return store.load(version)
     state = _checkpoint(run_dir)
     kept = kept_versions(run_dir, state)
