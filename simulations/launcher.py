@@ -29,6 +29,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -178,9 +179,11 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.engine.ray_address:
         log.info("attaching to the Ray cluster at %s", cfg.engine.ray_address)
     handlers = _set_signals(_raise_interrupted)
+    ours: set[threading.Thread] = set()
     try:
         _init_ray(backend_config["init_args"])
         _set_signals(_raise_interrupted)  # ray.init replaced them
+        ours = set(threading.enumerate())
         run_simulation(
             server_app=server_app,
             client_app=client_app,
@@ -200,6 +203,8 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
                 ending = sys.exc_info()[1]
                 if isinstance(ending, Interrupted):
                     ending.server_left_running = True
+            if sys.exc_info()[0] is not None:
+                _join_engine_threads(ours, timeout_s=5.0)
             if ray.is_initialized():
                 ray.shutdown()
             # after a signal or an error Ray had no chance to stop its own: expected, run.log only
@@ -223,6 +228,22 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
 
 
 SESSION_ENV = RAY_SESSION_ENV
+
+
+def _join_engine_threads(before: set[threading.Thread], timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) for the threads Flower's simulation engine started
+    (non-daemon, not in ``before``) to end, before Ray shuts down. A signal can end the engine
+    while its message workers are still in a Ray call (the exception leaves its executor's
+    wait early); Ray's core worker ends the whole process with exit code 1 when a thread uses
+    it after ``ray.shutdown()``. The engine's stop event is set by then, so each worker ends
+    after its call returns."""
+    deadline = time.monotonic() + timeout_s
+    for t in threading.enumerate():
+        if t in before or t.daemon or t is threading.current_thread():
+            continue
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            log.info("engine thread %s still running after %.0f s; stopping Ray", t.name, timeout_s)
 
 
 def ray_init_args(engine: EngineConfig, ray_tmp: str) -> dict[str, Any]:
