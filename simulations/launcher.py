@@ -179,17 +179,16 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.engine.ray_address:
         log.info("attaching to the Ray cluster at %s", cfg.engine.ray_address)
     handlers = _set_signals(_raise_interrupted)
-    ours: set[threading.Thread] = set()
     try:
         _init_ray(backend_config["init_args"])
         _set_signals(_raise_interrupted)  # ray.init replaced them
-        ours = set(threading.enumerate())
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=cfg.silos.count,
-            backend_config=backend_config,
-        )
+        with _EngineWorkers():
+            run_simulation(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=cfg.silos.count,
+                backend_config=backend_config,
+            )
     except Interrupted as e:
         e.run_dir = run_dir
         raise
@@ -203,8 +202,6 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
                 ending = sys.exc_info()[1]
                 if isinstance(ending, Interrupted):
                     ending.server_left_running = True
-            if sys.exc_info()[0] is not None:
-                _join_engine_threads(ours, timeout_s=5.0)
             if ray.is_initialized():
                 ray.shutdown()
             # after a signal or an error Ray had no chance to stop its own: expected, run.log only
@@ -230,20 +227,60 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
 SESSION_ENV = RAY_SESSION_ENV
 
 
-def _join_engine_threads(before: set[threading.Thread], timeout_s: float) -> None:
-    """Wait (at most ``timeout_s``) for the threads Flower's simulation engine started
-    (non-daemon, not in ``before``) to end, before Ray shuts down. A signal can end the engine
-    while its message workers are still in a Ray call (the exception leaves its executor's
-    wait early); Ray's core worker ends the whole process with exit code 1 when a thread uses
-    it after ``ray.shutdown()``. The engine's stop event is set by then, so each worker ends
-    after its call returns."""
-    deadline = time.monotonic() + timeout_s
-    for t in threading.enumerate():
-        if t in before or t.daemon or t is threading.current_thread():
-            continue
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            log.info("engine thread %s still running after %.0f s; stopping Ray", t.name, timeout_s)
+class _EngineWorkers:
+    """Flower 1.42's simulation engine, made to let its message workers leave Ray before Ray
+    shuts down. A signal that lands while the engine waits for its workers (a
+    ``ThreadPoolExecutor`` exit) ends that wait early; the engine's ``finally`` then stops its
+    workers (a stop event: each ends when its Ray call returns) and terminates its Ray backend,
+    whose ``terminate`` calls ``ray.shutdown()`` at once. A worker still in a Ray call then uses
+    Ray after shutdown, and Ray's core worker ends the whole process with exit code 1 (no
+    checkpoint line, no 130). Installed for one run: each worker is tracked while it runs, and
+    the backend's ``terminate`` first waits (at most ``wait_s``) for the tracked ones to end.
+    FlowerInternalsMoved if the two are not where flwr 1.42 has them."""
+
+    def __init__(self, wait_s: float = 5.0) -> None:
+        from flwr.server.superlink.fleet.vce import vce_api
+        from flwr.server.superlink.fleet.vce.backend import raybackend
+
+        from protocol.transport import FlowerInternalsMoved
+
+        backend = getattr(raybackend, "RayBackend", None)
+        if not callable(getattr(vce_api, "worker", None)) or backend is None:
+            raise FlowerInternalsMoved(
+                "flwr's vce_api.worker or RayBackend moved: simulations.launcher was written "
+                "for flwr 1.42"
+            )
+        self.wait_s = wait_s
+        self.running: set[threading.Thread] = set()
+        self.done = threading.Condition()
+        self._api, self._backend = vce_api, backend
+        self._worker, self._terminate = vce_api.worker, backend.terminate
+
+    def __enter__(self) -> _EngineWorkers:
+        worker, terminate = self._worker, self._terminate
+
+        def tracked(*args: Any, **kwargs: Any) -> None:
+            with self.done:
+                self.running.add(threading.current_thread())
+            try:
+                worker(*args, **kwargs)
+            finally:
+                with self.done:
+                    self.running.discard(threading.current_thread())
+                    self.done.notify_all()
+
+        def terminate_after_workers(backend: Any) -> None:
+            with self.done:
+                if not self.done.wait_for(lambda: not self.running, timeout=self.wait_s):
+                    log.info("%d engine worker(s) still in Ray; stopping it", len(self.running))
+            terminate(backend)
+
+        self._api.worker = tracked
+        self._backend.terminate = terminate_after_workers
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._api.worker, self._backend.terminate = self._worker, self._terminate
 
 
 def ray_init_args(engine: EngineConfig, ray_tmp: str) -> dict[str, Any]:

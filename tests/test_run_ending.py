@@ -392,3 +392,27 @@ def test_a_failure_is_one_line_naming_the_cause_under_flowers_wrapping(
     assert "ValueError: the cause" in _one_line(err, "fedasync: the run failed before training")
     _no_traceback(err)
     assert "Traceback" in (Path(cfg.run.out_dir) / cfg.run.name / "run.log").read_text()
+
+
+def test_the_engines_ray_backend_stops_only_after_its_message_workers(monkeypatch):
+    """A signal can leave Flower's message workers in a Ray call while the engine terminates
+    its Ray backend (ray.shutdown: Ray then ends the process with exit code 1)."""
+    import threading
+
+    from flwr.server.superlink.fleet.vce import vce_api
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    from simulations.launcher import _EngineWorkers
+
+    left = threading.Event()
+    seen: list[bool] = []
+    monkeypatch.setattr(vce_api, "worker", lambda: (time.sleep(0.5), left.set()))
+    monkeypatch.setattr(raybackend.RayBackend, "terminate", lambda self: seen.append(left.is_set()))
+    with _EngineWorkers(wait_s=20.0):
+        t = threading.Thread(target=vce_api.worker)
+        t.start()
+        time.sleep(0.1)  # the worker is in its call
+        raybackend.RayBackend.terminate(None)  # type: ignore[arg-type]
+    t.join()
+    assert seen == [True]  # terminated after the worker left, not 20 s later either
+    assert vce_api.worker is not None and raybackend.RayBackend.terminate.__name__ == "<lambda>"
