@@ -37,6 +37,7 @@ from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from clients.faults import inject_fault
+from clients.lab import LAB_SETTING, LabSettingRefused, instruments, refuse_instruments
 from clients.local import train_local
 from clients.node_log import record
 from clients.preempt import JobStop, Preempted
@@ -48,7 +49,6 @@ from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
 from medical_data.registry import BenchmarkSpec, get_spec
 from medical_data.tasks import (
-    backdoored,
     concat,
     evaluate,
     relearning_data,
@@ -104,8 +104,10 @@ class Silo:
     trained on, what the erasure's membership test compares the forget samples with."""
 
 
-def _silo(context: Context, setup_json: str) -> Silo:
-    """This node's silo, from its node config (``partition-id``, ``datalist``)."""
+def _silo(context: Context, setup_json: str, *, relearn: bool = False, handler: str = "") -> Silo:
+    """This node's silo, from its node config (``partition-id``, ``datalist``). A node on its
+    own datalist refuses a setup (or a train request, ``relearn``) that asks for a benchmark
+    instrument (``clients.lab``): its data is used as it was read."""
     if "partition-id" not in context.node_config:
         raise ValueError("this SuperNode has no 'partition-id' in its node config")
     silo = int(context.node_config["partition-id"])
@@ -115,14 +117,15 @@ def _silo(context: Context, setup_json: str) -> Silo:
         fed = _federation(setup_json)
         data = _silo_data(setup_json, silo)
         return Silo(silo, fed.spec, data, data, own=False)
+    asked = instruments(setup.backdoor, relearn=relearn)
+    refuse_instruments(silo, asked, handler=handler or "message")
     spec = get_spec(setup.data.benchmark)
     try:
         stamp = Path(path).expanduser().stat().st_mtime_ns  # an edited datalist is read again
     except OSError:
         stamp = 0  # (load_datalist says what is missing)
     train, held = _datalist(path, spec.name, stamp)
-    data = backdoored(train, silo, setup.backdoor, setup.seed)
-    return Silo(silo, spec, data, data if held is None else held, own=True, validation=held)
+    return Silo(silo, spec, train, train if held is None else held, own=True, validation=held)
 
 
 @lru_cache(maxsize=4)
@@ -201,7 +204,7 @@ def query(msg: Message, context: Context) -> Message:
     from medical_data.datalist import class_counts
 
     req = QueryRequest.from_message(msg)
-    silo = _silo(context, req.setup_json)
+    silo = _silo(context, req.setup_json, handler="query")
     counts = tuple(class_counts(silo.data, silo.spec.num_classes))
     digests = digest_all(req.salt, silo.data.sample_ids.tolist()) if req.salt else b""
     return QueryReply(silo.id, len(silo.data), counts, digests).to_message(reply_to=msg)
@@ -212,7 +215,10 @@ def train(msg: Message, context: Context) -> Message:
     """Train the received global model locally and reply with the delta (faults: the mod)."""
     req = TrainRequest.from_message(msg)
     setup = req.setup
-    here = _silo(context, req.setup_json)
+    try:
+        here = _silo(context, req.setup_json, relearn=req.relearn, handler="train")
+    except LabSettingRefused as e:
+        return _refuse(msg, req, e.silo, LAB_SETTING, str(e), recorded=True)
     silo, data = here.id, here.data
     held = len(data)
     data = select(data, list(req.exclude))
@@ -294,11 +300,15 @@ def _refuse(
     reason: str,
     detail: str,
     e: BudgetExhausted | None = None,
+    *,
+    recorded: bool = False,
 ) -> Message:
     """A typed refusal (no arrays): the silo cannot do the work (its privacy budget, ``e``, does
-    not allow it, or it has no data left); the server stops sending it training."""
+    not allow it, it has no data left, or it was asked for a benchmark instrument on its own
+    data, ``recorded`` already in its node log); the server stops sending it training."""
     log.warning("silo %d refuses training: %s", silo, detail)
-    record("refuse", version=req.base_version, job=req.job_id, silo=silo, reason=reason)
+    if not recorded:
+        record("refuse", version=req.base_version, job=req.job_id, silo=silo, reason=reason)
     refusal = TrainRefusal(
         silo,
         req.job_id,
@@ -316,7 +326,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     """Evaluate the received model on this silo's own data: its datalist's ``validation``
     list when it has one, else the data it trains on."""
     req = EvaluateRequest.from_message(msg)
-    here = _silo(context, req.setup_json)
+    here = _silo(context, req.setup_json, handler="evaluate")
     data = here.heldout
     ccfg = req.setup.client
     torch.set_num_threads(ccfg.num_threads)
@@ -362,7 +372,7 @@ def unlearn(msg: Message, context: Context) -> Message:
 
     req = UnlearnRequest.from_message(msg)
     erase = req.erasure
-    here = _silo(context, req.setup_json)
+    here = _silo(context, req.setup_json, handler="unlearn")
     silo, data, spec = here.id, here.data, here.spec
     forget_ids = list(req.forget)
     unknown = sorted(set(forget_ids) - set(data.sample_ids.tolist()))

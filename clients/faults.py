@@ -13,7 +13,8 @@ bad reply on the real message path:
   10000 + silo).
 
 A refusal is never corrupted, and only an update is kept for a later replay. Without a fault
-(and without ``keep-reply``) the mod passes the message through untouched.
+(and without ``keep-reply``) the mod passes the message through untouched. A node on its own
+datalist (a hospital) refuses every fault (``clients.lab``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import logging
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
+from clients.lab import LAB_SETTING, LabSettingRefused, instruments, refuse_instruments
 from protocol import keys as P
-from protocol.messages import TrainReply, injected_fault, is_refusal
+from protocol.messages import TrainRefusal, TrainReply, TrainRequest, injected_fault, is_refusal
 from protocol.reading import record
 
 log = logging.getLogger("fedasync.client")
@@ -41,6 +43,21 @@ def inject_fault(msg: Message, context: Context, call_next: ClientAppCallable) -
     """The Flower mod (``@app.train(mods=[inject_fault])``): carry out the fault ``msg`` asks
     for around ``call_next`` (the handler), and keep the reply when asked to."""
     fault, keep = injected_fault(msg)
+    if (fault or keep) and context.node_config.get(P.DATALIST):  # a hospital's node (clients.lab)
+        req = TrainRequest.from_message(msg)
+        silo = int(context.node_config.get("partition-id", -1))
+        try:
+            refuse_instruments(
+                silo,
+                instruments(None, fault=fault or "keep-reply"),
+                handler="train",
+                job=req.job_id,
+                version=req.base_version,
+            )
+        except LabSettingRefused as e:
+            log.warning("silo %d refuses training: %s", silo, e)
+            refusal = TrainRefusal(silo, req.job_id, req.base_version, LAB_SETTING, str(e))
+            return refusal.to_message(reply_to=msg)
     if fault == "replay" and LAST_ARRAYS in context.state:
         log.warning("fault injection: replaying the previous reply")
         old = RecordDict(

@@ -24,6 +24,8 @@ from inprocess import InProcessGrid, set_task_identity
 import medical_data.federation as federation_module
 from clients.app import _network, _silo, _template
 from clients.app import app as client_app
+from clients.lab import LAB_SETTING
+from clients.node_log import NODE_EVENTS_ENV
 from fedasync.errors import ConfigError, DataError
 from fedasync.events import read_events
 from medical_data.datalist import class_counts, load_datalist, write_datalist
@@ -36,8 +38,11 @@ from protocol.messages import (
     Malformed,
     QueryReply,
     QueryRequest,
+    TrainRefusal,
+    TrainReply,
     TrainRequest,
     UnlearnRequest,
+    is_refusal,
 )
 from server.app import run_server
 from server.benchmark import server_test_set
@@ -301,6 +306,61 @@ def test_the_silo_refuses_to_erase_ids_it_does_not_hold(datalists):
     reply = grid.pull_messages([mid])[0]
     # Assert
     assert reply.has_error() and "are not held by silo 0" in reply.error.reason
+
+
+def test_a_hospital_node_refuses_a_backdoor_and_trains_on_its_data_as_it_is(
+    brain, datalists, monkeypatch, tmp_path
+):
+    # Prepare: a setup whose backdoor names this silo, all of its samples relabelled to class 0
+    monkeypatch.setenv(NODE_EVENTS_ENV, str(tmp_path / "node.jsonl"))
+    grid = _grid(datalists)
+    node = next(iter(grid.contexts))
+    poisoned = _setup_json("backdoor.enabled=true", "backdoor.silo=0", "backdoor.fraction=1.0")
+    clean = _setup_json("client.local_steps=1")
+    params = _network(clean, BRAIN).state_dict()
+    # Execute: a query and a train request under the backdoor, then a train request without
+    [q] = grid.push_messages([QueryRequest(poisoned, "salt").to_message(node)])
+    queried = grid.pull_messages([q])[0]
+    [t] = grid.push_messages([TrainRequest(poisoned, 1, 0, 1, params).to_message(node)])
+    refused = grid.pull_messages([t])[0]
+    [c] = grid.push_messages([TrainRequest(clean, 2, 0, 2, params).to_message(node)])
+    trained = grid.pull_messages([c])[0]
+    # Assert: one-line refusals (an error to the query, a typed refusal to the training), both
+    # in the node's log; the data trained on is the datalist's, labels and images untouched
+    assert queried.has_error() and "refuses the benchmark instrument(s) backdoor" in (
+        queried.error.reason
+    )
+    refusal = TrainRefusal.from_message(refused)
+    assert refusal.reason == LAB_SETTING and "\n" not in refusal.detail
+    assert not trained.has_error() and not is_refusal(trained)
+    assert TrainReply.from_message(trained).num_samples == len(brain.silos[0])
+    here = _silo(grid.contexts[node], clean)
+    assert np.array_equal(here.data.labels, brain.silos[0].labels)
+    assert np.array_equal(here.data.images, brain.silos[0].images)
+    log = [e for e in read_events(tmp_path / "node.jsonl") if e["event"] == "refuse"]
+    assert [(e["handler"], e["reason"]) for e in log] == [
+        ("query", LAB_SETTING),
+        ("train", LAB_SETTING),
+    ]
+
+
+@pytest.mark.parametrize("fault", ["nan", "replay"])
+def test_a_hospital_node_refuses_an_injected_fault(datalists, fault, monkeypatch, tmp_path):
+    # Prepare
+    monkeypatch.setenv(NODE_EVENTS_ENV, str(tmp_path / "node.jsonl"))
+    grid = _grid(datalists)
+    node = next(iter(grid.contexts))
+    setup = _setup_json("client.local_steps=1")
+    params = _network(setup, BRAIN).state_dict()
+    msg = TrainRequest(setup, 1, 0, 1, params, fault=fault).to_message(node)
+    # Execute
+    [mid] = grid.push_messages([msg])
+    reply = grid.pull_messages([mid])[0]
+    # Assert
+    refusal = TrainRefusal.from_message(reply)
+    assert refusal.reason == LAB_SETTING and f"fault={fault}" in refusal.detail
+    [event] = [e for e in read_events(tmp_path / "node.jsonl") if e["event"] == "refuse"]
+    assert event["asked"] == [f"fault={fault}"]
 
 
 # ----------------------------------------------------------------- the coordinator
