@@ -60,10 +60,11 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from clients.local import objective
+from clients.loop import run_steps
 from clients.privacy import History, PrivacyLedger
 from medical_data.federation import SiloData
-from medical_data.tasks import loss_fn as task_loss
-from medical_data.tasks import score, targets
+from medical_data.tasks import score
 from protocol.config import DPConfig
 from protocol.keys import DP_DELTA, DP_EPSILON
 
@@ -181,42 +182,38 @@ def train_local_dp(
             poisson_sampling=True,
             noise_generator=noise_gen,
         )
-    loss_fn = task_loss(task)
     params = [p for p in model.parameters() if p.requires_grad]
     base = [p.detach().clone() for p in params] if proximal_mu > 0 else []
-    total_loss, total_score, seen, nonempty = 0.0, 0.0, 0, 0
+
+    def apply(step: int) -> None:
+        if dp_opt.pre_step():  # clip, noise, scale; the accountant counts the step
+            for p, b in zip(params, base):
+                if p.grad is None:  # (pre_step gives every trainable parameter one)
+                    raise AttributeError("a trainable parameter has no gradient to add to")
+                p.grad.add_(p.detach() - b, alpha=proximal_mu)
+            dp_opt.original_optimizer.step()
+
     try:
-        batches = _batches(dp_loader)
-        for step in range(steps):
-            if stop is not None:
-                stop(step, steps)  # (raises before anything is recorded or released)
-            x, y = next(batches)
-            x, y = x.to(device), y.to(device)
-            dp_opt.zero_grad(set_to_none=True)
-            out = dp_model(x)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # an empty batch's loss is NaN; no gradient
-                loss = loss_fn(out, targets(y, task))
-                loss.backward()
-            if dp_opt.pre_step():  # clip, noise, scale; the accountant counts the step
-                for p, b in zip(params, base):
-                    if p.grad is None:  # (pre_step gives every trainable parameter one)
-                        raise AttributeError("a trainable parameter has no gradient to add to")
-                    p.grad.add_(p.detach() - b, alpha=proximal_mu)
-                dp_opt.original_optimizer.step()
-            if len(x):
-                total_loss += float(loss.detach())
-                total_score += score(out.detach(), y, task)
-                nonempty += 1
-            seen += len(x)
+        totals = run_steps(
+            dp_model,
+            _batches(dp_loader),
+            objective(task, model),
+            apply,
+            zero_grad=lambda: dp_opt.zero_grad(set_to_none=True),
+            steps=steps,
+            device=device,
+            before=None if stop is None else lambda step: stop(step, steps),
+            score=lambda out, y: score(out, y, task),
+            quiet=True,  # an empty batch's loss is NaN (no gradient), by design
+        )
     finally:
         dp_opt.zero_grad(set_to_none=True)
         dp_model._close()  # remove opacus's hooks and per-sample attributes from ``model``
     history: History = [(float(s), float(q), int(n)) for s, q, n in engine.accountant.history]
     stats = {
-        "train_loss": total_loss / max(nonempty, 1),
-        "train_score": total_score / max(nonempty, 1),
-        "train_dp_batch_mean": seen / steps,
+        "train_loss": totals.loss / max(totals.nonempty, 1),
+        "train_score": totals.score / max(totals.nonempty, 1),
+        "train_dp_batch_mean": totals.samples / steps,
         "train_dp_noise_multiplier": float(noise_multiplier),
     }
     return stats, history

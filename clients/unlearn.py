@@ -23,20 +23,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from clients.local import objective
+from clients.loop import cap_guard, run_steps, seeded_draws
 from fedasync import seeds
 from fedasync.erasure_metrics import logit_scale, true_label_confidence
 from fedasync.stopping import MembershipStop, Track
 from fedasync.types import Params
 from fedasync.unlearning import GradientSignature, params_to_vector
 from medical_data.federation import SiloData
-from medical_data.tasks import evaluate, targets
-from medical_data.tasks import loss_fn as task_loss
+from medical_data.tasks import evaluate
 
 
 def _batch(
@@ -109,27 +110,17 @@ def erase_pga(
     params = [p for _, p in named]
     ref = [reference[n].detach().to(device=device, dtype=p.dtype) for n, p in named]
     opt = torch.optim.SGD(params, lr=lr)
-    loss_fn = task_loss(task)
-    taken, stopped, dist = 0, False, 0.0
+    dist = 0.0
     judge = None
     if stop is not None:
         assert heldout is not None
         judge = _Judge(stop, forget, heldout, probe=probe, seed=seed, task=task, device=device)
         if judge.check(model, params, 0):
             steps = 0
-    for step in range(steps):
-        x, y = _batch(images, labels, batch_size, gen)
-        x, y = x.to(device), y.to(device)
-        out = model(x)
-        loss = loss_fn(out, targets(y, task))
-        cap = loss_cap if loss_cap is not None else 2.0 * math.log(max(out.shape[1], 2))
-        if float(loss.detach()) > cap:
-            stopped = True
-            break
-        opt.zero_grad(set_to_none=True)
-        (-loss).backward()
+
+    def apply(step: int) -> None:
+        nonlocal dist
         opt.step()
-        taken += 1
         with torch.no_grad():
             diffs = [p - r for p, r in zip(params, ref)]
             dist = math.sqrt(sum(float(d.double().pow(2).sum()) for d in diffs))
@@ -138,9 +129,25 @@ def erase_pga(
                 for p, r, d in zip(params, ref, diffs):
                     p.copy_(r + d * c)
                 dist = radius
-        if judge is not None and ((step + 1) % check_every == 0 or step + 1 == steps):
-            if judge.check(model, params, step + 1):
-                break
+
+    def after(step: int) -> bool:
+        if judge is None or not ((step + 1) % check_every == 0 or step + 1 == steps):
+            return False
+        return judge.check(model, params, step + 1)
+
+    totals = run_steps(
+        model,
+        seeded_draws(images, labels, batch_size, gen),
+        objective(task),  # the task's loss, ascended
+        apply,
+        zero_grad=lambda: opt.zero_grad(set_to_none=True),
+        steps=steps,
+        device=device,
+        ascend=True,
+        guard=cap_guard(loss_cap),
+        after=after,
+    )
+    taken, stopped = totals.steps, totals.ended_by == "guard"
     reading: dict[str, float] = {}
     if judge is not None and judge.track.readings[-1][0] != taken:
         judge.check(model, params, taken)  # (the loss cap ended it between two readings)
@@ -287,19 +294,25 @@ def erase_relabel(
     if retain is not None and len(retain) > 0:
         r_x, r_y = torch.tensor(retain.images), torch.tensor(retain.labels)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    loss_fn = task_loss(task)
-    total = 0.0
-    for _ in range(steps):
-        x, y = _batch(f_x, f_y, batch_size, gen)
-        if r_x is not None and r_y is not None:
-            rx, ry = _batch(r_x, r_y, len(x), gen)
-            x, y = torch.cat([x, rx]), torch.cat([y, ry])
-        x, y = x.to(device), y.to(device)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), targets(y, task))
-        loss.backward()
-        opt.step()
-        total += float(loss.detach())
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            x, y = _batch(f_x, f_y, batch_size, gen)
+            if r_x is not None and r_y is not None:
+                rx, ry = _batch(r_x, r_y, len(x), gen)
+                x, y = torch.cat([x, rx]), torch.cat([y, ry])
+            yield x, y
+
+    totals = run_steps(
+        model,
+        batches(),
+        objective(task),
+        lambda step: opt.step(),
+        zero_grad=lambda: opt.zero_grad(set_to_none=True),
+        steps=steps,
+        device=device,
+    )
+    total = totals.loss
     after = evaluate(model, forget, task=task, device=device)
     return {
         "train_loss": total / max(steps, 1),
@@ -373,14 +386,9 @@ def forget_signature_with_gradient(
     params = dict(model.named_parameters())
     perm = np.random.default_rng(seed).permutation(len(forget))[: batches * batch_size]
     chunks = [c for c in np.array_split(perm, min(batches, len(perm))) if len(c)]
-    loss_fn = task_loss(task)
     grads: list[Params] = []
-    for idx in chunks:
-        idx = np.sort(idx)
-        x = torch.tensor(forget.images[idx], device=device)
-        y = torch.tensor(forget.labels[idx], device=device)
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x), targets(y, task)).backward()
+
+    def keep(step: int) -> None:
         grads.append(
             {
                 n: params[n].grad.detach().cpu().clone()  # type: ignore[union-attr]
@@ -389,6 +397,20 @@ def forget_signature_with_gradient(
                 for n in names
             }
         )
+
+    chunk_batches = (
+        (torch.tensor(forget.images[idx]), torch.tensor(forget.labels[idx]))
+        for idx in (np.sort(c) for c in chunks)
+    )
+    run_steps(
+        model,
+        chunk_batches,
+        objective(task),
+        keep,
+        zero_grad=lambda: model.zero_grad(set_to_none=True),
+        steps=len(chunks),
+        device=device,
+    )
     model.zero_grad(set_to_none=True)
     sizes = torch.tensor([float(len(c)) for c in chunks])
     stacked = torch.stack([params_to_vector(g, names).float() for g in grads])
