@@ -27,7 +27,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,10 @@ from flwr.clientapp import ClientApp
 
 from clients.faults import inject_fault
 from clients.lab import LAB_SETTING, LabSettingRefused, instruments, refuse_instruments
-from clients.local import train_local
 from clients.node_log import record
 from clients.preempt import JobStop, Preempted
 from clients.privacy import BudgetExhausted, Refusal, ledger_path
+from clients.task import ArrayTask, BundleTask, SiloTask
 from fedasync.devices import pick_device
 from fedasync.stopping import MembershipStop
 from fedasync.tensors import sub
@@ -50,7 +50,6 @@ from medical_data.networks import build_network
 from medical_data.registry import BenchmarkSpec, get_spec
 from medical_data.tasks import (
     concat,
-    evaluate,
     relearning_data,
     select,
     site_heldout,
@@ -159,6 +158,105 @@ def _silo_data(setup_json: str, silo: int) -> SiloData:
     return training_data(_federation(setup_json), silo, setup.backdoor, setup.seed)
 
 
+BUNDLE = "bundle"
+"""Node-config key of a hospital's own MONAI bundle folder (``fedasync node --bundle``)."""
+
+
+def _task(
+    context: Context, setup_json: str, *, relearn: bool = False, handler: str = ""
+) -> SiloTask:
+    """This node's task: a MONAI bundle (the node's own ``bundle`` node config in
+    deployment, else the run's ``task.bundle`` in simulation) on its items, or the built-in
+    benchmark's silo (:func:`_silo`)."""
+    setup = parse_setup(setup_json)
+    own_bundle = str(context.node_config.get(BUNDLE, ""))
+    if not own_bundle and setup.task.bundle is None:
+        here = _silo(context, setup_json, relearn=relearn, handler=handler)
+        template = _template(
+            setup.data.network or here.spec.network,
+            here.spec.in_channels,
+            here.spec.num_classes,
+            tuple(here.spec.image_size),
+        )
+        return ArrayTask(here.spec, here.data, here.heldout, template)
+    if "partition-id" not in context.node_config:
+        raise ValueError("this SuperNode has no 'partition-id' in its node config")
+    silo = int(context.node_config["partition-id"])
+    datalist = str(context.node_config.get(P.DATALIST, ""))
+    if datalist or own_bundle:
+        refuse_instruments(silo, instruments(setup.backdoor, relearn=relearn), handler=handler)
+    if relearn:
+        raise ValueError("a relearning attack trains on another silo's data: benchmark silos only")
+    if own_bundle:
+        if not datalist:
+            raise ValueError("a node with a bundle needs its 'datalist' in its node config")
+        return _own_bundle_task(own_bundle, datalist, setup.task.cache, setup.task.workers)
+    assert setup.task.bundle is not None
+    return _bundle_silo_task(setup.task.bundle, setup_json, silo)
+
+
+def _bundle_stamp(path: str) -> int:
+    try:
+        return max(f.stat().st_mtime_ns for f in (Path(path) / "configs").iterdir())
+    except (OSError, ValueError):
+        return 0
+
+
+@lru_cache(maxsize=4)
+def _bundle_silo_task_at(path: str, setup_json: str, silo: int, stamp: int) -> BundleTask:
+    from clients.task import split_items
+    from medical_data.monai_bundle import read_bundle
+
+    setup = parse_setup(setup_json)
+    bundle = read_bundle(path)
+    n, part, seed = setup.num_silos, setup.data.partition, setup.seed
+    if not 0 <= silo < n:
+        raise ValueError(f"silo {silo} is not a silo of this run (0..{n - 1})")
+    items = split_items(bundle.items("train"), n, part, seed)[silo]
+    held: list[dict[str, Any]] = []
+    if bundle.has("validate#dataset#data"):
+        val = bundle.items("validate")
+        if len(val) >= n:
+            held = split_items(val, n, part, seed)[silo]
+    torch.manual_seed(seed)  # (the template's weights are replaced by every message's)
+    return BundleTask(bundle, items, held, cache=setup.task.cache, workers=setup.task.workers)
+
+
+def _bundle_silo_task(path: str, setup_json: str, silo: int) -> BundleTask:
+    """Silo ``silo``'s share of the run's bundle's datalist (simulation)."""
+    return _bundle_silo_task_at(path, setup_json, silo, _bundle_stamp(path))
+
+
+@lru_cache(maxsize=2)
+def _own_bundle_task_at(
+    path: str, datalist: str, cache: int, workers: int, stamp: tuple[int, int]
+) -> BundleTask:
+    from monai.data import load_decathlon_datalist
+
+    from medical_data.monai_bundle import read_bundle
+
+    bundle = read_bundle(path)
+    try:
+        items = load_decathlon_datalist(datalist, True, "training")
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"datalist {datalist[:200]}: {str(e)[:200]}") from e
+    try:
+        held = load_decathlon_datalist(datalist, True, "validation")
+    except (ValueError, KeyError):
+        held = []
+    return BundleTask(bundle, items, held, cache=cache, workers=workers)
+
+
+def _own_bundle_task(path: str, datalist: str, cache: int, workers: int) -> BundleTask:
+    """A hospital's own bundle on its own datalist (deployment), read again when either
+    changes."""
+    try:
+        stamp = Path(datalist).expanduser().stat().st_mtime_ns
+    except OSError:
+        stamp = 0
+    return _own_bundle_task_at(path, datalist, cache, workers, (_bundle_stamp(path), stamp))
+
+
 def _relearning_data(setup_json: str, silo: Silo) -> SiloData:
     if silo.own:
         raise ValueError("a relearning attack trains on another silo's data: benchmark silos only")
@@ -201,13 +299,12 @@ def training_kwargs(
 def query(msg: Message, context: Context) -> Message:
     """Say which silo this node is, how many samples it trains on and of which classes, and
     (when the query brings a salt) the salted digests of their ids (``protocol.ids``)."""
-    from medical_data.datalist import class_counts
-
     req = QueryRequest.from_message(msg)
-    silo = _silo(context, req.setup_json, handler="query")
-    counts = tuple(class_counts(silo.data, silo.spec.num_classes))
-    digests = digest_all(req.salt, silo.data.sample_ids.tolist()) if req.salt else b""
-    return QueryReply(silo.id, len(silo.data), counts, digests).to_message(reply_to=msg)
+    task = _task(context, req.setup_json, handler="query")
+    silo = int(context.node_config["partition-id"])
+    ids = task.sample_ids()
+    digests = digest_all(req.salt, ids) if req.salt else b""
+    return QueryReply(silo, len(ids), tuple(task.class_counts()), digests).to_message(reply_to=msg)
 
 
 @app.train(mods=[inject_fault])
@@ -216,31 +313,48 @@ def train(msg: Message, context: Context) -> Message:
     req = TrainRequest.from_message(msg)
     setup = req.setup
     try:
-        here = _silo(context, req.setup_json, relearn=req.relearn, handler="train")
+        task = _task(context, req.setup_json, relearn=req.relearn, handler="train")
     except LabSettingRefused as e:
         return _refuse(msg, req, e.silo, LAB_SETTING, str(e), recorded=True)
-    silo, data = here.id, here.data
-    held = len(data)
-    data = select(data, list(req.exclude))
-    if len(data) == 0:
-        detail = f"silo {silo} has no training data left (all {held} samples erased)"
+    silo = int(context.node_config["partition-id"])
+    ids = task.sample_ids()
+    exclude = sorted(set(req.exclude) & set(ids))
+    if len(exclude) == len(ids):
+        detail = f"silo {silo} has no training data left (all {len(ids)} samples erased)"
         return _refuse(msg, req, silo, NO_DATA, detail)
-    if req.relearn:  # a relearning attack in a verification run
-        data = concat(data, _relearning_data(req.setup_json, here))
+    samples = len(ids) - len(exclude)
+    if req.relearn:  # a relearning attack in a verification run (benchmark silos only)
+        assert isinstance(task, ArrayTask)
+        here = _silo(context, req.setup_json)
+        data = concat(select(task.data, exclude), _relearning_data(req.setup_json, here))
+        task, exclude, samples = replace(task, data=data), [], len(data)
     ccfg = setup.client
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)
-    model = _network(req.setup_json, here.spec)
-    base = req.params
-    model.load_state_dict(base)
+    model = task.network()
+    model.load_state_dict(req.params)
     steps = ccfg.local_steps if req.local_steps is None else req.local_steps
     stop = JobStop.from_env(sent_at=msg.metadata.created_at)  # a deployed node's erasure
-    common = training_kwargs(ccfg, task=here.spec.task, steps=steps, device=device, stop=stop.check)
+    job = _Job(silo, task, exclude, samples, steps, device, stop)
     try:
-        return _train(msg, context, req, here, data, model, common, stop)
+        return _train(msg, context, req, job, model)
     except Preempted as e:
         log.info("silo %d's training job %d: %s", silo, req.job_id, e)
         return Message(Error(code=PREEMPTED_CODE, reason=str(e)), reply_to=msg)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One train message's work: the silo, its task, the samples left out, how many it trains
+    on, the local steps, the device and the stop check."""
+
+    silo: int
+    task: SiloTask
+    exclude: list[str]
+    samples: int
+    steps: int
+    device: torch.device
+    stop: JobStop
 
 
 PREEMPTED_CODE = 4301
@@ -249,26 +363,24 @@ server cancelled the job and drops whatever answers it."""
 
 
 def _train(
-    msg: Message,
-    context: Context,
-    req: TrainRequest,
-    here: Silo,
-    data: SiloData,
-    model: torch.nn.Module,
-    common: dict[str, Any],
-    stop: JobStop,
+    msg: Message, context: Context, req: TrainRequest, job: _Job, model: torch.nn.Module
 ) -> Message:
-    """The training of ``train``, stopped by ``stop`` between two local steps."""
-    silo, base, setup, ccfg = here.id, req.params, req.setup, req.setup.client
+    """The training of ``train``, stopped by ``job.stop`` between two local steps."""
+    silo, base, setup, ccfg = job.silo, req.params, req.setup, req.setup.client
     t_train = time.perf_counter()
     if ccfg.dp.enabled:
         from clients.dp import train_private  # opacus only when DP is on
 
+        if not isinstance(job.task, ArrayTask):
+            raise ValueError("client.dp: DP-SGD runs on the built-in benchmarks' silos only")
+        common = training_kwargs(
+            ccfg, task=job.task.spec.task, steps=job.steps, device=job.device, stop=job.stop.check
+        )
         sent = {} if req.privacy_dir is None else {P.PRIVACY_DIR: req.privacy_dir}
         try:
             model, stats = train_private(
                 model,
-                data,
+                select(job.task.data, job.exclude),
                 ccfg.dp,
                 ledger=ledger_path(context.node_config, sent, silo),
                 silo=silo,
@@ -278,18 +390,28 @@ def _train(
         except BudgetExhausted as e:
             return _refuse(msg, req, silo, Refusal.BUDGET_EXHAUSTED, str(e), e)
     else:
-        stats = train_local(model, data, seed=req.seed, **common)
+        stats = job.task.train(
+            model,
+            steps=job.steps,
+            client=ccfg,
+            seed=req.seed,
+            exclude=job.exclude,
+            device=job.device,
+            stop=job.stop.check,
+        )
     trained_s = time.perf_counter() - t_train
     stats = {**stats, P.TRAIN_SECONDS: trained_s}
     speeds = setup.emulate_speeds
     if speeds:  # a deployment on one machine made heterogeneous: silo i takes 1/speed as long
         wait = max(0.0, min(trained_s * (1.0 / speeds[silo] - 1.0), 3600.0))
-        if stop.sleep(wait):
-            stop.check(common["steps"], common["steps"])
+        if job.stop.sleep(wait):
+            job.stop.check(job.steps, job.steps)
         stats["train_emulated_wait_s"] = wait  # every silo reports it (FedAvg wants equal keys)
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    reply = TrainReply(silo, req.job_id, req.base_version, len(data), sub(local, base), stats)
-    record("train", version=req.base_version, job=req.job_id, silo=silo, samples=len(data), **stats)
+    reply = TrainReply(silo, req.job_id, req.base_version, job.samples, sub(local, base), stats)
+    record(
+        "train", version=req.base_version, job=req.job_id, silo=silo, samples=job.samples, **stats
+    )
     return reply.to_message(reply_to=msg)
 
 
@@ -326,16 +448,17 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     """Evaluate the received model on this silo's own data: its datalist's ``validation``
     list when it has one, else the data it trains on."""
     req = EvaluateRequest.from_message(msg)
-    here = _silo(context, req.setup_json, handler="evaluate")
-    data = here.heldout
+    task = _task(context, req.setup_json, handler="evaluate")
+    silo = int(context.node_config["partition-id"])
     ccfg = req.setup.client
     torch.set_num_threads(ccfg.num_threads)
-    model = _network(req.setup_json, here.spec)
+    model = task.network()
     model.load_state_dict(req.params)
-    res = evaluate(model, data, task=here.spec.task, device=pick_device(ccfg.device))
+    res = task.evaluate(model, device=pick_device(ccfg.device))
     rest = {k: v for k, v in res.items() if k not in ("loss", "score")}
-    reply = EvaluateReply(here.id, len(data), res["loss"], res["score"], rest)
-    record("evaluate", silo=here.id, samples=len(data), loss=res["loss"], score=res["score"])
+    n = task.evaluated_samples()
+    reply = EvaluateReply(silo, n, res["loss"], res["score"], rest)
+    record("evaluate", silo=silo, samples=n, loss=res["loss"], score=res["score"])
     return reply.to_message(reply_to=msg)
 
 
@@ -372,6 +495,8 @@ def unlearn(msg: Message, context: Context) -> Message:
 
     req = UnlearnRequest.from_message(msg)
     erase = req.erasure
+    if context.node_config.get(BUNDLE) or req.setup.task.bundle is not None:
+        raise ValueError("erasure on a bundle task is not supported yet: whole-silo removal only")
     here = _silo(context, req.setup_json, handler="unlearn")
     silo, data, spec = here.id, here.data, here.spec
     forget_ids = list(req.forget)

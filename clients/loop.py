@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-"""What ``client.precision`` may name."""
+from protocol.config import PRECISIONS
 
 
 @dataclass

@@ -130,7 +130,7 @@ def erase_pga(
                     p.copy_(r + d * c)
                 dist = radius
 
-    def after(step: int) -> bool:
+    def judged(step: int) -> bool:
         if judge is None or not ((step + 1) % check_every == 0 or step + 1 == steps):
             return False
         return judge.check(model, params, step + 1)
@@ -145,7 +145,7 @@ def erase_pga(
         device=device,
         ascend=True,
         guard=cap_guard(loss_cap),
-        after=after,
+        after=judged,
     )
     taken, stopped = totals.steps, totals.ended_by == "guard"
     reading: dict[str, float] = {}

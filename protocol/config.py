@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from protocol.keys import dumps, loads
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""What ``client.precision`` may name (clients/loop.py)."""
 ACCOUNTANTS = ("rdp", "prv", "gdp")
 """The opacus accountants a silo can keep its privacy ledger with."""
 
@@ -89,7 +91,32 @@ class ClientConfig:
     """'auto' picks CUDA when present, else CPU; or 'cpu' / 'cuda' / 'cuda:1'."""
     num_threads: int = 1
     """torch intra-op threads per silo process (one CPU per silo in simulation)."""
+    precision: str = "fp32"
+    """fp32, or mixed precision on CUDA: bf16 or fp16 (dynamic loss scaling); a CPU trains
+    in float32 whatever this says (clients/loop.py)."""
     dp: DPConfig = field(default_factory=DPConfig)
+
+
+@dataclass
+class TaskConfig:
+    """The silos' task when it is a MONAI bundle instead of a built-in benchmark."""
+
+    bundle: str | None = None
+    """A MONAI training bundle's folder (configs/train.json or .yaml, configs/metadata.json):
+    its network, loss, optimiser, transforms, datalist and inferers are the task
+    (medical_data/monai_bundle.py); its datalist is split into silos by ``data.partition``
+    (natural: each item's ``site``; iid). None: the built-in ``data.benchmark``."""
+    cache: int = 8
+    """Items per silo whose deterministic transforms stay in memory (MONAI CacheDataset's
+    cache_num); every other read streams from disk. 0: none cached."""
+    workers: int = 0
+    """DataLoader worker processes per silo (0: in the silo's own process)."""
+
+    def __post_init__(self) -> None:
+        if self.cache < 0 or self.workers < 0:
+            raise ValueError("task.cache and task.workers must be >= 0")
+        if self.bundle is not None and not str(self.bundle).strip():
+            raise ValueError("task.bundle must name a folder (or be null)")
 
 
 @dataclass
@@ -181,6 +208,9 @@ class Setup:
     """The server's BackdoorConfig as a dict (``medical_data.tasks.training_data`` reads it)."""
     emulate_speeds: list[float] | None = None
     """Each silo's speed when a one-machine deployment emulates heterogeneity, else None."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """A bundle task (its folder as the coordinator sees it: simulation, where silos share
+    the machine; a deployed node uses its own ``bundle`` node config instead)."""
 
     def to_json(self) -> str:
         """The JSON the server sends (sorted keys, as ``keys.dumps`` writes it)."""
@@ -192,6 +222,7 @@ class Setup:
                 "num_silos": self.num_silos,
                 "seed": self.seed,
                 "emulate_speeds": self.emulate_speeds,
+                **({"task": to_dict(self.task)} if self.task.bundle else {}),
             }
         )
 
@@ -204,6 +235,7 @@ class Setup:
                 raise ValueError("not a JSON object")
             unknown = set(raw) - {"client", "data", "backdoor", "num_silos", "seed"}
             unknown.discard("emulate_speeds")
+            unknown.discard("task")
             if unknown:
                 raise ValueError(f"unknown keys {_bounded(sorted(unknown), 100)}")
             client = dict(raw["client"])
@@ -223,6 +255,7 @@ class Setup:
                 seed=_int(raw["seed"], "seed"),
                 backdoor=backdoor,
                 emulate_speeds=speeds,
+                task=TaskConfig(**raw.get("task", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)

@@ -42,11 +42,12 @@ from flwr.serverapp import Grid, ServerApp
 from fedasync.errors import ConfigError
 from fedasync.interrupt import DeferredStop
 from medical_data.federation import Federation, SiloData
+from medical_data.monai_bundle import read_bundle
 from medical_data.registry import BenchmarkSpec, get_spec
 from medical_data.tasks import evaluate
 from protocol import ids as digests
 from protocol.transport import short_backoff
-from server.benchmark import federation, initial_model, server_test_set
+from server.benchmark import bundle_evaluation, federation, initial_model, server_test_set
 from server.bundle import BUNDLE_DIR, describe_run, write_run_bundles, write_run_info
 from server.checkpoint import resume
 from server.config import FedAsyncConfig
@@ -91,9 +92,15 @@ def run_server(
     no silo's data (module docstring)."""
     t0 = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
-    fed: Federation | None = federation(cfg) if data_here else None
+    bundle = None if cfg.task.bundle is None else read_bundle(cfg.task.bundle)
+    fed: Federation | None = federation(cfg) if data_here and bundle is None else None
     test: SiloData | None
-    if fed is not None:
+    bundle_eval = None
+    if bundle is not None:
+        spec, test = bundle.spec(), None
+        bundle_eval = bundle_evaluation(bundle) if data_here else None
+        on = "bundle validation list" if bundle_eval is not None else "silos (federated)"
+    elif fed is not None:
         spec, test, on = fed.spec, fed.test, "benchmark test set"
     else:
         spec = get_spec(cfg.data.benchmark)
@@ -102,7 +109,7 @@ def run_server(
         on = "silos (federated)" if test is None else "coordinator test set (data.server_test)"
     model = initial_model(cfg, spec)
     task = spec.task
-    federated = FederatedEvaluation() if test is None else None
+    federated = FederatedEvaluation() if test is None and bundle_eval is None else None
     run_cfg = cfg
     if federated is not None:
         log.info(
@@ -122,6 +129,9 @@ def run_server(
     def evaluate_fn(params: dict[str, torch.Tensor]) -> dict[str, float]:
         if federated is not None:
             return federated(params)
+        if bundle_eval is not None:
+            model.load_state_dict(params)
+            return bundle_eval(model)
         assert test is not None
         model.load_state_dict(params)
         res = evaluate(model, test, task=task)
@@ -165,7 +175,11 @@ def run_server(
         if cfg.run.resume and not resumed:
             log.warning("run.resume=true but %s has no checkpoint: starting afresh", run_dir)
         samples = None if test is None else len(test)
-        info = describe_run(cfg, spec, srv.silo_reports, evaluation_on=on, test_samples=samples)
+        if bundle_eval is not None:
+            samples = bundle_eval.samples
+        info = describe_run(
+            cfg, spec, srv.silo_reports, evaluation_on=on, test_samples=samples, bundle=bundle
+        )
         write_run_info(run_dir, info)  # what its bundles say of the run (server/bundle.py)
         milestones.info(
             "run %s at version %d: %s, %d silos, budget %gs, run folder %s",

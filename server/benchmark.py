@@ -10,6 +10,7 @@ Decathlon datalist that ``write_server_test`` can write from the benchmark for a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,8 +28,15 @@ def federation(cfg: FedAsyncConfig) -> Federation:
 
 
 def initial_model(cfg: FedAsyncConfig, spec: BenchmarkSpec | None = None) -> torch.nn.Module:
-    """The benchmark's network, initialised from ``run.seed``; sized by ``spec`` (default: the
-    federation's, which reads the data: simulation only)."""
+    """The benchmark's network (a bundle task's ``network_def``), initialised from
+    ``run.seed``; sized by ``spec`` (default: the federation's, which reads the data:
+    simulation only)."""
+    if cfg.task.bundle is not None:
+        from medical_data.monai_bundle import read_bundle
+
+        bundle = read_bundle(cfg.task.bundle)
+        torch.manual_seed(cfg.run.seed)
+        return bundle.network(pretrained=True)
     spec = federation(cfg).spec if spec is None else spec
     torch.manual_seed(cfg.run.seed)
     return build_network(
@@ -60,3 +68,31 @@ def write_server_test(cfg: FedAsyncConfig, folder: Path) -> Path:
 
     fed = federation(cfg)
     return write_datalist(folder, {"test": fed.test}, fed.spec.task)
+
+
+class BundleEvaluation:
+    """A bundle task's global model on the bundle's validation list (``validate#dataset#data``
+    through ``validate#preprocessing`` and ``validate#inferer``), in simulation: the server
+    holds that list as it holds a benchmark's test set. Its items are cached in memory."""
+
+    def __init__(self, bundle: Any) -> None:
+        from medical_data import monai_bundle as mb
+
+        self.bundle = bundle
+        items = bundle.items("validate")
+        self.samples = len(items)
+        self.data = mb.dataset(items, bundle.transform("validate"), cache=len(items))
+
+    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+        """Loss and score of ``model``."""
+        from medical_data import monai_bundle as mb
+
+        return mb.evaluate(model, self.bundle, self.data)
+
+
+def bundle_evaluation(bundle: Any) -> BundleEvaluation | None:
+    """The server's evaluation of a bundle task, or None when the bundle has no
+    ``validate#dataset#data`` (the silos then evaluate the model, federated)."""
+    if not bundle.has("validate#dataset#data"):
+        return None
+    return BundleEvaluation(bundle)

@@ -85,11 +85,15 @@ def describe_run(
     *,
     evaluation_on: str,
     test_samples: int | None,
+    bundle: Any = None,
 ) -> dict[str, Any]:
     """What every bundle of this run says of it: the benchmark (its spec as the data sized
     it), the network, the silos' sample and class counts (``reports``: the roster's replies),
-    how the model is evaluated, and the config's hash."""
+    how the model is evaluated, and the config's hash; for a bundle task (``bundle``, a
+    ``medical_data.monai_bundle.MonaiBundle``) its folder and ``network_def``."""
+    own = {} if bundle is None else {"bundle_root": str(bundle.root), **bundle.network_def()}
     return {
+        **own,
         "format": RUN_INFO_FORMAT,
         "run": cfg.run.name,
         "mode": cfg.server.mode,
@@ -191,8 +195,11 @@ def write_bundle(
         meta = _metadata(
             info, spec, network, weights, version, model_sha, selected, evaluation, erasures
         )
+        if info.get("bundle_root"):  # a bundle task: its own configs, trained weights
+            meta = _bundle_metadata(Path(info["bundle_root"]), tmp / "configs", meta)
+        else:
+            write_json(tmp / "configs" / "inference.json", _inference(spec, network))
         write_json(tmp / "configs" / "metadata.json", meta)
-        write_json(tmp / "configs" / "inference.json", _inference(spec, network))
         _replace_dir(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -261,7 +268,7 @@ def _metadata(
         "intended_use": "research; not for diagnostic use",
         "data_source": spec.description,
         "data_type": "2D images (or feature rows) as float32 arrays (N, C, H, W), at each silo",
-        "network_data_format": network_data_format(spec),
+        "network_data_format": {} if info.get("bundle_root") else network_data_format(spec),
         "fedasync": {
             "model_version": version,
             "selected_as": selected,
@@ -288,6 +295,20 @@ def _metadata(
             "erasures": erasures,
         },
     }
+
+
+def _bundle_metadata(root: Path, configs: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """A bundle task's run: the task bundle's own config files are copied to ``configs``
+    (so the model trains again from them, and ``network_def`` is the bundle's), and its
+    ``metadata.json`` is kept with this run's version, changelog and ``fedasync`` section."""
+    configs.mkdir(parents=True, exist_ok=True)
+    for f in sorted((root / "configs").iterdir()):
+        if f.is_file():
+            shutil.copy2(f, configs / f.name)
+    own_file = root / "configs" / "metadata.json"
+    own = json.loads(own_file.read_text()) if own_file.is_file() else {}
+    keep = ("version", "changelog", "description", "fedasync")
+    return {**own, **{k: meta[k] for k in keep}}
 
 
 def _inference(spec: BenchmarkSpec, network: dict[str, Any]) -> dict[str, Any]:
@@ -321,6 +342,8 @@ def evaluation_of(
 def network_of(info: dict[str, Any]) -> dict[str, Any]:
     """The ConfigParser entries of the run's network (``network_def``; building it to check
     them is what this costs)."""
+    if "network_def" in info:  # a bundle task's own
+        return {"network_def": info["network_def"]}
     spec = spec_of(info)
     return network_entries(info["network"], spec.in_channels, spec.num_classes, spec.image_size)
 

@@ -51,6 +51,7 @@ def client_setup(cfg: FedAsyncConfig) -> Setup:
         seed=cfg.run.seed,
         backdoor=to_dict(cfg.backdoor),
         emulate_speeds=silo_speeds(cfg.silos, cfg.run.seed) if cfg.silos.emulate_speed else None,
+        task=cfg.task,
     )
 
 

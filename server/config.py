@@ -39,7 +39,7 @@ from fedasync.ranges import (
     recheck,
 )
 from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
-from protocol.config import ClientConfig, DataConfig
+from protocol.config import PRECISIONS, ClientConfig, DataConfig, TaskConfig
 from runkit import configload
 from runkit.keys import RunKeys
 from server.config_erasure import BackdoorConfig, ErasureRequestConfig, UnlearningConfig
@@ -389,6 +389,7 @@ class FedAsyncConfig:
     erasures: list[ErasureRequestConfig] = field(default_factory=list)
     unlearning: UnlearningConfig = field(default_factory=UnlearningConfig)
     backdoor: BackdoorConfig = field(default_factory=BackdoorConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
     def __post_init__(self) -> None:
         """Checked when built (each section has checked itself): the client and data sections'
@@ -398,10 +399,28 @@ class FedAsyncConfig:
         from medical_data.registry import BENCHMARKS, PARTITIONS
 
         for rkey, key, value in numeric_values(self):
-            if rkey.startswith(("client.", "data.", "faults[", "erasures[")):
+            if rkey.startswith(("client.", "data.", "task.", "faults[", "erasures[")):
                 rng = RANGES.get(rkey)
                 check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
         s, u, d, n = self.server, self.unlearning, self.data, self.silos.count
+        check(
+            self.client.precision in PRECISIONS,
+            f"client.precision must be one of {PRECISIONS}, got {self.client.precision!r}",
+        )
+        if self.task.bundle is not None:
+            check(
+                d.partition in ("natural", "iid"),
+                f"data.partition={d.partition}: a bundle's datalist splits natural or iid",
+            )
+            for on, key in (
+                (self.backdoor.enabled, "backdoor.enabled"),
+                (self.client.dp.enabled, "client.dp.enabled"),
+                (bool(self.erasures), "erasures"),
+            ):
+                check(
+                    not on,
+                    f"{key}: not supported with task.bundle yet (a bundle trains and evaluates)",
+                )
         check(
             d.benchmark in BENCHMARKS,
             f"data.benchmark must be one of {tuple(BENCHMARKS)}, got {d.benchmark!r}",

@@ -73,6 +73,9 @@ RANGES: dict[str, Range] = {
     "client.dp.max_grad_norm": POSITIVE,
     "client.dp.delta": Range(0, 1, lo_open=True, hi_open=True),
     "client.dp.epsilon_budget": POSITIVE,
+    # task
+    "task.cache": NON_NEGATIVE,
+    "task.workers": NON_NEGATIVE,
     # data
     "data.dirichlet_alpha": POSITIVE,
     "data.site_shift": NON_NEGATIVE,

@@ -63,6 +63,8 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
     from protocol.config import build_silos
     from server.benchmark import initial_model
 
+    if cfg.task.bundle is not None:
+        return _preflight_bundle(cfg)
     spec = build_silos(cfg.data, cfg.silos.count, cfg.run.seed).spec
     name = cfg.data.network or spec.network
     with torch.random.fork_rng(devices=[]):  # initial_model seeds torch's generator
@@ -99,6 +101,34 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
 
             path = checkpoint_path(cfg).parent / BASELINE_DIR / CHECKPOINT_FILE
             check_resumable(path, "sync", model.state_dict())
+    return cfg
+
+
+def _preflight_bundle(cfg: FedAsyncConfig) -> FedAsyncConfig:
+    """``preflight`` of a bundle task: the bundle reads, its network builds, its training
+    forward is one fedasync drives, and its datalist splits into ``silos.count`` silos (each
+    a ConfigError naming the bundle's id or the key). Resuming checks the checkpoint against
+    the bundle's network."""
+    import torch
+
+    from clients.task import split_items
+    from medical_data.monai_bundle import read_bundle
+    from server.benchmark import initial_model
+
+    bundle = read_bundle(str(cfg.task.bundle))
+    bundle.check_train_inferer()
+    bundle.loss()
+    with torch.random.fork_rng(devices=[]):
+        model = initial_model(cfg)
+    try:
+        split_items(bundle.items("train"), cfg.silos.count, cfg.data.partition, cfg.run.seed)
+    except ValueError as e:
+        raise ConfigError(f"task.bundle: {e}") from e
+    _check_devices(cfg)
+    if cfg.run.resume:
+        from server.checkpoint import check_resumable
+
+        check_resumable(checkpoint_path(cfg), cfg.server.mode, model.state_dict())
     return cfg
 
 

@@ -315,19 +315,38 @@ def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     setup_logging(run_dir, verbose)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    from server.benchmark import federation
+    if cfg.task.bundle is not None:
+        _print_bundle(cfg)
+    else:
+        from server.benchmark import federation
 
-    fed = federation(cfg)
-    print(
-        f"fedasync: {cfg.data.benchmark} ({fed.spec.modality}, {fed.spec.task}) across {cfg.silos.count} silos"
-    )
-    print(fed.table())
+        fed = federation(cfg)
+        print(
+            f"fedasync: {cfg.data.benchmark} ({fed.spec.modality}, {fed.spec.task}) across "
+            f"{cfg.silos.count} silos"
+        )
+        print(fed.table())
     t0 = time.monotonic()
     logs = (EVENTS, f"{BASELINE_DIR}/{EVENTS}")
     with following(cfg.run, "simulate", run_dir, patterns=logs, config=to_container(cfg)):
         runs, summary = _run_and_plot(cfg, run_dir)
     _print_result(runs, run_dir, time.monotonic() - t0)
     return summary
+
+
+def _print_bundle(cfg: FedAsyncConfig) -> None:
+    """What a bundle task's run trains: the bundle, its task and how its datalist splits."""
+    from clients.task import split_items
+    from medical_data.monai_bundle import read_bundle
+
+    bundle = read_bundle(str(cfg.task.bundle))
+    items = bundle.items("train")
+    groups = split_items(items, cfg.silos.count, cfg.data.partition, cfg.run.seed)
+    print(
+        f"fedasync: bundle {bundle.root} ({bundle.task}) across {cfg.silos.count} silos, "
+        f"partition={cfg.data.partition}: {'/'.join(str(len(g)) for g in groups)} of "
+        f"{len(items)} items; cache {cfg.task.cache} items per silo"
+    )
 
 
 def _run_and_plot(
