@@ -195,6 +195,33 @@ def prepare(
     return cfg, run_dir, paths, ledgers
 
 
+def bundle_datalists(cfg: FedAsyncConfig, folder: Path) -> dict[int, Path]:
+    """Each silo's share of the bundle task's datalist (``data.partition``, as in
+    simulation) written to ``folder`` as its own Decathlon datalist, ``silo-<i>.json``
+    (absolute paths; the held-out list split alike when it has one per silo): a one-machine
+    deployment's stand-in for the hospitals' own data."""
+    from clients.task import split_items
+    from medical_data.monai_bundle import read_bundle
+
+    bundle = read_bundle(str(cfg.task.bundle))
+    n, part, seed = cfg.silos.count, cfg.data.partition, cfg.run.seed
+    try:
+        train = split_items(bundle.items("train"), n, part, seed)
+        val = bundle.items("validate") if bundle.has("validate#dataset#data") else []
+        held = split_items(val, n, part, seed) if len(val) >= n else [[] for _ in range(n)]
+    except ValueError as e:
+        raise DeployError(f"task.bundle: {e}") from e
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for s in range(n):
+        lists: dict[str, Any] = {"training": train[s]}
+        if held[s]:
+            lists["validation"] = held[s]
+        out[s] = folder / f"silo-{s}.json"
+        out[s].write_text(json.dumps(lists, indent=1))
+    return out
+
+
 def deploy_local(
     cfg: FedAsyncConfig,
     *,
@@ -232,6 +259,9 @@ def deploy_local(
         raise DeployError(str(e)) from e
     sweep_orphans()  # what earlier deployments (or simulations) whose driver was killed left
     where = where or Local()
+    bundle = None if cfg.task.bundle is None else Path(cfg.task.bundle).resolve()
+    if bundle is not None and datalists is None:  # each silo's own share, as a hospital's
+        datalists = bundle_datalists(cfg, Path(cfg.run.out_dir) / cfg.run.name / "hospitals")
     cfg, run_dir, paths, ledgers = prepare(cfg, certs, privacy_dir, datalists, where.cert_hosts)
     work = run_dir / "deploy"
     procs = Processes(marker=f"{work}:{owner_token()}")  # whose: see processes.find_orphans
@@ -276,6 +306,7 @@ def deploy_local(
                         ledgers[s],
                         workers=workers,
                         datalist=None if datalists is None else datalists[s],
+                        bundle=bundle,
                         link_host=where.link_host,
                     ),
                 ),
@@ -451,6 +482,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "from its database, run from its checkpoint), as a service manager would (default 0: "
         "the run fails)",
     )
+    loc.add_argument(
+        "--bundle",
+        type=Path,
+        help="a MONAI training bundle as the silos' task (task.bundle): each silo's SuperNode "
+        "gets the bundle and its own share of the bundle's datalist",
+    )
     loc.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.budget_s=120")
 
 
@@ -462,6 +499,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.silos is not None:
         overrides.append(f"silos.count={args.silos}")
+    if args.bundle is not None:
+        overrides.append(f"task.bundle={args.bundle.resolve()}")
     try:
         cfg = load_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as e:

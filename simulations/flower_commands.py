@@ -224,16 +224,23 @@ def node_config_string(value: str) -> str:
 
 
 def node_config(
-    silo: int, num_silos: int, privacy_db: Path | None = None, datalist: Path | None = None
+    silo: int,
+    num_silos: int,
+    privacy_db: Path | None = None,
+    datalist: Path | None = None,
+    bundle: Path | None = None,
 ) -> str:
     """A SuperNode's ``--node-config``: its silo, the number of silos and, when given, its
-    privacy ledger (``protocol.keys.PRIVACY_DB``) and its own data, a Decathlon datalist
-    (``protocol.keys.DATALIST``; without one the silo splits the benchmark)."""
+    privacy ledger (``protocol.keys.PRIVACY_DB``), its own data, a Decathlon datalist
+    (``protocol.keys.DATALIST``; without one the silo splits the benchmark) and its own MONAI
+    bundle (``bundle``: the task it trains on that datalist)."""
     config = f"partition-id={silo} num-partitions={num_silos}"
     if privacy_db is not None:
         config += f" {PRIVACY_DB}={node_config_string(str(privacy_db))}"
     if datalist is not None:
         config += f" {DATALIST}={node_config_string(str(Path(datalist).resolve()))}"
+    if bundle is not None:
+        config += f" bundle={node_config_string(str(Path(bundle).resolve()))}"
     return config
 
 
@@ -246,6 +253,7 @@ def supernode_command(
     privacy_db: Path | None = None,
     *,
     datalist: Path | None = None,
+    bundle: Path | None = None,
     workers: str = "warm",
     link_host: str = "127.0.0.1",
 ) -> list[str]:
@@ -257,7 +265,7 @@ def supernode_command(
             f"{link_host}:{link_port}",
             paths.ca_cert,
             paths.node_key(silo),
-            node_config(silo, num_silos, privacy_db, datalist),
+            node_config(silo, num_silos, privacy_db, datalist, bundle),
             port,
             workers=workers,
         )

@@ -212,11 +212,41 @@ def start_watch(args: argparse.Namespace, home: Path) -> ErasureWatcher | None:
         raise NodeError(str(e)) from e
 
 
+def own_task_config(args: argparse.Namespace) -> str:
+    """``--node-config`` with the hospital's own ``--datalist`` and ``--bundle`` added (each
+    checked here first: the datalist a file, the bundle one fedasync can drive); NodeError in
+    one line otherwise."""
+    from simulations.flower_commands import node_config_string
+
+    config = args.node_config
+    datalist, bundle = getattr(args, "datalist", None), getattr(args, "bundle", None)
+    if bundle is not None and datalist is None:
+        raise NodeError("--bundle needs --datalist (the hospital's data the bundle trains on)")
+    if datalist is not None:
+        if not Path(datalist).is_file():
+            raise NodeError(f"--datalist {str(datalist)[:200]}: no such file")
+        config += f" datalist={node_config_string(str(Path(datalist).resolve()))}"
+    if bundle is not None:
+        from medical_data.monai_bundle import BundleError, read_bundle
+
+        try:
+            read_bundle(bundle).check_train_inferer()
+        except BundleError as e:
+            raise NodeError(str(e)) from e
+        config += f" bundle={node_config_string(str(Path(bundle).resolve()))}"
+    return config.strip()
+
+
 def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> int:
     """Run one SuperNode (and its worker) until it exits or a signal; its exit status."""
     check_workers(args.workers)
     home = Path(args.home).resolve()
     keys = sink_keys(args, home)  # a bad --mlflow-uri: one line, exit 2
+    try:
+        node_config = own_task_config(args)
+    except NodeError as e:
+        echo(f"fedasync node: {e}")
+        return 2
     home.mkdir(parents=True, exist_ok=True)
     node_env = {**stop_file_env(home), **node_events_env(home)}
     env = {**SUPEREXEC_ENV, **node_env}
@@ -225,7 +255,7 @@ def run_node(args: argparse.Namespace, echo: Callable[[str], None] = print) -> i
         args.superlink,
         Path(args.root_certificates).resolve(),
         Path(args.auth_key).resolve(),
-        args.node_config,
+        node_config,
         args.port,
         workers=args.workers,
         heartbeat_s=args.heartbeat_s,
@@ -296,6 +326,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--node-config",
         default="",
         help="Flower node config, e.g. 'partition-id=2 num-partitions=6' (docs/deployment.md)",
+    )
+    p.add_argument(
+        "--datalist",
+        type=Path,
+        help="the hospital's own data, a Decathlon datalist read only on this machine",
+    )
+    p.add_argument(
+        "--bundle",
+        type=Path,
+        help="the hospital's own MONAI training bundle (the task it trains on --datalist)",
     )
     p.add_argument("--port", type=int, default=9094, help="the local runtime API's port")
     p.add_argument(

@@ -178,3 +178,44 @@ def test_a_hospital_node_trains_its_own_bundle_on_its_datalist_and_refuses_a_bac
     # Assert: all eight of its own volumes; the backdoor refused in one line
     assert TrainReply.from_message(trained).num_samples == 8
     assert TrainRefusal.from_message(refused).reason == LAB_SETTING
+
+
+def test_a_node_is_given_its_own_bundle_and_datalist_checked_before_it_starts(bundle_dir, tmp_path):
+    import argparse
+
+    from simulations.node import NodeError, own_task_config
+
+    datalist = Path(json.loads((bundle_dir / "configs" / "train.json").read_text())["dataset_dir"])
+    ok = argparse.Namespace(
+        node_config="partition-id=1 num-partitions=2",
+        datalist=datalist / "dataset.json",
+        bundle=bundle_dir,
+    )
+    config = own_task_config(ok)
+    assert f'bundle="{bundle_dir.resolve()}"' in config and 'datalist="' in config
+    bad = _edited(
+        bundle_dir, tmp_path, lambda c: c["train"].update(inferer=c["validate"]["inferer"])
+    )
+    for args, says in (
+        (argparse.Namespace(node_config="", datalist=None, bundle=bundle_dir), "needs --datalist"),
+        (argparse.Namespace(node_config="", datalist=tmp_path / "x.json", bundle=None), "no such"),
+        (argparse.Namespace(node_config="", datalist=ok.datalist, bundle=bad), "train#inferer"),
+    ):
+        with pytest.raises(NodeError, match=says):
+            own_task_config(args)
+
+
+def test_a_one_machine_deployment_gives_each_silo_its_share_as_its_own_datalist(
+    small_cfg, bundle_dir, tmp_path
+):
+    from monai.data import load_decathlon_datalist
+
+    from simulations.deploy import bundle_datalists
+
+    cfg = small_cfg(f"task.bundle={bundle_dir}", "silos.count=2")
+    files = bundle_datalists(cfg, tmp_path / "hospitals")
+    got = {s: load_decathlon_datalist(str(f), True, "training") for s, f in files.items()}
+    assert {i["site"] for i in got[0]} == {0} and {i["site"] for i in got[1]} == {1}
+    assert sum(len(v) for v in got.values()) == 8 and all(
+        Path(i["image"]).is_file() for i in got[0]
+    )
