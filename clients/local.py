@@ -52,7 +52,7 @@ def train_local(
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     totals = run_steps(
         model,
-        seeded_draws(images, labels, batch_size, gen),
+        seeded_draws(images, labels, batch_size, gen, data.patch),
         objective(task, model, proximal_mu),
         lambda step: opt.step(),
         zero_grad=lambda: opt.zero_grad(set_to_none=True),

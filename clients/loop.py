@@ -30,6 +30,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -188,11 +189,35 @@ def cap_guard(cap: float | None) -> Callable[[torch.Tensor, torch.Tensor], bool]
 
 
 def seeded_draws(
-    images: torch.Tensor, labels: torch.Tensor, batch_size: int, gen: torch.Generator
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    gen: torch.Generator,
+    crop: tuple[int, ...] | None = None,
 ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches of ``min(batch_size, N)`` samples drawn with replacement by ``gen``:
-    images ``(N, C, *spatial)`` and labels, indexed alike."""
+    images ``(N, C, *spatial)`` and labels, indexed alike; with ``crop``, each sample's
+    random crop of that size (offsets drawn by ``gen`` too)."""
     n = len(images)
     while True:
         idx = torch.randint(0, n, (min(batch_size, n),), generator=gen)
-        yield images[idx], labels[idx]
+        yield random_crops(images[idx], labels[idx], crop, gen)
+
+
+def random_crops(
+    x: torch.Tensor, y: torch.Tensor, crop: tuple[int, ...] | None, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's crop of size ``crop`` at offsets drawn by ``gen``: images ``(b, C,
+    *spatial)``, label maps ``(b, *spatial)``; without ``crop`` (or one as large as the
+    samples) ``x`` and ``y`` themselves, drawing nothing."""
+    spatial = tuple(x.shape[2:])
+    if crop is None or all(c >= s for c, s in zip(crop, spatial)):
+        return x, y
+    room = torch.tensor([s - c + 1 for s, c in zip(spatial, crop)])
+    starts = (torch.rand((len(x), len(crop)), generator=gen) * room).long()
+    xs, ys = [], []
+    for k, st in enumerate(starts.tolist()):
+        box: list[Any] = [slice(a, a + c) for a, c in zip(st, crop)]
+        xs.append(x[tuple([k, slice(None), *box])])
+        ys.append(y[tuple([k, *box])])
+    return torch.stack(xs), torch.stack(ys)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from clients.local import objective
-from clients.loop import cap_guard, run_steps, seeded_draws
+from clients.loop import cap_guard, random_crops, run_steps, seeded_draws
 from fedasync import seeds
 from fedasync.erasure_metrics import logit_scale, true_label_confidence
 from fedasync.stopping import MembershipStop, Track
@@ -41,10 +41,14 @@ from medical_data.tasks import evaluate
 
 
 def _batch(
-    images: torch.Tensor, labels: torch.Tensor, n: int, gen: torch.Generator
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    n: int,
+    gen: torch.Generator,
+    crop: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     idx = torch.randint(0, len(images), (min(n, len(images)),), generator=gen)
-    return images[idx], labels[idx]
+    return random_crops(images[idx], labels[idx], crop, gen)
 
 
 def erase_pga(
@@ -137,7 +141,7 @@ def erase_pga(
 
     totals = run_steps(
         model,
-        seeded_draws(images, labels, batch_size, gen),
+        seeded_draws(images, labels, batch_size, gen, forget.patch),
         objective(task),  # the task's loss, ascended
         apply,
         zero_grad=lambda: opt.zero_grad(set_to_none=True),
@@ -297,9 +301,9 @@ def erase_relabel(
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
-            x, y = _batch(f_x, f_y, batch_size, gen)
+            x, y = _batch(f_x, f_y, batch_size, gen, forget.patch)
             if r_x is not None and r_y is not None:
-                rx, ry = _batch(r_x, r_y, len(x), gen)
+                rx, ry = _batch(r_x, r_y, len(x), gen, forget.patch)
                 x, y = torch.cat([x, rx]), torch.cat([y, ry])
             yield x, y
 

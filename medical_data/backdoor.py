@@ -56,10 +56,12 @@ def add_trigger(
     all of them to it, ``checker`` alternates it and its negative (+v, -v, +v, ...). A sample's
     own maximum would be an ordinary value of some feature there, not a trigger.
     """
-    if images.ndim != 4:
-        raise ValueError(f"images must be (N, C, H, W), got shape {images.shape}")
     if pattern not in PATTERNS:
         raise ValueError(f"trigger pattern must be one of {PATTERNS}, got {pattern!r}")
+    if images.ndim == 5:
+        return _cube_trigger(images, size, value, pattern)
+    if images.ndim != 4:
+        raise ValueError(f"images must be (N, C, H, W), got shape {images.shape}")
     h, w = images.shape[2:]
     tabular = is_tabular((h, w))
     limit = w if tabular else min(h, w)
@@ -85,6 +87,27 @@ def add_trigger(
         lo = (flat.min(axis=1) if len(out) else np.zeros(0, out.dtype))[:, None, None, None]
     cells = (np.add.outer(np.arange(rows), np.arange(size)) % 2 == 0)[None, None]
     out[:, :, h - rows :, w - size :] = np.where(cells, hi, lo)
+    return out
+
+
+def _cube_trigger(images: np.ndarray, size: int, value: float | None, pattern: str) -> np.ndarray:
+    """:func:`add_trigger` on volumes ``(N, C, D, H, W)``: a ``size``-voxel cube in the far
+    corner, solid (each volume's maximum, or ``value``) or a one-voxel 3D checkerboard of its
+    maximum and minimum."""
+    if not 1 <= size <= min(images.shape[2:]):
+        raise ValueError(f"trigger size must be in [1, {min(images.shape[2:])}], got {size}")
+    out = np.array(images, copy=True)
+    flat = out.reshape(len(out), -1)
+    empty = np.zeros(0, out.dtype)
+    hi = (flat.max(axis=1) if len(out) else empty) if value is None else np.full(len(out), value)
+    hi = hi.astype(out.dtype)[:, None, None, None, None]
+    box = (slice(None), slice(None), *(slice(n - size, n) for n in out.shape[2:]))
+    if pattern == "solid":
+        out[box] = hi
+        return out
+    lo = (flat.min(axis=1) if len(out) else empty)[:, None, None, None, None]
+    grid = np.indices((size, size, size)).sum(axis=0) % 2 == 0
+    out[box] = np.where(grid[None, None], hi, lo)
     return out
 
 
@@ -125,6 +148,7 @@ def poison(
         images=images,
         labels=labels,
         sample_ids=np.array(silo.sample_ids, copy=True),
+        patch=silo.patch,
     )
 
 
@@ -155,4 +179,5 @@ def triggered_set(
         else np.array(data.images[keep], copy=True),
         labels=np.array(data.labels[keep], copy=True),
         sample_ids=np.array(data.sample_ids[keep], copy=True),
+        patch=data.patch,
     )

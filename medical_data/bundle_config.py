@@ -50,13 +50,15 @@ def plain(x: Any) -> Any:
 
 
 def network_entries(
-    name: str, in_channels: int, num_classes: int, image_size: tuple[int, int]
+    name: str, in_channels: int, num_classes: int, image_size: tuple[int, ...]
 ) -> dict[str, Any]:
     """The ConfigParser entries that define ``network_def``, network ``name`` of
     ``build_network`` (the module docstring says how); ValueError as ``build_network``."""
     if name == "cnn-small":
         return _cnn_small(in_channels, num_classes)
     target, kwargs = monai_recipe(name, in_channels, num_classes, image_size)
+    if name == "unet3d-small":  # BasicUNet's own modules; the window is the bundle's inferer
+        return {"network_def": {"_target_": target, **plain(kwargs)}}
     base = {"_target_": target, **plain(kwargs)}
     with torch.random.fork_rng(devices=[]):  # (both draw their initial weights)
         built = build_network(name, in_channels, num_classes, image_size)
@@ -172,6 +174,16 @@ def preprocessing(spec: BenchmarkSpec) -> dict[str, Any]:
                 {"_target_": "monai.transforms.EnsureTyped", "keys": "image", "dtype": "float32"}
             ],
         }
+    if len(spec.image_size) == 3:
+        return {
+            "_target_": "monai.transforms.Compose",
+            "_desc_": f"a {'x'.join(map(str, spec.image_size))} volume, intensities in [0, 1]",
+            "transforms": [
+                {"_target_": "monai.transforms.LoadImaged", "keys": "image", "image_only": True},
+                {"_target_": "monai.transforms.EnsureChannelFirstd", "keys": "image"},
+                {"_target_": "monai.transforms.EnsureTyped", "keys": "image", "dtype": "float32"},
+            ],
+        }
     h, w = spec.image_size
     lo, hi = PERCENTILES
     return {
@@ -226,7 +238,7 @@ def postprocessing(spec: BenchmarkSpec) -> dict[str, Any]:
 
 def network_data_format(spec: BenchmarkSpec) -> dict[str, Any]:
     """MONAI's ``network_data_format``: what the network takes and what it gives."""
-    h, w = spec.image_size
+    shape = list(spec.image_size)
     tabular = is_tabular(spec.image_size)
     inputs = {
         "image": {
@@ -234,7 +246,7 @@ def network_data_format(spec: BenchmarkSpec) -> dict[str, Any]:
             "format": "sequence" if tabular else "magnitude",
             "modality": spec.modality,
             "num_channels": spec.in_channels,
-            "spatial_shape": [h, w],
+            "spatial_shape": shape,
             "dtype": "float32",
             "value_range": [] if tabular else [0, 1],
             "is_patch_data": False,
@@ -252,7 +264,7 @@ def network_data_format(spec: BenchmarkSpec) -> dict[str, Any]:
             "type": "image" if seg else "probabilities",
             "format": "labels" if seg else "classes",
             "num_channels": spec.num_classes,
-            "spatial_shape": [h, w] if seg else [],
+            "spatial_shape": shape if seg else [],
             "dtype": "float32",
             "value_range": [],
             "is_patch_data": False,

@@ -49,6 +49,9 @@ class SiloData:
     """int64, ``(N,)`` (classification) or ``(N, H, W)`` (segmentation)."""
     sample_ids: np.ndarray
     """str, ``(N,)``: globally unique and stable, e.g. ``"brain-tissue/z071/x045y102"``."""
+    patch: tuple[int, ...] | None = None
+    """Volumes: the random crop of each sample a training step takes, and the window of the
+    network's sliding-window inference on whole volumes (its benchmark's ``patch``)."""
 
     def __len__(self) -> int:
         return len(self.images)
@@ -221,7 +224,14 @@ def _build(
         site_params.append(params)
         name = _silo_name(raw, idx, split, k)
         silos.append(
-            SiloData(k, name, shifted[: len(train)], raw.labels[train], raw.sample_ids[train])
+            SiloData(
+                k,
+                name,
+                shifted[: len(train)],
+                raw.labels[train],
+                raw.sample_ids[train],
+                patch=spec.patch,
+            )
         )
         tests.append((shifted[len(train) :], held))
         test_sites.append(np.full(len(held), k, dtype=np.int64))
@@ -233,6 +243,7 @@ def _build(
         images=np.concatenate([x for x, _ in tests]),
         labels=raw.labels[test_idx],
         sample_ids=raw.sample_ids[test_idx],
+        patch=spec.patch,
     )
     for s in [*silos, test]:
         s.images = _readonly(s.images.astype(np.float32, copy=False))

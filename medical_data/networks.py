@@ -12,6 +12,7 @@ in-place for the same reason.
 | unet-small  | `nets.BasicUNet` features (8,8,16,32,64,8) | segmentation, 2^4 | H, W |
 | unet        | `nets.BasicUNet`, MONAI's default widths (32,32,64,128,256,32), 2.0M parameters (7.9 MB) | segmentation, 2^4 | H, W |
 | mlp-small   | `nets.FullyConnectedNet` hidden (64, 32) | tabular features (1 x F)  |
+| unet3d-small | `nets.BasicUNet` in 3D, features (8,8,16,32,64,8), sliding window of 32^3 in eval mode | 3D segmentation |
 
 ``mlp-small`` flattens its ``(B, C, H, W)`` input (FullyConnectedNet's first layer) to
 ``C*H*W`` features, two ReLU hidden layers (no norm, no dropout: nothing opacus objects to),
@@ -34,7 +35,17 @@ from torch import nn
 
 from medical_data.registry import BenchmarkSpec
 
-NETWORKS = ("cnn-small", "densenet121", "resnet18", "unet-small", "unet", "mlp-small")
+NETWORKS = (
+    "cnn-small",
+    "densenet121",
+    "resnet18",
+    "unet-small",
+    "unet",
+    "mlp-small",
+    "unet3d-small",
+)
+PATCH_3D = (32, 32, 32)
+"""unet3d-small's sliding window: the training crop of brain-tissue-3d."""
 MLP_HIDDEN = (64, 32)
 """``mlp-small``'s hidden layer widths."""
 
@@ -84,6 +95,29 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+class PatchwiseBasicUNet(BasicUNet):
+    """MONAI's ``BasicUNet`` whose forward pass in eval mode on volumes larger than ``roi`` is
+    MONAI's sliding-window inference (``roi`` windows, a quarter overlap, Gaussian blending),
+    as a bundle's ``SlidingWindowInferer`` runs it; in training mode (random crops of ``roi``)
+    the network is called directly. No module of its own: its state dict is ``BasicUNet``'s,
+    so its bundle names ``BasicUNet`` and the window in its inferer."""
+
+    def __init__(self, *args: Any, roi: tuple[int, ...] = PATCH_3D, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.roi = tuple(roi)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(b, classes, *spatial)`` for volumes ``(b, channels, *spatial)``."""
+        if self.training or all(s <= r for s, r in zip(x.shape[2:], self.roi)):
+            return super().forward(x)
+        from monai.inferers import sliding_window_inference
+
+        out = sliding_window_inference(
+            x, self.roi, 4, super().forward, overlap=0.25, mode="gaussian"
+        )
+        return out  # type: ignore[return-value]
+
+
 def _no_batchnorm(net: nn.Module) -> nn.Module:
     """Swap BatchNorm for GroupNorm and in-place ReLU for plain ReLU, in place.
 
@@ -110,12 +144,26 @@ MONAI_CLASSES: dict[str, Callable[..., nn.Module]] = {
 
 
 def monai_recipe(
-    name: str, in_channels: int, num_classes: int, image_size: tuple[int, int]
+    name: str, in_channels: int, num_classes: int, image_size: tuple[int, ...]
 ) -> tuple[str, dict[str, Any]]:
     """The MONAI class or function (its dotted path, a key of MONAI_CLASSES) network ``name``
     is built by, and its keyword arguments; ValueError when the images do not fit it.
     ``resnet18`` has its BatchNorm swapped afterwards (`_no_batchnorm`); ``cnn-small`` is a
-    class of this module's (`SmallCNN`), not a recipe."""
+    class of this module's (`SmallCNN`), not a recipe; ``unet3d-small`` is ``BasicUNet`` in 3D
+    (`PatchwiseBasicUNet` adds its sliding window)."""
+    if name == "unet3d-small":
+        if len(image_size) != 3:
+            raise ValueError(f"unet3d-small needs volumes (D, H, W), got {image_size}")
+        return "monai.networks.nets.BasicUNet", {
+            "spatial_dims": 3,
+            "in_channels": in_channels,
+            "out_channels": num_classes,
+            "features": (8, 8, 16, 32, 64, 8),
+            "norm": ("group", {"num_groups": 4}),
+            "act": ("LeakyReLU", {"negative_slope": 0.1, "inplace": False}),
+        }
+    if len(image_size) != 2:
+        raise ValueError(f"{name} takes 2D images, got {image_size}: use unet3d-small")
     h, w = image_size
     if name == "densenet121":
         if min(h, w) < 64:
@@ -161,7 +209,7 @@ def monai_recipe(
 
 
 def build_network(
-    name: str, in_channels: int, num_classes: int, image_size: tuple[int, int]
+    name: str, in_channels: int, num_classes: int, image_size: tuple[int, ...]
 ) -> nn.Module:
     """Build network ``name`` for ``(B, in_channels, *image_size)`` inputs.
 
@@ -172,6 +220,8 @@ def build_network(
     if name == "cnn-small":
         return SmallCNN(in_channels, num_classes)
     target, kwargs = monai_recipe(name, in_channels, num_classes, image_size)
+    if name == "unet3d-small":
+        return PatchwiseBasicUNet(**kwargs)
     net = MONAI_CLASSES[target](**kwargs)
     return _no_batchnorm(net) if name == "resnet18" else net
 

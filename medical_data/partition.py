@@ -180,6 +180,8 @@ def apply_site_shift(
         return _tabular_site_shift(x, seed, strength)
     if strength <= 0 or len(x) == 0:
         return x.copy(), {"gamma": 1.0, "bias": 0.0, "blur_sigma": 0.0, "noise_std": 0.0}
+    if x.ndim == 5:
+        return _volume_site_shift(x, seed, strength)
     n, c, h, w = x.shape
     bias = RandBiasField(degree=3, coeff_range=(-0.25 * strength, 0.25 * strength), prob=1.0)
     contrast = RandAdjustContrast(prob=1.0, gamma=(1.0 / (1 + 0.5 * strength), 1 + 0.5 * strength))
@@ -211,6 +213,44 @@ def apply_site_shift(
         "noise_std": round(float(noise.noise.std()) if noise.noise is not None else 0.0, 3),
     }
     return np.asarray(shifted, dtype=np.float32).reshape(n, c, h, w), params
+
+
+def _volume_site_shift(
+    x: np.ndarray, seed: int, strength: float
+) -> tuple[np.ndarray, dict[str, float]]:
+    """One site's acquisition differences on volumes ``x (N, C, D, H, W)``: the same four
+    MONAI transforms as on images, in 3D (a smooth bias field of degree 3 over the volume, a
+    gamma, a Gaussian blur and Gaussian noise), seeded by ``seed``; the same parameters."""
+    n, c = x.shape[:2]
+    spatial = x.shape[2:]
+    bias = RandBiasField(degree=3, coeff_range=(-0.25 * strength, 0.25 * strength), prob=1.0)
+    contrast = RandAdjustContrast(prob=1.0, gamma=(1.0 / (1 + 0.5 * strength), 1 + 0.5 * strength))
+    sig = (0.1, 0.8 * strength)
+    smooth = RandGaussianSmooth(sigma_x=sig, sigma_y=sig, sigma_z=sig, prob=1.0)
+    noise = RandGaussianNoise(prob=1.0, mean=0.0, std=0.04 * strength)
+    for k, t in enumerate((bias, contrast, smooth, noise)):
+        t.set_random_state(seed=(int(seed) * 7919 + k) % (2**32))
+    track = get_track_meta()
+    set_track_meta(False)
+    try:
+        field = np.asarray(bias(np.ones((1, *spatial), np.float32)), dtype=np.float32)
+        contrast.randomize()
+        gamma = float(contrast.gamma_value)
+        adjust = AdjustContrast(gamma)
+        flat = torch.from_numpy(x.reshape(n * c, 1, *spatial))
+        out = torch.stack([adjust(v) for v in flat])  # type: ignore[misc]
+        out = out.reshape(n * c, *spatial) * torch.from_numpy(field)
+        smooth.randomize()
+        shifted = noise(smooth(out, randomize=False))
+    finally:
+        set_track_meta(track)
+    params = {
+        "gamma": round(gamma, 3),
+        "bias": round(float(np.abs(np.log(field)).mean()), 3),
+        "blur_sigma": round(float(smooth.x), 3),
+        "noise_std": round(float(noise.noise.std()) if noise.noise is not None else 0.0, 3),
+    }
+    return np.asarray(shifted, dtype=np.float32).reshape(x.shape), params
 
 
 def _tabular_site_shift(

@@ -34,8 +34,9 @@ class BenchmarkSpec:
     """Image channels C of the ``(N, C, H, W)`` arrays."""
     num_classes: int
     """Number of classes (segmentation: including background)."""
-    image_size: tuple[int, int]
-    """``(H, W)`` in pixels; ``(1, F)`` for a tabular benchmark of F features."""
+    image_size: tuple[int, ...]
+    """``(H, W)`` in pixels; ``(D, H, W)`` in voxels for volumes; ``(1, F)`` for a tabular
+    benchmark of F features."""
     class_names: tuple[str, ...]
     """One name per class index."""
     network: str
@@ -46,6 +47,9 @@ class BenchmarkSpec:
     """One paragraph: source, labels, licence."""
     offline: bool = True
     """True when the data ships in an installed or fetched PyPI package."""
+    patch: tuple[int, ...] | None = None
+    """Volumes: the random crop a training step takes of each sample and the window of the
+    sliding-window inference that evaluates whole volumes (None: whole images)."""
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
@@ -67,6 +71,26 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
                 "Centre, free use). Label = tissue at the patch centre from the template's "
                 "grey/white-matter probability maps, centres inside the brain mask only."
             ),
+        ),
+        BenchmarkSpec(
+            name="brain-tissue-3d",
+            task="segmentation",
+            modality="MR T1 (MNI152 2009c template), 3D",
+            in_channels=1,
+            num_classes=4,
+            image_size=(40, 40, 40),
+            class_names=("outside", "other brain", "grey matter", "white matter"),
+            network="unet3d-small",
+            natural_split="axial slab (contiguous heights per silo)",
+            description=(
+                "160 volumes of 40^3 voxels at 2 mm cut at seeded places inside the brain of "
+                "the ICBM 2009c nonlinear symmetric T1 template (nilearn wheel, BSD-3 package; "
+                "template (c) McConnell Brain Imaging Centre, free use). Labels per voxel: "
+                "outside the brain, other brain tissue (CSF and the rest), grey matter, white "
+                "matter, the most probable tissue of the template's probability maps. Trained "
+                "on random 32^3 crops, evaluated by sliding-window inference."
+            ),
+            patch=(32, 32, 32),
         ),
         BenchmarkSpec(
             name="radiomics-lesion",

@@ -120,14 +120,33 @@ def targets(labels: torch.Tensor, task: str) -> torch.Tensor:
 
 
 def score(out: torch.Tensor, y: torch.Tensor, task: str) -> float:
-    """Accuracy ``out (b, C)`` vs ``y (b,)``, or foreground Dice ``out (b, 2, H, W)`` vs ``y (b, H, W)``."""
+    """Accuracy ``out (b, C)`` vs ``y (b,)``, or foreground Dice ``out (b, C, *spatial)`` vs
+    ``y (b, *spatial)``: with more than two classes the mean over the foreground classes of
+    each one's Dice (:func:`dice_sums`)."""
     pred = out.argmax(dim=1)
     if task == "classification":
         return float((pred == y).float().mean())
-    p, t = (pred > 0).float(), (y > 0).float()
-    inter = float((p * t).sum())
-    denom = float(p.sum() + t.sum())
-    return 1.0 if denom == 0 else 2.0 * inter / denom
+    return dice(dice_sums(pred, y, out.shape[1]))
+
+
+def dice_sums(pred: torch.Tensor, y: torch.Tensor, classes: int) -> list[tuple[float, float]]:
+    """Per foreground class, (intersection, |prediction| + |label|) voxel counts of
+    ``pred`` against ``y`` (both class indices). Two classes: the one foreground class is
+    everything above 0."""
+    if classes <= 2:
+        p, t = (pred > 0).float(), (y > 0).float()
+        return [(float((p * t).sum()), float(p.sum() + t.sum()))]
+    rows = []
+    for c in range(1, classes):
+        p, t = (pred == c).float(), (y == c).float()
+        rows.append((float((p * t).sum()), float(p.sum() + t.sum())))
+    return rows
+
+
+def dice(sums: list[tuple[float, float]]) -> float:
+    """The mean over classes of 2·intersection / denominator (1 where both are empty)."""
+    per = [1.0 if d == 0 else 2.0 * i / d for i, d in sums]
+    return per[0] if len(per) == 1 else float(np.mean(per))
 
 
 @torch.no_grad()
@@ -142,12 +161,17 @@ def evaluate(
     """Loss and score of ``model`` on all of ``data``.
 
     Classification: mean cross-entropy and accuracy. Segmentation: mean DiceCE and the Dice of
-    all foreground pixels pooled over the set (so empty slices do not inflate it).
+    all foreground pixels pooled over the set (so empty slices do not inflate it); with more
+    than two classes, each foreground class's pooled Dice, averaged. Volumes (``data.patch``)
+    are taken a few at a time (the network's sliding window sees each whole).
     """
     device = device or torch.device("cpu")
     model.to(device).eval()
     loss_fn_ = loss_fn(task)
-    total_loss, correct, inter, denom, n = 0.0, 0.0, 0.0, 0.0, 0
+    if data.patch is not None:
+        batch_size = min(batch_size, 8)
+    total_loss, correct, n = 0.0, 0.0, 0
+    sums: list[tuple[float, float]] | None = None
     for start in range(0, len(data), batch_size):
         x = torch.tensor(data.images[start : start + batch_size], device=device)
         y = torch.tensor(data.labels[start : start + batch_size], device=device)
@@ -157,13 +181,12 @@ def evaluate(
         if task == "classification":
             correct += float((pred == y).sum())
         else:
-            p, t = (pred > 0).float(), (y > 0).float()
-            inter += float((p * t).sum())
-            denom += float(p.sum() + t.sum())
+            got = dice_sums(pred, y, out.shape[1])
+            sums = got if sums is None else [(a + c, b + d) for (a, b), (c, d) in zip(sums, got)]
         n += len(x)
     n = max(n, 1)
     if task == "classification":
         score = correct / n
     else:
-        score = 1.0 if denom == 0 else 2.0 * inter / denom
+        score = dice(sums or [(0.0, 0.0)])
     return {"loss": total_loss / n, "score": score}

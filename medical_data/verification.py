@@ -142,6 +142,7 @@ def subset(data: SiloData, idx: np.ndarray) -> SiloData:
         images=np.array(data.images[idx], copy=True),
         labels=np.array(data.labels[idx], copy=True),
         sample_ids=np.array(data.sample_ids[idx], copy=True),
+        patch=data.patch,
     )
 
 

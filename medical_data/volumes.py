@@ -68,24 +68,35 @@ def _site_shift(vol: np.ndarray, site: int, seed: int) -> np.ndarray:
     return np.clip(out, 0.0, 1.5).astype(np.float32)
 
 
+def _centres(
+    brain: np.ndarray, n: int, half: int, slabs: int, seed: int
+) -> list[tuple[int, np.ndarray]]:
+    """``n`` seeded ``(slab, centre)``: centres inside the brain, ``half`` voxels from every
+    edge, the i-th in axial slab ``i % slabs`` (slabs of equal brain-voxel counts by height)."""
+    inside = np.argwhere(brain)
+    ok = np.all((inside >= half) & (inside < np.array(brain.shape) - half), axis=1)
+    inside = inside[ok]
+    z_edges = np.quantile(inside[:, 2], np.linspace(0, 1, slabs + 1))
+    rng = seeds.rng(seed, "volumes.centres")
+    out = []
+    for i in range(n):
+        slab = i % slabs
+        lo, hi = z_edges[slab], z_edges[slab + 1]
+        pool = inside[(inside[:, 2] >= lo) & (inside[:, 2] <= hi)]
+        out.append((slab, pool[rng.integers(len(pool))]))
+    return out
+
+
 def brain_volumes(
     n: int, *, sites: int = 4, seed: int = 0, size: int = SIZE
 ) -> list[dict[str, Any]]:
     """``n`` volumes: dicts with ``id``, ``site``, ``image`` ``(size,)*3`` float32 and
-    ``label`` uint8, centres seeded inside the brain, site ``i``'s in the i-th axial slab."""
+    ``label`` uint8, centres seeded inside the brain, site ``i``'s in the i-th axial slab,
+    each with its site's scanner shift."""
     t1, labels, brain = _brain_2mm()
     half = size // 2
-    inside = np.argwhere(brain)
-    ok = np.all((inside >= half) & (inside < np.array(brain.shape) - half), axis=1)
-    inside = inside[ok]
-    z_edges = np.quantile(inside[:, 2], np.linspace(0, 1, sites + 1))
-    rng = seeds.rng(seed, "volumes.centres")
     out = []
-    for i in range(n):
-        site = i % sites
-        lo, hi = z_edges[site], z_edges[site + 1]
-        pool = inside[(inside[:, 2] >= lo) & (inside[:, 2] <= hi)]
-        x, y, z = pool[rng.integers(len(pool))]
+    for i, (site, (x, y, z)) in enumerate(_centres(brain, n, half, sites, seed)):
         box = (slice(x - half, x + half), slice(y - half, y + half), slice(z - half, z + half))
         out.append(
             {
@@ -96,6 +107,29 @@ def brain_volumes(
             }
         )
     return out
+
+
+def raw_brain_volumes(n: int = 160, *, size: int = SIZE, seed: int = 0) -> dict[str, np.ndarray]:
+    """The built-in ``brain-tissue-3d`` benchmark's samples, before any site shift: ``n``
+    volumes at seeded places inside the brain, ordered by height. ``images`` ``(n, 1, size,
+    size, size)`` float32, ``labels`` ``(n, size, size, size)`` int64, ``z`` the centre's
+    height (the natural groups: neighbouring ids are neighbouring slabs), ``ids``."""
+    t1, labels, brain = _brain_2mm()
+    half = size // 2
+    picked = sorted(_centres(brain, n, half, 1, seed), key=lambda c: tuple(c[1][::-1]))
+    images, masks, zs, ids = [], [], [], []
+    for _, (x, y, z) in picked:
+        box = (slice(x - half, x + half), slice(y - half, y + half), slice(z - half, z + half))
+        images.append(t1[box][None])
+        masks.append(labels[box].astype(np.int64))
+        zs.append(int(z))
+        ids.append(f"brain-tissue-3d/z{z:03d}/x{x:03d}y{y:03d}")
+    return {
+        "images": np.stack(images).astype(np.float32),
+        "labels": np.stack(masks),
+        "z": np.asarray(zs, dtype=np.int64),
+        "ids": np.asarray(ids),
+    }
 
 
 def write_brain_volumes(

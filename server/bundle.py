@@ -142,6 +142,8 @@ def spec_of(info: dict[str, Any]) -> BenchmarkSpec:
     s = dict(info["spec"])
     s["image_size"] = tuple(s["image_size"])
     s["class_names"] = tuple(s["class_names"])
+    if s.get("patch") is not None:
+        s["patch"] = tuple(s["patch"])
     return BenchmarkSpec(**s)
 
 
@@ -267,7 +269,11 @@ def _metadata(
         "copyright": f"the members of federated run {info['run']}",
         "intended_use": "research; not for diagnostic use",
         "data_source": spec.description,
-        "data_type": "2D images (or feature rows) as float32 arrays (N, C, H, W), at each silo",
+        "data_type": (
+            "3D volumes as float32 arrays (N, C, D, H, W), at each silo"
+            if len(spec.image_size) == 3
+            else "2D images (or feature rows) as float32 arrays (N, C, H, W), at each silo"
+        ),
         "network_data_format": {} if info.get("bundle_root") else network_data_format(spec),
         "fedasync": {
             "model_version": version,
@@ -322,8 +328,22 @@ def _inference(spec: BenchmarkSpec, network: dict[str, Any]) -> dict[str, Any]:
         "network": "$@network_def.to(@device)",
         "checkpoint": "$@bundle_root + '/models/model.pt'",
         "preprocessing": preprocessing(spec),
-        "inferer": {"_target_": "monai.inferers.SimpleInferer"},
+        "inferer": _inferer(spec),
         "postprocessing": postprocessing(spec),
+    }
+
+
+def _inferer(spec: BenchmarkSpec) -> dict[str, Any]:
+    """The network called on the image, or on volumes (``spec.patch``) MONAI's sliding window
+    as the run evaluated them (``medical_data.networks.PatchwiseBasicUNet``)."""
+    if spec.patch is None:
+        return {"_target_": "monai.inferers.SimpleInferer"}
+    return {
+        "_target_": "monai.inferers.SlidingWindowInferer",
+        "roi_size": list(spec.patch),
+        "sw_batch_size": 4,
+        "overlap": 0.25,
+        "mode": "gaussian",
     }
 
 
