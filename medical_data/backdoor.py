@@ -25,10 +25,10 @@ from medical_data.registry import is_tabular
 
 
 def _check_labels(data: SiloData) -> None:
-    if data.labels.ndim not in (1, 3):
+    if data.labels.ndim not in (1, 3, 4):
         raise ValueError(
-            f"{data.name!r}: labels must be (N,) (classification) or (N, H, W) (segmentation), "
-            f"got shape {data.labels.shape}"
+            f"{data.name!r}: labels must be (N,) (classification) or (N, H, W) or (N, D, H, W) "
+            f"(segmentation), got shape {data.labels.shape}"
         )
 
 

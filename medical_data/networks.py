@@ -12,7 +12,7 @@ in-place for the same reason.
 | unet-small  | `nets.BasicUNet` features (8,8,16,32,64,8) | segmentation, 2^4 | H, W |
 | unet        | `nets.BasicUNet`, MONAI's default widths (32,32,64,128,256,32), 2.0M parameters (7.9 MB) | segmentation, 2^4 | H, W |
 | mlp-small   | `nets.FullyConnectedNet` hidden (64, 32) | tabular features (1 x F)  |
-| unet3d-small | `nets.BasicUNet` in 3D, features (8,8,16,32,64,8), sliding window of 32^3 in eval mode | 3D segmentation |
+| unet3d-small | `nets.BasicUNet` in 3D, features (8,8,16,32,64,8), sliding window of 24^3 in eval mode | 3D segmentation |
 
 ``mlp-small`` flattens its ``(B, C, H, W)`` input (FullyConnectedNet's first layer) to
 ``C*H*W`` features, two ReLU hidden layers (no norm, no dropout: nothing opacus objects to),
@@ -44,7 +44,7 @@ NETWORKS = (
     "mlp-small",
     "unet3d-small",
 )
-PATCH_3D = (32, 32, 32)
+PATCH_3D = (24, 24, 24)
 """unet3d-small's sliding window: the training crop of brain-tissue-3d."""
 MLP_HIDDEN = (64, 32)
 """``mlp-small``'s hidden layer widths."""

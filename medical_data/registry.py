@@ -88,9 +88,9 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
                 "template (c) McConnell Brain Imaging Centre, free use). Labels per voxel: "
                 "outside the brain, other brain tissue (CSF and the rest), grey matter, white "
                 "matter, the most probable tissue of the template's probability maps. Trained "
-                "on random 32^3 crops, evaluated by sliding-window inference."
+                "on random 24^3 crops, evaluated by sliding-window inference (24^3 windows)."
             ),
-            patch=(32, 32, 32),
+            patch=(24, 24, 24),
         ),
         BenchmarkSpec(
             name="radiomics-lesion",
