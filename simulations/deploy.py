@@ -183,7 +183,15 @@ def prepare(
     if cfg.unlearning.service:
         cfg = prepare_erasure(cfg, work / "erasure", paths)
     if cfg.data.server_test is None and not datalists:
+        from medical_data.registry import get_spec
         from server.benchmark import write_server_test
+
+        if get_spec(cfg.data.benchmark).patch is not None:
+            raise DeployError(
+                f"data.benchmark={cfg.data.benchmark}: its volumes are not deployed as "
+                "datalists yet; deploy them as a bundle task (python -m medical_data.volumes "
+                "DIR, then fedasync deploy local --bundle DIR/bundle)"
+            )
 
         test = write_server_test(cfg, work / "server-test")
         cfg = replace(cfg, data=replace(cfg.data, server_test=str(test)))
