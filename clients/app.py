@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.app import Context, Error, Message
@@ -70,6 +70,9 @@ from protocol.messages import (
     UnlearnReply,
     UnlearnRequest,
 )
+
+if TYPE_CHECKING:
+    from clients.unlearn import Samples
 
 log = logging.getLogger("fedasync.client")
 
@@ -487,6 +490,25 @@ def _stopping_rule(
     return MembershipStop(alpha=erase.stop_alpha), held
 
 
+def _bundle_stopping_rule(
+    task: BundleTask, silo: int, erase: SiloErasure
+) -> tuple[MembershipStop | None, Samples | None]:
+    """:func:`_stopping_rule` of a bundle task: its held-out items (its datalist's validation
+    list, or its share of the bundle's in simulation)."""
+    if erase.stop != "membership":
+        return None, None
+    held = task.heldout_samples()
+    if held is None:
+        log.warning(
+            "silo %d: unlearning.stop=membership needs held-out items (a 'validation' list in "
+            "the datalist); erasing with the fixed %d steps instead",
+            silo,
+            erase.steps,
+        )
+        return None, None
+    return MembershipStop(alpha=erase.stop_alpha), held
+
+
 @app.train("unlearn")
 def unlearn(msg: Message, context: Context) -> Message:
     """Erase the forget set from the received model on this silo; reply with the delta and the
@@ -495,30 +517,43 @@ def unlearn(msg: Message, context: Context) -> Message:
 
     req = UnlearnRequest.from_message(msg)
     erase = req.erasure
-    if context.node_config.get(BUNDLE) or req.setup.task.bundle is not None:
-        raise ValueError("erasure on a bundle task is not supported yet: whole-silo removal only")
-    here = _silo(context, req.setup_json, handler="unlearn")
-    silo, data, spec = here.id, here.data, here.spec
+    task = _task(context, req.setup_json, handler="unlearn")
+    silo = int(context.node_config["partition-id"])
     forget_ids = list(req.forget)
-    unknown = sorted(set(forget_ids) - set(data.sample_ids.tolist()))
+    unknown = sorted(set(forget_ids) - set(task.sample_ids()))
     if unknown:  # checked against the silo's own ids (the coordinator holds digests only)
         raise ValueError(
             f"{len(unknown)} of the {len(forget_ids)} sample ids to erase are not held by "
             f"silo {silo}, e.g. {unknown[0][:80]!r}"
         )
-    forget = select(data, forget_ids, keep=True)
-    if len(forget) == 0:
-        raise ValueError("none of the sample ids to erase is held by this silo")
     ccfg = req.setup.client
     torch.set_num_threads(ccfg.num_threads)
     device = pick_device(ccfg.device)
-    model = _network(req.setup_json, spec)
+    model = task.network()
     base = req.params
     model.load_state_dict(base)
     reference = base if req.reference is None else req.reference
     seed = req.seed
+    spec = task.spec
+    forget: SiloData | Samples
+    heldout: SiloData | Samples | None = None
+    stop: MembershipStop | None = None
+    if isinstance(task, BundleTask):
+        if erase.method != "pga":
+            raise ValueError(
+                f"unlearning.method={erase.method}: a bundle task erases by projected gradient "
+                "ascent (pga) only"
+            )
+        forget = task.forget_samples(forget_ids)
+        stop, heldout = _bundle_stopping_rule(task, silo, erase)
+    else:
+        here = _silo(context, req.setup_json, handler="unlearn")
+        forget = select(here.data, forget_ids, keep=True)
+        if erase.method == "pga":
+            stop, heldout = _stopping_rule(here, req.setup_json, erase)
+    if len(forget) == 0:
+        raise ValueError("none of the sample ids to erase is held by this silo")
     if erase.method == "pga":
-        stop, heldout = _stopping_rule(here, req.setup_json, erase)
         stats = erase_pga(
             model,
             forget,
@@ -536,7 +571,8 @@ def unlearn(msg: Message, context: Context) -> Message:
             probe=erase.stop_probe,
         )
     else:
-        retain = select(data, forget_ids) if forget_ids else None
+        assert isinstance(task, ArrayTask) and isinstance(forget, SiloData)
+        retain = select(task.data, forget_ids) if forget_ids else None
         stats = erase_relabel(
             model,
             forget,

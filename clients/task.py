@@ -21,7 +21,7 @@ Both train on the silo's one loop (``clients.loop.run_steps``).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -288,6 +288,79 @@ class BundleTask:
 
     def erasure_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The task's loss."""
+        loss_fn = self.bundle.loss()
+        return lambda out, y: loss_fn(out, y)
+
+    def forget_samples(self, ids: Sequence[str]) -> BundleSamples:
+        """Items ``ids`` (all of them: none named) as an erasure uses them."""
+        wanted = set(ids)
+        items = [i for i in self.items if not wanted or mb.item_id(i) in wanted]
+        return BundleSamples(self.bundle, items)
+
+    def heldout_samples(self) -> BundleSamples | None:
+        """The held-out items (the membership test's unseen samples), or None."""
+        return BundleSamples(self.bundle, self.heldout) if self.heldout else None
+
+
+@dataclass
+class BundleSamples:
+    """Some of a bundle task's items as an erasure uses them (``clients.unlearn.Samples``):
+    training batches of ``train#dataloader#batch_size`` through the training transforms (the
+    ``batch_size`` an erasure asks for is the federation's, for arrays: a bundle says its
+    own), evaluation and the membership statistic through the validation transforms and
+    inferer, the signature's fixed batches through the training transforms seeded alike."""
+
+    bundle: mb.MonaiBundle
+    items: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        """How many items."""
+        return len(self.items)
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """Loss and score through ``validate#inferer``."""
+        data = mb.dataset(self.items, self.bundle.transform("validate"), 0)
+        return mb.evaluate(model, self.bundle, data, device=device)
+
+    def draws(
+        self, batch_size: int, gen: torch.Generator
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless seeded batches of the bundle's size, drawn with replacement."""
+        from monai.data import DataLoader
+        from torch.utils.data import RandomSampler
+
+        data = mb.dataset(self.items, self.bundle.transform("train"), 0)
+        size = self.bundle.batch_size()
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        sampler = RandomSampler(data, replacement=True, num_samples=2**31 - 1, generator=gen)
+        loader = DataLoader(
+            data,
+            batch_size=size,
+            sampler=sampler,
+            num_workers=0,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        return mb.batches(loader)
+
+    def chunk(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Items ``idx`` through the training transforms, their random parts seeded by the
+        items chosen (the same batch every call)."""
+        from monai.data import DataLoader
+
+        data = mb.dataset([self.items[i] for i in idx], self.bundle.transform("train"), 0)
+        seed = int(np.sum(np.asarray(idx, dtype=np.int64)) % (2**31))
+        loader = DataLoader(
+            data, batch_size=len(idx), num_workers=0, generator=torch.Generator().manual_seed(seed)
+        )
+        return next(iter(mb.batches(loader)))
+
+    def statistic(self, model: nn.Module, idx: np.ndarray, device: torch.device) -> np.ndarray:
+        """``medical_data.monai_bundle.statistic`` of items ``idx``."""
+        data = mb.dataset([self.items[i] for i in idx], self.bundle.transform("validate"), 0)
+        return mb.statistic(model, self.bundle, data, device=device)
+
+    def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The bundle's loss."""
         loss_fn = self.bundle.loss()
         return lambda out, y: loss_fn(out, y)
 

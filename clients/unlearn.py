@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,9 +53,81 @@ def _batch(
     return random_crops(images[idx], labels[idx], crop, gen)
 
 
+class Samples(Protocol):
+    """Some of one silo's samples as an erasure uses them (its forget set, its held-out
+    samples): a built-in benchmark's arrays (:class:`ArraySamples`) or a MONAI bundle's items
+    (``clients.task.BundleSamples``)."""
+
+    def __len__(self) -> int:
+        """How many samples."""
+        ...
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """``loss`` and ``score`` of ``model`` on them."""
+        ...
+
+    def draws(
+        self, batch_size: int, gen: torch.Generator
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless training batches drawn with replacement by ``gen``."""
+        ...
+
+    def chunk(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``idx`` as one batch, the same every call."""
+        ...
+
+    def statistic(self, model: nn.Module, idx: np.ndarray, device: torch.device) -> np.ndarray:
+        """The membership statistic of samples ``idx``: ``(len(idx),)``."""
+        ...
+
+    def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The loss an erasure ascends and the signature differentiates."""
+        ...
+
+
+@dataclass
+class ArraySamples:
+    """A built-in benchmark's samples (arrays in memory) as :class:`Samples`."""
+
+    data: SiloData
+    task: str
+
+    def __len__(self) -> int:
+        """How many samples."""
+        return len(self.data)
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """``medical_data.tasks.evaluate`` on them."""
+        return evaluate(model, self.data, task=self.task, device=device)
+
+    def draws(
+        self, batch_size: int, gen: torch.Generator
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``clients.loop.seeded_draws`` (random crops of volumes)."""
+        images, labels = torch.tensor(self.data.images), torch.tensor(self.data.labels)
+        return iter(seeded_draws(images, labels, batch_size, gen, self.data.patch))
+
+    def chunk(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``idx``, whole."""
+        return torch.tensor(self.data.images[idx]), torch.tensor(self.data.labels[idx])
+
+    def statistic(self, model: nn.Module, idx: np.ndarray, device: torch.device) -> np.ndarray:
+        """:func:`membership_statistic`."""
+        return membership_statistic(model, self.data, idx, task=self.task, device=device)
+
+    def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The task's loss."""
+        return objective(self.task)
+
+
+def as_samples(data: SiloData | Samples, task: str) -> Samples:
+    """``data`` as :class:`Samples` (arrays are wrapped)."""
+    return ArraySamples(data, task) if isinstance(data, SiloData) else data
+
+
 def erase_pga(
     model: nn.Module,
-    forget: SiloData,
+    forget: SiloData | Samples,
     *,
     reference: Params,
     radius: float,
@@ -65,7 +139,7 @@ def erase_pga(
     loss_cap: float | None = None,
     device: torch.device | None = None,
     stop: MembershipStop | None = None,
-    heldout: SiloData | None = None,
+    heldout: SiloData | Samples | None = None,
     check_every: int = 1,
     probe: int = 128,
 ) -> dict[str, float]:
@@ -106,10 +180,10 @@ def erase_pga(
         raise ValueError(f"check_every and probe must be >= 1, got {check_every} and {probe}")
     t0 = time.perf_counter()
     device = device or torch.device("cpu")
-    before = evaluate(model, forget, task=task, device=device)
+    forget = as_samples(forget, task)
+    before = forget.evaluate(model, device)
     model.to(device).train()
     gen = torch.Generator().manual_seed(seed)
-    images, labels = torch.tensor(forget.images), torch.tensor(forget.labels)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     ref = [reference[n].detach().to(device=device, dtype=p.dtype) for n, p in named]
@@ -118,7 +192,9 @@ def erase_pga(
     judge = None
     if stop is not None:
         assert heldout is not None
-        judge = _Judge(stop, forget, heldout, probe=probe, seed=seed, task=task, device=device)
+        judge = _Judge(
+            stop, forget, as_samples(heldout, task), probe=probe, seed=seed, device=device
+        )
         if judge.check(model, params, 0):
             steps = 0
 
@@ -141,8 +217,8 @@ def erase_pga(
 
     totals = run_steps(
         model,
-        seeded_draws(images, labels, batch_size, gen, forget.patch),
-        objective(task),  # the task's loss, ascended
+        forget.draws(batch_size, gen),
+        forget.loss(),  # ascended
         apply,
         zero_grad=lambda: opt.zero_grad(set_to_none=True),
         steps=steps,
@@ -162,7 +238,7 @@ def erase_pga(
                     sum(float((p - r).double().pow(2).sum()) for p, r in zip(params, ref))
                 )
         reading = judge.summary()
-    after = evaluate(model, forget, task=task, device=device)
+    after = forget.evaluate(model, device)
     return {
         "forget_loss_before": before["loss"],
         "forget_score_before": before["score"],
@@ -200,19 +276,18 @@ class _Judge:
     def __init__(
         self,
         rule: MembershipStop,
-        forget: SiloData,
-        heldout: SiloData,
+        forget: Samples,
+        heldout: Samples,
         *,
         probe: int,
         seed: int,
-        task: str,
         device: torch.device,
     ) -> None:
         rng = seeds.rng(seed, "unlearn.probe")
         self.rule, self.forget, self.heldout = rule, forget, heldout
         self.f_idx = np.sort(rng.permutation(len(forget))[:probe])
         self.h_idx = np.sort(rng.permutation(len(heldout))[:probe])
-        self.task, self.device = task, device
+        self.device = device
         self.track: Track = rule.track()
         self.best_state: list[torch.Tensor] | None = None
         self.reverted_to: int | None = None
@@ -221,10 +296,9 @@ class _Judge:
     def check(self, model: nn.Module, params: Sequence[torch.Tensor], step: int) -> bool:
         """Take a reading after ``step`` steps; True when the ascent is to stop (having
         restored the best earlier state on an overshoot)."""
-        task, device = self.task, self.device
         reading = self.rule.read(
-            membership_statistic(model, self.forget, self.f_idx, task=task, device=device),
-            membership_statistic(model, self.heldout, self.h_idx, task=task, device=device),
+            self.forget.statistic(model, self.f_idx, self.device),
+            self.heldout.statistic(model, self.h_idx, self.device),
         )
         decision = self.track.add(step, reading)
         if self.track.best()[0] == step:
@@ -330,7 +404,7 @@ def erase_relabel(
 
 def forget_signature(
     model: nn.Module,
-    forget: SiloData,
+    forget: SiloData | Samples,
     *,
     task: str,
     batches: int = 8,
@@ -366,7 +440,7 @@ def forget_signature(
 
 def forget_signature_with_gradient(
     model: nn.Module,
-    forget: SiloData,
+    forget: SiloData | Samples,
     *,
     task: str,
     batches: int = 8,
@@ -383,6 +457,7 @@ def forget_signature_with_gradient(
     blocks that component, `fedasync.unlearning.ForgetGradient`)."""
     if len(forget) == 0:
         raise ValueError("forget set is empty")
+    forget = as_samples(forget, task)
     device = device or torch.device("cpu")
     model.to(device).eval()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -402,14 +477,11 @@ def forget_signature_with_gradient(
             }
         )
 
-    chunk_batches = (
-        (torch.tensor(forget.images[idx]), torch.tensor(forget.labels[idx]))
-        for idx in (np.sort(c) for c in chunks)
-    )
+    chunk_batches = (forget.chunk(np.sort(c)) for c in chunks)
     run_steps(
         model,
         chunk_batches,
-        objective(task),
+        forget.loss(),
         keep,
         zero_grad=lambda: model.zero_grad(set_to_none=True),
         steps=len(chunks),

@@ -415,12 +415,18 @@ class FedAsyncConfig:
             for on, key in (
                 (self.backdoor.enabled, "backdoor.enabled"),
                 (self.client.dp.enabled, "client.dp.enabled"),
-                (bool(self.erasures), "erasures"),
             ):
+                check(not on, f"{key}: not supported with task.bundle yet")
+            for i, e in enumerate(self.erasures):
                 check(
-                    not on,
-                    f"{key}: not supported with task.bundle yet (a bundle trains and evaluates)",
+                    e.fraction >= 1.0,
+                    f"erasures[{i}].fraction={e.fraction}: with task.bundle a simulated request "
+                    "erases a whole silo (sample ids go through the erasure service)",
                 )
+            check(
+                self.unlearning.method == "pga",
+                "unlearning.method=relabel: a bundle task erases by projected gradient ascent (pga)",
+            )
         check(
             d.benchmark in BENCHMARKS,
             f"data.benchmark must be one of {tuple(BENCHMARKS)}, got {d.benchmark!r}",

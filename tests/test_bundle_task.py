@@ -219,3 +219,31 @@ def test_a_one_machine_deployment_gives_each_silo_its_share_as_its_own_datalist(
     assert sum(len(v) for v in got.values()) == 8 and all(
         Path(i["image"]).is_file() for i in got[0]
     )
+
+
+def test_a_silo_of_a_bundle_task_is_erased_while_the_others_train(small_cfg, bundle_dir):
+    # Prepare: two silos; silo 1 asks to be forgotten once the run is under way
+    from fedasync.events import read_events
+
+    cfg = small_cfg(
+        f"task.bundle={bundle_dir}",
+        "silos.count=2",
+        "run.max_versions=8",
+        "run.budget_s=60",
+        "client.local_steps=1",
+        "erasures=[{silo: 1, at_s: 4}]",
+        "unlearning.stop=fixed",
+        "unlearning.steps=2",
+        "unlearning.signature_batches=2",
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    # Execute
+    run_server(InProcessGrid(client_app, 2), cfg, run_dir)
+    events = read_events(run_dir / "metrics.jsonl")
+    # Assert: the erasure went through the silo (its ascent and signature on its volumes)
+    # to calibration, and no update of silo 1 was taken after the request
+    states = {e["state"]: e for e in events if e["event"] == "erasure"}
+    done = states["calibrating"]
+    assert done["silo_steps"] == 2 and done["silo_signature_rank"] >= 1
+    later = [e for e in events if e["event"] == "update" and e["t"] > states["erasing"]["t"]]
+    assert later and all(e["silo"] == 0 for e in later)
