@@ -39,6 +39,8 @@ def plain_monai(task, model, steps: int, seed: int, device, precision: str) -> N
     from monai.data import DataLoader
     from torch.utils.data import RandomSampler
 
+    from fedasync import seeds
+
     data = task._training_set([])
     size = task.bundle.batch_size()
     sampler = RandomSampler(
@@ -53,7 +55,7 @@ def plain_monai(task, model, steps: int, seed: int, device, precision: str) -> N
         sampler=sampler,
         num_workers=0,
         pin_memory=device.type == "cuda",
-        generator=torch.Generator().manual_seed(seed + 1),
+        generator=torch.Generator().manual_seed(seeds.torch_seed(seed, "bundle.transforms")),
     )
     model.to(device).train()
     opt = task.bundle.optimizer(model.parameters())

@@ -23,13 +23,10 @@ deployment engines.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,26 +34,31 @@ from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from clients.faults import inject_fault
-from clients.lab import LAB_SETTING, LabSettingRefused, instruments, refuse_instruments
+from clients.lab import LAB_SETTING, LabSettingRefused
 from clients.node_log import record
+from clients.node_task import (  # noqa: F401 (_network, _template: the tests' handles)
+    Silo,
+    _federation,
+    _network,
+    _relearning_data,
+    _silo,
+    _task,
+    _template,
+)
 from clients.preempt import JobStop, Preempted
 from clients.privacy import BudgetExhausted, Refusal, ledger_path
 from clients.task import ArrayTask, BundleTask, SiloTask
 from fedasync.devices import pick_device
 from fedasync.stopping import MembershipStop
 from fedasync.tensors import sub
-from medical_data.federation import Federation, SiloData
-from medical_data.networks import build_network
-from medical_data.registry import BenchmarkSpec, get_spec
+from medical_data.federation import SiloData
 from medical_data.tasks import (
     concat,
-    relearning_data,
     select,
     site_heldout,
-    training_data,
 )
 from protocol import keys as P
-from protocol.config import ClientConfig, SiloErasure, build_silos, parse_setup
+from protocol.config import ClientConfig, SiloErasure, parse_setup
 from protocol.erasure_messages import WORK_UNITS
 from protocol.ids import digest_all
 from protocol.messages import (
@@ -81,197 +83,6 @@ app = ClientApp()
 NO_DATA = "no_training_data"
 """Refusal reason of a silo whose training set is empty (every sample erased): a typed reply,
 once, after which the server sends it no more training (not an error it would retry)."""
-
-
-@lru_cache(maxsize=4)
-def _federation(setup_json: str) -> Federation:
-    setup = parse_setup(setup_json)
-    return build_silos(setup.data, setup.num_silos, setup.seed)
-
-
-@dataclass(frozen=True)
-class Silo:
-    """What this node works with: its silo id, the run's benchmark spec (task, shapes), the
-    data it trains on (with the trigger in backdoor verification runs) and what it evaluates
-    on (its datalist's ``validation`` list, else its training data)."""
-
-    id: int
-    spec: BenchmarkSpec
-    data: SiloData
-    heldout: SiloData
-    own: bool
-    """Its own datalist (deployment), not a partition of the benchmark."""
-    validation: SiloData | None = None
-    """Its datalist's ``validation`` list (deployment), when there is one: samples no model
-    trained on, what the erasure's membership test compares the forget samples with."""
-
-
-def _silo(context: Context, setup_json: str, *, relearn: bool = False, handler: str = "") -> Silo:
-    """This node's silo, from its node config (``partition-id``, ``datalist``). A node on its
-    own datalist refuses a setup (or a train request, ``relearn``) that asks for a benchmark
-    instrument (``clients.lab``): its data is used as it was read."""
-    if "partition-id" not in context.node_config:
-        raise ValueError("this SuperNode has no 'partition-id' in its node config")
-    silo = int(context.node_config["partition-id"])
-    setup = parse_setup(setup_json)
-    path = str(context.node_config.get(P.DATALIST, ""))
-    if not path:
-        fed = _federation(setup_json)
-        data = _silo_data(setup_json, silo)
-        return Silo(silo, fed.spec, data, data, own=False)
-    asked = instruments(setup.backdoor, relearn=relearn)
-    refuse_instruments(silo, asked, handler=handler or "message")
-    spec = get_spec(setup.data.benchmark)
-    try:
-        stamp = Path(path).expanduser().stat().st_mtime_ns  # an edited datalist is read again
-    except OSError:
-        stamp = 0  # (load_datalist says what is missing)
-    train, held = _datalist(path, spec.name, stamp)
-    return Silo(silo, spec, train, train if held is None else held, own=True, validation=held)
-
-
-@lru_cache(maxsize=4)
-def _datalist(path: str, benchmark: str, stamp: int) -> tuple[SiloData, SiloData | None]:
-    """The silo's ``training`` and (when present) ``validation`` lists, read once per
-    datalist version (``stamp``: its modification time)."""
-    from medical_data.datalist import has_list, load_datalist
-
-    spec = get_spec(benchmark)
-    train = load_datalist(path, spec, "training")
-    held = load_datalist(path, spec, "validation") if has_list(path, "validation") else None
-    return train, held
-
-
-@lru_cache(maxsize=4)
-def _template(name: str, channels: int, classes: int, size: tuple[int, int]) -> torch.nn.Module:
-    """The network, built once per shape: a template that is never trained itself."""
-    return build_network(name, channels, classes, size)
-
-
-def _network(setup_json: str, spec: BenchmarkSpec) -> torch.nn.Module:
-    """A fresh copy of the run's network, for one message."""
-    name = parse_setup(setup_json).data.network or spec.network
-    template = _template(name, spec.in_channels, spec.num_classes, tuple(spec.image_size))
-    return copy.deepcopy(template)
-
-
-@lru_cache(maxsize=8)
-def _silo_data(setup_json: str, silo: int) -> SiloData:
-    setup = parse_setup(setup_json)
-    return training_data(_federation(setup_json), silo, setup.backdoor, setup.seed)
-
-
-BUNDLE = "bundle"
-"""Node-config key of a hospital's own MONAI bundle folder (``fedasync node --bundle``)."""
-
-
-def _task(
-    context: Context, setup_json: str, *, relearn: bool = False, handler: str = ""
-) -> SiloTask:
-    """This node's task: a MONAI bundle (the node's own ``bundle`` node config in
-    deployment, else the run's ``task.bundle`` in simulation) on its items, or the built-in
-    benchmark's silo (:func:`_silo`)."""
-    setup = parse_setup(setup_json)
-    own_bundle = str(context.node_config.get(BUNDLE, ""))
-    if not own_bundle and setup.task.bundle is None:
-        here = _silo(context, setup_json, relearn=relearn, handler=handler)
-        template = _template(
-            setup.data.network or here.spec.network,
-            here.spec.in_channels,
-            here.spec.num_classes,
-            tuple(here.spec.image_size),
-        )
-        return ArrayTask(here.spec, here.data, here.heldout, template)
-    if "partition-id" not in context.node_config:
-        raise ValueError("this SuperNode has no 'partition-id' in its node config")
-    silo = int(context.node_config["partition-id"])
-    datalist = str(context.node_config.get(P.DATALIST, ""))
-    if datalist or own_bundle:
-        refuse_instruments(silo, instruments(setup.backdoor, relearn=relearn), handler=handler)
-    if relearn:
-        raise ValueError("a relearning attack trains on another silo's data: benchmark silos only")
-    if own_bundle:
-        if not datalist:
-            raise ValueError("a node with a bundle needs its 'datalist' in its node config")
-        return _own_bundle_task(own_bundle, datalist, setup.task.cache, setup.task.workers)
-    assert setup.task.bundle is not None
-    return _bundle_silo_task(setup.task.bundle, setup_json, silo)
-
-
-def _bundle_stamp(path: str) -> int:
-    try:
-        return max(f.stat().st_mtime_ns for f in (Path(path) / "configs").iterdir())
-    except (OSError, ValueError):
-        return 0
-
-
-@lru_cache(maxsize=4)
-def _bundle_silo_task_at(path: str, setup_json: str, silo: int, stamp: int) -> BundleTask:
-    from clients.task import split_items
-    from medical_data.monai_bundle import read_bundle
-
-    setup = parse_setup(setup_json)
-    bundle = read_bundle(path)
-    n, part, seed = setup.num_silos, setup.data.partition, setup.seed
-    if not 0 <= silo < n:
-        raise ValueError(f"silo {silo} is not a silo of this run (0..{n - 1})")
-    items = split_items(bundle.items("train"), n, part, seed)[silo]
-    held: list[dict[str, Any]] = []
-    if bundle.has("validate#dataset#data"):
-        val = bundle.items("validate")
-        if len(val) >= n:
-            held = split_items(val, n, part, seed)[silo]
-    torch.manual_seed(seed)  # (the template's weights are replaced by every message's)
-    return BundleTask(bundle, items, held, cache=setup.task.cache, workers=setup.task.workers)
-
-
-def _bundle_silo_task(path: str, setup_json: str, silo: int) -> BundleTask:
-    """Silo ``silo``'s share of the run's bundle's datalist (simulation)."""
-    return _bundle_silo_task_at(path, setup_json, silo, _bundle_stamp(path))
-
-
-@lru_cache(maxsize=2)
-def _own_bundle_task_at(
-    path: str, datalist: str, cache: int, workers: int, stamp: tuple[int, int]
-) -> BundleTask:
-    from monai.data import load_decathlon_datalist
-
-    from medical_data.monai_bundle import read_bundle
-
-    bundle = read_bundle(path)
-    try:
-        items = load_decathlon_datalist(datalist, True, "training")
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"datalist {datalist[:200]}: {str(e)[:200]}") from e
-    try:
-        held = load_decathlon_datalist(datalist, True, "validation")
-    except (ValueError, KeyError):
-        held = []
-    return BundleTask(bundle, items, held, cache=cache, workers=workers)
-
-
-def _own_bundle_task(path: str, datalist: str, cache: int, workers: int) -> BundleTask:
-    """A hospital's own bundle on its own datalist (deployment), read again when either
-    changes."""
-    try:
-        stamp = Path(datalist).expanduser().stat().st_mtime_ns
-    except OSError:
-        stamp = 0
-    return _own_bundle_task_at(path, datalist, cache, workers, (_bundle_stamp(path), stamp))
-
-
-def _relearning_data(setup_json: str, silo: Silo) -> SiloData:
-    if silo.own:
-        raise ValueError("a relearning attack trains on another silo's data: benchmark silos only")
-    return _benchmark_relearning_data(setup_json)
-
-
-@lru_cache(maxsize=2)
-def _benchmark_relearning_data(setup_json: str) -> SiloData:
-    setup = parse_setup(setup_json)
-    if not setup.backdoor or "silo" not in setup.backdoor:
-        raise ValueError("a relearning job in a run whose setup names no backdoored silo")
-    return relearning_data(_federation(setup_json), setup.backdoor, setup.seed)
 
 
 def training_kwargs(

@@ -31,6 +31,7 @@ from torch import nn
 
 from clients.local import objective, train_local
 from clients.loop import FP32, Precision, run_steps
+from fedasync import seeds
 from medical_data import monai_bundle as mb
 from medical_data.federation import SiloData
 from medical_data.registry import BenchmarkSpec
@@ -249,7 +250,7 @@ class BundleTask:
             sampler=sampler,
             num_workers=self.workers,
             pin_memory=device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed + 1),
+            generator=torch.Generator().manual_seed(seeds.torch_seed(seed, "bundle.transforms")),
         )
         model.to(device).train()
         opt = self.bundle.optimizer(model.parameters())
@@ -348,7 +349,8 @@ class BundleSamples:
         from monai.data import DataLoader
 
         data = mb.dataset([self.items[i] for i in idx], self.bundle.transform("train"), 0)
-        seed = int(np.sum(np.asarray(idx, dtype=np.int64)) % (2**31))
+        first = int(np.asarray(idx, dtype=np.int64)[0]) if len(idx) else 0
+        seed = seeds.torch_seed(first, "bundle.chunk", len(idx))
         loader = DataLoader(
             data, batch_size=len(idx), num_workers=0, generator=torch.Generator().manual_seed(seed)
         )
@@ -372,7 +374,6 @@ def split_items(
     ``site`` (sites in sorted order, dealt to silos in turn; without sites, contiguous blocks
     of the datalist's order), ``iid`` by a seeded shuffle. Raises ValueError (one line) when a
     silo would get nothing."""
-    from fedasync import seeds
 
     if partition == "natural":
         sites = [i.get("site") for i in items]

@@ -166,67 +166,29 @@ def apply_site_shift(
     """Apply one simulated site's acquisition differences to images.
 
     Args:
-        images: float32, shape ``(N, C, H, W)``, intensities roughly in ``[0, 1]``; or
-            ``(N, C, 1, F)`` standardised features (a tabular benchmark:
-            :func:`_tabular_site_shift`).
+        images: float32, shape ``(N, C, H, W)`` or volumes ``(N, C, D, H, W)`` (the blur
+            then in 3D too), intensities roughly in ``[0, 1]``; or ``(N, C, 1, F)``
+            standardised features (a tabular benchmark: :func:`_tabular_site_shift`).
         seed: identifies the site; the same seed gives the same bias field, gamma and blur,
             and (for the same N) the same noise.
         strength: 0 returns a copy unchanged; 1 is a moderate, visible shift.
 
-    Returns the shifted images, float32 ``(N, C, H, W)``, and the site's parameters.
+    Returns the shifted images, float32, shaped as given, and the site's parameters.
     """
     x = np.ascontiguousarray(images, dtype=np.float32)
     if x.ndim == 4 and is_tabular(x.shape[2:]):
         return _tabular_site_shift(x, seed, strength)
     if strength <= 0 or len(x) == 0:
         return x.copy(), {"gamma": 1.0, "bias": 0.0, "blur_sigma": 0.0, "noise_std": 0.0}
-    if x.ndim == 5:
-        return _volume_site_shift(x, seed, strength)
-    n, c, h, w = x.shape
-    bias = RandBiasField(degree=3, coeff_range=(-0.25 * strength, 0.25 * strength), prob=1.0)
-    contrast = RandAdjustContrast(prob=1.0, gamma=(1.0 / (1 + 0.5 * strength), 1 + 0.5 * strength))
-    smooth = RandGaussianSmooth(
-        sigma_x=(0.1, 0.8 * strength), sigma_y=(0.1, 0.8 * strength), prob=1.0
-    )
-    noise = RandGaussianNoise(prob=1.0, mean=0.0, std=0.04 * strength)
-    for k, t in enumerate((bias, contrast, smooth, noise)):
-        t.set_random_state(seed=(int(seed) * 7919 + k) % (2**32))
-    track = get_track_meta()
-    set_track_meta(False)
-    try:
-        field = np.asarray(bias(np.ones((1, h, w), np.float32)), dtype=np.float32)  # (1, H, W)
-        contrast.randomize()
-        gamma = float(contrast.gamma_value)
-        adjust = AdjustContrast(gamma)
-        flat = torch.from_numpy(x.reshape(n * c, 1, h, w))
-        # MONAI types a transform's output as ndarray | Tensor; a Tensor in gives a Tensor out
-        out = torch.stack([adjust(img) for img in flat])  # type: ignore[misc]  # per image, as MONAI does
-        out = out.reshape(n * c, h, w) * torch.from_numpy(field)
-        smooth.randomize()
-        shifted = noise(smooth(out, randomize=False))
-    finally:
-        set_track_meta(track)
-    params = {
-        "gamma": round(gamma, 3),
-        "bias": round(float(np.abs(np.log(field)).mean()), 3),
-        "blur_sigma": round(float(smooth.x), 3),
-        "noise_std": round(float(noise.noise.std()) if noise.noise is not None else 0.0, 3),
-    }
-    return np.asarray(shifted, dtype=np.float32).reshape(n, c, h, w), params
-
-
-def _volume_site_shift(
-    x: np.ndarray, seed: int, strength: float
-) -> tuple[np.ndarray, dict[str, float]]:
-    """One site's acquisition differences on volumes ``x (N, C, D, H, W)``: the same four
-    MONAI transforms as on images, in 3D (a smooth bias field of degree 3 over the volume, a
-    gamma, a Gaussian blur and Gaussian noise), seeded by ``seed``; the same parameters."""
     n, c = x.shape[:2]
-    spatial = x.shape[2:]
+    spatial = x.shape[2:]  # (H, W), or (D, H, W) for volumes
     bias = RandBiasField(degree=3, coeff_range=(-0.25 * strength, 0.25 * strength), prob=1.0)
     contrast = RandAdjustContrast(prob=1.0, gamma=(1.0 / (1 + 0.5 * strength), 1 + 0.5 * strength))
-    sig = (0.1, 0.8 * strength)
-    smooth = RandGaussianSmooth(sigma_x=sig, sigma_y=sig, sigma_z=sig, prob=1.0)
+    sigma = (0.1, 0.8 * strength)
+    if len(spatial) == 3:  # (the draws are the same: MONAI draws a z sigma in 2D too)
+        smooth = RandGaussianSmooth(sigma_x=sigma, sigma_y=sigma, sigma_z=sigma, prob=1.0)
+    else:
+        smooth = RandGaussianSmooth(sigma_x=sigma, sigma_y=sigma, prob=1.0)
     noise = RandGaussianNoise(prob=1.0, mean=0.0, std=0.04 * strength)
     for k, t in enumerate((bias, contrast, smooth, noise)):
         t.set_random_state(seed=(int(seed) * 7919 + k) % (2**32))
@@ -238,7 +200,8 @@ def _volume_site_shift(
         gamma = float(contrast.gamma_value)
         adjust = AdjustContrast(gamma)
         flat = torch.from_numpy(x.reshape(n * c, 1, *spatial))
-        out = torch.stack([adjust(v) for v in flat])  # type: ignore[misc]
+        # MONAI types a transform's output as ndarray | Tensor; a Tensor in gives a Tensor out
+        out = torch.stack([adjust(img) for img in flat])  # type: ignore[misc]  # per image, as MONAI does
         out = out.reshape(n * c, *spatial) * torch.from_numpy(field)
         smooth.randomize()
         shifted = noise(smooth(out, randomize=False))

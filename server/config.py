@@ -44,6 +44,7 @@ from runkit import configload
 from runkit.keys import RunKeys
 from server.config_erasure import BackdoorConfig, ErasureRequestConfig, UnlearningConfig
 from server.config_ranges import RANGES
+from server.config_task import task_checks
 
 ServerMode = Literal["fedasync", "fedbuff", "sync"]
 """``server.mode``."""
@@ -407,26 +408,8 @@ class FedAsyncConfig:
             self.client.precision in PRECISIONS,
             f"client.precision must be one of {PRECISIONS}, got {self.client.precision!r}",
         )
-        if self.task.bundle is not None:
-            check(
-                d.partition in ("natural", "iid"),
-                f"data.partition={d.partition}: a bundle's datalist splits natural or iid",
-            )
-            for on, key in (
-                (self.backdoor.enabled, "backdoor.enabled"),
-                (self.client.dp.enabled, "client.dp.enabled"),
-            ):
-                check(not on, f"{key}: not supported with task.bundle yet")
-            for i, e in enumerate(self.erasures):
-                check(
-                    e.fraction >= 1.0,
-                    f"erasures[{i}].fraction={e.fraction}: with task.bundle a simulated request "
-                    "erases a whole silo (sample ids go through the erasure service)",
-                )
-            check(
-                self.unlearning.method == "pga",
-                "unlearning.method=relabel: a bundle task erases by projected gradient ascent (pga)",
-            )
+        for ok, why in task_checks(self):  # (server/config_task.py)
+            check(ok, why)
         check(
             d.benchmark in BENCHMARKS,
             f"data.benchmark must be one of {tuple(BENCHMARKS)}, got {d.benchmark!r}",

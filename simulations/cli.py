@@ -30,7 +30,7 @@ from typing import Any
 from fedasync.errors import UserError
 from fedasync.processes import sweep_orphans
 from server.summary import no_version_reason
-from simulations import certs, deploy, export_cli, node
+from simulations import certs, deploy_cli, export_cli, node
 from trainers.market import cli as market_cli
 from trainers.pipeline import cli as pipeline_cli
 from trainers.rl import cli as rl_cli
@@ -126,7 +126,7 @@ def _main(argv: list[str] | None = None) -> int:
     seal.add_argument("files", nargs="+", type=Path)
     certs.add_parser(sub)
     export_cli.add_parser(sub)
-    deploy.add_parser(sub)
+    deploy_cli.add_parser(sub)
     node.add_parser(sub)
     rl_cli.add_parser(sub)
     pipeline_cli.add_parser(sub)
@@ -159,7 +159,7 @@ def _main(argv: list[str] | None = None) -> int:
     if args.cmd == "market":
         return market_cli.run(args)
     if args.cmd == "deploy":
-        return deploy.run(args)
+        return deploy_cli.run(args)
     if args.cmd == "node":
         return node.run_node(args)
     if args.cmd == "data" and args.data_cmd == "fetch":

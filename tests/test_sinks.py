@@ -549,7 +549,9 @@ def test_deploy_local_is_followed_live_from_its_own_process(tmp_path, monkeypatc
             time.sleep(0.2)
         raise deploy.DeployError("the fake deployment ends here")
 
-    monkeypatch.setattr(deploy, "deploy_local", fake_deploy_local)
+    from simulations import deploy_cli
+
+    monkeypatch.setattr(deploy_cli, "deploy_local", fake_deploy_local)
 
     # Execute
     code = main(["deploy", "local", f"run.out_dir={tmp_path}", "run.name=d", "run.progress=false"])

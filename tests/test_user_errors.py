@@ -220,11 +220,11 @@ def test_a_run_with_versions_exits_0(monkeypatch, tmp_path):
 @pytest.mark.parametrize("versions, code", [(0, 1), (4, 0)])
 def test_deploy_local_without_any_version_exits_1(versions, code, monkeypatch, tmp_path, capsys):
     # Prepare: the deployment ran (its processes replaced) and made `versions` versions
-    from simulations import deploy
+    from simulations import deploy_cli
 
     summary = {"versions": versions, "updates_rejected": {"client_error": 3}}
-    monkeypatch.setattr(deploy, "deploy_local", lambda cfg, **kw: summary)
-    monkeypatch.setattr(deploy, "print_result", lambda summary, run_dir: None)
+    monkeypatch.setattr(deploy_cli, "deploy_local", lambda cfg, **kw: summary)
+    monkeypatch.setattr(deploy_cli, "print_result", lambda summary, run_dir: None)
 
     # Execute
     got = main(["deploy", "local", "--silos", "2", f"run.out_dir={tmp_path}"])
