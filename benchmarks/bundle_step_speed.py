@@ -9,8 +9,9 @@ steps:
   ``backward``, ``step``.
 
 They alternate ``--repeats`` times (these machines are noisy; each pair is run back to back);
-prints each pair's seconds per step, the median ratio ``step_cost_vs_plain_monai`` (the goal:
-at most 1.10) and its limit (1.0: the same work). On a CPU with one thread per silo, as
+on a CPU each is timed by this process's CPU time (one thread), on CUDA by wall time. Prints
+each pair's seconds per step, the median ratio ``step_cost_vs_plain_monai`` (the goal: at most
+1.10) and its limit (1.0: the same work). On a CPU with one thread per silo, as
 simulation runs it. With a CUDA device (``--device cuda``) both run there; with
 ``--precision bf16|fp16`` fedasync's loop runs in mixed precision and the plain loop under the
 same ``torch.autocast`` (fp16 with ``torch.amp.GradScaler``).
@@ -76,13 +77,17 @@ def plain_monai(task, model, steps: int, seed: int, device, precision: str) -> N
 
 
 def timed(fn, device) -> float:  # noqa: ANN001
+    """Seconds ``fn`` took: on a CPU this process's CPU time (one thread: the work itself,
+    what another process on the machine does not inflate), on CUDA wall time."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    t0 = time.process_time()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def measure(
