@@ -79,12 +79,14 @@ class MonaiBundle:
         return self.parser.get(id_.replace("#", "::"), None) is not None
 
     def parsed(self, id_: str) -> Any:
-        """The built content of ``id_``; BundleError naming it when missing or failing."""
+        """The content of ``id_`` built anew (never the parser's cached object: a network, a
+        loss or a transform is the caller's own); BundleError naming it when missing or
+        failing."""
         key = id_.replace("#", "::")
         if not self.has(key):
             raise BundleError(f"bundle {self.root}: no '{id_}' in its config, which fedasync needs")
         try:
-            return self.parser.get_parsed_content(key, instantiate=True)
+            return self.parser.get_parsed_content(key, instantiate=True, lazy=False)
         except Exception as e:  # noqa: BLE001 - any failure of the bundle's own code, in one line
             raise BundleError(
                 f"bundle {self.root}: cannot build '{id_}' ({type(e).__name__}: {_bounded(e)})"

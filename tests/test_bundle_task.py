@@ -58,6 +58,20 @@ def test_a_zoo_style_bundle_is_read_by_monais_ids_without_building_its_trainer(b
     assert (spec.in_channels, spec.num_classes, spec.image_size) == (1, 4, (32, 32, 32))
 
 
+def test_every_network_of_a_bundle_is_built_anew_from_torchs_seed(bundle_dir):
+    # (a parser's cached network, trained in place by one run, was the next run's start)
+    b = mb.read_bundle(bundle_dir)
+    torch.manual_seed(0)
+    first = b.network()
+    torch.manual_seed(0)
+    again = b.network()
+    torch.manual_seed(1)
+    other = b.network()
+    key = next(iter(first.state_dict()))
+    assert first is not again and torch.equal(first.state_dict()[key], again.state_dict()[key])
+    assert not torch.equal(first.state_dict()[key], other.state_dict()[key])
+
+
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
