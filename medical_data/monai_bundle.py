@@ -297,10 +297,17 @@ def dataset(items: list[dict[str, Any]], transform: Any, cache: int) -> Any:
     return CacheDataset(items, transform=transform, cache_num=cache, num_workers=0, progress=False)
 
 
+def _plain(x: Any) -> torch.Tensor:
+    """``x`` as a plain tensor: a MONAI ``MetaTensor``'s data without its metadata, which
+    every torch call on it would otherwise carry along (training needs none of it)."""
+    return x.as_tensor() if hasattr(x, "as_tensor") else torch.as_tensor(x)
+
+
 def batches(loader: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(image, label)`` of each batch of a MONAI loader (dicts keyed ``image``, ``label``)."""
+    """``(image, label)`` of each batch of a MONAI loader (dicts keyed ``image``, ``label``),
+    plain tensors."""
     for batch in loader:
-        yield torch.as_tensor(batch["image"]), torch.as_tensor(batch["label"])
+        yield _plain(batch["image"]), _plain(batch["label"])
 
 
 def label_map(y: torch.Tensor) -> torch.Tensor:
