@@ -261,3 +261,34 @@ def test_a_silo_of_a_bundle_task_is_erased_while_the_others_train(small_cfg, bun
     assert done["silo_steps"] == 2 and done["silo_signature_rank"] >= 1
     later = [e for e in events if e["event"] == "update" and e["t"] > states["erasing"]["t"]]
     assert later and all(e["silo"] == 0 for e in later)
+
+
+def test_a_hospital_node_erases_the_items_it_is_asked_for_and_refuses_others(small_cfg, bundle_dir):
+    # Prepare: a hospital's node with its own bundle; an erasure of one of its volumes (ids as
+    # the erasure service sends them) and one of a volume it does not hold
+    from protocol.config import SiloErasure
+    from protocol.erasure_messages import UnlearnReply, UnlearnRequest
+
+    cfg = small_cfg(f"task.bundle={bundle_dir}", "silos.count=2")
+    grid = InProcessGrid(client_app, 1)
+    node, ctx = next(iter(grid.contexts.items()))
+    datalist = Path(json.loads((bundle_dir / "configs" / "train.json").read_text())["dataset_dir"])
+    ctx.node_config.update(bundle=str(bundle_dir), datalist=str(datalist / "dataset.json"))
+    setup = client_setup(cfg).to_json()
+    params = mb.read_bundle(bundle_dir).network().state_dict()
+    erasure = SiloErasure(steps=2, stop="membership", stop_every=1, signature_batches=2)
+    ask = [("brain3d-s0-0000",), ("brain3d-s9-9999",)]
+    # Execute
+    ids = grid.push_messages(
+        [
+            UnlearnRequest(setup, j, 0, 0, params, erasure, f).to_message(node)
+            for j, f in enumerate(ask)
+        ]
+    )
+    erased, refused = grid.pull_messages(ids)
+    # Assert: one volume ascended against its held-out ones, with a signature; the other id
+    # refused in one line
+    got = UnlearnReply.from_message(erased)
+    assert got.num_samples == 1 and got.basis.shape[0] >= 1
+    assert got.metrics["compared"] >= 2 and got.metrics["readings"] >= 1
+    assert refused.has_error() and "are not held by silo 0" in refused.error.reason
