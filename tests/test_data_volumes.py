@@ -122,3 +122,13 @@ def test_a_3d_run_exports_a_bundle_with_basicunet_and_a_sliding_window(tmp_path)
     assert type(theirs).__name__ == "BasicUNet"
     assert theirs.load_state_dict(ours.state_dict(), strict=True)
     assert _inferer(spec)["roi_size"] == list(PATCH_3D)
+
+
+def test_the_volumes_command_writes_data_and_a_bundle_fedasync_reads(tmp_path, capsys):
+    from medical_data.monai_bundle import read_bundle
+    from medical_data.volumes import main
+
+    main([str(tmp_path / "brain3d"), "--volumes", "4", "--validation", "2", "--sites", "2"])
+    b = read_bundle(tmp_path / "brain3d" / "bundle")
+    assert "4+2 volumes" in capsys.readouterr().out
+    assert len(b.items("train")) == 4 and len(b.items("validate")) == 2
