@@ -36,29 +36,20 @@ from flwr.clientapp import ClientApp
 from clients.faults import inject_fault
 from clients.lab import LAB_SETTING, LabSettingRefused
 from clients.node_log import record
-from clients.node_task import (  # noqa: F401 (_network, _template: the tests' handles)
-    Silo,
-    _federation,
-    _network,
-    _relearning_data,
-    _silo,
-    _task,
-    _template,
-)
+from clients.node_task import _relearning_data, _task
 from clients.preempt import JobStop, Preempted
 from clients.privacy import BudgetExhausted, Refusal, ledger_path
-from clients.task import ArrayTask, BundleTask, SiloTask
+from clients.task import ArrayTask, SiloTask
+from clients.unlearn import ArraySamples
 from fedasync.devices import pick_device
 from fedasync.stopping import MembershipStop
 from fedasync.tensors import sub
-from medical_data.federation import SiloData
 from medical_data.tasks import (
     concat,
     select,
-    site_heldout,
 )
 from protocol import keys as P
-from protocol.config import ClientConfig, SiloErasure, parse_setup
+from protocol.config import ClientConfig, SiloErasure
 from protocol.erasure_messages import WORK_UNITS
 from protocol.ids import digest_all
 from protocol.messages import (
@@ -138,9 +129,8 @@ def train(msg: Message, context: Context) -> Message:
         return _refuse(msg, req, silo, NO_DATA, detail)
     samples = len(ids) - len(exclude)
     if req.relearn:  # a relearning attack in a verification run (benchmark silos only)
-        assert isinstance(task, ArrayTask)
-        here = _silo(context, req.setup_json)
-        data = concat(select(task.data, exclude), _relearning_data(req.setup_json, here))
+        assert isinstance(task, ArrayTask)  # (``_task`` refused it on a node's own data)
+        data = concat(select(task.data, exclude), _relearning_data(req.setup_json))
         task, exclude, samples = replace(task, data=data), [], len(data)
     ccfg = setup.client
     torch.set_num_threads(ccfg.num_threads)
@@ -277,42 +267,19 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
 
 
 def _stopping_rule(
-    here: Silo, setup_json: str, erase: SiloErasure
-) -> tuple[MembershipStop | None, SiloData | None]:
-    """The membership test and the held-out samples it compares with, for ``stop=membership``:
-    in simulation the silo's share of the test set, in deployment its datalist's validation
-    list. Without one (a datalist with no validation list) the erasure takes its fixed steps,
-    and says so in the log."""
-    if erase.stop != "membership":
-        return None, None
-    if here.own:
-        held = here.validation
-    else:
-        setup = parse_setup(setup_json)
-        held = site_heldout(_federation(setup_json), here.id, setup.backdoor, setup.seed)
-    if held is None or len(held) == 0:
-        log.warning(
-            "silo %d: unlearning.stop=membership needs held-out samples (a 'validation' list "
-            "in the datalist); erasing with the fixed %d steps instead",
-            here.id,
-            erase.steps,
-        )
-        return None, None
-    return MembershipStop(alpha=erase.stop_alpha), held
-
-
-def _bundle_stopping_rule(
-    task: BundleTask, silo: int, erase: SiloErasure
+    task: SiloTask, silo: int, erase: SiloErasure
 ) -> tuple[MembershipStop | None, Samples | None]:
-    """:func:`_stopping_rule` of a bundle task: its held-out items (its datalist's validation
-    list, or its share of the bundle's in simulation)."""
+    """The membership test and the held-out samples it compares with, for ``stop=membership``
+    (``SiloTask.heldout_samples``: in simulation the silo's share of the test set, in
+    deployment its datalist's validation list). Without them the erasure takes its fixed
+    steps, and says so in the log."""
     if erase.stop != "membership":
         return None, None
     held = task.heldout_samples()
     if held is None:
         log.warning(
-            "silo %d: unlearning.stop=membership needs held-out items (a 'validation' list in "
-            "the datalist); erasing with the fixed %d steps instead",
+            "silo %d: unlearning.stop=membership needs held-out samples (a 'validation' list "
+            "in the datalist); erasing with the fixed %d steps instead",
             silo,
             erase.steps,
         )
@@ -346,22 +313,13 @@ def unlearn(msg: Message, context: Context) -> Message:
     reference = base if req.reference is None else req.reference
     seed = req.seed
     spec = task.spec
-    forget: SiloData | Samples
-    heldout: SiloData | Samples | None = None
-    stop: MembershipStop | None = None
-    if isinstance(task, BundleTask):
-        if erase.method != "pga":
-            raise ValueError(
-                f"unlearning.method={erase.method}: a bundle task erases by projected gradient "
-                "ascent (pga) only"
-            )
-        forget = task.forget_samples(forget_ids)
-        stop, heldout = _bundle_stopping_rule(task, silo, erase)
-    else:
-        here = _silo(context, req.setup_json, handler="unlearn")
-        forget = select(here.data, forget_ids, keep=True)
-        if erase.method == "pga":
-            stop, heldout = _stopping_rule(here, req.setup_json, erase)
+    if erase.method != "pga" and not isinstance(task, ArrayTask):
+        raise ValueError(
+            f"unlearning.method={erase.method}: a bundle task erases by projected gradient "
+            "ascent (pga) only"
+        )
+    forget = task.forget_samples(forget_ids)
+    stop, heldout = _stopping_rule(task, silo, erase) if erase.method == "pga" else (None, None)
     if len(forget) == 0:
         raise ValueError("none of the sample ids to erase is held by this silo")
     if erase.method == "pga":
@@ -382,11 +340,11 @@ def unlearn(msg: Message, context: Context) -> Message:
             probe=erase.stop_probe,
         )
     else:
-        assert isinstance(task, ArrayTask) and isinstance(forget, SiloData)
+        assert isinstance(task, ArrayTask) and isinstance(forget, ArraySamples)
         retain = select(task.data, forget_ids) if forget_ids else None
         stats = erase_relabel(
             model,
-            forget,
+            forget.data,
             retain=retain,
             num_classes=spec.num_classes,
             task=spec.task,

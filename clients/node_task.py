@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from clients.task import ArrayTask, SiloTask
 from medical_data.federation import Federation, SiloData
 from medical_data.networks import build_network
 from medical_data.registry import BenchmarkSpec, get_spec
-from medical_data.tasks import relearning_data, training_data
+from medical_data.tasks import relearning_data, site_heldout, training_data
 from protocol import keys as P
 from protocol.config import build_silos, parse_setup
 
@@ -103,6 +103,13 @@ def _network(setup_json: str, spec: BenchmarkSpec) -> torch.nn.Module:
     return copy.deepcopy(template)
 
 
+@lru_cache(maxsize=2)
+def _site_heldout(setup_json: str, silo: int) -> SiloData:
+    """Silo ``silo``'s share of the test set (``medical_data.tasks.site_heldout``)."""
+    setup = parse_setup(setup_json)
+    return site_heldout(_federation(setup_json), silo, setup.backdoor, setup.seed)
+
+
 @lru_cache(maxsize=8)
 def _silo_data(setup_json: str, silo: int) -> SiloData:
     setup = parse_setup(setup_json)
@@ -125,7 +132,10 @@ def _task(
             here.spec.num_classes,
             tuple(here.spec.image_size),
         )
-        return ArrayTask(here.spec, here.data, here.heldout, template)
+        unseen = (
+            (lambda: here.validation) if here.own else partial(_site_heldout, setup_json, here.id)
+        )
+        return ArrayTask(here.spec, here.data, here.heldout, template, unseen)
     if "partition-id" not in context.node_config:
         raise ValueError("this SuperNode has no 'partition-id' in its node config")
     silo = int(context.node_config["partition-id"])
@@ -142,14 +152,10 @@ def _task(
     return bundle_silo_task(setup.task.bundle, setup_json, silo)
 
 
-def _relearning_data(setup_json: str, silo: Silo) -> SiloData:
-    if silo.own:
-        raise ValueError("a relearning attack trains on another silo's data: benchmark silos only")
-    return _benchmark_relearning_data(setup_json)
-
-
 @lru_cache(maxsize=2)
-def _benchmark_relearning_data(setup_json: str) -> SiloData:
+def _relearning_data(setup_json: str) -> SiloData:
+    """The backdoored silo's poisoned samples a relearning attack trains on (a verification
+    run's instrument: ``_task`` refuses it on a node's own data)."""
     setup = parse_setup(setup_json)
     if not setup.backdoor or "silo" not in setup.backdoor:
         raise ValueError("a relearning job in a run whose setup names no backdoored silo")

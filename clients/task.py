@@ -2,8 +2,9 @@
 
 In the spirit of MONAI's ``monai.fl.client.ClientAlgo``, a :class:`SiloTask` builds the
 network, trains it N local steps in place from the weights it was given, evaluates it on the
-silo's held-out data, gives a per-sample statistic (for the erasure's membership test and its
-verification), the loss an erasure ascends, and the silo's sample ids. The ClientApp
+silo's held-out data, lists the silo's sample ids, and gives any of its samples as an erasure
+uses them (``clients.unlearn.Samples``: the loss the erasure ascends, the per-sample statistic
+of its membership test and of verification). The ClientApp
 (clients/app.py) is an adapter: it reads a Flower message, loads the weights into the task's
 network, calls the task and answers with the delta; nothing here imports Flower.
 
@@ -29,8 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from clients.local import objective, train_local
+from clients.local import train_local
 from clients.loop import FP32, Precision, run_steps
+from clients.unlearn import ArraySamples, Samples
 from fedasync import seeds
 from medical_data import monai_bundle as mb
 from medical_data.federation import SiloData
@@ -84,15 +86,14 @@ class SiloTask(Protocol):
         """How many samples :meth:`evaluate` scores."""
         ...
 
-    def statistic(
-        self, model: nn.Module, ids: Sequence[str], *, device: torch.device
-    ) -> np.ndarray:
-        """The membership statistic of each of ``ids`` (logit-scaled confidence in the true
-        label): ``(len(ids),)``."""
+    def forget_samples(self, ids: Sequence[str]) -> Samples:
+        """Samples ``ids`` as an erasure uses them (``clients.unlearn.Samples``: the batches it
+        ascends, the loss it ascends, the per-sample membership statistic it tests)."""
         ...
 
-    def erasure_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The loss ``(out, y) -> scalar`` an erasure ascends."""
+    def heldout_samples(self) -> Samples | None:
+        """Samples no model trained on, drawn as the training samples are (the membership
+        test's unseen side), as :meth:`forget_samples`; None when the silo has none."""
         ...
 
 
@@ -105,6 +106,9 @@ class ArrayTask:
     heldout: SiloData
     template: nn.Module
     """The network, never trained itself: every call of :meth:`network` copies it."""
+    unseen: Callable[[], SiloData | None] | None = None
+    """The silo's samples no model trained on (built when an erasure asks: its share of the
+    test set in simulation, its datalist's ``validation`` list in deployment)."""
 
     def network(self) -> nn.Module:
         """A copy of the template."""
@@ -156,18 +160,14 @@ class ArrayTask:
         """The held-out samples."""
         return len(self.heldout)
 
-    def statistic(
-        self, model: nn.Module, ids: Sequence[str], *, device: torch.device
-    ) -> np.ndarray:
-        """The membership statistic of ``ids`` (see :class:`SiloTask`)."""
-        from clients.unlearn import membership_statistic
+    def forget_samples(self, ids: Sequence[str]) -> ArraySamples:
+        """Samples ``ids`` (those of them the silo holds) as arrays."""
+        return ArraySamples(select(self.data, list(ids), keep=True), self.spec.task)
 
-        idx = np.flatnonzero(np.isin(self.data.sample_ids, np.asarray(list(ids))))
-        return membership_statistic(model, self.data, idx, task=self.spec.task, device=device)
-
-    def erasure_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The task's loss."""
-        return objective(self.spec.task)
+    def heldout_samples(self) -> ArraySamples | None:
+        """The unseen samples (``unseen``) as arrays, or None."""
+        held = None if self.unseen is None else self.unseen()
+        return None if held is None or len(held) == 0 else ArraySamples(held, self.spec.task)
 
 
 @dataclass
@@ -277,20 +277,6 @@ class BundleTask:
     def evaluated_samples(self) -> int:
         """The held-out items (else the training items)."""
         return len(self.heldout or self.items)
-
-    def statistic(
-        self, model: nn.Module, ids: Sequence[str], *, device: torch.device
-    ) -> np.ndarray:
-        """The membership statistic of ``ids`` (see :class:`SiloTask`)."""
-        wanted = set(ids)
-        items = [i for i in self.items if mb.item_id(i) in wanted]
-        data = mb.dataset(items, self.bundle.transform("validate"), 0)
-        return mb.statistic(model, self.bundle, data, device=device)
-
-    def erasure_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The task's loss."""
-        loss_fn = self.bundle.loss()
-        return lambda out, y: loss_fn(out, y)
 
     def forget_samples(self, ids: Sequence[str]) -> BundleSamples:
         """Items ``ids`` (all of them: none named) as an erasure uses them."""

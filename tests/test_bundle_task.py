@@ -109,13 +109,14 @@ def test_a_bundle_task_trains_in_place_and_evaluates_by_sliding_window(bundle_di
         again, steps=2, client=client, seed=0, exclude=[], device=torch.device("cpu"), stop=None
     )
     scores = task.evaluate(model, device=torch.device("cpu"))
-    stat = task.statistic(model, task.sample_ids()[:3], device=torch.device("cpu"))
+    forget = task.forget_samples(task.sample_ids()[:3])
+    stat = forget.statistic(model, np.arange(3), torch.device("cpu"))
     # Assert: trained (every parameter moved), reproducibly for a seed; scored on held-out
     # volumes; a statistic per sample; ids are the files' names
     assert all(not torch.equal(before[k], v) for k, v in model.state_dict().items() if "conv" in k)
     assert stats["train_loss"] == same["train_loss"] and np.isfinite(stats["train_loss"])
     assert 0.0 <= scores["score"] <= 1.0 and np.isfinite(scores["loss"])
-    assert stat.shape == (3,) and np.isfinite(stat).all()
+    assert len(forget) == 3 and stat.shape == (3,) and np.isfinite(stat).all()
     assert task.sample_ids()[0] == "brain3d-s0-0000"
 
 

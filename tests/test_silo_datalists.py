@@ -22,10 +22,10 @@ import torch
 from inprocess import InProcessGrid, set_task_identity
 
 import medical_data.federation as federation_module
-from clients.app import _network, _silo, _template
 from clients.app import app as client_app
 from clients.lab import LAB_SETTING
 from clients.node_log import NODE_EVENTS_ENV
+from clients.node_task import _network, _silo, _template
 from fedasync.errors import ConfigError, DataError
 from fedasync.events import read_events
 from medical_data.datalist import class_counts, load_datalist, write_datalist
