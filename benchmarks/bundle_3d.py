@@ -152,8 +152,8 @@ def main() -> None:
         )
     gains = [r["final"] - r["initial"] for r in rows.values()]
     (out / "results.json").write_text(json.dumps({"seeds": rows, "deploy": deploy}, indent=2))
-    print(f"bundle_dice_initial={fmt(mean_spread([r['initial'] for r in rows.values()]))}")
-    print(f"bundle_dice_final={fmt(mean_spread([r['final'] for r in rows.values()]))}")
+    print(f"bundle_dice_initial={fmt(mean_spread([r['initial'] for r in rows.values()]), '.3f')}")
+    print(f"bundle_dice_final={fmt(mean_spread([r['final'] for r in rows.values()]), '.3f')}")
     print(f"bundle_dice_gain_min={min(gains):.4f}")
     print(f"bundle_loads_with_monai={all(r['loads_with_monai'] for r in rows.values())}")
 

@@ -42,7 +42,7 @@ def plain_monai(task, model, steps: int, seed: int, device, precision: str) -> N
 
     from fedasync import seeds
 
-    data = task._training_set([])
+    data = task.training_set([])
     size = task.bundle.batch_size()
     sampler = RandomSampler(
         data,

@@ -83,6 +83,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from spread import fmt, mean_spread  # noqa: E402
 
 ARMS = {
     "forward_kl": {"distill.loss": "forward_kl"},
@@ -497,18 +500,6 @@ def report(args: argparse.Namespace, res: dict[str, Any], t_start: float) -> Non
 
 def _v(ms: list[float] | None) -> str:
     return "nan" if ms is None else f"{ms[0]:.3f}"
-
-
-def mean_spread(xs: list[float | None]) -> list[float] | None:
-    """[mean, half-range] of the values that are not None."""
-    v = [x for x in xs if x is not None]
-    if not v:
-        return None
-    return [statistics.fmean(v), (max(v) - min(v)) / 2]
-
-
-def fmt(ms: list[float] | None, spec: str = ".2f") -> str:
-    return "-" if ms is None else f"{ms[0]:{spec}} ± {ms[1]:{spec}}"
 
 
 def throughput_report(args: argparse.Namespace, res: dict[str, Any]) -> list[dict[str, Any]]:

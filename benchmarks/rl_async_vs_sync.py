@@ -54,8 +54,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from spread import fmt, mean_spread  # noqa: E402
 
 from fedasync.devices import pick_device  # noqa: E402
 from fedasync.events import read_events  # noqa: E402
@@ -195,18 +197,6 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "worker_utilisation": s["worker_utilisation"],
         "run_dir": str(run_dir),
     }
-
-
-def mean_spread(xs: list[float | None]) -> tuple[float, float] | None:
-    """(mean, half-range) of the values that are not None."""
-    v = [x for x in xs if x is not None and not math.isnan(x)]
-    if not v:
-        return None
-    return statistics.mean(v), (max(v) - min(v)) / 2
-
-
-def fmt(ms: tuple[float, float] | None, spec: str = ".2f") -> str:
-    return "-" if ms is None else f"{ms[0]:{spec}} ± {ms[1]:{spec}}"
 
 
 def plot(table: list[dict[str, Any]], runs: list[dict[str, Any]], out: Path, seed: int) -> None:

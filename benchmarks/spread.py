@@ -14,6 +14,6 @@ def mean_spread(xs: list[float | None]) -> tuple[float, float] | None:
     return statistics.fmean(v), (max(v) - min(v)) / 2
 
 
-def fmt(ms: tuple[float, float] | None, spec: str = ".3f") -> str:
+def fmt(ms: tuple[float, float] | None, spec: str = ".2f") -> str:
     """``mean ± spread`` (``-`` for none)."""
     return "-" if ms is None else f"{ms[0]:{spec}} ± {ms[1]:{spec}}"

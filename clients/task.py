@@ -205,7 +205,9 @@ class BundleTask:
         """None known (counting a volume's classes means reading it: not at a roster query)."""
         return []  # (counting a volume's classes means reading it: not at a roster query)
 
-    def _training_set(self, exclude: Sequence[str]) -> Any:
+    def training_set(self, exclude: Sequence[str]) -> Any:
+        """The MONAI dataset of the items not in ``exclude``, through the training transforms
+        (all of them: the one kept, with its cache; else one made for the message)."""
         if not exclude:
             if self._train is None:
                 self._train = mb.dataset(self.items, self.bundle.transform("train"), self.cache)
@@ -238,7 +240,7 @@ class BundleTask:
         from monai.data import DataLoader
         from torch.utils.data import RandomSampler
 
-        data = self._training_set(exclude)
+        data = self.training_set(exclude)
         if len(data) == 0:
             raise ValueError("no training data: every sample of this silo is excluded")
         size = self.bundle.batch_size()
