@@ -272,3 +272,124 @@ def network_data_format(spec: BenchmarkSpec) -> dict[str, Any]:
         }
     }
     return {"inputs": inputs, "outputs": outputs}
+
+
+DATA_DIR = "data"
+"""Where a run's bundle's ``train.json`` reads its datalist: ``<bundle>/data/dataset.json``."""
+
+
+def train_config(
+    spec: BenchmarkSpec,
+    network: dict[str, Any],
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    batch_size: int,
+) -> dict[str, Any] | None:
+    """A model-zoo style ``configs/train.json`` for a built-in benchmark's model, so that a
+    bundle a run wrote trains again (``fedasync simulate task.bundle=DIR``, starting from its
+    ``models/model.pt``): ``network_def`` (``network``, as :func:`network_entries`), the
+    run's loss (cross-entropy, or MONAI's DiceCE with softmax and one-hot labels) and SGD with
+    the run's ``lr``, ``momentum`` and ``weight_decay``; the image's transforms of
+    :func:`preprocessing` applied alike to a segmentation's label file (nearest-neighbour),
+    a random crop of ``spec.patch`` on volumes; the datalist
+    ``<bundle_root>/data/dataset.json`` (Decathlon: ``training``, ``validation``; what
+    ``medical_data.datalist.write_datalist`` writes), which the hospital supplies. None for a
+    tabular benchmark (no image files to read)."""
+    if is_tabular(spec.image_size):
+        return None
+    seg = spec.task == "segmentation"
+    keys = ["image", "label"] if seg else ["image"]
+    deterministic: list[dict[str, Any]] = []
+    for t in preprocessing(spec)["transforms"]:
+        t = dict(t)
+        name = t["_target_"].rsplit(".", 1)[-1]
+        if seg and name in ("LoadImaged", "EnsureChannelFirstd", "SpatialPadd"):
+            t["keys"] = keys
+        elif seg and name == "Resized":
+            t.update(keys=keys, mode=["area", "nearest"])
+        elif seg and name == "EnsureTyped":
+            t.update(keys=keys, dtype=["float32", "int64"])
+        deterministic.append(t)
+    random: list[dict[str, Any]] = []
+    if spec.patch is not None:
+        random.append(
+            {
+                "_target_": "monai.transforms.RandSpatialCropd",
+                "keys": keys,
+                "roi_size": list(spec.patch),
+                "random_size": False,
+            }
+        )
+    datalist = "os.path.join(@bundle_root, '" + DATA_DIR + "', 'dataset.json')"
+    entries = dict(network)
+    loss = (
+        {"_target_": "monai.losses.DiceCELoss", "to_onehot_y": True, "softmax": True}
+        if seg
+        else {"_target_": "torch.nn.CrossEntropyLoss"}
+    )
+    return {
+        "imports": ["$import os", "$import torch", "$import monai", *entries.pop("imports", [])],
+        "bundle_root": ".",
+        "device": "$torch.device('cuda' if torch.cuda.is_available() else 'cpu')",
+        "train_datalist": f"$monai.data.load_decathlon_datalist({datalist}, True, 'training')",
+        "val_datalist": f"$monai.data.load_decathlon_datalist({datalist}, True, 'validation')",
+        **entries,
+        "network": "$@network_def.to(@device)",
+        "loss": loss,
+        "optimizer": {
+            "_target_": "torch.optim.SGD",
+            "params": "$@network.parameters()",
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+        },
+        "train": {
+            "deterministic_transforms": deterministic,
+            "random_transforms": random,
+            "preprocessing": {
+                "_target_": "monai.transforms.Compose",
+                "transforms": "$@train#deterministic_transforms + @train#random_transforms",
+            },
+            "dataset": {
+                "_target_": "monai.data.Dataset",
+                "data": "@train_datalist",
+                "transform": "@train#preprocessing",
+            },
+            "dataloader": {
+                "_target_": "monai.data.DataLoader",
+                "dataset": "@train#dataset",
+                "batch_size": batch_size,
+                "shuffle": True,
+                "num_workers": 0,
+            },
+            "inferer": {"_target_": "monai.inferers.SimpleInferer"},
+        },
+        "validate": {
+            "preprocessing": {
+                "_target_": "monai.transforms.Compose",
+                "transforms": "$@train#deterministic_transforms",
+            },
+            "dataset": {
+                "_target_": "monai.data.Dataset",
+                "data": "@val_datalist",
+                "transform": "@validate#preprocessing",
+            },
+            "inferer": inferer(spec),
+        },
+    }
+
+
+def inferer(spec: BenchmarkSpec) -> dict[str, Any]:
+    """The network called on the image, or on volumes (``spec.patch``) MONAI's sliding window
+    as the run evaluated them (``medical_data.networks.PatchwiseBasicUNet``)."""
+    if spec.patch is None:
+        return {"_target_": "monai.inferers.SimpleInferer"}
+    return {
+        "_target_": "monai.inferers.SlidingWindowInferer",
+        "roi_size": list(spec.patch),
+        "sw_batch_size": 4,
+        "overlap": 0.25,
+        "mode": "gaussian",
+    }

@@ -15,6 +15,11 @@ its final global model and its best evaluated one as bundles, ``<run>/bundle/fin
 - ``configs/inference.json``: ``network_def`` with MONAI and torch targets only
   (medical_data/bundle_config.py), ``network``, ``preprocessing``, ``inferer``,
   ``postprocessing``, so that ``monai.bundle.ConfigParser`` alone loads it;
+- ``configs/train.json`` (an image benchmark's run): the model-zoo style training config
+  (``medical_data.bundle_config.train_config``: the network, the run's loss, SGD with its
+  silos' settings, the transforms, a datalist at ``<bundle>/data/dataset.json``), so the
+  bundle trains again, ``fedasync simulate task.bundle=DIR``, from its weights; a bundle
+  task's run copies that bundle's own configs instead;
 - ``models/model.pt``: the state_dict.
 
 What a bundle says of the run that is known only while it runs (the silos' counts, the
@@ -42,13 +47,16 @@ import torch
 from fedasync.errors import CheckpointError
 from fedasync.fetch import sha256_file
 from medical_data.bundle_config import (
+    inferer,
     network_data_format,
     network_entries,
     plain,
     postprocessing,
     preprocessing,
+    train_config,
 )
 from medical_data.registry import BenchmarkSpec
+from protocol.config import ClientConfig
 from runkit.configload import bounded
 from runkit.folder import write_json
 from server.config import FedAsyncConfig
@@ -76,6 +84,12 @@ def config_sha256(cfg: FedAsyncConfig) -> str:
     """SHA-256 of ``cfg`` as canonical JSON: every key, sorted, compact separators."""
     text = json.dumps(dataclasses.asdict(cfg), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+TRAINING = ("lr", "momentum", "weight_decay", "batch_size")
+"""The silos' training settings a run's bundles train again with (``train.json``)."""
+TRAINING_DEFAULTS = {k: getattr(ClientConfig(), k) for k in TRAINING}
+"""What a run description written before they were recorded is read with."""
 
 
 def describe_run(
@@ -107,6 +121,7 @@ def describe_run(
             for s, r in sorted(reports.items())
         },
         "excluded_silos": sorted(cfg.silos.exclude),
+        "training": {k: getattr(cfg.client, k) for k in TRAINING},
         "evaluation": {
             "on": evaluation_on,
             "samples": test_samples,
@@ -201,6 +216,9 @@ def write_bundle(
             meta = _bundle_metadata(Path(info["bundle_root"]), tmp / "configs", meta)
         else:
             write_json(tmp / "configs" / "inference.json", _inference(spec, network))
+            train = train_config(spec, network, **{**TRAINING_DEFAULTS, **info.get("training", {})})
+            if train is not None:  # trains again on <bundle>/data/dataset.json
+                write_json(tmp / "configs" / "train.json", train)
         write_json(tmp / "configs" / "metadata.json", meta)
         _replace_dir(tmp, folder)
     except BaseException:
@@ -328,22 +346,8 @@ def _inference(spec: BenchmarkSpec, network: dict[str, Any]) -> dict[str, Any]:
         "network": "$@network_def.to(@device)",
         "checkpoint": "$@bundle_root + '/models/model.pt'",
         "preprocessing": preprocessing(spec),
-        "inferer": _inferer(spec),
+        "inferer": inferer(spec),
         "postprocessing": postprocessing(spec),
-    }
-
-
-def _inferer(spec: BenchmarkSpec) -> dict[str, Any]:
-    """The network called on the image, or on volumes (``spec.patch``) MONAI's sliding window
-    as the run evaluated them (``medical_data.networks.PatchwiseBasicUNet``)."""
-    if spec.patch is None:
-        return {"_target_": "monai.inferers.SimpleInferer"}
-    return {
-        "_target_": "monai.inferers.SlidingWindowInferer",
-        "roi_size": list(spec.patch),
-        "sw_batch_size": 4,
-        "overlap": 0.25,
-        "mode": "gaussian",
     }
 
 

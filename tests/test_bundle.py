@@ -334,3 +334,42 @@ def test_preprocessing_reads_a_file_as_the_datalist_reader_does(tmp_path):
     assert got.shape == want.shape == (1, 64, 64) and got.dtype == np.float32
     assert np.abs(got - want).mean() < 0.02
     assert np.abs(got - want)[:, 8:-8, 8:-8].max() < 0.06
+
+
+def test_a_runs_bundle_trains_again_from_its_weights_on_a_datalist(run, tmp_path):
+    """The round trip: the final bundle of a built-in benchmark's run, given a datalist as
+    ``<bundle>/data/dataset.json``, is a task (``task.bundle``) that starts from its weights."""
+    import shutil
+
+    from medical_data.datalist import write_datalist
+    from medical_data.monai_bundle import read_bundle
+    from medical_data.tasks import select
+
+    # Prepare: a copy of the final bundle with some of the benchmark's samples as files
+    cfg, run_dir, _ = run
+    again = tmp_path / "again"
+    shutil.copytree(run_dir / "bundle" / "final", again)
+    fed = federation(cfg)
+    some = lambda d, n: select(d, [str(i) for i in d.sample_ids[:n]], keep=True)  # noqa: E731
+    lists = {"training": some(fed.silos[0], 24), "validation": some(fed.test, 120)}
+    write_datalist(again / "data", lists, fed.spec.task)
+    b = read_bundle(again)
+    trained, fresh = b.network(pretrained=True), b.network()
+    task_cfg = _cfg(tmp_path, "r2", f"task.bundle={again}", "silos.count=2", "run.max_versions=2")
+    # Execute
+    summary = run_server(InProcessGrid(client_app, 2), task_cfg, tmp_path / "r2")
+    # Assert: it trained; its version 0 is the bundle's weights: on the held-out files they
+    # score as the run's model on those samples' arrays (within 0.05: the files' intensities
+    # are rescaled by their percentiles), well above a fresh network
+    from clients.task import BundleTask
+    from medical_data.tasks import evaluate
+
+    held = BundleTask(b, b.items("train"), b.items("validate"))
+    cpu = torch.device("cpu")
+    first = summary["evals"][0]
+    on_arrays = evaluate(trained, lists["validation"], task=fed.spec.task, device=cpu)["score"]
+    assert summary["versions"] == 2 and first["version"] == 0
+    assert abs(first["score"] - held.evaluate(trained, device=cpu)["score"]) <= 1e-6
+    assert abs(first["score"] - on_arrays) <= 0.05
+    assert first["score"] > held.evaluate(fresh, device=cpu)["score"] + 0.1
+    assert (tmp_path / "r2" / "bundle" / "final" / "configs" / "train.json").is_file()

@@ -3,16 +3,21 @@ inference, multi-class Dice, the 3D site shift and trigger, and its exported bun
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from clients.loop import random_crops
+from clients.task import BundleTask
 from medical_data.backdoor import add_trigger
 from medical_data.federation import build_federation
 from medical_data.networks import PATCH_3D, build_network
 from medical_data.partition import apply_site_shift
 from medical_data.tasks import dice, dice_sums, evaluate, score
+
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +113,8 @@ def test_one_local_step_on_volumes_trains_on_crops(fed3d):
 
 
 def test_a_3d_run_exports_a_bundle_with_basicunet_and_a_sliding_window(tmp_path):
-    from medical_data.bundle_config import network_entries
+    from medical_data.bundle_config import inferer, network_entries
     from medical_data.registry import get_spec
-    from server.bundle import _inferer
 
     spec = get_spec("brain-tissue-3d")
     entries = network_entries("unet3d-small", 1, 4, spec.image_size)
@@ -121,7 +125,55 @@ def test_a_3d_run_exports_a_bundle_with_basicunet_and_a_sliding_window(tmp_path)
     theirs = ConfigParser(entries).get_parsed_content("network_def")
     assert type(theirs).__name__ == "BasicUNet"
     assert theirs.load_state_dict(ours.state_dict(), strict=True)
-    assert _inferer(spec)["roi_size"] == list(PATCH_3D)
+    assert inferer(spec)["roi_size"] == list(PATCH_3D)
+
+
+def test_a_3d_runs_bundle_trains_again_on_volumes_by_random_crops(tmp_path):
+    # Prepare: the bundle a brain-tissue-3d run writes (its train.json and weights), given
+    # the volumes as <bundle>/data (what the volumes command writes)
+    from medical_data.bundle_config import network_entries, train_config
+    from medical_data.monai_bundle import read_bundle
+    from medical_data.registry import get_spec
+    from medical_data.volumes import write_brain_volumes
+    from protocol.config import ClientConfig
+
+    spec = get_spec("brain-tissue-3d")
+    root = tmp_path / "bundle"
+    (root / "configs").mkdir(parents=True)
+    (root / "models").mkdir()
+    write_brain_volumes(root / "data", 2, validation=1, sites=1)
+    train = train_config(
+        spec,
+        network_entries("unet3d-small", 1, 4, spec.image_size),
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=0.0,
+        batch_size=2,
+    )
+    (root / "configs" / "train.json").write_text(json.dumps(train))
+    torch.manual_seed(1)
+    ours = build_network("unet3d-small", 1, 4, spec.image_size)
+    torch.save(ours.state_dict(), root / "models" / "model.pt")
+    b = read_bundle(root)
+    task = BundleTask(b, b.items("train"), b.items("validate"))
+    # Execute
+    model = b.network(pretrained=True)
+    loaded = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = task.train(
+        model, steps=1, client=ClientConfig(), seed=0, exclude=[], device=CPU, stop=None
+    )
+    batch = next(iter(b.transform("train")(i) for i in b.items("train")))
+    # Assert: the run's weights, trained by its optimiser on random crops of the patch
+    # shape, evaluated whole by the sliding window
+    assert all(torch.equal(loaded[k], v) for k, v in ours.state_dict().items())
+    assert (
+        np.isfinite(stats["train_loss"]) and type(b.optimizer([torch.zeros(1)])).__name__ == "SGD"
+    )
+    assert (
+        tuple(batch["image"].shape[1:]) == PATCH_3D and tuple(batch["label"].shape[1:]) == PATCH_3D
+    )
+    assert type(b.inferer("validate")).__name__ == "SlidingWindowInferer"
+    assert 0.0 <= task.evaluate(model, device=CPU)["score"] <= 1.0
 
 
 def test_the_volumes_command_writes_data_and_a_bundle_fedasync_reads(tmp_path, capsys):
