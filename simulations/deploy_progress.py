@@ -22,7 +22,7 @@ def round_trips(events: list[dict[str, Any]]) -> dict[int, list[float]]:
 
     A silo is sent its next job as soon as its reply is taken (or rejected), so a job's round
     trip is the time between two consecutive takes of that silo's replies; the first job was
-    sent right after the version-0 evaluation (or the resume). Meaningful in the async modes (in ``sync``
+    sent right after the version-0 evaluation (or the resume, or the roster: ``training_start``). Meaningful in the async modes (in ``sync``
     mode a silo also waits for the round's barrier).
     """
     out: dict[int, list[float]] = {}
@@ -46,8 +46,12 @@ def takes(events: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], int, f
 
 
 def training_start(events: list[dict[str, Any]]) -> float | None:
-    """Wall time the first jobs went out: the version-0 evaluation, or the resume."""
-    return next((e["t"] for e in events if e["event"] in ("eval", "resume")), None)
+    """Wall time the first jobs went out: the version-0 evaluation, or the resume; with a
+    federated evaluation (the silos evaluate, so there is none before training) the roster."""
+    for e in events:
+        if e["event"] == "resume" or (e["event"] == "eval" and e.get("version", 0) == 0):
+            return float(e["t"])
+    return next((float(e["t"]) for e in events if e["event"] == "roster"), None)
 
 
 def measurements(events: list[dict[str, Any]]) -> dict[str, Any]:

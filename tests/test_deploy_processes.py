@@ -118,6 +118,21 @@ def test_round_trips_are_times_between_a_silos_takes():
     assert m["updates_per_wall_s"] == pytest.approx(3 / 32.0)
 
 
+def test_round_trips_start_at_the_roster_when_the_silos_evaluate():
+    # Prepare: a federated evaluation: no version-0 eval, the first eval after updates
+    events = [
+        {"event": "roster", "t": 9.0},
+        {"event": "update", "t": 20.0, "silo": 0},
+        {"event": "update", "t": 23.0, "silo": 1},
+        {"event": "eval", "t": 30.0, "version": 2},
+        {"event": "update", "t": 32.0, "silo": 0},
+    ]
+    # Execute
+    trips = round_trips(events)
+    # Assert: measured from the roster, none negative
+    assert trips == {0: [11.0, 12.0], 1: [14.0]}
+
+
 def test_event_tail_waits_for_whole_lines_and_follows_a_new_file(tmp_path):
     path = tmp_path / "metrics.jsonl"
     tail = EventTail(path)
