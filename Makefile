@@ -40,7 +40,7 @@ lint: $(STAMP)
 # `serial` tests make orphaned processes that another test's start-up sweep would take: alone, first
 unit: $(STAMP)
 	$(BIN)/python -m pytest -m "serial and not slow"
-	$(BIN)/python -m pytest -m "not slow and not serial" -n $(WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -m "not slow and not serial" -n $(WORKERS) --dist loadfile
 
 # Debian's chromium for the erasure certificate's browser test: installed when missing and we
 # are root with apt (as on CI); otherwise that one test skips and says what to install
@@ -63,13 +63,13 @@ test:
 	  $(BIN)/python -m pytest -m serial; serial=$$?; \
 	  wait $$typing; typed=$$?; echo "mypy:"; cat $$log; rm -f $$log; \
 	  [ $$serial -eq 0 ] && [ $$typed -eq 0 ]
-	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+	$(BIN)/python -m pytest -m "not serial" -n $(WORKERS) --dist loadfile --durations=25
 
 # line coverage of the eight packages, subprocesses included (runs/coverage/)
 coverage: data
 	rm -rf runs/coverage && mkdir -p runs/coverage
 	$(BIN)/python -m coverage run -m pytest -m serial
-	$(BIN)/python -m coverage run -m pytest -m "not serial" -n $(WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m coverage run -m pytest -m "not serial" -n $(WORKERS) --dist loadfile
 	$(BIN)/python -m coverage combine -q
 	$(BIN)/python -m coverage report --precision=2 | tail -1
 

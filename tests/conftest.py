@@ -37,26 +37,16 @@ def _parallel(config) -> bool:
     return hasattr(config, "workerinput") or bool(getattr(config.option, "numprocesses", None))
 
 
-DURATIONS = Path(__file__).with_name("durations.json")
-"""Seconds each test file took on the xdist workers (a whole run, ``docs/testing.md`` says
-how it is measured): the order the files are handed out in. A file not listed counts 0."""
-
-
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist: the longest files first (``durations.json``; then the files with
-    ``slow`` tests), so that the workers start on the long ones and the short files fill the
-    gaps: handed out in file order, or by their number of tests (xdist's own reordering, which
-    ``make test`` turns off), a long file came last and ran alone at the end. And the
-    ``serial`` tests, which cannot run beside others (another test's command would sweep
-    their orphaned processes first), skipped, saying how to run them (``make test`` runs them
-    alone, before the rest)."""
+    """Under pytest-xdist: the files with ``slow`` tests first, so that the workers start on the
+    long ones and the fast files fill the gaps (in file order the longest came last and ran
+    alone at the end); and the ``serial`` tests, which cannot run beside others (another
+    test's command would sweep their orphaned processes first), skipped, saying how to run
+    them (``make test`` runs them alone, before the rest)."""
     if not _parallel(config):
         return
-    import json
-
-    took = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: (-took.get(item.path.name, 0), item.path not in slow_files))
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept
     skip = pytest.mark.skip(reason="serial: run alone, `pytest -m serial` (as make test does)")
     for item in items:
         if item.get_closest_marker("serial") is not None:

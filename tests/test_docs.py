@@ -1,7 +1,6 @@
 """The docs document every config key (a key added without docs fails here), and the README
 links every page of docs/ and no relative link in README.md or docs/ is broken."""
 
-import json
 import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -78,23 +77,3 @@ def test_the_readme_links_every_docs_page():
 def test_every_relative_link_resolves(path):
     broken = [t for t in _relative_links(path) if not (path.parent / t).exists()]
     assert not broken, f"{path.relative_to(ROOT)} links to missing files: {broken}"
-
-
-def test_the_durations_script_sums_a_runs_durations_per_file(tmp_path, monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("durations", ROOT / "tests" / "durations.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    log = [
-        "12.50s call     tests/test_a.py::test_x",
-        "3.00s setup    tests/test_a.py::test_y[1-2]",
-        "20.00s call     tests/test_b.py::test_z",
-        "0.40s call     tests/test_c.py::test_w",
-        "(3296 durations < 0.005s hidden.  Use -vv to show these durations.)",
-    ]
-    assert mod.per_file(log) == {"test_b.py": 20, "test_a.py": 16}
-    (tmp_path / "log").write_text("\n".join(log))
-    monkeypatch.setattr(mod, "OUT", tmp_path / "durations.json")
-    assert mod.main([str(tmp_path / "log")]) == 0
-    assert list(json.loads((tmp_path / "durations.json").read_text())) == ["test_b.py", "test_a.py"]
