@@ -15,7 +15,8 @@ fedasync erase credentials DIR --silos N     make tokens (DIR/tokens.json, keep 
                                              and their hashes (DIR/credentials.json, server)
 
 Common options: --address host:port (default $FEDASYNC_ERASURE_ADDRESS or 127.0.0.1:50151),
---token (default $FEDASYNC_TOKEN) or --token-file, --ca-cert FILE for TLS (the
+--token (default $FEDASYNC_TOKEN) or --token-file (one token, or a tokens file with --as
+admin | silo-N; submit takes the entry of its --silo), --ca-cert FILE for TLS (the
 deployment's ca.pem; --tls-ca is the same), --json.
 Exit codes: 0 ok, 1 failed call, 2 authentication / permission / usage (and, for a
 certificate, an unknown request or a missing file).
@@ -38,7 +39,7 @@ from google.protobuf.message import Message
 from server.erasure.auth import generate_credentials, write_private
 from server.erasure.gen import erasure_pb2 as pb
 from server.erasure.gen import erasure_pb2_grpc
-from server.erasure.limits import Limits, quoted
+from server.erasure.limits import Limits, named, quoted
 
 DEFAULT_ADDRESS = "127.0.0.1:50151"
 STATES = ("queued", "erasing", "calibrating", "verified", "failed")
@@ -53,7 +54,17 @@ def _parser() -> argparse.ArgumentParser:
         help="host:port of the erasure service",
     )
     common.add_argument("--token", default=os.environ.get("FEDASYNC_TOKEN"), help="bearer token")
-    common.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    common.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the bearer token, or a tokens file (JSON, as `erase credentials` "
+        "and a run write it) with --as",
+    )
+    common.add_argument(
+        "--as",
+        dest="as_name",
+        help="whose token of a tokens file: admin or silo-N (submit: silo-N of --silo)",
+    )
     common.add_argument(
         "--ca-cert", "--tls-ca", dest="tls_ca", type=Path, help="CA certificate (PEM): use TLS"
     )
@@ -169,10 +180,66 @@ def _emit(message: Message, as_json: bool, fmt: Callable[[Any], str]) -> None:
         print(fmt(message), flush=True)
 
 
+MAX_TOKEN_FILE = 65536
+"""The most bytes a token file may hold (a tokens file of thousands of silos fits)."""
+TOKEN_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
+"""What a bearer token may hold: printable ASCII without spaces (gRPC metadata)."""
+
+
+class TokenError(ValueError):
+    """A token or token file that cannot be used: one line, never the secret itself."""
+
+
 def _token(args: argparse.Namespace) -> str | None:
-    if args.token_file is not None:
-        return args.token_file.read_text().strip()
-    return args.token
+    """The bearer token: ``--token-file`` (one token, or a tokens file and whose entry:
+    ``--as``, else for ``submit`` the entry of ``--silo``), else ``--token`` /
+    ``$FEDASYNC_TOKEN``. TokenError when it is not one; OSError when the file is unreadable."""
+    if args.token_file is None:
+        if args.as_name:
+            raise TokenError("--as names an entry of a tokens file: give it with --token-file")
+        return _checked(args.token, "--token") if args.token else args.token
+    path = args.token_file
+    with path.open("rb") as f:
+        raw = f.read(MAX_TOKEN_FILE + 1)
+    if len(raw) > MAX_TOKEN_FILE:
+        raise TokenError(f"{quoted(str(path))} holds over {MAX_TOKEN_FILE} bytes: not a token file")
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text.startswith("{"):
+        if args.as_name:
+            raise TokenError(f"--as {quoted(args.as_name)}: {quoted(str(path))} holds one token")
+        return _checked(text, quoted(str(path)))
+    try:
+        tokens = json.loads(text)
+    except ValueError:
+        tokens = None
+    if not isinstance(tokens, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in tokens.items()
+    ):
+        raise TokenError(f"{quoted(str(path))} is not a tokens file (a JSON object name -> token)")
+    name = args.as_name
+    if name is None and args.cmd == "submit":
+        name = f"silo-{args.silo}"
+    if name is None and len(tokens) == 1:
+        name = next(iter(tokens))
+    names = named(sorted(tokens))
+    if name is None:
+        raise TokenError(
+            f"{quoted(str(path))} holds {len(tokens)} tokens ({names}): say whose with --as"
+        )
+    if name not in tokens:
+        raise TokenError(f"{quoted(str(path))} has no token for {quoted(name)} (it has {names})")
+    return _checked(tokens[name], f"{quoted(name)} of {quoted(str(path))}")
+
+
+def _checked(token: str, where: str) -> str:
+    """``token`` when it can be sent as a bearer token; TokenError naming ``where`` (never the
+    token) otherwise."""
+    if not token or len(token) > 4096 or not set(token) <= TOKEN_CHARS:
+        raise TokenError(
+            f"the token of {where} is not one (a token is one line of printable characters, "
+            "no spaces)"
+        )
+    return token
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
@@ -307,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = _token(args)
     except OSError as e:
-        print(f"fedasync erase: cannot read token file: {e}", file=sys.stderr)
+        print(f"fedasync erase: cannot read token file: {quoted(str(e))}", file=sys.stderr)
+        return 2
+    except TokenError as e:
+        print(f"fedasync erase: {e}", file=sys.stderr)
         return 2
     metadata = [("authorization", f"Bearer {token}")] if token else []
     try:

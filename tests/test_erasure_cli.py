@@ -213,3 +213,54 @@ def test_submit_needs_an_explicit_scope_and_refusals_are_listed(running, capsys)
         ("silo-1", "/fedasync.erasure.v1.Erasure/ListRefusals"),
         ("silo-1", "/fedasync.erasure.v1.Erasure/Submit"),
     ]
+
+
+def test_the_readmes_submit_with_a_tokens_file_and_whose_token_it_is(running, capsys, tmp_path):
+    # Prepare: the tokens file as the CLI (and a run) writes it
+    store, tokens, _ = running
+    file = str(tmp_path / "creds" / "tokens.json")
+    # Execute: the README's form (submit takes its --silo's entry), then --as admin
+    as_silo = main(["submit", "--silo", "2", "--whole-silo", "--token-file", file])
+    silo_line = capsys.readouterr().out
+    as_admin = main(
+        ["submit", "--silo", "1", "--whole-silo", "--token-file", file, "--as", "admin"]
+    )
+    admin_line = capsys.readouterr().out
+    # Assert
+    assert as_silo == 0 and "by silo-2" in silo_line
+    assert as_admin == 0 and "by admin" in admin_line
+    assert {r.requester for r in store.list()} == {"silo-2", "admin"}
+
+
+@pytest.mark.parametrize(
+    "content, argv, says",
+    [
+        (
+            None,
+            ["list"],
+            "holds 4 tokens ('admin', 'silo-0', 'silo-1', 'silo-2'): say whose with --as",
+        ),
+        (None, ["list", "--as", "silo-9"], "has no token for 'silo-9'"),
+        ("{not json", ["list"], "is not a tokens file"),
+        ('{"admin": 7}', ["list"], "is not a tokens file"),
+        ("two words\n", ["list"], "is not one (a token is one line of printable characters"),
+        ("tok1\ntok2\n", ["list"], "is not one"),
+        ("tok1\n", ["list", "--as", "admin"], "holds one token"),
+        ("x" * 70000, ["list"], "holds over 65536 bytes"),
+    ],
+)
+def test_a_wrong_token_file_is_one_line_without_the_secret(
+    running, capsys, tmp_path, content, argv, says
+):
+    # Prepare
+    _, tokens, _ = running
+    path = tmp_path / "creds" / "tokens.json"
+    if content is not None:
+        path = tmp_path / "wrong.tok"
+        path.write_text(content)
+    # Execute
+    rc = main([*argv, "--token-file", str(path)])
+    err = capsys.readouterr().err
+    # Assert: exit 2, one line naming the file, no token in it
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not any(t in err for t in tokens.values()) and "tok2" not in err
