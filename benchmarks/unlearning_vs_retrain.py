@@ -24,7 +24,7 @@ silo (``--request silo``) or a seeded share of its samples (``--request samples`
   the under-erasure this benchmark then reports is that;
 - ``fedasync-removal``: the server subtracts half the silo's recorded contributions first,
   then 5 fixed steps; ``fedasync-unique``: only their part outside the span of the other
-  silos' latest ``UNIQUE_WINDOW`` updates, then 5 fixed steps;
+  silos' recent updates (a sketch of ``SKETCH_RANK`` rows), then 5 fixed steps;
 - ``fedasync-unique-membership``: that unique removal, then the membership rule: the
   packaged defaults, and ``--ours`` by default.
 
@@ -84,6 +84,7 @@ import math
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -201,13 +202,13 @@ PINNED = [
     "unlearning.steps=5",
     "unlearning.server_removal=false",
     "unlearning.server_removal_part=total",
-    "unlearning.unique_window=8",
 ]
 """Every run's erasure settings before its method's own: the methods say what they change from
 these (the fixed steps and no removal, the defaults these figures were first measured with),
 so a method means the same whatever the package's defaults, and finished runs read back."""
-UNIQUE_WINDOW = 64
-"""``fedasync-unique*``: how many of the other silos' latest updates span what their training
+SKETCH_RANK = 16
+"""``fedasync-unique*``: rows of the sketch of the silos' updates whose span (without the
+erasing silo's) is what their training
 moves the model along (8 left nearly all of a silo's contributions outside it)."""
 COMPARED = {"speedup_vs_halting_federaser": "sync-halt", "erasure_speedup_vs_retrain": "retrain"}
 """The two headline ratios: each comparison method's median ``verified_s`` over ours."""
@@ -266,7 +267,7 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             "unlearning.stop=fixed",
             "unlearning.server_removal=true",
             "unlearning.server_removal_part=unique",
-            f"unlearning.unique_window={UNIQUE_WINDOW}",
+            f"unlearning.sketch_rank={SKETCH_RANK}",
         ],
         "fedasync-unique-membership": [
             *calibrated,
@@ -274,7 +275,7 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             f"unlearning.steps={MEMBERSHIP_STEPS}",
             "unlearning.server_removal=true",
             "unlearning.server_removal_part=unique",
-            f"unlearning.unique_window={UNIQUE_WINDOW}",
+            f"unlearning.sketch_rank={SKETCH_RANK}",
         ],
     }
 
@@ -523,8 +524,15 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
         from omegaconf import OmegaConf
 
         saved = OmegaConf.load(ran)
+        if OmegaConf.select(saved, "unlearning.unique_window") is not None:
+            if _ran_the_window(saved):
+                return None  # its removal used the window of copies the sketch replaced
+            del saved.unlearning["unique_window"]  # (a setting that run never used)
         absent = [o for o in PINNED if OmegaConf.select(saved, o.split("=", 1)[0]) is None]
-        same = to_yaml(load_config(ran, absent)) == to_yaml(cfg)
+        with tempfile.TemporaryDirectory() as tmp:  # the saved config as today's schema reads it
+            today = Path(tmp) / REUSE_CONFIG
+            today.write_text(OmegaConf.to_yaml(saved))
+            same = to_yaml(load_config(today, absent)) == to_yaml(cfg)
     except ValueError:
         return None
     if not same:
@@ -534,6 +542,14 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     except ValueError:
         return None
     return summary if "evals" in summary else None
+
+
+def _ran_the_window(saved: Any) -> bool:
+    """Whether a run saved before the sketch kept the window of the latest updates it
+    replaced (its unique removal or signature_unique used it)."""
+    u = saved.get("unlearning", {})
+    unique_removal = u.get("server_removal", True) and u.get("server_removal_part") == "unique"
+    return bool(unique_removal or u.get("signature_unique", False))
 
 
 def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:

@@ -735,3 +735,50 @@ def _compress_exact(
         torch.where(keep, torch.zeros((), dtype=c.dtype, device=c.device), c, out=r)
         c.masked_fill_(~keep, 0)
     return new(x.layout, corrected, x), new(x.layout, res_bufs, x)
+
+
+def _floating_names(p: FlatParams) -> list[str] | None:
+    """The names of ``p``'s buffers in order when every buffer is floating (None: not)."""
+    if not all(g.dtype.is_floating_point for g in p.layout.groups):
+        return None
+    return [n for g in p.layout.groups for n in g.names]
+
+
+def sketched_norm(p: Params, names: Sequence[str]) -> float:
+    """L2 norm of ``p``'s tensors ``names``: one pass per buffer when ``p`` is a
+    :class:`FlatParams` whose buffers hold exactly ``names`` in that order; 0 when one of
+    ``names`` is missing."""
+    if isinstance(p, FlatParams) and _floating_names(p) == list(names):
+        return global_norm(p)
+    if not all(n in p for n in names):
+        return 0.0
+    total = sum(float(torch.linalg.vector_norm(p[n].detach().double())) ** 2 for n in names)
+    return math.sqrt(total)
+
+
+def add_into(
+    dst: torch.Tensor,
+    p: Params,
+    alpha: float,
+    offsets: dict[str, tuple[int, int]],
+    names: Sequence[str],
+) -> bool:
+    """``dst += alpha · p`` in place, where ``dst`` (1-D) holds ``names`` at ``offsets``
+    (name -> (start, numel)): one fused pass per buffer when ``p`` is a :class:`FlatParams`
+    whose buffers hold exactly ``names`` in that order (a span sketch's row,
+    `fedasync.unlearning.sketch`), per tensor otherwise. False, and ``dst`` untouched, when
+    ``p`` lacks one of ``names`` or a size differs."""
+    if isinstance(p, FlatParams) and _floating_names(p) == list(names):
+        if sum(b.numel() for b in p.buffers) != dst.numel():
+            return False
+        off = 0
+        for b in p.buffers:
+            dst[off : off + b.numel()].add_(b.to(dst.device), alpha=alpha)
+            off += b.numel()
+        return True
+    if not all(n in p and p[n].numel() == offsets[n][1] for n in names):
+        return False
+    for n in names:
+        off, k = offsets[n]
+        dst[off : off + k].add_(p[n].detach().reshape(-1).to(dst.device), alpha=alpha)
+    return True

@@ -161,7 +161,7 @@ class UnlearningConfig:
     server_removal_part: RemovalPart = "unique"
     """With ``server_removal``: which part of the silo's recorded contributions is subtracted.
     ``total``: all of it (FedEraser's first-order removal). ``unique``: only what lies outside
-    the span of the other silos' latest ``unique_window`` accepted updates, the directions
+    the span of the other silos' recent accepted updates (``sketch_rank``), the directions
     their training does not act on and so cannot have washed out since (what persists of the
     silo's work); the rest stays (docs/erasure.md)."""
     calibration: bool = True
@@ -195,12 +195,14 @@ class UnlearningConfig:
     is not used: each reply is projected out of the signature."""
     signature_unique: bool = False
     """At the boundary, remove from the erased data's signature the span of the other silos'
-    last ``unique_window`` accepted updates, keeping only directions unique to the erased data
-    (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event. Costs
-    ``unique_window`` x the model's size in memory and in checkpoints."""
-    unique_window: int = 64
-    """signature_unique: how many of the latest accepted updates are kept (the erasing silo's
-    own are left out at the boundary)."""
+    recent accepted updates (``sketch_rank``), keeping only directions unique to the erased
+    data (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event."""
+    sketch_rank: int = 16
+    """``server_removal_part=unique`` and ``signature_unique``: rows of the streaming sketch of
+    the accepted updates' span, by silo (`fedasync.unlearning.SpanSketch`): the others' span
+    has at most this many directions. Memory and checkpoints: this many float32 copies of the
+    model, whatever the run's length; each accepted update costs its norm and one fused
+    addition into one row."""
     pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate it, when
     ``calibration`` is on) or drop it (whether or not ``calibration`` is on)."""

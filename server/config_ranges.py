@@ -104,7 +104,7 @@ RANGES: dict[str, Range] = {
     "unlearning.calibration_strength": UNIT,
     "unlearning.signature_rank": AT_LEAST_ONE,
     "unlearning.signature_batches": AT_LEAST_ONE,
-    "unlearning.unique_window": AT_LEAST_ONE,
+    "unlearning.sketch_rank": AT_LEAST_ONE,
     "unlearning.relearn_versions": NON_NEGATIVE,
     "unlearning.watch_every": NON_NEGATIVE,
     "unlearning.max_attempts": AT_LEAST_ONE,

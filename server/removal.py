@@ -4,9 +4,10 @@ contributions it subtracts from the model (``unlearning.server_removal*``).
 The ledger (`fedasync.unlearning.ContributionLedger`) holds what each silo's updates did to
 the global model. All of it (``server_removal_part=total``, FedEraser's first-order removal)
 over-erases: later training already washed out part of it. ``unique`` subtracts only its
-part outside the span of the other silos' latest accepted updates: the directions their
-training does not move the model along, so that it cannot have washed out since (what
-persists). The arithmetic is the core's (`fedasync.unlearning.outside_span`).
+part outside the span of the other silos' recent accepted updates (the sketch's,
+`fedasync.unlearning.SpanSketch`): the directions their training does not move the model
+along, so that it cannot have washed out since (what persists). The arithmetic is the core's
+(`fedasync.unlearning.outside`).
 
 A sample-level erasure gets no removal. The ledger is per silo and cannot tell which samples
 moved the model, and the silo's other samples keep its distribution's influence, as
@@ -19,13 +20,13 @@ membership test alone was verified on 5 of 5 (docs/measured.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from fedasync import Params
-from fedasync.unlearning import ContributionLedger, outside_span, params_to_vector
+from fedasync.unlearning import ContributionLedger, SpanSketch, outside, params_to_vector
 
 log = logging.getLogger("fedasync.server")
 
@@ -33,15 +34,15 @@ log = logging.getLogger("fedasync.server")
 def removal(
     cfg: Any,
     ledger: ContributionLedger,
-    recent: Iterable[tuple[int, Params]],
+    sketch: SpanSketch | None,
     silo: int,
     request_id: str,
     report: dict[str, Any],
     sample_level: bool,
 ) -> Params | None:
     """What the server adds to the model for an erasure of ``silo`` (minus its removal; None:
-    nothing), by ``cfg`` (``UnlearningConfig``). ``recent``: the latest accepted updates
-    (silo, tensors); ``report``: the erasure's start report, which gets what was measured;
+    nothing), by ``cfg`` (``UnlearningConfig``). ``sketch``: the span of the accepted updates,
+    by silo (None: not kept); ``report``: the erasure's start report, which gets what was measured;
     ``sample_level``: a sample-level erasure (no removal)."""
     if sample_level:  # (see the module docstring)
         report["removal"] = "none: a sample-level erasure"
@@ -52,20 +53,20 @@ def removal(
     report.update(alignment(ledger, silo, total))
     if cfg.server_removal_part == "unique":
         names = sorted(k for k, v in total.items() if v.is_floating_point())
-        vectors = [
-            params_to_vector(p, names)
-            for s, p in recent
-            if s != silo and all(n in p for n in names)
-        ]
-        total, kept = outside_span(total, vectors, names)
-        report.update(removal_kept=kept, removal_updates=float(len(vectors)))
+        if sketch is not None and sketch.covers(names):
+            span = sketch.span(names, without=silo)
+            total, kept = outside(total, span, names)
+            rank = span.rank
+        else:  # nothing sketched yet: no other silo's update to keep any of it
+            kept, rank = 1.0, 0
+        report.update(removal_kept=kept, removal_span_rank=float(rank))
         log.info(
             "erasure %s: %.1f%% of silo %d's recorded contributions (by squared norm) lie "
-            "outside the span of %d update(s) of other silos: that part is removed",
+            "outside the rank-%d span of other silos' recent updates: that part is removed",
             request_id,
             100 * kept,
             silo,
-            len(vectors),
+            rank,
         )
     scale = cfg.server_removal_scale
     return {k: -scale * v for k, v in total.items()}

@@ -187,7 +187,7 @@ class ReplyRouter:
         overlaps: list[float] = []  # what the calibration measured, the last one logged
 
         def calibrate(tensors: Params) -> Params | Rejection:
-            calibrated, overlap = cal.calibrate(job, tensors)
+            calibrated, overlap = cal.calibrate(job, tensors, acc.norm)
             if overlap is not None:
                 overlaps.append(overlap)
             return calibrated

@@ -231,7 +231,7 @@ def test_methods_by_request_and_the_two_stopping_arms():
     assert "unlearning.server_removal_scale=0.5" in m["fedasync-removal"]
     for arm in ("fedasync-unique", "fedasync-unique-membership"):
         assert "unlearning.server_removal_part=unique" in m[arm]
-        assert f"unlearning.unique_window={bench.UNIQUE_WINDOW}" in m[arm]
+        assert f"unlearning.sketch_rank={bench.SKETCH_RANK}" in m[arm]
 
 
 def test_every_benchmark_has_its_settings_and_the_command_line_replaces_them():
@@ -309,3 +309,27 @@ def test_a_finished_run_is_read_back_under_new_defaults_but_not_after_a_real_cha
     # defaults instead of the pinned ones, is another run
     assert same == {"evals": [], "versions": 4}
     assert other is None and unpinned is None
+
+
+@pytest.mark.parametrize("unique", [False, True])
+def test_a_run_saved_with_the_window_the_sketch_replaced_is_read_back_only_if_it_never_used_it(
+    tmp_path, unique
+):
+    # Prepare: a finished run saved with unlearning.unique_window (before the sketch)
+    import json
+
+    from omegaconf import OmegaConf
+
+    from simulations.config import load_config, to_yaml
+
+    removal = ["unlearning.server_removal=true", "unlearning.server_removal_part=unique"]
+    cfg = load_config(None, [*bench.PINNED, "run.seed=3", *(removal if unique else [])])
+    saved = OmegaConf.create(to_yaml(cfg))
+    del saved.unlearning["sketch_rank"]
+    saved.unlearning["unique_window"] = 8
+    (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))
+    (tmp_path / "summary.json").write_text(json.dumps({"evals": [], "versions": 4}))
+    # Execute
+    got = bench._reused(cfg, tmp_path)
+    # Assert: a run whose removal used the window is another run; one that never did is read
+    assert (got is None) is unique

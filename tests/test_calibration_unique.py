@@ -148,16 +148,17 @@ def test_a_bad_forget_gradient_is_malformed(arrays):
 # ---------------------------------------------------------------- the config
 def test_defaults_and_the_new_choices_load(small_cfg):
     u = small_cfg().unlearning
-    assert (u.signature_unique, u.unique_window, u.protect) == (False, 64, "jump")
+    assert (u.signature_unique, u.sketch_rank, u.protect) == (False, 16, "jump")
     for protect in ("gradient", "onesided"):
         assert small_cfg(f"unlearning.protect={protect}").unlearning.protect == protect
-    with pytest.raises(ValueError, match="unique_window"):
-        small_cfg("unlearning.unique_window=0")
+    with pytest.raises(ValueError, match="sketch_rank"):
+        small_cfg("unlearning.sketch_rank=0")
 
 
-# ---------------------------------------------------------------- the server's window
+# ---------------------------------------------------------------- the server's sketch
 def _coordinator(small_cfg, *overrides) -> ErasureCoordinator:
-    cfg = small_cfg("unlearning.signature_unique=true", "unlearning.unique_window=3", *overrides)
+    # 3 silos, 6 rows: two rows per silo, so each of a silo's first two updates has its own
+    cfg = small_cfg("unlearning.signature_unique=true", "unlearning.sketch_rank=6", *overrides)
     srv = SimpleNamespace(cfg=cfg, params={})
     return ErasureCoordinator(srv, store=None, verify_fn=None)  # type: ignore[arg-type]
 
@@ -166,18 +167,19 @@ def _job(silo: int) -> SimpleNamespace:
     return SimpleNamespace(silo=silo, base_version=0)
 
 
-def test_the_window_keeps_the_latest_updates_leaves_out_the_erased_silo_and_is_checkpointed(
+def test_the_sketch_spans_the_others_updates_leaves_out_the_erased_silo_and_is_checkpointed(
     small_cfg,
 ):
-    # Prepare: four accepted updates into a window of three; silo 0 will erase
+    # Prepare: four accepted updates; silo 0 will erase
     coord = _coordinator(small_cfg)
     for silo, values in [(1, (0.0, 0.0, 0.0, 9.0)), (1, (1.0, 0.0, 0.0, 0.0)),
                          (0, (0.0, 1.0, 0.0, 0.0)), (2, (0.0, 0.0, 1.0, 0.0))]:  # fmt: skip
         assert coord.calibration.calibrate(_job(silo), _w(*values))[0] is not None
-    assert [s for s, _ in coord.calibration.recent] == [1, 0, 2]
-    assert all("n" not in p and p["w"].dtype == torch.float32 for _, p in coord.calibration.recent)
+    sketch = coord.calibration.sketch
+    assert sketch is not None and sketch.names == ["w"] and sketch.added == 4
+    assert sketch.others(0) == [1, 2, 4]  # silo 1's two rows and silo 2's first
 
-    # Execute: a restart in between (the window is in the coordinator's state)
+    # Execute: a restart in between (the sketch is in the coordinator's state)
     again = _coordinator(small_cfg)
     again.load_state_dict(coord.state_dict())
     erasure = SimpleNamespace(silo=0, request_id="r")
@@ -185,23 +187,23 @@ def test_the_window_keeps_the_latest_updates_leaves_out_the_erased_silo_and_is_c
         erasure, GradientSignature.from_basis(E[:, :3], ["w"])
     )
 
-    # Assert: e1 and e3 (silos 1 and 2) removed; e2 (the erasing silo's own update) kept
-    assert [s for s, _ in again.calibration.recent] == [1, 0, 2]
+    # Assert: e1 and e3 (silos 1 and 2) removed; e2 (the erasing silo's own update) kept;
+    # the others' span is e1, e3 and e4 (silo 1's first update)
     assert unique is not None and unique.rank == 1
     torch.testing.assert_close(unique.basis[:, 0].abs(), E[:, 1])
     assert report == {
         "signature_shared": pytest.approx(2 / 3),
         "signature_rank_sent": 3.0,
         "signature_rank_unique": 1.0,
-        "unique_updates": 2.0,
+        "unique_span_rank": 3.0,
     }
 
 
-def test_without_signature_unique_no_window_is_kept(small_cfg):
+def test_without_signature_unique_no_sketch_is_kept(small_cfg):
     cfg = small_cfg("unlearning.server_removal_part=total")  # (the unique removal keeps one)
     coord = ErasureCoordinator(SimpleNamespace(cfg=cfg, params={}), None, None)  # type: ignore[arg-type]
     coord.calibration.calibrate(_job(1), _w(1.0, 0.0, 0.0, 0.0))
-    assert not coord.calibration.recent and coord.state_dict()["recent"] == []
+    assert coord.calibration.sketch is None and coord.state_dict()["sketch"] is None
 
 
 # ---------------------------------------------------------------- the whole run
@@ -257,15 +259,14 @@ def _run(small_cfg, monkeypatch, *overrides):
 def test_a_run_with_the_unique_signature_is_verified_and_says_what_it_removed(
     small_cfg, monkeypatch
 ):
-    # Prepare: catch the signature as sent and the window it met
+    # Prepare: catch the signature as sent and the sketch's rows of the other silos it met
     caught: dict = {}
     unique = Calibration._unique
 
     def catch(self, erasure, sig):
         caught["sent"] = sig
-        caught["window"] = [
-            params_to_vector(p, sig.names) for s, p in self.recent if s != erasure.silo
-        ]
+        rows = [self.sketch.row(j) for j in self.sketch.others(erasure.silo)]
+        caught["window"] = [params_to_vector(p, sig.names) for p in rows]
         return unique(self, erasure, sig)
 
     monkeypatch.setattr(Calibration, "_unique", catch)
@@ -276,7 +277,7 @@ def test_a_run_with_the_unique_signature_is_verified_and_says_what_it_removed(
     # Assert: the event says how much of the signature the others' span held
     ev = seen["calibrating"]
     assert 0.0 < ev["signature_shared"] <= 1.0
-    assert ev["unique_updates"] == len(caught["window"]) >= 1
+    assert 1 <= ev["unique_span_rank"] <= len(caught["window"])
     assert ev["signature_rank_unique"] <= ev["signature_rank_sent"] == caught["sent"].rank
     # the signature in force has nothing along the others' updates; the one sent had
     updates = [{"u": w} for w in caught["window"]]

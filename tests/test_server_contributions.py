@@ -110,12 +110,12 @@ def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributi
 def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
     small_cfg, monkeypatch
 ):
-    # Prepare: as above, with server_removal_part=unique and a window of 3 updates
+    # Prepare: as above, with server_removal_part=unique and a sketch of 6 rows (2 per silo)
     cfg = small_cfg(
         "run.max_versions=12",
         "unlearning.server_removal=true",
         "unlearning.server_removal_part=unique",
-        "unlearning.unique_window=3",
+        "unlearning.sketch_rank=6",
         "erasures=[{silo: 1, at_s: 4}]",
     )
     seen: list[tuple[dict, dict, dict, list, object]] = []
@@ -123,7 +123,8 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
 
     def spy(self, silo, start, e):
         coord = self.erasure
-        others = [p for s, p in coord.calibration.recent if s != silo]
+        sketch = coord.calibration.sketch
+        others = [{k: v.clone() for k, v in sketch.row(j).items()} for j in sketch.others(silo)]
         params = {k: v.clone() for k, v in self.params.items()}
         seen.append((params, dict(start), coord.ledger.total(str(silo)), others, e))
         return dispatch(self, silo, start, e)
@@ -131,7 +132,7 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
     monkeypatch.setattr(AsyncServer, "dispatch_unlearn", spy)
     # Execute
     run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
-    # Assert: what was subtracted is orthogonal to every update of the others in the window,
+    # Assert: what was subtracted is orthogonal to every row of the others in the sketch,
     # smaller than the whole sum, and its share is reported
     (params, start, total, others, e), *_ = seen
     names = sorted(k for k, v in total.items() if v.is_floating_point())
@@ -144,7 +145,7 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
     kept = float(removed.pow(2).sum() / whole.pow(2).sum())
     assert 0.0 < kept < 1.0
     assert e.start_report["removal_kept"] == pytest.approx(kept, rel=1e-3)
-    assert e.start_report["removal_updates"] == len(others)
+    assert e.start_report["removal_span_rank"] == len(others)  # (independent rows)
 
 
 def test_a_sample_level_erasure_gets_no_removal(small_cfg, monkeypatch):

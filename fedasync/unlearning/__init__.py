@@ -7,6 +7,8 @@ projections and the server's record of the silos' contributions, one module per 
 - :mod:`~fedasync.unlearning.signature`: the erased data's gradient signature (AFU-IC, SFU);
 - :mod:`~fedasync.unlearning.one_sided`: directions a later change may not move against
   (PCGrad, FedOSD);
+- :mod:`~fedasync.unlearning.sketch`: a bounded streaming sketch of the span of the silos'
+  accepted updates, by silo (what the others' training moves the model along);
 - :mod:`~fedasync.unlearning.federaser`: the contribution ledger and FedEraser's retained
   norms and rebuild step (Liu et al. 2021).
 
@@ -47,7 +49,11 @@ from fedasync.unlearning.ball import SHARE_RULES, forget_share_scale, l2_distanc
 from fedasync.unlearning.federaser import ContributionLedger, UpdateHistory, federaser_step
 from fedasync.unlearning.one_sided import ErasureJump, ForgetGradient, OneSided, block_one_sided
 from fedasync.unlearning.signature import GradientSignature
+from fedasync.unlearning.sketch import Span, SpanSketch
 from fedasync.unlearning.vectors import (
+    BasisSpan,
+    Projector,
+    outside,
     outside_span,
     params_to_vector,
     span_basis,
@@ -56,6 +62,11 @@ from fedasync.unlearning.vectors import (
 
 __all__ = [
     "SHARE_RULES",
+    "BasisSpan",
+    "Projector",
+    "Span",
+    "SpanSketch",
+    "outside",
     "ContributionLedger",
     "ErasureJump",
     "ForgetGradient",

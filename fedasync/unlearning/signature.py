@@ -24,8 +24,9 @@ from fedasync.flat import FlatParams, Layout
 from fedasync.tensors import clone
 from fedasync.types import Params
 from fedasync.unlearning.vectors import (
+    BasisSpan,
+    Projector,
     _float_names,
-    _residual,
     params_to_vector,
     span_basis,
     vector_to_params,
@@ -189,23 +190,27 @@ class GradientSignature:
         return GradientSignature(torch.cat([u1, new], dim=1).float(), list(self.names))
 
     def span_share(self, vectors: Sequence[torch.Tensor], tol: float = 1e-6) -> float:
+        """:meth:`share_in` the span of ``vectors`` (each ``(d,)`` in this signature's
+        coordinates; see :func:`span_basis`)."""
+        return self.share_in(BasisSpan(span_basis(vectors, self.basis.shape[0], tol)))
+
+    def share_in(self, span: Projector) -> float:
         """``‖QᵀU‖²_F / k`` in [0, 1]: the share of the signature's directions (on average,
-        by squared norm) that lies in the span ``Q`` of ``vectors`` (each ``(d,)`` in this
-        signature's coordinates; see :func:`span_basis`). 0 for an empty signature."""
-        if self.rank == 0:
-            return 0.0
-        q = span_basis(vectors, self.basis.shape[0], tol)
-        if q.shape[1] == 0:
-            return 0.0
-        inside = float((q.T @ self.basis.double()).pow(2).sum())
-        return min(1.0, max(0.0, inside / self.rank))
+        by squared norm) that lies in ``span`` (over this signature's ``names``, in their
+        order). 0 for an empty signature."""
+        return 0.0 if self.rank == 0 else span.share(self.basis)
 
     def without_span(
         self, vectors: Sequence[torch.Tensor], tol: float = 1e-6
     ) -> GradientSignature | None:
-        """The part of the signature unique to the erased data: the basis projected out of the
-        span of ``vectors`` (e.g. other silos' recent updates, each ``(d,)`` in this
-        signature's coordinates), re-orthonormalised; None when nothing is left.
+        """:meth:`without` the span of ``vectors`` (each ``(d,)`` in this signature's
+        coordinates, e.g. other silos' recent updates; see :func:`span_basis`)."""
+        return self.without(BasisSpan(span_basis(vectors, self.basis.shape[0], tol)), tol)
+
+    def without(self, span: Projector, tol: float = 1e-6) -> GradientSignature | None:
+        """The part of the signature unique to the erased data: the basis projected out of
+        ``span`` (the other silos' recent updates, over this signature's ``names``),
+        re-orthonormalised; None when nothing is left.
 
         Our adaptation of SFU (Li et al. 2023, "Subspace-based Federated Unlearning",
         arXiv:2302.12448), which keeps an update in the orthogonal complement of the other
@@ -213,13 +218,13 @@ class GradientSignature:
         moves the model along too, so that the calibration stops only what is unique to the
         erased data. ``U − Q(QᵀU)`` (twice, in float64), then an SVD keeps the directions with
         singular value above ``tol`` (the columns of ``U`` have norm 1, so ``tol`` is
-        relative). No ``vectors`` (or only zero ones): a copy of this signature.
+        relative). An empty span: a copy of this signature.
         """
-        d = self.basis.shape[0]
-        q = span_basis(vectors, d, tol)
-        if q.shape[1] == 0 or self.rank == 0:
-            return None if self.rank == 0 else GradientSignature(self.basis.clone(), self.names)
-        resid = _residual(q, self.basis.double())
+        if self.rank == 0:
+            return None
+        if span.rank == 0:
+            return GradientSignature(self.basis.clone(), self.names)
+        resid = span.residual(self.basis.double())
         left, s, _ = torch.linalg.svd(resid, full_matrices=False)
         keep = left[:, s > tol]
         if keep.shape[1] == 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -92,24 +93,69 @@ def span_basis(vectors: Sequence[torch.Tensor], dim: int, tol: float = 1e-6) -> 
     return vh[s > tol * float(s[0])].T.contiguous()
 
 
+class Projector(Protocol):
+    """A span to project vectors out of: an explicit basis (:class:`BasisSpan`) or a sketch's
+    (`fedasync.unlearning.sketch.Span`). Vectors are ``(d,)`` or ``(d, m)``, in float64."""
+
+    @property
+    def rank(self) -> int:
+        """Directions in the span (0: nothing to project out)."""
+        ...
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` without its component in the span."""
+        ...
+
+    def share(self, basis: torch.Tensor) -> float:
+        """The share of an orthonormal ``basis``'s directions that lies in the span."""
+        ...
+
+
+class BasisSpan:
+    """The span of an orthonormal ``q (d, r)`` (float64; :func:`span_basis` makes one)."""
+
+    def __init__(self, q: torch.Tensor):
+        """``q``: orthonormal columns."""
+        self.q = q
+
+    @property
+    def rank(self) -> int:
+        """Columns of ``q``."""
+        return int(self.q.shape[1])
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """``x − Q(Qᵀx)`` twice (:func:`_residual`)."""
+        return _residual(self.q, x.double()) if self.rank else x.double().clone()
+
+    def share(self, basis: torch.Tensor) -> float:
+        """``‖QᵀU‖²_F / m`` in [0, 1]."""
+        if self.rank == 0 or basis.shape[1] == 0:
+            return 0.0
+        inside = float((self.q.T @ basis.double()).pow(2).sum())
+        return min(1.0, max(0.0, inside / basis.shape[1]))
+
+
+def outside(params: Params, span: Projector, names: Sequence[str]) -> tuple[Params, float]:
+    """``params`` without its component in ``span`` (its floating tensors ``names``
+    flattened), and the share of its squared norm that is left; the tensors not in ``names``
+    are copied. What the server's ``unique`` removal subtracts: the part of a silo's recorded
+    contributions that the other silos' recent updates do not move along, so that their
+    training cannot have washed it out since. An empty span: a copy, share 1."""
+    x = params_to_vector(params, names).detach().cpu().double()
+    norm2 = float(x.pow(2).sum())
+    if span.rank == 0 or norm2 == 0.0:
+        return clone(params), 1.0
+    r = span.residual(x)
+    return vector_to_params(r, params, names), float(r.pow(2).sum()) / norm2
+
+
 def outside_span(
     params: Params, vectors: Sequence[torch.Tensor], names: Sequence[str], tol: float = 1e-6
 ) -> tuple[Params, float]:
-    """``params`` without its component in the span of ``vectors`` (each ``(d,)``, the
-    floating tensors ``names`` flattened), and the share of its squared norm that is left.
-
-    ``x − Q(Qᵀx)`` twice in float64 (:func:`span_basis` gives ``Q``); the tensors not in
-    ``names`` are copied. What the server's ``unique`` removal subtracts: the part of a silo's
-    recorded contributions that the other silos' latest updates do not move along, so that
-    their training cannot have washed it out since. No vectors: a copy, share 1.
-    """
-    x = params_to_vector(params, names).detach().cpu().double()
-    norm2 = float(x.pow(2).sum())
-    q = span_basis(vectors, x.numel(), tol)
-    if q.shape[1] == 0 or norm2 == 0.0:
-        return clone(params), 1.0
-    r = _residual(q, x)
-    return vector_to_params(r, params, names), float(r.pow(2).sum()) / norm2
+    """:func:`outside` the span of ``vectors`` (each ``(d,)``, the floating tensors ``names``
+    flattened; :func:`span_basis`). No vectors: a copy, share 1."""
+    x_dim = sum(params[k].numel() for k in names)
+    return outside(params, BasisSpan(span_basis(vectors, x_dim, tol)), names)
 
 
 def _residual(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Owns: the erased data's merged gradient signature, each applied erasure's jump and forget
 gradient (the one-sided directions), the latest erasure boundary, and the window of recent
-accepted updates (``unlearning.signature_unique``, ``server_removal_part=unique``); all of it
-in its ``state_dict``. From the boundary B on every accepted update is calibrated: projected
+accepted updates' span (a bounded sketch, `fedasync.unlearning.SpanSketch`, for
+``unlearning.signature_unique`` and ``server_removal_part=unique``); all of it in its
+``state_dict``. From the boundary B on every accepted update is calibrated: projected
 out of the signature subspace, so that neither other silos' data nor stale work can pull the
 model back along the erased data's directions (``calibrate``, on the update as it came;
 ``project``, on the change a fold makes to the model, ``calibration_target=applied``). Work
@@ -21,21 +22,19 @@ Each projection returns the share of the change's norm that lay in the signature
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from fedasync import Params, Rejection, RejectReason
-from fedasync.tensors import clone
 from fedasync.unlearning import (
     ErasureJump,
     ForgetGradient,
     GradientSignature,
     OneSided,
+    SpanSketch,
     block_one_sided,
-    params_to_vector,
 )
 
 if TYPE_CHECKING:
@@ -67,8 +66,9 @@ class UpdateCalibration(Protocol):
         """Whether folds' changes to the model are projected (``project``)."""
         ...
 
-    def calibrate(self, job: Job, tensors: Params) -> Calibrated:
-        """One accepted update calibrated (or refused), and its overlap."""
+    def calibrate(self, job: Job, tensors: Params, norm: float | None = None) -> Calibrated:
+        """One accepted update calibrated (or refused), and its overlap (``norm``: its L2
+        norm, when the intake measured it)."""
         ...
 
     def project(self, change: Params) -> Params:
@@ -89,7 +89,7 @@ class NoCalibration:
 
     projects_applied = False
 
-    def calibrate(self, job: Job, tensors: Params) -> Calibrated:
+    def calibrate(self, job: Job, tensors: Params, norm: float | None = None) -> Calibrated:
         """``tensors`` unchanged, not measured."""
         return tensors, None
 
@@ -124,8 +124,9 @@ class Calibration:
         *,
         refuses: Callable[[Job], Rejection | None] = _refuses_none,
         at_boundary: Callable[[str, Project], int] = carries_nothing,
+        silos: int = 1,
     ):
-        """``refuses``: the coordinator's refusal of an update before it is calibrated (its
+        """``silos``: how many silos the federation has (the sketch's groups); ``refuses``: the coordinator's refusal of an update before it is calibrated (its
         silo's data is under erasure); ``at_boundary``: what the server carries past an
         erasure of a silo (the pipeline's buffer, moment and residuals) calibrated by a
         projection, returning how many buffered updates of that silo it dropped."""
@@ -138,22 +139,25 @@ class Calibration:
         self.gradients: list[ForgetGradient] = []
         """Each applied erasure's mean forget gradient, as its silo sent it
         (``unlearning.protect`` gradient or onesided)."""
-        self.recent: deque[tuple[int, Params]] = deque(maxlen=int(cfg.unique_window))
-        """``unlearning.signature_unique`` or ``server_removal_part=unique``: the latest
-        accepted updates as received (silo, float32 copies of the floating tensors), at most
-        ``unique_window``: what the other silos' data moves the model along. Checkpointed
-        (``state_dict``), so a resumed server has the same window as before the restart."""
-        self._keeps_recent = cfg.signature_unique or (
-            cfg.server_removal and cfg.server_removal_part == "unique"
+        self._keeps_recent = bool(
+            cfg.signature_unique or (cfg.server_removal and cfg.server_removal_part == "unique")
         )
+        self.sketch: SpanSketch | None = (
+            SpanSketch(int(cfg.sketch_rank), silos) if self._keeps_recent else None
+        )
+        """``unlearning.signature_unique`` or ``server_removal_part=unique``: the span of the
+        accepted updates as received, by silo, in ``sketch_rank`` model-sized rows: what the
+        other silos' data moves the model along. Checkpointed (``state_dict``), so a resumed
+        server has the same sketch as before the restart."""
         self.boundary = -1
         """The version of the latest erasure boundary (-1: none yet)."""
 
     # -------------------------------------------------------------- updates
-    def calibrate(self, job: Job, tensors: Params) -> Calibrated:
+    def calibrate(self, job: Job, tensors: Params, norm: float | None = None) -> Calibrated:
         """Calibrate one accepted train update (or reject it) before it is folded; with the
         share of the update's norm that lay in the erased data's signature subspace before
-        the projection (None: uncalibrated)."""
+        the projection (None: uncalibrated). ``norm``: the update's L2 norm, when the intake
+        measured it (the sketch needs it; measured here otherwise)."""
         refused = self.refuses(job)
         if refused is not None:
             return refused, None
@@ -162,13 +166,8 @@ class Calibration:
                 RejectReason.CROSSED_BOUNDARY,
                 f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
             ), None
-        if self._keeps_recent:  # accepted: the pipeline folds it after this
-            floats = {
-                k: v.detach().cpu().float().clone()
-                for k, v in tensors.items()
-                if v.is_floating_point()
-            }
-            self.recent.append((job.silo, floats))
+        if self.sketch is not None:  # accepted: the pipeline folds it after this
+            self.sketch.add(job.silo, tensors, norm)
         if self.signature is None or not self.cfg.calibration:
             return tensors, None
         if self.cfg.calibration_target == "applied":
@@ -280,29 +279,28 @@ class Calibration:
         self, erasure: Erasure, sig: GradientSignature
     ) -> tuple[GradientSignature | None, dict[str, float]]:
         """``unlearning.signature_unique``: ``sig`` without the span of the other silos'
-        latest accepted updates (`GradientSignature.without_span`; None: nothing of it is
-        unique), and what that did: ``signature_shared``, the share of the signature in that
-        span (`GradientSignature.span_share`), the ranks before and after, and how many
-        updates spanned it."""
-        vectors = [
-            params_to_vector(p, sig.names)
-            for silo, p in self.recent
-            if silo != erasure.silo and all(n in p for n in sig.names)
-        ]
-        shared = sig.span_share(vectors)
-        unique = sig.without_span(vectors)
+        recent accepted updates (the sketch's rows no update of the erasing silo went into;
+        `GradientSignature.without`; None: nothing of it is unique), and what that did:
+        ``signature_shared``, the share of the signature in that span
+        (`GradientSignature.share_in`), the ranks before and after, and the span's rank."""
+        sketch = self.sketch
+        if sketch is None or not sketch.covers(sig.names):
+            return sig, {"signature_shared": 0.0, "unique_span_rank": 0.0}
+        span = sketch.span(sig.names, without=erasure.silo)
+        shared = sig.share_in(span)
+        unique = sig.without(span)
         report = {
             "signature_shared": shared,
             "signature_rank_sent": float(sig.rank),
             "signature_rank_unique": float(0 if unique is None else unique.rank),
-            "unique_updates": float(len(vectors)),
+            "unique_span_rank": float(span.rank),
         }
         log.info(
-            "erasure %s: %.1f%% of its signature lies in the span of %d update(s) of other "
-            "silos; rank %d -> %d",
+            "erasure %s: %.1f%% of its signature lies in the rank-%d span of other silos' "
+            "recent updates; rank %d -> %d",
             erasure.request_id,
             100 * shared,
-            len(vectors),
+            span.rank,
             sig.rank,
             0 if unique is None else unique.rank,
         )
@@ -310,11 +308,11 @@ class Calibration:
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The signature, the one-sided directions, the boundary and the window."""
+        """The signature, the one-sided directions, the boundary and the sketch."""
         return {
             "jumps": [j.state_dict() for j in self.jumps],
             "gradients": [g.state_dict() for g in self.gradients],
-            "recent": [{"silo": silo, "tensors": clone(p)} for silo, p in self.recent],
+            "sketch": None if self.sketch is None else self.sketch.state_dict(),
             "signature": None if self.signature is None else self.signature.state_dict(),
             "boundary": self.boundary,
         }
@@ -323,9 +321,8 @@ class Calibration:
         """Restore what ``state_dict`` returned."""
         self.jumps = [ErasureJump.from_state(j) for j in d.get("jumps", [])]
         self.gradients = [ForgetGradient.from_state(g) for g in d.get("gradients", [])]
-        self.recent.clear()  # (absent in older checkpoints: the window starts empty)
-        for r in d.get("recent", []):
-            self.recent.append((int(r["silo"]), clone(r["tensors"])))
+        if self.sketch is not None and d.get("sketch") is not None:
+            self.sketch.load_state_dict(d["sketch"])  # (absent: the sketch starts empty)
         if d["signature"] is not None:
             self.signature = GradientSignature(basis=torch.zeros(0, 0), names=[])
             self.signature.load_state_dict(d["signature"])

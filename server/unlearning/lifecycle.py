@@ -75,7 +75,12 @@ class ErasureCoordinator:
         self.verify_fn = verify_fn
         self.norm_threshold = norm_threshold
         self.ledger = ContributionLedger()
-        self.calibration = Calibration(self.cfg, refuses=self._refuses, at_boundary=at_boundary)
+        self.calibration = Calibration(
+            self.cfg,
+            refuses=self._refuses,
+            at_boundary=at_boundary,
+            silos=srv.cfg.silos.count,
+        )
         self.rebuild: FedEraserRebuild | None = None  # the halting baseline's (federaser)
         if self.cfg.federaser:
             self.rebuild = FedEraserRebuild(  # its rebuilt model is applied as any erasure's
@@ -193,7 +198,7 @@ class ErasureCoordinator:
         e.removal = removal(
             self.cfg,
             self.ledger,
-            self.calibration.recent,
+            self.calibration.sketch,
             e.silo,
             e.request_id,
             e.start_report,
