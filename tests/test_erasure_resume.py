@@ -60,7 +60,9 @@ def test_restart_mid_erasure_is_audited_and_latency_counts_from_submission(small
         created = store.get(req["id"]).created_at_ms
     # the restart is in the audit log: by the server, at the version it resumed from
     (resume,) = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "resume"]
-    notes = [a for a in audit if a.action == "note"]
+    removals = [a for a in audit if a.action == "note" and "removal" in a.detail]
+    assert len(removals) == 1 and removals[0].model_version <= resume["version"]  # (once)
+    notes = [a for a in audit if a.action == "note" and a not in removals]
     assert [(a.actor, a.to_state.value, a.model_version) for a in notes] == [
         ("server", "erasing", resume["version"])
     ]

@@ -16,6 +16,7 @@ from inprocess import InProcessGrid
 from clients.app import app as client_app
 from server.app import run_server
 from server.loop import AsyncServer
+from server.unlearning import Calibration, ErasureCoordinator
 
 MODES = {
     "fedasync": ("server.mode=fedasync",),
@@ -72,12 +73,51 @@ def test_recorded_contributions_sum_to_what_the_run_changed(mode, small_cfg, mon
         torch.testing.assert_close(recorded, changed, rtol=1e-4, atol=1e-6)
 
 
+def _spies(monkeypatch, rows: bool = False):
+    """What the server's removal saw (the model before and after it, the silo's recorded
+    total, the erasure, the version before it; with ``rows``, the sketch's rows of the other
+    silos instead of the version), the versions it made, and where the silo's erasure
+    started."""
+    seen: list[tuple] = []
+    removed: list[int] = []
+    starts: list[dict] = []
+    on_removal, dispatch = Calibration.removed, AsyncServer.dispatch_unlearn
+
+    def removal_spy(self, e, old, new):
+        srv = spied["srv"]
+        total = srv.erasure.ledger.total(str(e.silo))
+        last: object = srv.version
+        if rows:
+            sk = self.sketch
+            last = [{k: v.clone() for k, v in sk.row(j).items()} for j in sk.others(e.silo)]
+        seen.append(({k: v.clone() for k, v in old.items()}, dict(new), total, e, last))
+        return on_removal(self, e, old, new)
+
+    def dispatch_spy(self, silo, start, e):
+        spied["srv"] = self
+        starts.append(dict(start))
+        removed.extend([] if e.removed_version is None else [e.removed_version])
+        return dispatch(self, silo, start, e)
+
+    spied: dict = {}
+    real_start = ErasureCoordinator._start
+
+    def start_spy(self, req, resumed=False):
+        spied["srv"] = self.srv
+        return real_start(self, req, resumed)
+
+    monkeypatch.setattr(Calibration, "removed", removal_spy)
+    monkeypatch.setattr(AsyncServer, "dispatch_unlearn", dispatch_spy)
+    monkeypatch.setattr(ErasureCoordinator, "_start", start_spy)
+    return seen, removed, starts
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributions(
     scale, small_cfg, monkeypatch
 ):
     # Prepare: silo 1 is erased after a few versions, the server removing `scale` of what
-    # the ledger recorded for it before the silo's own ascent starts
+    # the ledger recorded for it at once, before the silo's own ascent starts
     cfg = small_cfg(
         "run.max_versions=12",
         "unlearning.server_removal=true",
@@ -85,19 +125,14 @@ def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributi
         "unlearning.server_removal_part=total",
         "erasures=[{silo: 1, at_s: 4}]",
     )
-    seen: list[tuple[dict, dict, dict]] = []
-    dispatch = AsyncServer.dispatch_unlearn
-
-    def spy(self, silo, start, e):
-        total = self.erasure.ledger.total(str(silo))
-        seen.append(({k: v.clone() for k, v in self.params.items()}, dict(start), total))
-        return dispatch(self, silo, start, e)
-
-    monkeypatch.setattr(AsyncServer, "dispatch_unlearn", spy)
+    seen, removed, starts = _spies(monkeypatch)
     # Execute
     run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
-    # Assert: the erasure started from the model minus that share, exactly
-    (params, start, total), *_ = seen
+    # Assert: the model moved by minus that share, exactly, at once (the next version), and
+    # the silo's erasure started from that model
+    (params, start, total, _e, version), *_ = seen
+    assert removed == [version + 1]
+    assert all(torch.equal(starts[0][k], v) for k, v in start.items())
     moved = 0.0
     for name, p in params.items():
         if name not in total:
@@ -118,23 +153,12 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
         "unlearning.sketch_rank=6",
         "erasures=[{silo: 1, at_s: 4}]",
     )
-    seen: list[tuple[dict, dict, dict, list, object]] = []
-    dispatch = AsyncServer.dispatch_unlearn
-
-    def spy(self, silo, start, e):
-        coord = self.erasure
-        sketch = coord.calibration.sketch
-        others = [{k: v.clone() for k, v in sketch.row(j).items()} for j in sketch.others(silo)]
-        params = {k: v.clone() for k, v in self.params.items()}
-        seen.append((params, dict(start), coord.ledger.total(str(silo)), others, e))
-        return dispatch(self, silo, start, e)
-
-    monkeypatch.setattr(AsyncServer, "dispatch_unlearn", spy)
+    seen, _removed, _starts = _spies(monkeypatch, rows=True)
     # Execute
     run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
     # Assert: what was subtracted is orthogonal to every row of the others in the sketch,
     # smaller than the whole sum, and its share is reported
-    (params, start, total, others, e), *_ = seen
+    (params, start, total, e, others), *_ = seen
     names = sorted(k for k, v in total.items() if v.is_floating_point())
     removed = torch.cat([(params[k] - start[k]).reshape(-1).double() for k in names])
     whole = torch.cat([total[k].reshape(-1).double() for k in names])

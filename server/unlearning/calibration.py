@@ -275,6 +275,23 @@ class Calibration:
             )
         return kept
 
+    def removed(self, erasure: Erasure, old: Params, new: Params) -> None:
+        """The server's removal moved the model from ``old`` to ``new`` ahead of the silo's
+        reply: from now on later changes may not move back along it (``protect`` jump, both
+        or onesided) and what the server carries past it is calibrated. The signature and the
+        forget gradient come with the silo's reply (``protect``)."""
+        if "jump" in self._protects:
+            self.jumps.append(ErasureJump.between(old, new))
+        if self.projects_applied:
+            dropped = self.at_boundary(str(erasure.silo), self.project)
+            log.info(
+                "erasure %s: the server's removal in force; %d buffered update(s) of silo %d "
+                "dropped, what the server carries projected",
+                erasure.request_id,
+                dropped,
+                erasure.silo,
+            )
+
     def _unique(
         self, erasure: Erasure, sig: GradientSignature
     ) -> tuple[GradientSignature | None, dict[str, float]]:

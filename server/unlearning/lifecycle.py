@@ -227,8 +227,43 @@ class ErasureCoordinator:
             self.event(e, "erasing", method="federaser")
             self.rebuild.start(e)
             return
-        start = srv.params if e.removal is None else add_floats(srv.params, e.removal)
-        srv.dispatch_unlearn(req.silo, start, e)
+        self._remove_now(e)
+        srv.dispatch_unlearn(req.silo, srv.params, e)
+
+    def _remove_now(self, e: Erasure) -> None:
+        """The server's removal in force at once: it needs nothing from the silo, so it does
+        not wait for the silo's reply (a straggler would delay its own erasure by its job).
+        The model moves by it (a version); later changes may not move back along it and what
+        the server carries is calibrated (`Calibration.removed`); the silo's recorded
+        contributions are forgotten, so that a restart after the checkpoint below does not
+        subtract them again (before it, the restored model and ledger predate the removal,
+        and it is applied once more). The silo's own part (its test, its ascent) follows
+        with its reply, from this model."""
+        if e.removal is None:
+            return
+        srv = self.srv
+        old, new = srv.params, add_floats(srv.params, e.removal)
+        e.removal = None  # in force: the silo's reply adds only its own part
+        e.pre_erasure = old
+        before = float(srv.evaluate_fn(old)["score"])
+        self.calibration.removed(e, old, new)
+        self.ledger.forget(str(e.silo))
+        srv.apply_erasure(new)
+        e.removed_version, e.removed_t = srv.version, srv.clock.now
+        self.calibration.boundary = srv.version
+        after = float(srv.evaluate_fn(srv.params)["score"])
+        e.start_report.update(removal_score_before=before, removal_score_after=after)
+        srv.checkpoint()
+        kept = e.start_report.get("removal_kept")
+        share = "" if kept is None else f" ({100 * float(kept):.1f}% of its recorded contributions)"
+        self.store.note(
+            e.request_id,
+            actor="server",
+            model_version=srv.version,
+            detail=f"the server's removal of silo {e.silo}'s work{share} in force at version "
+            f"{srv.version}; the silo's own part follows with its reply",
+        )
+        self.event(e, "removed", score_before=before, score_after=after)
 
     def _submitted(self, req: Any) -> tuple[float, int | None]:
         """``(submitted_t, submitted_wall_ms)`` of ``req`` (`resume.submitted`)."""
@@ -278,9 +313,7 @@ class ErasureCoordinator:
             return  # requeued or finished meanwhile: only the attempt in progress is applied
         delta, basis, names, metrics, gradient = decoded
         delta, bounds = self.bound_delta(erasure, delta)
-        new = add_floats(srv.params, delta)
-        if erasure.removal is not None:
-            new = add_floats(new, erasure.removal)
+        new = add_floats(srv.params, delta)  # (the server's removal is in force already)
         sig = GradientSignature.from_basis(basis, names)
         grad = None if gradient is None else ForgetGradient.unit(gradient, names)
         self._apply(erasure, new, sig, metrics, bounds, grad)
@@ -314,9 +347,13 @@ class ErasureCoordinator:
         else:
             self.retired.add(erasure.silo)
             self.ledger.forget(str(erasure.silo))
-        before = float(srv.evaluate_fn(srv.params)["score"])  # just before the boundary
+        # the global score just before the erasure: before the server's removal, if it had one
+        before = erasure.start_report.get("removal_score_before")
+        if before is None:
+            before = float(srv.evaluate_fn(srv.params)["score"])
         model_before = (srv.version, model_sha256(srv.params))
-        erasure.around_boundary = (srv.params, new)
+        pre = srv.params if erasure.pre_erasure is None else erasure.pre_erasure
+        erasure.around_boundary, erasure.pre_erasure = (pre, new), None
         srv.apply_erasure(new)
         erasure.boundary = self.calibration.boundary = srv.version
         erasure.applied_t = srv.clock.now

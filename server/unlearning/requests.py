@@ -102,7 +102,13 @@ class Erasure:
     submitted_wall_ms: int | None = None
     """Set when ``submitted_t`` is unknown (submitted before a restart, on the virtual
     clock): the request's wall-clock submit time; ``row`` then reports wall-clock latency."""
-    removal: Params | None = None  # what the server subtracted at dispatch (minus ledger)
+    removal: Params | None = None
+    """What the server adds to the model for it (minus the silo's recorded contributions'
+    persisting part) until that is in force (`ErasureCoordinator._remove_now`); then None."""
+    removed_version: int | None = None
+    """The version at which the server's removal came into force (None: none, or not yet)."""
+    removed_t: float | None = None
+    """When it did (the server's clock)."""
     boundary: int | None = None
     applied_t: float | None = None
     metrics_at_boundary: dict[str, float] = field(default_factory=dict)
@@ -111,8 +117,11 @@ class Erasure:
     start_report: dict[str, Any] = field(default_factory=dict)
     """What the ``erasing`` event says of the erasure's scope and size."""
     around_boundary: tuple[Params, Params] | None = None
-    """(w_pre, w_B): the model just before and just after the boundary, for the reversion
-    ratio at verification (not checkpointed: after a restart it is not reported)."""
+    """(w_pre, w_B): the model just before the erasure (before the server's removal, when
+    there is one) and just after its boundary, for the reversion ratio at verification (not
+    checkpointed: after a restart it is not reported)."""
+    pre_erasure: Params | None = None
+    """The model just before the server's removal, until the boundary (not checkpointed)."""
 
     def measure(self, params: Params, verify_fn: Any) -> dict[str, float]:
         """The verification metrics of ``params`` for this erasure (``verify_fn``), with how
@@ -134,6 +143,8 @@ class Erasure:
             "submitted_wall_ms": self.submitted_wall_ms,
             "started_t": self.started_t,
             "applied_t": self.applied_t,
+            "removed_version": self.removed_version,
+            "removed_t": self.removed_t,
             "metrics": self.metrics_at_boundary,
         }
 
@@ -149,6 +160,8 @@ class Erasure:
             submitted_wall_ms=c.get("submitted_wall_ms"),  # absent in older checkpoints
             boundary=c["boundary"],
             applied_t=c["applied_t"],
+            removed_version=c.get("removed_version"),  # absent in older checkpoints
+            removed_t=c.get("removed_t"),
             metrics_at_boundary=c["metrics"],
         )
 

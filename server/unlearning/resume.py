@@ -55,12 +55,18 @@ def row(
         ]
         if applied:  # from submission to the erasure in the model, both on the wall clock
             latency, clock = (applied[0] - e.submitted_wall_ms) / 1000, "wall"
+    removed = None
+    if e.removed_t is not None and clock == clock_kind:  # (same clock as the submission)
+        removed = e.removed_t - e.submitted_t
     return {
         "request": e.request_id,
         "silo": e.silo,
         "scope": "silo" if not e.sample_ids else f"{len(e.sample_ids)} samples",
         "submitted_t": e.submitted_t,
         "started_t": e.started_t,
+        # the server's removal, in force at the request (None: no removal)
+        "removed_version": e.removed_version,
+        "removal_latency_s": removed,
         "boundary_version": e.boundary,
         "erasure_latency_s": latency,
         "latency_clock": clock,  # "virtual" or "wall": the clock erasure_latency_s is on
