@@ -10,7 +10,10 @@
    compensation (DC-ASGD), with error feedback (global top-10%), with both. Each is run on
    the reference path (per-tensor arithmetic on a dict of tensors, the per-tensor top-k
    compressor) and the flat path (fedasync/flat.py: one buffer per dtype, fused and chunked
-   passes, zero-copy decoding), side by side. Medians of repetitions. Goals: plain <= 2x a
+   passes, zero-copy decoding), side by side. A fifth, ``erasure``: a run that can erase
+   (the packaged erasure defaults), whose take also adds the update into the span sketch
+   and the fold's contribution into the silo's ledger sum; beside it, what that run keeps
+   in memory and in checkpoints, in model copies. Medians of repetitions. Goals: plain <= 2x a
    copy, with DC and error feedback <= 6x.
 2. Updates per second of the whole server loop (dispatch with encoding, poll, intake, fold,
    version bump) with 100 silos on a small network, the silos answering at once with a
@@ -51,6 +54,7 @@ from simulations.config import load_config  # noqa: E402
 SIZES = {
     "cnn-small": 200,  # repetitions
     "densenet121": 20,
+    "unet3d-small": 20,
     "mlp-100m": 3,
 }
 SETTINGS = {
@@ -61,7 +65,14 @@ SETTINGS = {
         "server.corrections.delay_compensation=0.1",
         "server.corrections.error_feedback_topk=0.1",
     ],
+    # a run that can erase, with the packaged erasure defaults: the fold attributes what it
+    # applies to the silo (the ledger), and the update goes into the span sketch
+    "erasure": ["erasures=[{silo: 0, at_s: 1.0e9}]"],
 }
+ERASURE = "erasure"
+"""The setting whose take also does what a run that can erase does with each update."""
+SILOS = 4
+"""Silos of the erasure setting (the sketch's groups; the ledger holds one sum per silo)."""
 
 
 def _median_time(fn, reps: int) -> float:
@@ -96,6 +107,8 @@ def _reply(delta: dict[str, torch.Tensor], job: Job) -> Message:
 def _model(name: str) -> torch.nn.Module:
     if name == "mlp-100m":
         return torch.nn.Sequential(*[torch.nn.Linear(2000, 2000) for _ in range(25)])
+    if name == "unet3d-small":
+        return build_network(name, 1, 4, (32, 32, 32))
     shape = (28, 28) if name == "cnn-small" else (64, 64)
     return build_network(name, 1, 3, shape)
 
@@ -117,19 +130,70 @@ def _intake(params, reply: Message, job: Job):
     return intake
 
 
-def _taker(pipe: CorrectionPipeline, params, w_base, reply: Message, job: Job):
-    """What the loop does with one reply: intake, corrections and fold, the finiteness check."""
+def _taker(pipe: CorrectionPipeline, params, w_base, reply: Message, job: Job, erasure=None):
+    """What the loop does with one reply: intake, corrections and fold, the finiteness check;
+    with ``erasure`` (a calibration and a ledger), what a run that can erase adds: the update
+    into the span sketch, and the fold's contribution into the silo's ledger sum."""
     intake = _intake(params, reply, job)
 
     def take() -> None:
         res = intake()
+        calibrate = None
+        if erasure is not None:
+            cal = erasure[0]
+
+            def calibrate(tensors):
+                return cal.calibrate(job, tensors, res.norm)[0]
+
         fold = pipe.fold(
-            params, res.update, staleness=res.staleness, factor=1.0, norm=res.norm, w_base=w_base
+            params,
+            res.update,
+            staleness=res.staleness,
+            factor=1.0,
+            norm=res.norm,
+            w_base=w_base,
+            calibrate=calibrate,
         )
         assert not isinstance(fold, Rejection) and fold.params is not None
         assert is_finite(fold.params)
+        if erasure is not None:
+            assert fold.contributions, "the fold attributes what it applies"
+            for silo, part in fold.contributions.items():
+                erasure[1].record(silo, part, 5)
 
     return take
+
+
+def _erasure(cfg) -> tuple:
+    """A run's erasure parts: its calibration (with the span sketch) and its ledger."""
+    from fedasync.unlearning import ContributionLedger
+    from server.unlearning import Calibration
+
+    return Calibration(cfg.unlearning, silos=SILOS), ContributionLedger()
+
+
+def erasure_memory(parts: tuple, plain: dict[str, torch.Tensor]) -> None:
+    """What a run that can erase keeps, in model copies: the span sketch (in memory and in
+    every checkpoint: the calibration's state) and the ledger (one sum per silo)."""
+    import io
+
+    cal, ledger = parts
+    model = sum(v.numel() * v.element_size() for v in plain.values() if v.is_floating_point())
+    sketch = cal.sketch.nbytes
+    buf = io.BytesIO()
+    torch.save(cal.state_dict(), buf)
+    ledger_bytes = sum(
+        v.numel() * v.element_size()
+        for s in ledger.silos()
+        for v in (ledger.total(s) or {}).values()
+    )
+    print(
+        f"erasure memory: span sketch {sketch / 1e6:.1f} MB = {sketch / model:.2f} model copies "
+        f"(unlearning.sketch_rank={cal.sketch.rows}; the goal: at most rank + 2 = "
+        f"{cal.sketch.rows + 2}); its checkpoint {buf.tell() / 1e6:.1f} MB = "
+        f"{buf.tell() / model:.2f} copies; the ledger {ledger_bytes / model:.2f} copies "
+        f"({len(ledger.silos())} silo(s) with contributions: one sum each)"
+    )
 
 
 def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
@@ -167,9 +231,12 @@ def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
             if path == "reference" and pipe.error_feedback:
                 pipe.ef.compress = topk  # the per-tensor compressor (the old default)
             conv = flatten if path == "flat" else (lambda p: {k: v.clone() for k, v in p.items()})
-            take = _taker(pipe, conv(plain), conv(base), reply, job)
+            parts = _erasure(cfg) if setting == ERASURE else None
+            take = _taker(pipe, conv(plain), conv(base), reply, job, parts)
             take()  # warm-up (first-touch allocations, the residual's first step)
             row[path] = out[(setting, path)] = _median_time(take, reps)
+            if parts is not None and path == "flat":
+                erasure_memory(parts, plain)
         ref, fl = row["reference"], row["flat"]
         print(
             f"| {setting} | {ref * 1e3:.3f} | {ref / copy:.2f} | {fl * 1e3:.3f} | {fl / copy:.2f} "

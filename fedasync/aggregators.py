@@ -181,8 +181,12 @@ class FedAsyncAggregator:
             clipped = self.mechanism.clip(tensors)[0]
             tensors, std = self.mechanism.noise(clipped, 1.0)
             released, noise_std = [update.silo], s * std
+        applied: Params | None = None
         if update.kind == "model":
             new = weighted_sum([params, tensors], [1.0 - s, s])
+        elif update.kind == "delta" and flat.same(tensors, params) and self.attribute:
+            # one pass, the applied change taken in it too; integer buffers stay the params'
+            new, applied = flat.axpy_applied(s, tensors, params, loose_from=params)  # type: ignore[arg-type]
         elif update.kind == "delta" and flat.same(tensors, params):
             # one pass over the flat buffers; integer buffers stay the params' own
             new = flat.axpy(s, tensors, params, loose_from=params)  # type: ignore[arg-type]
@@ -194,8 +198,10 @@ class FedAsyncAggregator:
             raise ValueError(f"unknown update kind {update.kind!r}")
         if not self.attribute:
             return FoldResult(new, s, 1, released=released, noise_std=noise_std)
-        applied = applied_change(params, new)
-        own, rest = dict(applied), None  # the same tensors, a dict of its own
+        if applied is None:
+            applied = applied_change(params, new)
+        # the same tensors (a FlatParams stays one: the ledger adds it in one pass per buffer)
+        own, rest = applied, None
         if clipped is not None:
             own = {k: s * clipped[k].to(v.dtype) for k, v in applied.items()}
             rest = {k: s * (tensors[k] - clipped[k]).to(v.dtype) for k, v in applied.items()}

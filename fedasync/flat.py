@@ -495,9 +495,40 @@ def axpy(
     return res
 
 
+def axpy_applied(
+    a: float, x: FlatParams, y: FlatParams, loose_from: FlatParams | None = None
+) -> tuple[FlatParams, FlatParams]:
+    """:func:`axpy`, and the change it made, ``(a·x + y) − y``, over the arithmetic tensors
+    (:func:`arithmetic_diff`), in the same chunked pass: the difference is taken while the
+    chunk is in cache (what a fold that attributes its change to a silo needs)."""
+    out, diffs, finite = [], [], True
+    for xb, yb in zip(x.buffers, y.buffers):
+        o, d = empty_like(yb), empty_like(yb)
+        for c in _chunks(o.numel(), o.device):
+            torch.add(yb[c], xb[c], alpha=a, out=o[c])
+            torch.sub(o[c], yb[c], out=d[c])
+            if finite and o.device.type == "cpu" and not _sum_finite(o[c]):
+                finite = bool(torch.isfinite(o[c]).all())
+        out.append(o)
+        diffs.append(d)
+    res = new(x.layout, out, x if loose_from is None else loose_from)
+    if x.buffers and x.buffers[0].device.type == "cpu":
+        object.__setattr__(res, "finite", finite)
+    return res, from_buffers(y.layout.arithmetic(), diffs)
+
+
 def _sum_finite(b: torch.Tensor) -> bool:
     """A finite sum proves every element finite (a NaN or inf makes it NaN or inf)."""
     return b.numel() == 0 or math.isfinite(abs(complex(b.sum())))
+
+
+def add_in_place(acc: FlatParams, x: FlatParams) -> None:
+    """``acc += x``, buffer by buffer, for an ``acc`` its caller owns (a running sum nobody
+    else holds: FlatParams are otherwise never written); ``acc`` no longer claims to know
+    whether it is finite."""
+    for ab, xb in zip(acc.buffers, x.buffers):
+        ab.add_(xb)
+    object.__setattr__(acc, "finite", None)
 
 
 def weighted_sum(ps: Sequence[FlatParams], weights: Sequence[float]) -> FlatParams:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fedasync import flat as _flat
 from fedasync.tensors import add, clone, global_norm, sub
 from fedasync.types import Params
 
@@ -36,9 +37,17 @@ class ContributionLedger:
         self._last: dict[str, int] = {}
 
     def record(self, silo: str, contribution: Params, version: int) -> None:
-        """Add ``contribution`` (applied change, same names every time) to ``silo``'s sum."""
-        c = {k: v.detach() for k, v in contribution.items()}
-        self._sums[silo] = add(self._sums[silo], c) if silo in self._sums else clone(c)
+        """Add ``contribution`` (applied change, same names every time) to ``silo``'s sum: in
+        place, one pass per buffer, when both are :class:`fedasync.flat.FlatParams` of one
+        layout (the sum is the ledger's own copy), else per tensor."""
+        mine = self._sums.get(silo)
+        if mine is not None and _flat.same(mine, contribution):
+            _flat.add_in_place(mine, contribution)  # type: ignore[arg-type]
+        elif isinstance(contribution, _flat.FlatParams) and mine is None:
+            self._sums[silo] = _flat.clone(contribution)
+        else:
+            c = {k: v.detach() for k, v in contribution.items()}
+            self._sums[silo] = add(mine, c) if mine is not None else clone(c)
         self._counts[silo] = self._counts.get(silo, 0) + 1
         self._last[silo] = int(version)
 
