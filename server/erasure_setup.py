@@ -238,8 +238,10 @@ class Catalog:
 
 
 def erasure_summary(co: ErasureCoordinator, params: Any) -> dict[str, Any]:
-    """Every request's final state, the verification report of each verified one, and the
-    same metrics on the final model ``params`` for every applied erasure (``at_end``)."""
+    """Every request's final state, the report of each one checked after its relearning
+    window (``verified``: every check within; ``unverified``: one not, its ``reading`` says
+    which), and the same metrics on the final model ``params`` for every applied erasure
+    (``at_end``)."""
     requests = co.store.list()
     ids_of = {r.id: list(r.sample_ids) for r in requests}
     calibrating = [
@@ -260,5 +262,6 @@ def erasure_summary(co: ErasureCoordinator, params: Any) -> dict[str, Any]:
             }
             for r in requests
         ],
-        "verified": co.report,
+        "verified": [x for x in co.report if x.get("state", "verified") == "verified"],
+        "unverified": [x for x in co.report if x.get("state") == "unverified"],
     }

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 from fedasync import Params, Rejection, RejectReason
 from fedasync.unlearning import ContributionLedger, ForgetGradient, GradientSignature
 from protocol.ids import fraction_ids
+from server.erasure.certificate_checks import server_checks
+from server.erasure.readings import VERIFIED, summary, verdict
 from server.erasure.states import State
 from server.intake import JobKind
 from server.removal import removal
@@ -423,19 +425,20 @@ class ErasureCoordinator:
                 continue
             after = e.measure(self.srv.params, self.verify_fn)
             e.around_boundary = None
+            state, reading = _checked(e, after)
             row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
-            self.report.append(row)
+            self.report.append({**row, "state": state.value, "reading": reading})
             del self.active[rid]
             self.store.transition(
                 rid,
-                State.VERIFIED,
+                state,
                 actor="server",
                 model_version=srv.version,
                 metrics=after,
-                detail=f"verified after {self.cfg.relearn_versions} versions",
+                detail=f"{state.value} after {self.cfg.relearn_versions} versions: {reading}",
                 facts=verified_facts(srv.params),
             )
-            self.event(e, "verified", **after)
+            self.event(e, state.value, **after)
 
     def _watch(self, e: Erasure, since: int) -> None:
         """An ``erasure_watch`` event: the erased model's verification metrics ``since``
@@ -491,3 +494,12 @@ class ErasureCoordinator:
         resume.reconcile(
             self.store, self.active, self.applied, self.srv, lambda req: self._start(req, True)
         )
+
+
+def _checked(e: Erasure, after: dict[str, float]) -> tuple[State, str]:
+    """``verified`` when every figure of the checks the server has now (its boundary metrics,
+    the silo's membership test, the delta bound, ``after`` the window) is within; else
+    ``unverified``; and the verdict in one line (the certificate's, readings.verdict)."""
+    checks = server_checks(e.metrics_at_boundary, after, whole_silo=not e.sample_ids)
+    v = verdict(checks)
+    return (State.VERIFIED if v["verdict"] == VERIFIED else State.UNVERIFIED), summary(v)
