@@ -37,8 +37,8 @@ class Tolerances:
     AUCs are fractions in [0, 1]."""
 
     score: float = 0.05
-    """The forget-set score above the unseen-test score (and, at verification, above its
-    boundary value). A model retrained without the samples scores them like unseen data; an
+    """The forget-set score above the same model's unseen-test score (at the boundary and at
+    verification). A model retrained without the samples scores them like unseen data; an
     accuracy over about a hundred samples has a standard deviation near 0.05, so a smaller
     excess is not evidence of memory, a larger one is."""
     mia_auc: float = 0.1
