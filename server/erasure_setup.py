@@ -44,14 +44,20 @@ def verifier(
 ) -> Any:
     """``verify(params, silo, ids)``: the verification metrics of a model on silo ``silo``'s
     training data (only ``ids`` when given; the backdoor applied in verification runs), the
-    test set, and in verification runs the triggered test set.
+    test set, and in verification runs the triggered test set; with the sample counts behind
+    them (``sample_counts``: the certificate's tolerances follow their noise).
 
     Without ``fed`` (a coordinator that holds no silo data) only what ``test``, its own
     held-out set, shows: ``test_accuracy`` and, in verification runs, the attack success
     rates; nothing without a test set either."""
     from medical_data.backdoor import triggered_set
     from medical_data.tasks import select, training_data
-    from medical_data.verification import accuracy, attack_success_rate, verification_report
+    from medical_data.verification import (
+        accuracy,
+        attack_success_rate,
+        sample_counts,
+        verification_report,
+    )
 
     spec = fed.spec if spec is None else spec
     test = fed.test if test is None and fed is not None else test
@@ -84,7 +90,7 @@ def verifier(
                 )
             return report
         forget = select(training_data(fed, silo, bd, cfg.run.seed), ids, keep=True)
-        return verification_report(
+        report = verification_report(
             vmodel,
             forget=forget,
             test=test,
@@ -93,6 +99,7 @@ def verifier(
             target_label=target,
             task=task,
         )
+        return {**report, **sample_counts(forget, test)}  # the counts: each figure's noise
 
     return verify
 

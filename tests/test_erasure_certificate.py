@@ -25,6 +25,7 @@ import torch
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.stopping import band
 from protocol.ids import digest
 from server.app import run_server
 from server.erasure.auth import Authorizer, Principal
@@ -34,7 +35,14 @@ from server.erasure.certificate_html import CSP, render
 from server.erasure.gen import erasure_pb2 as pb
 from server.erasure.gen import erasure_pb2_grpc
 from server.erasure.limits import Limits
-from server.erasure.readings import READINGS, TOLERANCES, verdict
+from server.erasure.readings import (
+    READINGS,
+    TOLERANCES,
+    auc_band,
+    null_band,
+    score_band,
+    verdict,
+)
 from server.erasure.records import RequestNotFound
 from server.erasure.service import ErasureService, serve
 from server.erasure.states import State, can_transition, is_terminal
@@ -170,6 +178,13 @@ def test_each_figure_has_its_reference(erased):
     )
     assert at["forget_accuracy"]["reference"] == boundary.metrics["test_accuracy"]
     assert at["asr"]["reference"] == boundary.metrics["asr_without_trigger"]
+    # the verification reports its sample counts, and the AUC's tolerance is its null band
+    # at them (at least the floor)
+    n, k = boundary.metrics["mia_members"], boundary.metrics["mia_nonmembers"]
+    assert n == k == min(boundary.metrics["forget_samples"], boundary.metrics["test_samples"])
+    noise = null_band(int(n), int(k), TOLERANCES.alpha)
+    assert at["mia_auc"]["tolerance"] == pytest.approx(max(noise, TOLERANCES.mia_auc))
+    assert at["mia_auc"]["tolerance_from"] == ("noise" if noise >= TOLERANCES.mia_auc else "floor")
     silo = {f["name"]: f for f in _check(cert, "silo_membership")["figures"]}
     assert silo["silo_auc"]["band"] == boundary.metrics["silo_auc_band"]
     auc, band = silo["silo_auc"]["value"], boundary.metrics["silo_auc_band"]
@@ -304,6 +319,62 @@ def test_the_lifecycle_reads_the_certificate_s_verdict(change, check, name):
     store, rid = _applied(e.metrics_at_boundary, AFTER, state)
     assert why in build(store, rid)["verdict"]["summary"]  # one verdict, the same words
     assert can_transition(State.CALIBRATING, State.UNVERIFIED) and is_terminal(State.UNVERIFIED)
+
+
+def test_the_forgetting_tolerances_follow_the_noise_at_the_sample_counts():
+    # the server's band is the silo's test's, by the same formula (readings.py does not
+    # import it: fedasync loads torch)
+    for n, k in ((1, 1), (8, 8), (32, 120), (1000, 1000)):
+        assert null_band(n, k, 0.05) == pytest.approx(band(n, k, 0.05), rel=1e-12)
+    counts = {"mia_members": 8, "mia_nonmembers": 8}
+    assert auc_band(counts) == (
+        pytest.approx(band(8, 8, 0.05)), "noise", "the AUC's null band over 8 against 8 "
+        "samples at alpha 0.05",
+    )  # fmt: skip
+    assert auc_band({"mia_members": 120, "mia_nonmembers": 120})[:2] == (0.1, "floor")
+    assert auc_band({"mia_members": 8})[:2] == (0.1, "fixed")
+    # forget 0.75 over 12 samples against test 0.55 over 120: 1.96 pooled standard errors
+    tol, source, _ = score_band({"forget_samples": 12, "test_samples": 120}, 0.75, 0.55)
+    p = (0.75 * 12 + 0.55 * 120) / 132
+    assert source == "noise" and tol == pytest.approx(
+        1.96 * (p * (1 - p) * (1 / 12 + 1 / 120)) ** 0.5, rel=1e-3
+    )
+    assert score_band({"forget_samples": 5000, "test_samples": 5000}, 0.7, 0.7)[:2] == (
+        0.05,
+        "floor",
+    )
+    assert score_band({}, 0.7, 0.7)[:2] == (0.05, "fixed")
+
+    # in a certificate: an AUC 0.125 from 0.5 over 8 against 8 samples is within its band,
+    # over 120 against 120 it is not (the floor, 0.1); a forget score 0.2 above the test
+    # score over 12 samples is within, over 1000 it is not
+    small = {"mia_members": 8, "mia_nonmembers": 8, "forget_samples": 12, "test_samples": 120}
+    large = {
+        "mia_members": 120,
+        "mia_nonmembers": 120,
+        "forget_samples": 1000,
+        "test_samples": 1000,
+    }
+    moved = {"mia_auc": 0.375, "forget_accuracy": 0.9}
+    for counts, ok, source in ((small, True, "noise"), (large, False, "floor")):
+        e = Erasure("r1", 1, ["a", "b"], 0.0)
+        e.metrics_at_boundary = {**GOOD, **moved, **counts}
+        state, why = _checked(e, dict(AFTER))
+        assert state is (State.VERIFIED if ok else State.UNVERIFIED), why
+        store, rid = _applied(e.metrics_at_boundary, AFTER, state)
+        figs = {f["name"]: f for f in _check(build(store, rid), "at_boundary")["figures"]}
+        assert figs["mia_auc"]["verdict"] == ("within" if ok else "not within")
+        assert figs["mia_auc"]["tolerance_from"] == source
+        assert figs["forget_accuracy"]["verdict"] == ("within" if ok else "not within")
+        assert "samples" in figs["mia_auc"]["rule"] and "samples" in figs["forget_accuracy"]["rule"]
+    # without counts (a store written before they were reported): the fixed tolerances
+    store, rid = _applied({**GOOD, **moved}, AFTER, State.UNVERIFIED)
+    figs = {f["name"]: f for f in _check(build(store, rid), "at_boundary")["figures"]}
+    assert (figs["mia_auc"]["tolerance"], figs["mia_auc"]["tolerance_from"]) == (0.1, "fixed")
+    assert (figs["forget_accuracy"]["tolerance"], figs["forget_accuracy"]["tolerance_from"]) == (
+        0.05,
+        "fixed",
+    )
 
 
 def test_resurfacing_after_the_window_is_not_within():

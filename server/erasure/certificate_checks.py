@@ -34,12 +34,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from server.erasure.readings import (
+    INFORMATIONAL,
     TOLERANCES,
     Tolerances,
     around,
     at_least,
     at_most,
+    auc_band,
     informational,
+    score_band,
     within,
 )
 from server.erasure.states import CHECKED, State
@@ -190,15 +193,29 @@ def server_checks(
     ]
 
 
-def _boundary_reading(key: str, v: object, ref: object, tol: Tolerances) -> dict[str, Any]:
+def _boundary_reading(
+    key: str, m: dict[str, float], v: object, ref: object, tol: Tolerances
+) -> dict[str, Any]:
+    """The reading of one forgetting figure (or ``score_after``) of metrics ``m``: the
+    forget-set score's and the membership AUC's tolerances follow their noise at ``m``'s
+    sample counts when it has them (readings.score_band, readings.auc_band)."""
     value, reference = num(v), num(ref)
     if key == "forget_accuracy":
-        return at_most(value, reference, tol.score, "value <= reference + tolerance")
+        t, source, where = score_band(m, value, reference, tol)
+        rule = f"value <= reference + tolerance ({where})"
+        return _source(at_most(value, reference, t, rule), source)
     if key == "mia_auc":
-        return around(value, 0.5, tol.mia_auc, "|value - 0.5| <= tolerance")
+        t, source, where = auc_band(m, tol)
+        return _source(around(value, 0.5, t, f"|value - 0.5| <= tolerance ({where})"), source)
     if key == "asr":
         return at_most(value, reference, tol.asr, "value <= reference + tolerance")
     return at_least(value, reference, tol.dip, "value >= reference - tolerance")  # score_after
+
+
+def _source(reading: dict[str, Any], source: str) -> dict[str, Any]:
+    """``reading`` with where its tolerance came from (``tolerance_from``: ``noise``,
+    ``floor`` or ``fixed``; readings.py), when it was judged."""
+    return reading if reading["verdict"] == INFORMATIONAL else {**reading, "tolerance_from": source}
 
 
 def _at_boundary(m: dict[str, float], tol: Tolerances) -> dict[str, Any]:
@@ -206,7 +223,7 @@ def _at_boundary(m: dict[str, float], tol: Tolerances) -> dict[str, Any]:
     for key, label, ref, ref_label in _BOUNDARY:
         if key in m:
             ref_value = m.get(ref) if isinstance(ref, str) else ref
-            reading = _boundary_reading(key, m[key], ref_value, tol)
+            reading = _boundary_reading(key, m, m[key], ref_value, tol)
             figures.append(figure(key, label, m[key], ref_value, ref_label, reading=reading))
     if "boundary_dip" in m:
         figures.append(
@@ -487,7 +504,7 @@ def _resurfacing(
                     after[key],
                     ref_value,
                     f"{ref_label}, at verification" if isinstance(ref, str) else ref_label,
-                    reading=_boundary_reading(key, after[key], ref_value, tol),
+                    reading=_boundary_reading(key, after, after[key], ref_value, tol),
                     at_boundary=num(at_b.get(key)),
                 )
             )

@@ -18,7 +18,9 @@ use it (server/unlearning/lifecycle.py), on the same figures, so they cannot dis
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 WITHIN = "within"
@@ -34,18 +36,40 @@ NOT_VERIFIED = "not verified"
 @dataclass(frozen=True)
 class Tolerances:
     """How far a figure may lie from its reference and still be within it. Scores, rates and
-    AUCs are fractions in [0, 1]."""
+    AUCs are fractions in [0, 1].
 
+    Where the figures come with the sample counts they were measured on (the server's
+    verification reports them: ``forget_samples``, ``test_samples``, ``mia_members``,
+    ``mia_nonmembers``), the forget-set score and the membership AUC get a tolerance from
+    their own noise at those counts, at significance ``alpha`` (``score_band``,
+    ``auc_band``): a few samples cannot tell a residue from chance, and a figure is only
+    called not within when chance alone would rarely put it there. ``score`` and
+    ``mia_auc`` are then floors under those bands (a difference too small to matter is not
+    flagged however many samples show it); without the counts they are the tolerances
+    themselves. Each figure says which it used (``tolerance_from``: ``noise``, ``floor``,
+    ``fixed``)."""
+
+    alpha: float = 0.05
+    """Significance of the noise bands, two-sided: a band is z = 1.96 standard deviations of
+    the figure's spread under "the erased samples look like unseen ones" (about two standard
+    errors). The silo's own membership test stops at the same default
+    (``unlearning.stop_alpha``, fedasync.stopping)."""
     score: float = 0.05
     """The forget-set score above the same model's unseen-test score (at the boundary and at
-    verification). A model retrained without the samples scores them like unseen data; an
-    accuracy over about a hundred samples has a standard deviation near 0.05, so a smaller
-    excess is not evidence of memory, a larger one is."""
+    verification). A model retrained without the samples scores them like unseen data. With
+    the counts the tolerance is the spread of a difference of two proportions, ``z *
+    sqrt(p (1 - p) (1 / n_forget + 1 / n_test))`` with ``p`` the two scores pooled (a score
+    averaged over samples in [0, 1] spreads no more than a proportion; a pooled Dice is
+    read the same way, an image a trial); 0.05 is its floor, and the tolerance without
+    counts (an accuracy over about a hundred samples has a standard deviation near 0.05)."""
     mia_auc: float = 0.1
     """|membership-inference AUC - 0.5|, both sides: above is under-erasure (the samples are
     still recognised), below is over-erasure, which an attacker detects as well (the
-    Streisand effect). 0.1 is about two null standard deviations of an AUC over 50 against
-    50 samples (sqrt(101 / (12 * 50 * 50)) = 0.058)."""
+    Streisand effect). With the counts the tolerance is the band of the silo's own test at
+    them (fedasync.stopping.band: ``z * sqrt((n + m + 1) / (12 n m))``, the AUC's null
+    spread over ``n`` members against ``m`` unseen samples); 0.1 is its floor (the band
+    over 50 against 50 samples is 0.11; over 120 against 120, 0.073), and the tolerance
+    without counts."""
     asr: float = 0.05
     """The backdoor's attack success rate above the same images' rate without the trigger:
     what the trigger still adds. 0.05, as for a score (a rate over about a hundred images)."""
@@ -63,8 +87,78 @@ class Tolerances:
     silo_updates: float = 0.0
     """Updates of a retired (whole-silo erased) silo taken after the boundary: none."""
 
+    @property
+    def z(self) -> float:
+        """The two-sided normal quantile of ``alpha`` (1.96 at 0.05)."""
+        return NormalDist().inv_cdf(1.0 - self.alpha / 2.0)
+
 
 TOLERANCES = Tolerances()
+
+NOISE, FLOOR, FIXED = "noise", "floor", "fixed"
+"""Where a tolerance came from (a figure's ``tolerance_from``): the figure's noise at its
+sample counts, the floor under it (wider than the noise), or the fixed value (no counts)."""
+
+
+def _count(v: object) -> int | None:
+    """A sample count from a metrics dict: a positive whole number, else None."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return int(v) if v >= 1 and float(v).is_integer() else None
+
+
+def null_band(n: int, k: int, alpha: float) -> float:
+    """Half-width of the two-sided band around AUC 0.5 at significance ``alpha`` for ``n``
+    members against ``k`` non-members: fedasync.stopping.band, the silo's own test's, by the
+    same formula (not imported: fedasync loads torch, and a certificate is read without it;
+    tests/test_erasure_certificate.py keeps the two equal)."""
+    sd = math.sqrt((n + k + 1) / (12.0 * n * k))
+    return NormalDist().inv_cdf(1.0 - alpha / 2.0) * sd
+
+
+def auc_band(m: dict[str, Any], tol: Tolerances = TOLERANCES) -> tuple[float, str, str]:
+    """The membership AUC's tolerance for metrics ``m``: (tolerance, ``tolerance_from``, in
+    words). The null band at ``m``'s ``mia_members`` against ``mia_nonmembers`` when they
+    are there (at least ``tol.mia_auc``), else ``tol.mia_auc``."""
+    n, k = _count(m.get("mia_members")), _count(m.get("mia_nonmembers"))
+    if n is None or k is None:
+        return tol.mia_auc, FIXED, "fixed: no sample counts"
+    noise = null_band(n, k, tol.alpha)
+    where = f"the AUC's null band over {n} against {k} samples at alpha {tol.alpha:g}"
+    if noise >= tol.mia_auc:
+        return noise, NOISE, where
+    return tol.mia_auc, FLOOR, f"the floor ({where} is {noise:.3g})"
+
+
+def score_band(
+    m: dict[str, Any],
+    forget: object,
+    test: object,
+    tol: Tolerances = TOLERANCES,
+) -> tuple[float, str, str]:
+    """The tolerance of the forget-set score ``forget`` above the test score ``test`` for
+    metrics ``m`` (their counts ``forget_samples``, ``test_samples``): (tolerance,
+    ``tolerance_from``, in words). ``z`` standard errors of the difference of two
+    proportions, pooled, when the counts are there (at least ``tol.score``), else
+    ``tol.score``."""
+    n, k = _count(m.get("forget_samples")), _count(m.get("test_samples"))
+    p1, p2 = _fraction(forget), _fraction(test)
+    if n is None or k is None or p1 is None or p2 is None:
+        return tol.score, FIXED, "fixed: no sample counts"
+    p = (p1 * n + p2 * k) / (n + k)
+    noise = tol.z * math.sqrt(p * (1.0 - p) * (1.0 / n + 1.0 / k))
+    where = (
+        f"{tol.z:.3g} standard errors of a difference of two proportions over {n} and {k} samples"
+    )
+    if noise >= tol.score:
+        return noise, NOISE, where
+    return tol.score, FLOOR, f"the floor ({where} is {noise:.3g})"
+
+
+def _fraction(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return min(max(float(v), 0.0), 1.0)
 
 
 def within(ok: bool, rule: str, tolerance: float | None, side: str | None = None) -> dict[str, Any]:
