@@ -306,7 +306,8 @@ def test_a_figure_out_of_tolerance_is_never_called_verified():
         ({"asr": 0.30}, "at_boundary", "asr"),
         ({"boundary_dip": 0.2, "score_after": 0.51}, "at_boundary", "boundary_dip"),
         ({"silo_auc": 0.7}, "silo_membership", "silo_auc"),
-        ({"delta_norm": 6.0}, "bound", "delta_norm"),
+        # above its bound, yet not clipped (no clip_factor): the delta applied is over it
+        ({"delta_norm": 6.0}, "bound", "delta_applied"),
     ],
 )
 def test_the_lifecycle_reads_the_certificate_s_verdict(change, check, name):
@@ -319,6 +320,23 @@ def test_the_lifecycle_reads_the_certificate_s_verdict(change, check, name):
     store, rid = _applied(e.metrics_at_boundary, AFTER, state)
     assert why in build(store, rid)["verdict"]["summary"]  # one verdict, the same words
     assert can_transition(State.CALIBRATING, State.UNVERIFIED) and is_terminal(State.UNVERIFIED)
+
+
+def test_a_clipped_delta_is_within_its_bound_and_says_how_much_was_applied():
+    # the silo sent a delta of norm 6 against a bound of 0.6: clipped, a tenth applied
+    e = Erasure("r1", 1, ["a", "b"], 0.0)
+    e.metrics_at_boundary = {**GOOD, "delta_norm": 6.0, "clip_factor": 0.1}
+    assert _checked(e, dict(AFTER)) == (State.VERIFIED, "all 10 judged figures within")
+    store, rid = _applied(e.metrics_at_boundary, AFTER)
+    bound = _check(build(store, rid), "bound")
+    figs = {f["name"]: f for f in bound["figures"]}
+    assert figs["delta_applied"]["value"] == pytest.approx(0.6)
+    assert (
+        figs["delta_applied"]["reference"] == 0.6 and figs["delta_applied"]["verdict"] == "within"
+    )
+    assert (figs["delta_norm"]["value"], figs["delta_norm"]["verdict"]) == (6.0, "informational")
+    assert (figs["clip_factor"]["value"], figs["clip_factor"]["verdict"]) == (0.1, "informational")
+    assert any("10.0% of it was applied" in n for n in bound["notes"])
 
 
 def test_the_forgetting_tolerances_follow_the_noise_at_the_sample_counts():

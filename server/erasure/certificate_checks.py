@@ -10,7 +10,8 @@ What exists (docs/erasure.md) and where it is stored:
   where retraining reference runs are given (offline; their ``bd_*`` evaluations);
 - the silo's own membership test (``unlearning.stop=membership``): the ``silo_*`` metrics
   the silo reported, in the same row;
-- the bound on the erasure's delta (``delta_norm``, ``delta_bound``): the same row;
+- the bound on the erasure's delta (``delta_norm`` as sent, ``delta_bound``, ``clip_factor``
+  when clipped): the same row; the delta applied is judged against the bound, a clip shown;
 - the calibration in force (the row's facts) and the overlap of each later update with the
   erased data's signature subspace (``calibration_overlap`` of ``update`` events);
 - resurfacing: the checks between the boundary and verification (``erasure_watch``
@@ -377,39 +378,68 @@ def _membership(m: dict[str, float], whole_silo: bool) -> dict[str, Any]:
 
 
 def _bound(m: dict[str, float], tol: Tolerances) -> dict[str, Any]:
-    figures = []
-    if "delta_norm" in m and "delta_bound" in m:
-        figures.append(
+    """The bound on the silo's delta. The server clips a delta above its bound to it
+    (bounds.py), so the applied delta is within its bound by construction: that is the
+    judged figure; the delta as sent and how much of it was applied are shown beside it. A
+    clip is the bound doing its job, not a verdict on the erasure (the forgetting checks
+    give that)."""
+    figures, notes = [], []
+    sent, bound = num(m.get("delta_norm")), num(m.get("delta_bound"))
+    if sent is not None and bound is not None:
+        factor = num(m.get("clip_factor"))
+        applied = sent * (1.0 if factor is None else factor)
+        figures += [
+            figure(
+                "delta_applied",
+                "Norm of the erasure delta applied",
+                applied,
+                bound,
+                "its bound",
+                reading=at_most(
+                    applied,
+                    bound,
+                    bound * tol.delta,
+                    "value <= reference + tolerance (a delta above its bound is clipped to it; "
+                    "the tolerance is float rounding)",
+                ),
+            ),
             figure(
                 "delta_norm",
                 "Norm of the silo's erasure delta, as sent",
-                m["delta_norm"],
-                m["delta_bound"],
+                sent,
+                bound,
                 "its bound (larger is clipped to it)",
-                reading=at_most(
-                    num(m["delta_norm"]),
-                    num(m["delta_bound"]),
-                    tol.delta,
-                    "value <= reference + tolerance (above: clipped, applied in part)",
+                reading=informational(
+                    "what the silo sent: above its bound it was clipped, and the applied "
+                    "delta is judged"
                 ),
+            ),
+        ]
+        if factor is not None:
+            figures.append(
+                figure(
+                    "clip_factor",
+                    "Share of the sent delta applied (clipped)",
+                    factor,
+                    1.0,
+                    "1: all of it (not clipped)",
+                    reading=informational(
+                        "how much of the sent delta the bound let through: the bound doing its "
+                        "job; the forgetting checks judge whether the erasure worked"
+                    ),
+                )
             )
-        )
-    if "clip_factor" in m:
-        figures.append(
-            figure(
-                "clip_factor",
-                "Clipped by",
-                m["clip_factor"],
-                1.0,
-                "not clipped",
-                reading=informational("how much was clipped: delta_norm's reading judges it"),
+            notes.append(
+                f"the silo's delta (norm {sent:.4g}) was clipped to its bound ({bound:.4g}): "
+                f"{factor:.1%} of it was applied; whether the erasure worked is judged by the "
+                "forgetting checks, not by the clip"
             )
-        )
     return check(
         "bound",
         "The erasure's size is bounded",
         "erasure store: the calibrating audit row's metrics",
         figures,
+        notes=notes,
     )
 
 

@@ -80,10 +80,12 @@ class Tolerances:
     reversion: float = 0.5
     """The reversion ratio toward the pre-erasure model at verification: 0 none, 1 all the
     way back. Past half-way the erased model has mostly come back."""
-    delta: float = 0.0
-    """The silo's erasure delta above its bound (``delta_norm - delta_bound``). The bound has
-    its float slack already (bounds.py); a delta above it was clipped, so less than the
-    erasure the silo computed was applied."""
+    delta: float = 1e-6
+    """The applied erasure delta's norm above its bound, relative to the bound (float
+    rounding only). The server clips a delta larger than its bound to it (bounds.py), so the
+    applied delta is within by construction; a clip is the bound doing its job, and is
+    reported beside it (how much of the sent delta was applied), not judged: whether the
+    erasure worked is the forgetting checks' to say."""
     silo_updates: float = 0.0
     """Updates of a retired (whole-silo erased) silo taken after the boundary: none."""
 
