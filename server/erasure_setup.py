@@ -247,7 +247,8 @@ class Catalog:
 def erasure_summary(co: ErasureCoordinator, params: Any) -> dict[str, Any]:
     """Every request's final state, the report of each one checked after its relearning
     window (``verified``: every check within; ``unverified``: one not, its ``reading`` says
-    which), and the same metrics on the final model ``params`` for every applied erasure
+    which; a row's ``verified_version`` is the version at which it was checked, either way),
+    and the same metrics on the final model ``params`` for every applied erasure
     (``at_end``)."""
     requests = co.store.list()
     ids_of = {r.id: list(r.sample_ids) for r in requests}

@@ -28,8 +28,9 @@ The parts, each with its own ``state_dict`` (the coordinator's holds the other t
 beside its own, so a checkpoint's layout is what it was before the parts were split):
 
 - lifecycle.py: ``ErasureCoordinator``, the request lifecycle above (queued, erasing,
-  calibrating, verified or failed; requeue when a silo goes down), the ledger, audit rows and
-  ``erasure`` events; what it needs of the server's parts is handed to it as callables;
+  calibrating, verified, unverified or failed; requeue when a silo goes down), the ledger,
+  audit rows and ``erasure`` events; what it needs of the server's parts is handed to it as
+  callables;
 - calibration.py: ``Calibration``, step 3's state (signature, jumps, forget gradients, the
   boundary, the window of recent updates) and the calibration of every later update;
 - rebuild.py: ``FedEraserRebuild``, the halting baseline's rebuild and its update history.

@@ -1,4 +1,5 @@
-"""The erasure request lifecycle: queued -> erasing -> calibrating -> verified (or failed).
+"""The erasure request lifecycle: queued -> erasing -> calibrating -> verified or unverified
+(checked after the relearning window: every check within, or one not), or failed.
 
 Owns (``ErasureCoordinator``, in its ``state_dict``): the requests in progress, applied and
 scheduled, the verification reports, the silos retired or with samples excluded, the ledger
@@ -412,7 +413,9 @@ class ErasureCoordinator:
         return resume.row(e, self.store, self.srv.clock.kind, self.srv.updates_accepted_between)
 
     def on_version(self) -> None:
-        """Verify erasures whose relearning window has passed."""
+        """Check again the erasures whose relearning window has passed: each moves to
+        ``verified`` or ``unverified`` (``_checked``) and gets its report row, whose
+        ``verified_version`` is the version at which it was checked (either way)."""
         srv = self.srv
         for rid, e in list(self.active.items()):
             if e.boundary is None:
@@ -426,6 +429,7 @@ class ErasureCoordinator:
             after = e.measure(self.srv.params, self.verify_fn)
             e.around_boundary = None
             state, reading = _checked(e, after)
+            # verified_version: the version at which it was checked, verified or not
             row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
             self.report.append({**row, "state": state.value, "reading": reading})
             del self.active[rid]
