@@ -271,7 +271,9 @@ def erasure(out: Path, seed: int, args: argparse.Namespace) -> dict:
 
     def during_erasures(fed: HostFederation, watch: Watch, marks: dict) -> bool:
         marks["submit_1"] = _submit_erasure(fed, run_dir, cfg, 1)
-        if not watch.wait(lambda: _state_of(run_dir, 1) in ("calibrating", "verified"), 120):
+        if not watch.wait(
+            lambda: _state_of(run_dir, 1) in ("calibrating", "verified", "unverified"), 120
+        ):
             return False
         marks["submit_0"] = _submit_erasure(fed, run_dir, cfg, 0)
         ok = watch.wait(lambda: _state_of(run_dir, 0) == "erasing", 120)

@@ -9,7 +9,9 @@ is what to read on a busy machine).
 
 By default on a worst case made here, in a temporary folder: one request for the most sample
 ids the service accepts (65 536, so as many digests), walked through every state with the
-metrics and facts the server records, 200 audit notes, 1000 refused calls naming it, and an
+metrics and facts the server records (checked after its window by the server's own verdict,
+``certificate_checks.server_checks`` read by ``readings.verdict``, as the lifecycle does: its
+figures are within, so it is verified, and its certificate reads so), 200 audit notes, 1000 refused calls naming it, and an
 event log of ``--updates`` update lines (200 000: a long run) with a check after every
 version of the relearning window. ``--run RUN_DIR`` times a real run's certificate instead
 (``--request ID``: which; default its first request).
@@ -32,7 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server.erasure.certificate import build, to_json  # noqa: E402
+from server.erasure.certificate_checks import server_checks  # noqa: E402
 from server.erasure.certificate_html import render  # noqa: E402
+from server.erasure.readings import VERIFIED as WITHIN_ALL  # noqa: E402
+from server.erasure.readings import summary, verdict  # noqa: E402
 from server.erasure.states import State  # noqa: E402
 from server.erasure.store import ErasureStore  # noqa: E402
 
@@ -59,6 +64,14 @@ def _worst_case(folder: Path, updates: int) -> str:
         "silo_indistinguishable": 1.0,
         "delta_norm": 0.2,
         "delta_bound": 0.5,
+        "score_before": 0.61,
+        "score_after": 0.6,
+        "boundary_dip": 0.01,
+        # the sample counts the server's verification reports beside its figures
+        "forget_samples": 65_536.0,
+        "test_samples": 2000.0,
+        "mia_members": 2000.0,
+        "mia_nonmembers": 2000.0,
     }
     facts = {
         "model_before_version": str(BOUNDARY - 1),
@@ -76,12 +89,27 @@ def _worst_case(folder: Path, updates: int) -> str:
         metrics=metrics,
         facts=facts,
     )
+    after = {
+        "forget_accuracy": 0.41,
+        "test_accuracy": 0.6,
+        "mia_auc": 0.5,
+        "reversion_ratio": 0.02,
+        **{
+            k: metrics[k]
+            for k in ("forget_samples", "test_samples", "mia_members", "mia_nonmembers")
+        },
+    }
+    # checked after the window as the lifecycle checks it (lifecycle._checked), on the same
+    # figures: verified only when every one is within
+    v = verdict(server_checks(metrics, after, whole_silo=False))
+    state = State.VERIFIED if v["verdict"] == WITHIN_ALL else State.UNVERIFIED
     store.transition(
         r.id,
-        State.VERIFIED,
+        state,
         actor="server",
         model_version=VERIFIED,
-        metrics={"forget_accuracy": 0.41, "mia_auc": 0.5, "reversion_ratio": 0.02},
+        metrics=after,
+        detail=f"{state.value} after 20 versions: {summary(v)}",
         facts={"model_sha256": "c" * 64},
     )
     for _ in range(1000):
@@ -120,8 +148,10 @@ def _event_log(path: Path, rid: str, updates: int) -> None:
             f.write(json.dumps(line) + "\n")
 
 
-def _once(store_path: Path, events: Path | None, rid: str, out: Path) -> tuple[float, float, int]:
-    """One certificate made and written: wall seconds, CPU seconds, bytes."""
+def _once(
+    store_path: Path, events: Path | None, rid: str, out: Path
+) -> tuple[float, float, int, str]:
+    """One certificate made and written: wall seconds, CPU seconds, bytes, its verdict."""
     t0, c0 = time.perf_counter(), time.process_time()
     with ErasureStore(store_path, readonly=True) as store:
         cert = build(store, rid, events=events)
@@ -129,7 +159,7 @@ def _once(store_path: Path, events: Path | None, rid: str, out: Path) -> tuple[f
     (out / "certificate.json").write_text(text)
     (out / "certificate.html").write_text(page)
     size = len(text.encode()) + len(page.encode())
-    return time.perf_counter() - t0, time.process_time() - c0, size
+    return time.perf_counter() - t0, time.process_time() - c0, size, cert["verdict"]["reading"]
 
 
 def main() -> None:
@@ -154,11 +184,14 @@ def main() -> None:
         log_mb = events.stat().st_size / 1e6 if events.is_file() else 0.0
         times, cpu = [], []
         for _ in range(args.repeats):
-            seconds, used, size = _once(store, events if events.is_file() else None, rid, out)
+            seconds, used, size, reading = _once(
+                store, events if events.is_file() else None, rid, out
+            )
             times.append(seconds)
             cpu.append(used)
             print(
-                f"  {seconds:.3f} s wall, {used:.3f} s CPU ({size / 1e6:.2f} MB of JSON + HTML)",
+                f"  {seconds:.3f} s wall, {used:.3f} s CPU ({size / 1e6:.2f} MB of JSON + HTML;"
+                f" it reads {reading})",
                 flush=True,
             )
     print(f"{what}; event log {log_mb:.1f} MB; median of {args.repeats}")

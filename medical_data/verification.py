@@ -146,6 +146,25 @@ def subset(data: SiloData, idx: np.ndarray) -> SiloData:
     )
 
 
+def mia_samples(n_forget: int, n_test: int) -> int:
+    """How many members and how many non-members ``verification_report``'s ``mia_auc``
+    compares: the smaller set's size, on each side."""
+    return min(n_forget, n_test)
+
+
+def sample_counts(forget: SiloData, test: SiloData) -> dict[str, float]:
+    """The sample counts behind ``verification_report``'s figures, for the noise of each:
+    ``forget_samples`` and ``test_samples`` (the two scores), ``mia_members`` and
+    ``mia_nonmembers`` (the membership AUC)."""
+    k = float(mia_samples(len(forget), len(test)))
+    return {
+        "forget_samples": float(len(forget)),
+        "test_samples": float(len(test)),
+        "mia_members": k,
+        "mia_nonmembers": k,
+    }
+
+
 def verification_report(
     model: nn.Module,
     *,
@@ -181,7 +200,7 @@ def verification_report(
                 model, untriggered, target_label, task=task, device=device
             )
     rng = np.random.default_rng(seed)
-    k = min(len(forget), len(test))
+    k = mia_samples(len(forget), len(test))
     members = (
         forget if k == len(forget) else subset(forget, np.sort(rng.permutation(len(forget))[:k]))
     )

@@ -44,14 +44,20 @@ def verifier(
 ) -> Any:
     """``verify(params, silo, ids)``: the verification metrics of a model on silo ``silo``'s
     training data (only ``ids`` when given; the backdoor applied in verification runs), the
-    test set, and in verification runs the triggered test set.
+    test set, and in verification runs the triggered test set; with the sample counts behind
+    them (``sample_counts``: the certificate's tolerances follow their noise).
 
     Without ``fed`` (a coordinator that holds no silo data) only what ``test``, its own
     held-out set, shows: ``test_accuracy`` and, in verification runs, the attack success
     rates; nothing without a test set either."""
     from medical_data.backdoor import triggered_set
     from medical_data.tasks import select, training_data
-    from medical_data.verification import accuracy, attack_success_rate, verification_report
+    from medical_data.verification import (
+        accuracy,
+        attack_success_rate,
+        sample_counts,
+        verification_report,
+    )
 
     spec = fed.spec if spec is None else spec
     test = fed.test if test is None and fed is not None else test
@@ -84,7 +90,7 @@ def verifier(
                 )
             return report
         forget = select(training_data(fed, silo, bd, cfg.run.seed), ids, keep=True)
-        return verification_report(
+        report = verification_report(
             vmodel,
             forget=forget,
             test=test,
@@ -93,6 +99,7 @@ def verifier(
             target_label=target,
             task=task,
         )
+        return {**report, **sample_counts(forget, test)}  # the counts: each figure's noise
 
     return verify
 
@@ -238,8 +245,11 @@ class Catalog:
 
 
 def erasure_summary(co: ErasureCoordinator, params: Any) -> dict[str, Any]:
-    """Every request's final state, the verification report of each verified one, and the
-    same metrics on the final model ``params`` for every applied erasure (``at_end``)."""
+    """Every request's final state, the report of each one checked after its relearning
+    window (``verified``: every check within; ``unverified``: one not, its ``reading`` says
+    which; a row's ``verified_version`` is the version at which it was checked, either way),
+    and the same metrics on the final model ``params`` for every applied erasure
+    (``at_end``)."""
     requests = co.store.list()
     ids_of = {r.id: list(r.sample_ids) for r in requests}
     calibrating = [
@@ -260,5 +270,6 @@ def erasure_summary(co: ErasureCoordinator, params: Any) -> dict[str, Any]:
             }
             for r in requests
         ],
-        "verified": co.report,
+        "verified": [x for x in co.report if x.get("state", "verified") == "verified"],
+        "unverified": [x for x in co.report if x.get("state") == "unverified"],
     }

@@ -42,7 +42,7 @@ from server.erasure.gen import erasure_pb2_grpc
 from server.erasure.limits import Limits, named, quoted
 
 DEFAULT_ADDRESS = "127.0.0.1:50151"
-STATES = ("queued", "erasing", "calibrating", "verified", "failed")
+STATES = ("queued", "erasing", "calibrating", "verified", "unverified", "failed")
 AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 

@@ -14,6 +14,8 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
+from server.erasure import states
+
 SMALL = [
     "run.compare_sync=false",
     "run.progress=false",
@@ -29,6 +31,19 @@ SMALL = [
 ]
 """A tiny but real run's overrides: brain tissue patches, cnn-small, 3 silos (the ``small_cfg``
 fixture's; a later override of the same key wins)."""
+
+CHECKED = frozenset(s.value for s in states.CHECKED)
+"""The states of a request checked after its relearning window: ``verified`` (every
+forgetting check within its tolerance) or ``unverified``. A test of the lifecycle's mechanics
+(the window ended, the boundary came, a cancel, requeue or resume happened) asserts this, not
+``verified``: a tiny run's forgetting figures are its own, and the certificate's tests judge
+them (tests/test_erasure_certificate.py)."""
+
+
+def checked_rows(summary: dict) -> list[dict]:
+    """``summary.json``'s report rows of the requests checked after their relearning window
+    (``erasures.verified`` and ``erasures.unverified``), in the order they were checked."""
+    return [x for x in summary["erasures"]["applied"] if x.get("state") in CHECKED]
 
 
 def set_task_identity(run_id: int = 1) -> None:

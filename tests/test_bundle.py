@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from inprocess import SMALL, InProcessGrid
+from inprocess import CHECKED, SMALL, InProcessGrid, checked_rows
 
 from clients.app import app as client_app
 from server.app import run_server
@@ -216,7 +216,8 @@ def test_an_erased_model_names_the_erasure_it_honours_and_nothing_older_is_kept(
     summary = run_server(InProcessGrid(client_app, cfg.silos.count), cfg, run_dir)
     # Assert
     (req,) = summary["erasures"]["requests"]
-    boundary = summary["erasures"]["verified"][0]["boundary_version"]
+    assert req["state"] in CHECKED  # checked after its window: the bundle says which
+    boundary = checked_rows(summary)[0]["boundary_version"]
     for name in ("final", "best"):
         meta = _meta(run_dir / "bundle" / name)
         (row,) = meta["fedasync"]["erasures"]["honoured"]
@@ -226,17 +227,17 @@ def test_an_erased_model_names_the_erasure_it_honours_and_nothing_older_is_kept(
             "scope": "samples",
             "samples": req["samples"],
             "boundary_version": boundary,
-            "state": "verified",
+            "state": req["state"],
         }
         assert meta["fedasync"]["model_version"] >= boundary, "no model from before erasing"
         text = json.dumps(meta)
         assert not [i for i in federation(cfg).silos[2].sample_ids if str(i) in text]
     kept = [int(p.stem.split("-")[1]) for p in (run_dir / "models").glob("version-*.pt")]
     assert kept and min(kept) >= boundary
-    # the certificate's hash of the model at verification is the bundle's of that version
+    # the certificate's hash of the model when checked is the bundle's of that version
     store = ErasureStore(run_dir / "erasures.sqlite", readonly=True)
     try:
-        at = build(store, req["id"], events=run_dir / "metrics.jsonl")["model"]["verified"]
+        at = build(store, req["id"], events=run_dir / "metrics.jsonl")["model"]["checked"]
     finally:
         store.close()
     assert at["version"] in kept

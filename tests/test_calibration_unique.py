@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from inprocess import InProcessGrid, set_task_identity
+from inprocess import CHECKED, InProcessGrid, set_task_identity
 
 import clients.app
 import clients.unlearn
@@ -248,7 +248,7 @@ def _run(small_cfg, monkeypatch, *overrides):
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
     (req,) = summary["erasures"]["requests"]
-    assert req["state"] == "verified"
+    assert req["state"] in CHECKED  # the window ended; what the calibration did is tested below
     events = read_events(run_dir / "metrics.jsonl")
     (seen["calibrating"],) = [
         e for e in events if e["event"] == "erasure" and e["state"] == "calibrating"
@@ -256,7 +256,7 @@ def _run(small_cfg, monkeypatch, *overrides):
     return seen
 
 
-def test_a_run_with_the_unique_signature_is_verified_and_says_what_it_removed(
+def test_a_run_with_the_unique_signature_is_checked_and_says_what_it_removed(
     small_cfg, monkeypatch
 ):
     # Prepare: catch the signature as sent and the sketch's rows of the other silos it met
@@ -341,7 +341,7 @@ def test_with_the_forget_gradient_protected_no_version_lowers_the_forget_loss(
         assert grad is not None and min(_along_after_boundary(seen, grad)) < -1e-3
 
 
-def test_onesided_without_a_gradient_from_the_silo_is_verified_and_says_so(small_cfg, monkeypatch):
+def test_onesided_without_a_gradient_from_the_silo_is_checked_and_says_so(small_cfg, monkeypatch):
     # a silo that sends no forget gradient (older): only the jump is protected
     def older(*args, **kwargs):
         return UnlearnReply(*args, **{**kwargs, "gradient": None})

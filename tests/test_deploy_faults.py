@@ -466,7 +466,7 @@ def test_serverapp_killed_resumes_from_its_checkpoint(scenario):
     assert {r for r, _ in after} == {r for r, _ in before}
     assert [s for _, s in after].count("calibrating") == 1
     # a restart mid-erasure is in the audit log as a note, changing no state
-    mid_erasure = before[-1][1] == "calibrating"  # not verified yet when it was killed
+    mid_erasure = before[-1][1] == "calibrating"  # not checked yet when it was killed
     assert [s for _, s in scenario["notes_after"]] == (["calibrating"] if mid_erasure else [])
     assert [s for _, s in after].count("erasing") == 1
 

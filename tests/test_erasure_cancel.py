@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from flwr.app import Message, RecordDict
-from inprocess import InProcessGrid, set_task_identity
+from inprocess import CHECKED, InProcessGrid, set_task_identity
 
 from clients.app import app as client_app
 from fedasync.clock import VirtualClock
@@ -36,7 +36,7 @@ def _run(small_cfg, *extra: str):
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
     (request,) = summary["erasures"]["requests"]
-    assert request["state"] == "verified"
+    assert request["state"] in CHECKED  # the window ended (how well it forgot: not tested here)
     (row,) = summary["erasures"]["applied"]
     return summary, row, read_events(run_dir / "metrics.jsonl")
 

@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import time
+from dataclasses import asdict
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.stopping import band
 from protocol.ids import digest
 from server.app import run_server
 from server.erasure.auth import Authorizer, Principal
@@ -33,11 +35,21 @@ from server.erasure.certificate_html import CSP, render
 from server.erasure.gen import erasure_pb2 as pb
 from server.erasure.gen import erasure_pb2_grpc
 from server.erasure.limits import Limits
+from server.erasure.readings import (
+    READINGS,
+    TOLERANCES,
+    auc_band,
+    null_band,
+    score_band,
+    verdict,
+)
 from server.erasure.records import RequestNotFound
 from server.erasure.service import ErasureService, serve
-from server.erasure.states import State
+from server.erasure.states import State, can_transition, is_terminal
 from server.erasure.store import ErasureStore
 from server.unlearning.attest import model_sha256
+from server.unlearning.lifecycle import _checked
+from server.unlearning.requests import Erasure
 from simulations.config import load_config
 from simulations.erase_cli import main as erase
 
@@ -50,7 +62,9 @@ HOSTILE = '<script>alert("x")</script><img src="http://evil.example/a.png"> & "q
 def erased(tmp_path_factory):
     """One real run (3 silos, the real ClientApp in process): 30% of silo 2's samples erased
     at t=10 s with a backdoor on silo 2, checked every version after the boundary, calibrated
-    in the signature subspace (so updates carry their overlap), verified 4 versions later."""
+    in the signature subspace (so updates carry their overlap), checked 4 versions later (its
+    forget set holds the backdoor's samples, whose membership AUC against clean test data is
+    far below 0.5: it ends ``unverified``, the check naming that figure)."""
     out = tmp_path_factory.mktemp("run")
     cfg = load_config(
         None,
@@ -81,7 +95,7 @@ def erased(tmp_path_factory):
     run_dir = out / "t"
     summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
     (req,) = summary["erasures"]["requests"]
-    assert req["state"] == "verified"
+    assert req["state"] in ("verified", "unverified")
     store = ErasureStore(run_dir / "erasures.sqlite", readonly=True)
     try:
         yield run_dir, store, store.get(req["id"])
@@ -116,7 +130,8 @@ def test_the_certificate_of_a_real_erasure(erased):
     cert = _cert(erased)
     # who asked, when, which silo and which samples: digests, never the ids
     req = cert["request"]
-    assert (req["id"], req["silo"], req["scope"], req["state"]) == (r.id, 2, "samples", "verified")
+    assert (req["id"], req["silo"], req["scope"]) == (r.id, 2, "samples")
+    assert req["state"] == r.state.value in ("verified", "unverified")
     assert req["requester"] == "schedule" and req["submitted_at_ms"] == r.created_at_ms
     assert req["samples"]["count"] == len(r.sample_ids) > 0
     assert req["samples"]["digests"] == sorted(sample_digest(r.id, s) for s in r.sample_ids)
@@ -129,7 +144,7 @@ def test_the_certificate_of_a_real_erasure(erased):
         "silo_started",
         "in_global_model",
         "calibration",
-        "verified",
+        "checked",
     ]
     assert all(s["reached"] for s in steps)
     assert [s["time_ms"] for s in steps] == sorted(s["time_ms"] for s in steps)
@@ -139,14 +154,15 @@ def test_the_certificate_of_a_real_erasure(erased):
         if '"event": "erasure"' in line
     ]
     clock = {e["state"]: e["t"] for e in events}
-    assert steps[1]["clock_t"] == clock["erasing"] and steps[4]["clock_t"] == clock["verified"]
-    assert clock["calibrating"] <= steps[3]["clock_t"] <= clock["verified"]
+    end = clock[r.state.value]
+    assert steps[1]["clock_t"] == clock["erasing"] and steps[4]["clock_t"] == end
+    assert clock["calibrating"] <= steps[3]["clock_t"] <= end
     # the model's version and SHA-256 before, at the boundary and when verified
     model = cert["model"]
     assert model["after"]["version"] == r.boundary_version == steps[2]["model_version"]
     assert model["before"]["version"] == r.boundary_version - 1
-    assert model["verified"]["version"] == steps[4]["model_version"] > r.boundary_version
-    shas = [model[k]["sha256"] for k in ("before", "after", "verified")]
+    assert model["checked"]["version"] == steps[4]["model_version"] > r.boundary_version
+    shas = [model[k]["sha256"] for k in ("before", "after", "checked")]
     assert all(re.fullmatch("[0-9a-f]{64}", s) for s in shas)
     assert model["changed"] == (shas[0] != shas[1])
     assert shas[2] != shas[1], "four versions of training after the boundary moved the model"
@@ -162,9 +178,18 @@ def test_each_figure_has_its_reference(erased):
     )
     assert at["forget_accuracy"]["reference"] == boundary.metrics["test_accuracy"]
     assert at["asr"]["reference"] == boundary.metrics["asr_without_trigger"]
+    # the verification reports its sample counts, and the AUC's tolerance is its null band
+    # at them (at least the floor)
+    n, k = boundary.metrics["mia_members"], boundary.metrics["mia_nonmembers"]
+    assert n == k == min(boundary.metrics["forget_samples"], boundary.metrics["test_samples"])
+    noise = null_band(int(n), int(k), TOLERANCES.alpha)
+    assert at["mia_auc"]["tolerance"] == pytest.approx(max(noise, TOLERANCES.mia_auc))
+    assert at["mia_auc"]["tolerance_from"] == ("noise" if noise >= TOLERANCES.mia_auc else "floor")
     silo = {f["name"]: f for f in _check(cert, "silo_membership")["figures"]}
     assert silo["silo_auc"]["band"] == boundary.metrics["silo_auc_band"]
-    assert silo["silo_auc"]["verdict"] in ("within", "above", "below (reverted)")
+    auc, band = silo["silo_auc"]["value"], boundary.metrics["silo_auc_band"]
+    assert silo["silo_auc"]["verdict"] == ("within" if abs(auc - 0.5) <= band else "not within")
+    assert silo["silo_auc"]["tolerance"] == band
     cal = _check(cert, "calibration")
     assert cal["ran"] and cal["settings"]["calibration_protect"] == "subspace"
     mean = next(f for f in cal["figures"] if f["name"] == "overlap_mean")
@@ -197,6 +222,193 @@ def test_what_was_not_verified_is_said_plainly(erased):
     assert [s["reached"] for s in early["timeline"]] == [True, False, False, False, False]
 
 
+def test_every_figure_of_a_real_certificate_has_a_reading(erased):
+    _, store, r = erased
+    cert = _cert(erased)
+    figures = [(c["id"], f) for c in cert["checks"] for f in c["figures"]]
+    assert len(figures) > 15
+    for cid, f in figures:
+        assert f["verdict"] in READINGS and f["rule"], (cid, f["name"])
+        if f["verdict"] != "informational":
+            assert isinstance(f["tolerance"], float), (cid, f["name"])
+    # the top verdict is read from them, and the lifecycle read the same figures alike
+    v = cert["verdict"]
+    failing = [(c, f["name"]) for c, f in figures if f["verdict"] == "not within"]
+    assert v["reading"] == ("not verified" if failing else "verified") == cert["outcome"]["reading"]
+    assert [(x["check"], n) for x in v["not_within"] for n in x["figures"]] == failing
+    assert r.state.value == ("unverified" if failing else "verified")
+    detail = [a for a in store.audit(r.id) if a.to_state is r.state][-1].detail
+    for x in v["not_within"]:
+        assert f"{x['check']} ({', '.join(x['figures'])})" in detail
+    assert v["tolerances"] == asdict(TOLERANCES)
+
+
+def _applied(metrics, after=None, to=State.VERIFIED):
+    """A store with one request of silo 1 applied with the boundary ``metrics``, then moved to
+    ``to`` with ``after`` (None: left calibrating)."""
+    store = ErasureStore(":memory:")
+    r, _ = store.submit(1, ["a", "b"], "silo-1", 3)
+    store.transition(r.id, State.ERASING, actor="server", model_version=3)
+    store.transition(
+        r.id, State.CALIBRATING, actor="server", model_version=4, boundary_version=4,
+        metrics=metrics,
+    )  # fmt: skip
+    if after is not None:
+        store.transition(r.id, to, actor="server", model_version=9, metrics=after)
+    return store, r.id
+
+
+GOOD = {
+    "forget_accuracy": 0.70, "test_accuracy": 0.70, "mia_auc": 0.52, "asr": 0.10,
+    "asr_without_trigger": 0.09, "score_before": 0.71, "score_after": 0.70,
+    "boundary_dip": 0.01, "silo_auc": 0.55, "silo_auc_band": 0.08, "delta_norm": 0.4,
+    "delta_bound": 0.6,
+}  # fmt: skip
+AFTER = {"forget_accuracy": 0.72, "test_accuracy": 0.72, "mia_auc": 0.51, "reversion_ratio": 0.1}
+
+
+def test_a_figure_out_of_tolerance_is_never_called_verified():
+    # all within: verified
+    store, rid = _applied(GOOD, AFTER)
+    cert = build(store, rid)
+    assert cert["verdict"]["reading"] == "verified" and cert["verdict"]["not_within"] == []
+    assert cert["outcome"]["verified"] and "is verified" in cert["outcome"]["statement"]
+    # the forget set scored 0.2 above unseen data (tolerance 0.05), in a store whose request
+    # was moved to verified (as an older server did): the certificate still says not verified
+    bad = {**GOOD, "forget_accuracy": GOOD["test_accuracy"] + 0.2}
+    for to in (State.VERIFIED, State.UNVERIFIED):
+        store, rid = _applied(bad, AFTER, to)
+        cert = build(store, rid)
+        v = cert["verdict"]
+        assert v["reading"] == "not verified" and not cert["outcome"]["verified"]
+        assert v["not_within"] == [
+            {"check": "at_boundary", "title": _check(cert, "at_boundary")["title"],
+             "figures": ["forget_accuracy"]}
+        ]  # fmt: skip
+        (f,) = [f for f in _check(cert, "at_boundary")["figures"] if f["verdict"] != "within"]
+        assert (f["name"], f["side"], f["tolerance"]) == ("forget_accuracy", "above", 0.05)
+        assert "NOT verified" in cert["outcome"]["statement"]
+        assert "at_boundary (forget_accuracy)" in cert["outcome"]["statement"]
+        page = render(cert)
+        top = page[: page.index('id="request"')]
+        assert "not verified" in top and "Forgetting at the erasure boundary" in top
+    # a request in progress reads as such, a failed one as failed
+    store, rid = _applied(bad)
+    assert build(store, rid)["verdict"]["reading"] == "calibrating"
+    store.transition(rid, State.FAILED, actor="server", model_version=5, detail="x")
+    assert build(store, rid)["verdict"]["reading"] == "failed"
+
+
+@pytest.mark.parametrize(
+    ("change", "check", "name"),
+    [
+        ({"mia_auc": 0.35}, "at_boundary", "mia_auc"),  # below 0.5 by 0.15: over-erased
+        ({"asr": 0.30}, "at_boundary", "asr"),
+        ({"boundary_dip": 0.2, "score_after": 0.51}, "at_boundary", "boundary_dip"),
+        ({"silo_auc": 0.7}, "silo_membership", "silo_auc"),
+        # above its bound, yet not clipped (no clip_factor): the delta applied is over it
+        ({"delta_norm": 6.0}, "bound", "delta_applied"),
+    ],
+)
+def test_the_lifecycle_reads_the_certificate_s_verdict(change, check, name):
+    e = Erasure("r1", 1, ["a", "b"], 0.0)
+    e.metrics_at_boundary = dict(GOOD)
+    assert _checked(e, dict(AFTER)) == (State.VERIFIED, "all 10 judged figures within")
+    e.metrics_at_boundary = {**GOOD, **change}
+    state, why = _checked(e, dict(AFTER))
+    assert state is State.UNVERIFIED and f"{check} (" in why and name in why
+    store, rid = _applied(e.metrics_at_boundary, AFTER, state)
+    assert why in build(store, rid)["verdict"]["summary"]  # one verdict, the same words
+    assert can_transition(State.CALIBRATING, State.UNVERIFIED) and is_terminal(State.UNVERIFIED)
+
+
+def test_a_clipped_delta_is_within_its_bound_and_says_how_much_was_applied():
+    # the silo sent a delta of norm 6 against a bound of 0.6: clipped, a tenth applied
+    e = Erasure("r1", 1, ["a", "b"], 0.0)
+    e.metrics_at_boundary = {**GOOD, "delta_norm": 6.0, "clip_factor": 0.1}
+    assert _checked(e, dict(AFTER)) == (State.VERIFIED, "all 10 judged figures within")
+    store, rid = _applied(e.metrics_at_boundary, AFTER)
+    bound = _check(build(store, rid), "bound")
+    figs = {f["name"]: f for f in bound["figures"]}
+    assert figs["delta_applied"]["value"] == pytest.approx(0.6)
+    assert (
+        figs["delta_applied"]["reference"] == 0.6 and figs["delta_applied"]["verdict"] == "within"
+    )
+    assert (figs["delta_norm"]["value"], figs["delta_norm"]["verdict"]) == (6.0, "informational")
+    assert (figs["clip_factor"]["value"], figs["clip_factor"]["verdict"]) == (0.1, "informational")
+    assert any("10.0% of it was applied" in n for n in bound["notes"])
+
+
+def test_the_forgetting_tolerances_follow_the_noise_at_the_sample_counts():
+    # the server's band is the silo's test's, by the same formula (readings.py does not
+    # import it: fedasync loads torch)
+    for n, k in ((1, 1), (8, 8), (32, 120), (1000, 1000)):
+        assert null_band(n, k, 0.05) == pytest.approx(band(n, k, 0.05), rel=1e-12)
+    counts = {"mia_members": 8, "mia_nonmembers": 8}
+    assert auc_band(counts) == (
+        pytest.approx(band(8, 8, 0.05)), "noise", "the AUC's null band over 8 against 8 "
+        "samples at alpha 0.05",
+    )  # fmt: skip
+    assert auc_band({"mia_members": 120, "mia_nonmembers": 120})[:2] == (0.1, "floor")
+    assert auc_band({"mia_members": 8})[:2] == (0.1, "fixed")
+    # forget 0.75 over 12 samples against test 0.55 over 120: 1.96 pooled standard errors
+    tol, source, _ = score_band({"forget_samples": 12, "test_samples": 120}, 0.75, 0.55)
+    p = (0.75 * 12 + 0.55 * 120) / 132
+    assert source == "noise" and tol == pytest.approx(
+        1.96 * (p * (1 - p) * (1 / 12 + 1 / 120)) ** 0.5, rel=1e-3
+    )
+    assert score_band({"forget_samples": 5000, "test_samples": 5000}, 0.7, 0.7)[:2] == (
+        0.05,
+        "floor",
+    )
+    assert score_band({}, 0.7, 0.7)[:2] == (0.05, "fixed")
+
+    # in a certificate: an AUC 0.125 from 0.5 over 8 against 8 samples is within its band,
+    # over 120 against 120 it is not (the floor, 0.1); a forget score 0.2 above the test
+    # score over 12 samples is within, over 1000 it is not
+    small = {"mia_members": 8, "mia_nonmembers": 8, "forget_samples": 12, "test_samples": 120}
+    large = {
+        "mia_members": 120,
+        "mia_nonmembers": 120,
+        "forget_samples": 1000,
+        "test_samples": 1000,
+    }
+    moved = {"mia_auc": 0.375, "forget_accuracy": 0.9}
+    for counts, ok, source in ((small, True, "noise"), (large, False, "floor")):
+        e = Erasure("r1", 1, ["a", "b"], 0.0)
+        e.metrics_at_boundary = {**GOOD, **moved, **counts}
+        state, why = _checked(e, dict(AFTER))
+        assert state is (State.VERIFIED if ok else State.UNVERIFIED), why
+        store, rid = _applied(e.metrics_at_boundary, AFTER, state)
+        figs = {f["name"]: f for f in _check(build(store, rid), "at_boundary")["figures"]}
+        assert figs["mia_auc"]["verdict"] == ("within" if ok else "not within")
+        assert figs["mia_auc"]["tolerance_from"] == source
+        assert figs["forget_accuracy"]["verdict"] == ("within" if ok else "not within")
+        assert "samples" in figs["mia_auc"]["rule"] and "samples" in figs["forget_accuracy"]["rule"]
+    # without counts (a store written before they were reported): the fixed tolerances
+    store, rid = _applied({**GOOD, **moved}, AFTER, State.UNVERIFIED)
+    figs = {f["name"]: f for f in _check(build(store, rid), "at_boundary")["figures"]}
+    assert (figs["mia_auc"]["tolerance"], figs["mia_auc"]["tolerance_from"]) == (0.1, "fixed")
+    assert (figs["forget_accuracy"]["tolerance"], figs["forget_accuracy"]["tolerance_from"]) == (
+        0.05,
+        "fixed",
+    )
+
+
+def test_resurfacing_after_the_window_is_not_within():
+    e = Erasure("r1", 1, ["a"], 0.0)
+    e.metrics_at_boundary = dict(GOOD)
+    state, why = _checked(e, {**AFTER, "forget_accuracy": 0.9, "reversion_ratio": 0.8})
+    assert state is State.UNVERIFIED
+    assert why == "not within: resurfacing (forget_accuracy, reversion_ratio)"
+
+
+def test_a_figure_without_a_reading_is_refused():
+    with pytest.raises(ValueError, match="figure 'x' has no reading"):
+        verdict([{"id": "c", "title": "t", "figures": [{"name": "x", "verdict": None}]}])
+    assert verdict([])["verdict"] == "not verified"  # nothing judged is not verified
+
+
 def test_retraining_reference_runs_give_the_distance_and_the_noise_floor(erased, tmp_path):
     cert0 = _cert(erased)
     refs = []
@@ -220,13 +432,10 @@ def test_retraining_reference_runs_give_the_distance_and_the_noise_floor(erased,
         f = figs[f"mia_auc@{moment}"]
         floors[moment] = f["noise_floor"]
         assert f["noise_floor"] == pytest.approx(2 * (f["reference"] - 0.40))  # at its own t
-        assert f["verdict"] == (
-            "within"
-            if abs(f["value"] - f["reference"]) <= f["band"]
-            else "above"
-            if f["value"] > f["reference"]
-            else "below"
-        )
+        ok = abs(f["value"] - f["reference"]) <= f["band"]
+        assert f["verdict"] == ("within" if ok else "not within") and f["tolerance"] == f["band"]
+        if not ok:
+            assert f["side"] == ("above" if f["value"] > f["reference"] else "below")
     assert floors["verified"] > floors["boundary"] >= 0.04  # verified later, the spread wider
     v = _check(cert0, "at_boundary")["figures"][1]["value"]
     assert mia["value"] == v
@@ -517,7 +726,8 @@ def test_chromium_renders_the_certificate_with_the_request_s_figures(erased, tmp
         colours = im.convert("RGB").getcolors(maxcolors=1 << 20)
         assert colours is not None and len(colours) > 50, "a page, not a blank screen"
     reader = _Text()
-    reader.feed(_browse(binary, page, tmp_path, "--dump-dom"))
+    dom = _browse(binary, page, tmp_path, "--dump-dom")
+    reader.feed(dom)
     text = " ".join(" ".join(reader.parts).split())
     r = cert["request"]
     at = {f["name"]: f for f in _check(cert, "at_boundary")["figures"]}
@@ -528,12 +738,21 @@ def test_chromium_renders_the_certificate_with_the_request_s_figures(erased, tmp
         "What was NOT verified",
         f"model version {cert['model']['after']['version']}",
         cert["model"]["after"]["sha256"],
-        cert["model"]["verified"]["sha256"],
+        cert["model"]["checked"]["sha256"],
         f"{at['mia_auc']['value']:.4g}",
         "distance to retraining",
         "Erasure request",
+        f"Verdict: {cert['verdict']['reading']}",
     ):
         assert expected in text, expected
+    # every figure row's Reading cell is filled, with one of the three readings
+    cells = re.findall(r'<td class="reading">(.*?)</td>', dom)
+    figures = [f for c in cert["checks"] if c["ran"] for f in c["figures"]]
+    assert len(cells) == len(figures) > 10
+    words = [re.sub(r"<[^>]+>|\s*\((above|below)\)", "", c) for c in cells]
+    assert words == [f["verdict"] for f in figures]
+    for x in cert["verdict"]["not_within"]:  # each check not within is named at the top
+        assert x["title"] in text[: text.index("1. The request")]
 
 
 def test_facts_are_kept_with_their_audit_row_and_append_only(tmp_path):

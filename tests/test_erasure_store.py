@@ -149,12 +149,14 @@ def test_transition_table(from_state, to_state):
         (State.ERASING, State.CALIBRATING),
         (State.ERASING, State.QUEUED),  # its silo went down mid-erasure: tried again later
         (State.CALIBRATING, State.VERIFIED),
+        (State.CALIBRATING, State.UNVERIFIED),  # checked: a figure not within its tolerance
         (State.QUEUED, State.FAILED),
         (State.ERASING, State.FAILED),
         (State.CALIBRATING, State.FAILED),
     }
     assert can_transition(from_state, to_state) == ((from_state, to_state) in allowed)
-    assert is_terminal(from_state) == (from_state in {State.VERIFIED, State.FAILED})
+    terminal = {State.VERIFIED, State.UNVERIFIED, State.FAILED}
+    assert is_terminal(from_state) == (from_state in terminal)
     assert TERMINAL == {s for s, nxt in ALLOWED.items() if not nxt}
 
 

@@ -6,12 +6,17 @@ as ``certificate.json`` (``to_json``); ``certificate_html.render`` turns that di
 that needs nothing else to be read (``certificate.html``). Its parts:
 
 - the request: who asked, when, for which silo and which samples, as digests (never the ids);
+- the verdict (``verdict``): ``verified`` only when every figure with a rule reads ``within``
+  its reference (readings.py), else ``not verified`` with the checks and figures not within;
+  a request in progress reads as its state (queued, erasing, calibrating), a failed one as
+  ``failed``;
 - the timeline: requested -> silo started -> erased model in the global model -> calibration
-  -> verified, from the store's audit rows (wall clock) and the run's events (run clock);
+  -> checked again after the relearning window, from the store's audit rows (wall clock) and the run's events (run clock);
 - the global model's version and SHA-256 just before the erasure boundary, at it and when
-  verified (facts the server records with the audit rows: server/unlearning/attest.py);
-- every check the system ran for the request, each figure beside its reference, and, apart,
-  every check that did not run and why (certificate_checks.py, certificate_gaps.py);
+  checked again (facts the server records with the audit rows: server/unlearning/attest.py);
+- every check the system ran for the request, each figure beside its reference with its
+  reading (``within``, ``not within`` or ``informational``, the rule and the tolerance), and,
+  apart, every check that did not run and why (certificate_checks.py, certificate_gaps.py);
 - the request's audit rows and the refused calls that name it.
 
 Only the erasure store and the event log are read (and, offline, retraining reference runs), so
@@ -26,18 +31,26 @@ import hmac
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from server.erasure.certificate_checks import checks, last, num, transitions
+from server.erasure.certificate_checks import (
+    CHECKED_EVENTS,
+    checked,
+    checks,
+    last,
+    num,
+    transitions,
+)
 from server.erasure.certificate_events import RunEvents, read_reference, read_run_events
 from server.erasure.certificate_gaps import not_verified
 from server.erasure.limits import Limits
+from server.erasure.readings import NOT_VERIFIED, TOLERANCES, summary, verdict
 from server.erasure.records import AuditRow, Refusal, Request, RequestNotFound
 from server.erasure.refusals import REFUSALS_KEPT
-from server.erasure.states import State
+from server.erasure.states import CHECKED, UNFINISHED, State
 from server.erasure.store import ErasureStore
 
 FORMAT = "fedasync-erasure-certificate"
@@ -110,11 +123,13 @@ def build(
     refs = [read_reference(Path(p)) for p in references]
     found = checks(r, rows, run, refs, bounds)
     missing = not_verified(r, rows, run, refs, found)
+    reading = _verdict(r, found)
     cert = {
         "format": FORMAT,
         "version": VERSION,
         "request": _request(r, rows, bounds),
-        "outcome": _outcome(r, rows, found, missing),
+        "verdict": reading,
+        "outcome": _outcome(r, rows, found, missing, reading),
         "timeline": _timeline(r, rows, run, bounds),
         "model": _model(r, rows),
         "checks": found,
@@ -126,10 +141,34 @@ def build(
     return _safe(cert)
 
 
+def _verdict(r: Request, found: list[dict[str, Any]]) -> dict[str, Any]:
+    """The certificate's verdict: ``reading`` is ``verified`` or ``not verified`` once the
+    request was checked after its relearning window (readings.verdict over every figure of
+    ``found``; an ``unverified`` request is never read as verified), else its state
+    (``queued``, ``erasing``, ``calibrating``: in progress; ``failed``). ``not_within``: each
+    check with figures not within, and those figures."""
+    v = verdict(found)
+    if r.state in CHECKED:
+        reading = NOT_VERIFIED if r.state is State.UNVERIFIED else v["verdict"]
+    else:
+        reading = r.state.value
+    return {
+        "reading": reading,
+        "verified": reading == "verified",
+        "in_progress": r.state in UNFINISHED,
+        "not_within": v["not_within"],
+        "judged": v["judged"],
+        "summary": summary(v),
+        "tolerances": asdict(TOLERANCES),
+        "rules": "each figure's rule and tolerance are with it (docs/erasure.md, Readings)",
+    }
+
+
 def _window(rows: Sequence[AuditRow]) -> tuple[int, float] | None:
     """The versions whose updates were calibrated for the request: from its boundary to its
-    verification (``inf`` while not verified); None before the erasure was applied."""
-    boundary, verified = last(rows, State.CALIBRATING), last(rows, State.VERIFIED)
+    check after the relearning window (``inf`` while not checked); None before the erasure
+    was applied."""
+    boundary, verified = last(rows, State.CALIBRATING), checked(rows)
     if boundary is None:
         return None
     return boundary.model_version, math.inf if verified is None else verified.model_version
@@ -179,19 +218,27 @@ def _request(r: Request, rows: Sequence[AuditRow], b: Bounds) -> dict[str, Any]:
 
 
 def _outcome(
-    r: Request, rows: Sequence[AuditRow], found: list[dict[str, Any]], missing: list[Any]
+    r: Request,
+    rows: Sequence[AuditRow],
+    found: list[dict[str, Any]],
+    missing: list[Any],
+    reading: dict[str, Any],
 ) -> dict[str, Any]:
     what = "the whole silo" if r.whole_silo else f"{len(r.sample_ids)} sample(s)"
     head = (
         f"Erasure request {r.id}, made by {cut(r.requester, 64)} on {iso(r.created_at_ms)}, "
         f"to erase {what} of silo {r.silo}"
     )
-    verified, boundary = last(rows, State.VERIFIED), last(rows, State.CALIBRATING)
-    if r.state is State.VERIFIED and verified is not None:
-        text = (
-            f"{head}, is verified: the erased model entered the global model at version "
-            f"{r.boundary_version} and was checked again at version {verified.model_version}."
+    verified, boundary = checked(rows), last(rows, State.CALIBRATING)
+    if r.state in CHECKED and verified is not None:
+        when = (
+            f"the erased model entered the global model at version {r.boundary_version} and "
+            f"was checked again at version {verified.model_version}"
         )
+        if reading["verified"]:
+            text = f"{head}, is verified: every judged figure is within its tolerance; {when}."
+        else:
+            text = f"{head}, is NOT verified ({reading['summary']}); {when}."
     elif r.state is State.FAILED:
         text = f"{head}, failed: {cut(r.failure_reason, 256)}."
     else:
@@ -207,14 +254,20 @@ def _outcome(
         f" {ran} of {len(found)} checks ran; {len(missing)} things were not verified "
         "(listed in their own section)."
     )
-    return {"state": r.state.value, "verified": r.state is State.VERIFIED, "statement": text}
+    return {
+        "state": r.state.value,
+        "reading": reading["reading"],
+        "verified": reading["verified"],
+        "statement": text,
+    }
 
 
-def _clock(run: RunEvents | None, state: str) -> float | None:
-    """The run-clock time of the request's last ``erasure`` event entering ``state``."""
+def _clock(run: RunEvents | None, *states: str) -> float | None:
+    """The run-clock time of the request's last ``erasure`` event entering one of
+    ``states``."""
     if run is None:
         return None
-    times = [num(e.get("t")) for e in run.erasure if e.get("state") == state]
+    times = [num(e.get("t")) for e in run.erasure if e.get("state") in states]
     return times[-1] if times else None
 
 
@@ -240,7 +293,7 @@ def _timeline(
     submit = next((a for a in rows if a.action == "submit"), None)
     starts = transitions(rows, State.ERASING)
     started = starts[-1] if starts else None
-    boundary, verified = last(rows, State.CALIBRATING), last(rows, State.VERIFIED)
+    boundary, verified = last(rows, State.CALIBRATING), checked(rows)
     again = f"; started {len(starts)} times (see the audit rows)" if len(starts) > 1 else ""
     cal = _calibration_step(boundary, verified, run)
     steps = [
@@ -272,10 +325,11 @@ def _timeline(
         ),
         _step("calibration", "Calibration of every later update", boundary, cal[0], cal[1], b),
         _step(
-            "verified",
-            "Verified again after the relearning window",
+            "checked",
+            "Checked again after the relearning window"
+            + ("" if verified is None else f": {verified.to_state.value}"),
             verified,
-            _clock(run, "verified"),
+            _clock(run, *CHECKED_EVENTS),
             _detail(verified),
             b,
         ),
@@ -313,7 +367,7 @@ def _calibration_step(
 
 
 def _model(r: Request, rows: Sequence[AuditRow]) -> dict[str, Any]:
-    boundary, verified = last(rows, State.CALIBRATING), last(rows, State.VERIFIED)
+    boundary, verified = last(rows, State.CALIBRATING), checked(rows)
 
     def at(version: object, sha: str | None) -> dict[str, Any] | None:
         if sha is None:
@@ -334,7 +388,7 @@ def _model(r: Request, rows: Sequence[AuditRow]) -> dict[str, Any]:
         "after": at(
             None if boundary is None else boundary.model_version, facts.get("model_sha256")
         ),
-        "verified": (
+        "checked": (
             None
             if verified is None
             else at(verified.model_version, verified.facts.get("model_sha256"))

@@ -10,7 +10,8 @@ What exists (docs/erasure.md) and where it is stored:
   where retraining reference runs are given (offline; their ``bd_*`` evaluations);
 - the silo's own membership test (``unlearning.stop=membership``): the ``silo_*`` metrics
   the silo reported, in the same row;
-- the bound on the erasure's delta (``delta_norm``, ``delta_bound``): the same row;
+- the bound on the erasure's delta (``delta_norm`` as sent, ``delta_bound``, ``clip_factor``
+  when clipped): the same row; the delta applied is judged against the bound, a clip shown;
 - the calibration in force (the row's facts) and the overlap of each later update with the
   erased data's signature subspace (``calibration_overlap`` of ``update`` events);
 - resurfacing: the checks between the boundary and verification (``erasure_watch``
@@ -20,8 +21,11 @@ What exists (docs/erasure.md) and where it is stored:
 
 What did not run, and why, is certificate_gaps.py's.
 
-No verdict is made up here: a figure says ``within``/``above``/``below`` only where the
-system has a rule for it (the silo's test band, retraining's noise floor).
+Every figure carries its reading (readings.py): ``within`` or ``not within`` its reference
+by the rule and tolerance it states, or ``informational`` where no rule makes sense (a count,
+a setting, a reading before the erasure). ``server_checks`` are the checks the training
+server has when the relearning window ends; the lifecycle reads the same figures with the
+same ``readings.verdict`` to move a request to ``verified`` or ``unverified``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,19 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from server.erasure.states import State
+from server.erasure.readings import (
+    INFORMATIONAL,
+    TOLERANCES,
+    Tolerances,
+    around,
+    at_least,
+    at_most,
+    auc_band,
+    informational,
+    score_band,
+    within,
+)
+from server.erasure.states import CHECKED, State
 
 if TYPE_CHECKING:
     from server.erasure.certificate import Bounds
@@ -89,15 +105,25 @@ def last(rows: Sequence[AuditRow], to: State) -> AuditRow | None:
     return found[-1] if found else None
 
 
+def checked(rows: Sequence[AuditRow]) -> AuditRow | None:
+    """The audit row that ended the relearning window (into ``verified`` or ``unverified``,
+    whichever the checks then read; None: not checked yet)."""
+    found = [a for a in rows if a.action == "transition" and a.to_state in CHECKED]
+    return found[-1] if found else None
+
+
 def figure(
     name: str,
     label: str,
     value: object,
     reference: object = None,
     reference_label: str = "",
+    *,
+    reading: dict[str, Any],
     **extra: Any,
 ) -> dict[str, Any]:
-    """One figure: its value, its reference and what the reference is."""
+    """One figure: its value, its reference and what the reference is, and its reading
+    (``verdict``, ``rule``, ``tolerance``; readings.py)."""
     v, ref = num(value), num(reference)
     diff = None if v is None or ref is None else v - ref
     return {
@@ -107,6 +133,7 @@ def figure(
         "reference": ref,
         "reference_label": reference_label,
         "difference": diff,
+        **reading,
         **extra,
     }
 
@@ -132,28 +159,73 @@ def checks(
     run: RunEvents | None,
     refs: Sequence[Reference],
     b: Bounds,
+    tol: Tolerances = TOLERANCES,
 ) -> list[dict[str, Any]]:
     """Every check a certificate reports, in a fixed order (ran or not)."""
-    boundary, verified = last(rows, State.CALIBRATING), last(rows, State.VERIFIED)
+    boundary, verified = last(rows, State.CALIBRATING), checked(rows)
     at_b = {} if boundary is None else boundary.metrics
     after = {} if verified is None else verified.metrics
     return [
-        _at_boundary(at_b),
+        _at_boundary(at_b, tol),
         _retraining(at_b, after, run, refs),
-        _membership(r, at_b),
-        _bound(at_b),
+        _membership(at_b, r.whole_silo),
+        _bound(at_b, tol),
         _calibration(boundary, at_b, run),
-        _resurfacing(at_b, after, verified, run, b),
-        _silo_work(r, boundary, run, b),
+        _resurfacing(at_b, after, verified, run, b, tol),
+        _silo_work(r, boundary, run, b, tol),
     ]
 
 
-def _at_boundary(m: dict[str, float]) -> dict[str, Any]:
+def server_checks(
+    at_b: dict[str, float],
+    after: dict[str, float],
+    whole_silo: bool,
+    tol: Tolerances = TOLERANCES,
+) -> list[dict[str, Any]]:
+    """The checks the training server has itself when a request's relearning window ends:
+    the boundary's metrics ``at_b`` (its calibrating row), the silo's membership test and the
+    delta bound in them, and the metrics ``after`` the window. The lifecycle reads their
+    verdict (``readings.verdict``); a certificate shows the same figures among its checks."""
+    return [
+        _at_boundary(at_b, tol),
+        _membership(at_b, whole_silo),
+        _bound(at_b, tol),
+        _resurfacing(at_b, after, None, None, None, tol),
+    ]
+
+
+def _boundary_reading(
+    key: str, m: dict[str, float], v: object, ref: object, tol: Tolerances
+) -> dict[str, Any]:
+    """The reading of one forgetting figure (or ``score_after``) of metrics ``m``: the
+    forget-set score's and the membership AUC's tolerances follow their noise at ``m``'s
+    sample counts when it has them (readings.score_band, readings.auc_band)."""
+    value, reference = num(v), num(ref)
+    if key == "forget_accuracy":
+        t, source, where = score_band(m, value, reference, tol)
+        rule = f"value <= reference + tolerance ({where})"
+        return _source(at_most(value, reference, t, rule), source)
+    if key == "mia_auc":
+        t, source, where = auc_band(m, tol)
+        return _source(around(value, 0.5, t, f"|value - 0.5| <= tolerance ({where})"), source)
+    if key == "asr":
+        return at_most(value, reference, tol.asr, "value <= reference + tolerance")
+    return at_least(value, reference, tol.dip, "value >= reference - tolerance")  # score_after
+
+
+def _source(reading: dict[str, Any], source: str) -> dict[str, Any]:
+    """``reading`` with where its tolerance came from (``tolerance_from``: ``noise``,
+    ``floor`` or ``fixed``; readings.py), when it was judged."""
+    return reading if reading["verdict"] == INFORMATIONAL else {**reading, "tolerance_from": source}
+
+
+def _at_boundary(m: dict[str, float], tol: Tolerances) -> dict[str, Any]:
     figures = []
     for key, label, ref, ref_label in _BOUNDARY:
         if key in m:
             ref_value = m.get(ref) if isinstance(ref, str) else ref
-            figures.append(figure(key, label, m[key], ref_value, ref_label))
+            reading = _boundary_reading(key, m, m[key], ref_value, tol)
+            figures.append(figure(key, label, m[key], ref_value, ref_label, reading=reading))
     if "boundary_dip" in m:
         figures.append(
             figure(
@@ -162,6 +234,7 @@ def _at_boundary(m: dict[str, float]) -> dict[str, Any]:
                 m["boundary_dip"],
                 0.0,
                 "no dip (positive: a drop)",
+                reading=at_most(num(m["boundary_dip"]), 0.0, tol.dip, "value <= tolerance"),
             )
         )
     return check(
@@ -181,9 +254,9 @@ def _retraining(
 ) -> dict[str, Any]:
     figures: list[dict[str, Any]] = []
     if refs and run is not None:
-        moments = (("boundary", at_b, "calibrating"), ("verified", after, "verified"))
-        for moment, metrics, state in moments:
-            times = [num(e.get("t")) for e in run.erasure if e.get("state") == state]
+        moments = (("boundary", at_b, ("calibrating",)), ("verified", after, CHECKED_EVENTS))
+        for moment, metrics, states in moments:
+            times = [num(e.get("t")) for e in run.erasure if e.get("state") in states]
             t = times[-1] if times else None
             for key in FORGETTING:
                 if t is None or num(metrics.get(key)) is None:
@@ -199,12 +272,16 @@ def _retraining(
         references=len(refs),
         notes=[
             "within: |value - retraining| <= the noise floor (how far retrainings on "
-            f"different seeds land apart; at least {MIN_BAND}); above: under-erased; "
-            "below: over-erased"
+            f"different seeds land apart; at least {MIN_BAND}); not within above: "
+            "under-erased; not within below: over-erased"
         ]
         if figures
         else [],
     )
+
+
+CHECKED_EVENTS = ("verified", "unverified")
+"""The ``erasure`` events of a request checked after its relearning window."""
 
 
 def _against_retraining(
@@ -224,21 +301,21 @@ def _against_retraining(
     pairs = [abs(a - c) for i, a in enumerate(values) for c in values[i + 1 :]]
     floor = sum(pairs) / len(pairs) if pairs else None
     band = max(floor or 0.0, MIN_BAND)
-    gap = value - mean
-    verdict = "within" if abs(gap) <= band else ("above" if gap > 0 else "below")
     return figure(
         f"{key}@{moment}",
         f"{key} at the {moment} against retraining",
         value,
         mean,
         f"retraining ({len(values)} run(s)) at t={t:.1f}",
+        reading=around(
+            num(value), mean, band, "|value - reference| <= tolerance (the noise floor)"
+        ),
         noise_floor=floor,
         band=band,
-        verdict=verdict,
     )
 
 
-def _membership(r: Request, m: dict[str, float]) -> dict[str, Any]:
+def _membership(m: dict[str, float], whole_silo: bool) -> dict[str, Any]:
     figures = []
     band = num(m.get("silo_auc_band"))
     if "silo_auc" in m:
@@ -250,11 +327,20 @@ def _membership(r: Request, m: dict[str, float]) -> dict[str, Any]:
                     m["silo_auc_before"],
                     0.5,
                     "0.5: forget samples look like the silo's held-out samples",
+                    reading=informational("the reading before the erasure: what it started from"),
                 )
             )
-        indist = num(m.get("silo_indistinguishable"))
-        over = num(m.get("silo_overshoot")) == 1.0
-        verdict = "within" if indist == 1.0 else ("below (reverted)" if over else "above")
+        if band is not None:
+            reading = around(
+                num(m["silo_auc"]), 0.5, band, "|value - 0.5| <= tolerance (the test's band)"
+            )
+        else:  # (a band not reported: the silo's own verdict)
+            indist = num(m.get("silo_indistinguishable")) == 1.0
+            over = num(m.get("silo_overshoot")) == 1.0
+            reading = within(
+                indist, "the silo's test found them indistinguishable", None,
+                "below" if over else "above",
+            )  # fmt: skip
         figures.append(
             figure(
                 "silo_auc",
@@ -262,8 +348,8 @@ def _membership(r: Request, m: dict[str, float]) -> dict[str, Any]:
                 m["silo_auc"],
                 0.5,
                 "0.5 ± the test's band",
+                reading=reading,
                 band=band,
-                verdict=verdict,
             )
         )
         for key, label in (
@@ -272,9 +358,11 @@ def _membership(r: Request, m: dict[str, float]) -> dict[str, Any]:
             ("silo_compared", "Samples compared (forget + held-out)"),
         ):
             if key in m:
-                figures.append(figure(key, label, m[key]))
+                figures.append(
+                    figure(key, label, m[key], reading=informational("a count: no rule"))
+                )
     notes = []
-    if figures and r.whole_silo:
+    if figures and whole_silo:
         notes.append(
             "a whole silo's influence also lives in its distribution (its site, a trigger on "
             "all its samples), which shows on its held-out samples too: this test cannot see "
@@ -289,25 +377,69 @@ def _membership(r: Request, m: dict[str, float]) -> dict[str, Any]:
     )
 
 
-def _bound(m: dict[str, float]) -> dict[str, Any]:
-    figures = []
-    if "delta_norm" in m and "delta_bound" in m:
-        figures.append(
+def _bound(m: dict[str, float], tol: Tolerances) -> dict[str, Any]:
+    """The bound on the silo's delta. The server clips a delta above its bound to it
+    (bounds.py), so the applied delta is within its bound by construction: that is the
+    judged figure; the delta as sent and how much of it was applied are shown beside it. A
+    clip is the bound doing its job, not a verdict on the erasure (the forgetting checks
+    give that)."""
+    figures, notes = [], []
+    sent, bound = num(m.get("delta_norm")), num(m.get("delta_bound"))
+    if sent is not None and bound is not None:
+        factor = num(m.get("clip_factor"))
+        applied = sent * (1.0 if factor is None else factor)
+        figures += [
+            figure(
+                "delta_applied",
+                "Norm of the erasure delta applied",
+                applied,
+                bound,
+                "its bound",
+                reading=at_most(
+                    applied,
+                    bound,
+                    bound * tol.delta,
+                    "value <= reference + tolerance (a delta above its bound is clipped to it; "
+                    "the tolerance is float rounding)",
+                ),
+            ),
             figure(
                 "delta_norm",
                 "Norm of the silo's erasure delta, as sent",
-                m["delta_norm"],
-                m["delta_bound"],
+                sent,
+                bound,
                 "its bound (larger is clipped to it)",
+                reading=informational(
+                    "what the silo sent: above its bound it was clipped, and the applied "
+                    "delta is judged"
+                ),
+            ),
+        ]
+        if factor is not None:
+            figures.append(
+                figure(
+                    "clip_factor",
+                    "Share of the sent delta applied (clipped)",
+                    factor,
+                    1.0,
+                    "1: all of it (not clipped)",
+                    reading=informational(
+                        "how much of the sent delta the bound let through: the bound doing its "
+                        "job; the forgetting checks judge whether the erasure worked"
+                    ),
+                )
             )
-        )
-    if "clip_factor" in m:
-        figures.append(figure("clip_factor", "Clipped by", m["clip_factor"], 1.0, "not clipped"))
+            notes.append(
+                f"the silo's delta (norm {sent:.4g}) was clipped to its bound ({bound:.4g}): "
+                f"{factor:.1%} of it was applied; whether the erasure worked is judged by the "
+                "forgetting checks, not by the clip"
+            )
     return check(
         "bound",
         "The erasure's size is bounded",
         "erasure store: the calibrating audit row's metrics",
         figures,
+        notes=notes,
     )
 
 
@@ -319,6 +451,10 @@ def _calibration(
     figures = []
     facts = {} if boundary is None else boundary.facts
     laps = [] if run is None or boundary is None else run.overlaps
+    projected = informational(
+        "what was projected out of later updates: no rule says how much is too much; "
+        "resurfacing judges the outcome"
+    )
     if laps:
         figures += [
             figure(
@@ -327,6 +463,7 @@ def _calibration(
                 sum(laps) / len(laps),
                 0.0,
                 "0: none of it (that part is projected out)",
+                reading=projected,
                 count=len(laps),
             ),
             figure(
@@ -335,6 +472,7 @@ def _calibration(
                 max(laps),
                 0.0,
                 "0: none",
+                reading=projected,
             ),
         ]
     if "signature_shared" in m:
@@ -345,6 +483,9 @@ def _calibration(
                 m["signature_shared"],
                 0.0,
                 "0: all of it unique to the erased data",
+                reading=informational(
+                    "what the calibration keeps of other silos' learning: a cost, not a residue"
+                ),
             )
         )
     if "forget_gradient" in m:
@@ -355,6 +496,10 @@ def _calibration(
                 m["forget_gradient"],
                 1.0,
                 "1: sent (protect=gradient or onesided)",
+                reading=informational(
+                    "without it the one-sided calibration protects nothing; resurfacing "
+                    "judges the outcome"
+                ),
             )
         )
     settings = {k: v for k, v in sorted(facts.items()) if k.startswith("calibration_")}
@@ -375,14 +520,36 @@ def _resurfacing(
     after: dict[str, float],
     verified: AuditRow | None,
     run: RunEvents | None,
-    b: Bounds,
+    b: Bounds | None,
+    tol: Tolerances,
 ) -> dict[str, Any]:
     figures = []
-    for key in (*FORGETTING, "test_accuracy"):
+    for key, label, ref, ref_label in _BOUNDARY[:3]:  # the forgetting metrics, read as there
         if key in after:
+            ref_value = after.get(ref) if isinstance(ref, str) else ref
             figures.append(
-                figure(key, f"{key} at verification", after[key], at_b.get(key), "at the boundary")
+                figure(
+                    key,
+                    f"{label}, at verification",
+                    after[key],
+                    ref_value,
+                    f"{ref_label}, at verification" if isinstance(ref, str) else ref_label,
+                    reading=_boundary_reading(key, after, after[key], ref_value, tol),
+                    at_boundary=num(at_b.get(key)),
+                )
             )
+    if "test_accuracy" in after:
+        figures.append(
+            figure(
+                "test_accuracy",
+                "Global test score at verification",
+                after["test_accuracy"],
+                at_b.get("test_accuracy"),
+                "at the boundary",
+                reading=informational("the model's own score over the window: training goes on"),
+                at_boundary=num(at_b.get("test_accuracy")),
+            )
+        )
     if num(after.get("reversion_ratio")) is not None:
         figures.append(
             figure(
@@ -391,10 +558,13 @@ def _resurfacing(
                 after["reversion_ratio"],
                 0.0,
                 "0: none; 1: all the way back",
+                reading=at_most(
+                    num(after["reversion_ratio"]), 0.0, tol.reversion, "value <= tolerance"
+                ),
             )
         )
     points = []
-    if run is not None:
+    if run is not None and b is not None:
         for w in run.watch[: b.points]:
             keys = (*FORGETTING, "test_accuracy", "reversion_ratio")
             points.append(
@@ -405,30 +575,43 @@ def _resurfacing(
                     **{k: num(w.get(k)) for k in keys if k in w},
                 }
             )
+    left_out = 0 if run is None or b is None else max(0, len(run.watch) - b.points)
     return check(
         "resurfacing",
         "Resurfacing: checks after the boundary",
-        "erasure store: the verified audit row's metrics; erasure_watch events",
+        "erasure store: the verified (or unverified) audit row's metrics; erasure_watch events",
         figures,
         points=points,
-        points_left_out=0 if run is None else max(0, len(run.watch) - b.points),
+        points_left_out=left_out,
         verified_version=None if verified is None else verified.model_version,
     )
 
 
 def _silo_work(
-    r: Request, boundary: AuditRow | None, run: RunEvents | None, b: Bounds
+    r: Request, boundary: AuditRow | None, run: RunEvents | None, b: Bounds, tol: Tolerances
 ) -> dict[str, Any]:
     figures = []
     if run is not None:
+        count = informational("a count of what the server did: no rule")
         figures += [
             figure(
                 "jobs_cancelled",
                 "Training jobs of the silo cancelled for the erasure",
                 len(run.cancelled),
+                reading=count,
             ),
-            figure("replies_discarded", "Replies of cancelled jobs dropped", run.discarded),
-            figure("refused_erased", "Updates of the silo refused as erased", run.refused_erased),
+            figure(
+                "replies_discarded",
+                "Replies of cancelled jobs dropped",
+                run.discarded,
+                reading=count,
+            ),
+            figure(
+                "refused_erased",
+                "Updates of the silo refused as erased",
+                run.refused_erased,
+                reading=count,
+            ),
         ]
         if boundary is not None:
             figures.append(
@@ -440,6 +623,11 @@ def _silo_work(
                     "none: the silo is retired"
                     if r.whole_silo
                     else "the silo trains on without the erased samples",
+                    reading=at_most(
+                        float(run.silo_after), 0.0, tol.silo_updates, "value <= tolerance"
+                    )
+                    if r.whole_silo
+                    else informational("the silo trains on without the erased samples"),
                 )
             )
     return check(

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from server.erasure.certificate_checks import MIN_BAND, SUBSPACE, last, num
-from server.erasure.states import State
+from server.erasure.certificate_checks import MIN_BAND, SUBSPACE, checked, last, num
+from server.erasure.states import CHECKED, State
 
 if TYPE_CHECKING:
     from server.erasure.certificate_events import Reference, RunEvents
@@ -38,7 +38,7 @@ def not_verified(
     def miss(what: str, why: str) -> None:
         out.append({"check": what, "why": why})
 
-    boundary, verified = last(rows, State.CALIBRATING), last(rows, State.VERIFIED)
+    boundary, verified = last(rows, State.CALIBRATING), checked(rows)
     m = {} if boundary is None else boundary.metrics
     facts = ({} if boundary is None else boundary.facts) | _erasing_facts(rows)
     ran = {c["id"]: c["ran"] for c in found}
@@ -46,7 +46,7 @@ def not_verified(
         miss("the erasure itself", f"the request is {r.state.value}: no erased model is in force")
     else:
         _boundary_gaps(m, miss)
-    if r.state is not State.VERIFIED:
+    if r.state not in CHECKED:
         miss(
             "the relearning check",
             f"the request is {r.state.value}: it is verified "

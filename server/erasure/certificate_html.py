@@ -25,7 +25,8 @@ h2{font-size:18px;margin:28px 0 8px;border-bottom:2px solid #d6dde6;
 padding-bottom:4px}h3{font-size:15px;margin:18px 0 6px}
 .statement{background:#f3f6f9;border-left:5px solid #3c6e9f;padding:10px 14px;font-size:15px}
 .state{display:inline-block;padding:1px 8px;border-radius:9px;font-weight:bold;color:#fff;
-background:#6b7785}.state.verified{background:#2f7d4a}.state.failed{background:#a63a32}
+background:#6b7785}.state.verified{background:#2f7d4a}.state.failed,.state.notverified{
+background:#a63a32}.verdict{font-size:17px;margin:10px 0}
 table{border-collapse:collapse;width:100%;margin:6px 0 10px}
 td,th{border:1px solid #d6dde6;padding:4px 7px;text-align:left;vertical-align:top}
 th{background:#eef2f6;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums;
@@ -89,8 +90,8 @@ def render(cert: dict[str, Any]) -> str:
         f"<title>Erasure certificate {_e(r['id'])}</title><style>{_CSS}</style></head><body>",
         "<h1>Erasure certificate</h1>",
         f'<p class="muted">fedasync {_e(cert["format"])} v{_e(cert["version"])} · request '
-        f'<code>{_e(r["id"])}</code> · state <span class="state {_e(r["state"])}">'
-        f"{_e(r['state'])}</span></p>",
+        f"<code>{_e(r['id'])}</code> · lifecycle state {_e(r['state'])}</p>",
+        _verdict(cert["verdict"]),
         f'<p class="statement">{_e(cert["outcome"]["statement"])}</p>',
         _request(r),
         _timeline(cert["timeline"]),
@@ -103,6 +104,25 @@ def render(cert: dict[str, Any]) -> str:
         "</body></html>\n",
     ]
     return "\n".join(parts)
+
+
+def _verdict(v: dict[str, Any]) -> str:
+    """The verdict at the top, and each check (with its figures) not within."""
+    reading = v["reading"]
+    cls = {"verified": "verified", "not verified": "notverified", "failed": "failed"}
+    label = f"{reading} (in progress)" if v["in_progress"] else reading
+    head = (
+        f'<p class="verdict" id="verdict">Verdict: <span class="state '
+        f'{cls.get(reading, "")}">{_e(label)}</span> <span class="muted">{_e(v["summary"])}'
+        "</span></p>"
+    )
+    if not v["not_within"]:
+        return head
+    items = "".join(
+        f"<li><b>{_e(x['title'])}</b> ({_e(x['check'])}): {_e(', '.join(x['figures']))}</li>"
+        for x in v["not_within"]
+    )
+    return f'{head}<div class="notverified"><p>Not within:</p><ul>{items}</ul></div>'
 
 
 def _request(r: dict[str, Any]) -> str:
@@ -164,7 +184,7 @@ def _model(m: dict[str, Any]) -> str:
     rows = [
         ["Just before the erasure", *cell(m["before"])],
         ["With the erasure (the boundary)", *cell(m["after"])],
-        ["When verified", *cell(m["verified"])],
+        ["When checked again after the relearning window", *cell(m["checked"])],
     ]
     return (
         '<h2 id="model">3. The global model before and after</h2>'
@@ -181,13 +201,16 @@ def _checks(checks: list[dict[str, Any]]) -> str:
         out.append(f"<h3>{_e(c['title'])}</h3>")
         rows = []
         for f in c["figures"]:
-            verdict = f.get("verdict")
-            mark = ""
-            if verdict is not None:
-                mark = f'<span class="{"ok" if verdict == "within" else "no"}">{_e(verdict)}</span>'
-            band = f" ± {_n(f['band'])}" if f.get("band") is not None else ""
-            ref = f"{_n(f['reference'])}{band}" if f["reference"] is not None else ""
-            rows.append([_e(f["label"]), _n(f["value"]), ref, _e(f["reference_label"]), mark])
+            rows.append(
+                [
+                    _e(f["label"]),
+                    _n(f["value"]),
+                    _n(f["reference"]) if f["reference"] is not None else "",
+                    _e(f["reference_label"]),
+                    _rule(f),
+                    _reading(f),
+                ]
+            )
         out.append(_figures(rows))
         if c.get("settings"):
             out.append(_kv((k, _e(v)) for k, v in c["settings"].items()))
@@ -199,13 +222,32 @@ def _checks(checks: list[dict[str, Any]]) -> str:
     return "".join(out)
 
 
+def _rule(f: dict[str, Any]) -> str:
+    """A figure's rule, with its tolerance when it has one."""
+    tol = f.get("tolerance")
+    return _e(f.get("rule")) + ("" if tol is None else f" (tolerance {_n(tol)})")
+
+
+def _reading(f: dict[str, Any]) -> str:
+    """A figure's reading: within (green), not within and on which side (red), or
+    informational."""
+    verdict = f.get("verdict")
+    if verdict == "within":
+        return '<span class="ok">within</span>'
+    if verdict == "not within":
+        side = f" ({_e(f['side'])})" if f.get("side") else ""
+        return f'<span class="no">not within{side}</span>'
+    return f'<span class="muted">{_e(verdict)}</span>'
+
+
 def _figures(rows: list[list[str]]) -> str:
     head = _row(
-        (_e(h) for h in ("Figure", "Value", "Reference", "The reference is", "Reading")), "th"
+        (_e(h) for h in ("Figure", "Value", "Reference", "The reference is", "Rule", "Reading")),
+        "th",
     )
     body = "".join(
         f'<tr><td>{r[0]}</td><td class="n">{r[1]}</td><td class="n">{r[2]}</td>'
-        f"<td>{r[3]}</td><td>{r[4]}</td></tr>"
+        f'<td>{r[3]}</td><td>{r[4]}</td><td class="reading">{r[5]}</td></tr>'
         for r in rows
     )
     return f"<table><thead>{head}</thead><tbody>{body}</tbody></table>"
@@ -222,7 +264,7 @@ _COLOURS = {
 def _chart(res: dict[str, Any]) -> str:
     """Each forgetting metric from the boundary (x = 0) through the checks in between
     (``erasure_watch``) to the verification, as an inline SVG line chart (values in [0, 1])."""
-    at_boundary = {f["name"]: f["reference"] for f in res["figures"]}
+    at_boundary = {f["name"]: f.get("at_boundary") for f in res["figures"]}
     at_verified = {f["name"]: f["value"] for f in res["figures"]}
     points = res["points"]
     end = max((p.get("since_boundary") or 0 for p in points), default=0)

@@ -1,10 +1,13 @@
 """The lifecycle of an erasure request, defined once for the store, the service and the loop.
 
-    queued -> erasing -> calibrating -> verified
+    queued -> erasing -> calibrating -> verified | unverified
        \\---------\\-----------\\--------> failed (with a reason)
     erasing -> queued: its silo went down mid-erasure (started again when it returns)
 
-``verified`` and ``failed`` are terminal. A request waits in ``queued`` while its silo is
+After the relearning window a calibrating request is checked again: ``verified`` when every
+check the server has then reads ``within`` (server/erasure/readings.py), ``unverified`` when
+one does not (the audit row says which). ``verified``, ``unverified`` and ``failed`` are
+terminal. A request waits in ``queued`` while its silo is
 offline; the training server moves it on with ``ErasureStore.transition``. A request whose
 silo goes down while erasing (crashes, restarts, goes offline, does not answer) goes back to
 ``queued`` and is started again when the silo returns; nothing of it is in the model yet (it
@@ -26,26 +29,30 @@ class State(StrEnum):
     CALIBRATING = "calibrating"
     VERIFIED = "verified"
     FAILED = "failed"
+    UNVERIFIED = "unverified"
 
 
 class InvalidTransition(ValueError):
     """A state change the lifecycle does not allow (e.g. verified -> erasing)."""
 
 
-TERMINAL: frozenset[State] = frozenset({State.VERIFIED, State.FAILED})
+TERMINAL: frozenset[State] = frozenset({State.VERIFIED, State.UNVERIFIED, State.FAILED})
 UNFINISHED: frozenset[State] = frozenset({State.QUEUED, State.ERASING, State.CALIBRATING})
+CHECKED: frozenset[State] = frozenset({State.VERIFIED, State.UNVERIFIED})
+"""The states a request reaches when checked again after its relearning window."""
 
 ALLOWED: dict[State, frozenset[State]] = {
     State.QUEUED: frozenset({State.ERASING, State.FAILED}),
     State.ERASING: frozenset({State.CALIBRATING, State.QUEUED, State.FAILED}),
-    State.CALIBRATING: frozenset({State.VERIFIED, State.FAILED}),
+    State.CALIBRATING: frozenset({State.VERIFIED, State.UNVERIFIED, State.FAILED}),
     State.VERIFIED: frozenset(),
+    State.UNVERIFIED: frozenset(),
     State.FAILED: frozenset(),
 }
 
 
 def is_terminal(state: State | str) -> bool:
-    """True for ``verified`` and ``failed``: nothing follows them."""
+    """True for ``verified``, ``unverified`` and ``failed``: nothing follows them."""
     return State(state) in TERMINAL
 
 

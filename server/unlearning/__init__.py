@@ -18,16 +18,19 @@ here are ours) and uses Halimi et al. 2022 and FedEraser (Liu et al. 2021) as pa
    neither other silos' data nor stale work can pull the model back along the erased data's
    directions. Work based before B carries the erased influence: the target silo's own is
    always dropped; the others' is projected (rule ``project``) or dropped (rule ``drop``).
-4. calibrating -> verified after ``relearn_versions`` more versions: the verification
-   metrics (forget accuracy, test accuracy, membership-inference AUC, backdoor ASR) are
-   measured again on the model that kept training (the relearning check).
+4. calibrating -> verified | unverified after ``relearn_versions`` more versions: the
+   verification metrics (forget accuracy, test accuracy, membership-inference AUC, backdoor
+   ASR) are measured again on the model that kept training (the relearning check), and every
+   check the server has then is read as the certificate reads it (server/erasure/readings.py):
+   all within, verified; one not within, unverified.
 
 The parts, each with its own ``state_dict`` (the coordinator's holds the other two's keys
 beside its own, so a checkpoint's layout is what it was before the parts were split):
 
 - lifecycle.py: ``ErasureCoordinator``, the request lifecycle above (queued, erasing,
-  calibrating, verified or failed; requeue when a silo goes down), the ledger, audit rows and
-  ``erasure`` events; what it needs of the server's parts is handed to it as callables;
+  calibrating, verified, unverified or failed; requeue when a silo goes down), the ledger,
+  audit rows and ``erasure`` events; what it needs of the server's parts is handed to it as
+  callables;
 - calibration.py: ``Calibration``, step 3's state (signature, jumps, forget gradients, the
   boundary, the window of recent updates) and the calibration of every later update;
 - rebuild.py: ``FedEraserRebuild``, the halting baseline's rebuild and its update history.

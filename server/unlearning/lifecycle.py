@@ -1,4 +1,5 @@
-"""The erasure request lifecycle: queued -> erasing -> calibrating -> verified (or failed).
+"""The erasure request lifecycle: queued -> erasing -> calibrating -> verified or unverified
+(checked after the relearning window: every check within, or one not), or failed.
 
 Owns (``ErasureCoordinator``, in its ``state_dict``): the requests in progress, applied and
 scheduled, the verification reports, the silos retired or with samples excluded, the ledger
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 from fedasync import Params, Rejection, RejectReason
 from fedasync.unlearning import ContributionLedger, ForgetGradient, GradientSignature
 from protocol.ids import fraction_ids
+from server.erasure.certificate_checks import server_checks
+from server.erasure.readings import VERIFIED, summary, verdict
 from server.erasure.states import State
 from server.intake import JobKind
 from server.removal import removal
@@ -452,7 +455,9 @@ class ErasureCoordinator:
         return resume.row(e, self.store, self.srv.clock.kind, self.srv.updates_accepted_between)
 
     def on_version(self) -> None:
-        """Verify erasures whose relearning window has passed."""
+        """Check again the erasures whose relearning window has passed: each moves to
+        ``verified`` or ``unverified`` (``_checked``) and gets its report row, whose
+        ``verified_version`` is the version at which it was checked (either way)."""
         srv = self.srv
         for rid, e in list(self.active.items()):
             if e.boundary is None:
@@ -465,19 +470,21 @@ class ErasureCoordinator:
                 continue
             after = e.measure(self.srv.params, self.verify_fn)
             e.around_boundary = None
+            state, reading = _checked(e, after)
+            # verified_version: the version at which it was checked, verified or not
             row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
-            self.report.append(row)
+            self.report.append({**row, "state": state.value, "reading": reading})
             del self.active[rid]
             self.store.transition(
                 rid,
-                State.VERIFIED,
+                state,
                 actor="server",
                 model_version=srv.version,
                 metrics=after,
-                detail=f"verified after {self.cfg.relearn_versions} versions",
+                detail=f"{state.value} after {self.cfg.relearn_versions} versions: {reading}",
                 facts=verified_facts(srv.params),
             )
-            self.event(e, "verified", **after)
+            self.event(e, state.value, **after)
 
     def _watch(self, e: Erasure, since: int) -> None:
         """An ``erasure_watch`` event: the erased model's verification metrics ``since``
@@ -533,3 +540,12 @@ class ErasureCoordinator:
         resume.reconcile(
             self.store, self.active, self.applied, self.srv, lambda req: self._start(req, True)
         )
+
+
+def _checked(e: Erasure, after: dict[str, float]) -> tuple[State, str]:
+    """``verified`` when every figure of the checks the server has now (its boundary metrics,
+    the silo's membership test, the delta bound, ``after`` the window) is within; else
+    ``unverified``; and the verdict in one line (the certificate's, readings.verdict)."""
+    checks = server_checks(e.metrics_at_boundary, after, whole_silo=not e.sample_ids)
+    v = verdict(checks)
+    return (State.VERIFIED if v["verdict"] == VERIFIED else State.UNVERIFIED), summary(v)

@@ -94,22 +94,23 @@ def reconcile(
     is sent train.unlearn anew); queued -> picked up by ``poll`` as usual. A request
     resumed mid-erasure (erasing, calibrating) gets an audit row saying so (``note``).
 
-    The store can also be ahead of the checkpoint: a request verified (or failed) after
-    the last checkpoint and before the server died is restored as calibrating. It is done:
-    it leaves the active set instead of being verified a second time (which the lifecycle
-    forbids: verified -> verified), and its verification stays the store's.
+    The store can also be ahead of the checkpoint: a request checked after its relearning
+    window (verified or unverified) or failed after the last checkpoint and before the
+    server died is restored as calibrating. It is done: it leaves the active set instead of
+    being checked a second time (which the lifecycle forbids: no transition leaves a
+    terminal state), and its reading stays the store's.
     """
     for rid in list(active):
         done = store.get(rid)
         if done is not None and is_terminal(done.state):
             log.info(
-                "erasure %s was %s after the checkpoint this run resumed from: not verified again",
+                "erasure %s was %s after the checkpoint this run resumed from: not checked again",
                 rid,
                 done.state,
             )
             del active[rid]
     for req in store.unfinished():
-        if req.state is State.CALIBRATING:  # applied; verified after its window
+        if req.state is State.CALIBRATING:  # applied; checked after its window
             store.note(
                 req.id,
                 actor="server",

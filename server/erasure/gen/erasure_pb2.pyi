@@ -16,12 +16,14 @@ class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CALIBRATING: _ClassVar[State]
     VERIFIED: _ClassVar[State]
     FAILED: _ClassVar[State]
+    UNVERIFIED: _ClassVar[State]
 STATE_UNSPECIFIED: State
 QUEUED: State
 ERASING: State
 CALIBRATING: State
 VERIFIED: State
 FAILED: State
+UNVERIFIED: State
 
 class SubmitRequest(_message.Message):
     __slots__ = ("silo", "sample_ids", "idempotency_key", "reason", "whole_silo")
