@@ -45,7 +45,7 @@ from server.erasure.readings import (
 )
 from server.erasure.records import RequestNotFound
 from server.erasure.service import ErasureService, serve
-from server.erasure.states import State, can_transition, is_terminal
+from server.erasure.states import REMOVAL_NOTE, State, can_transition, is_terminal
 from server.erasure.store import ErasureStore
 from server.unlearning.attest import model_sha256
 from server.unlearning.lifecycle import _checked
@@ -766,3 +766,25 @@ def test_facts_are_kept_with_their_audit_row_and_append_only(tmp_path):
     with pytest.raises(sqlite3.DatabaseError, match="append-only"):
         store._db.execute("DELETE FROM audit_facts")
     store.close()
+
+
+def test_the_timeline_shows_the_servers_removal_before_the_silos_part():
+    # Prepare: a whole-silo request whose removal by the server came into force as it
+    # started (version 4), before the silo's part (the boundary, version 6)
+    store = ErasureStore(":memory:")
+    r, _ = store.submit(1, [], "silo-1", 3)
+    store.transition(r.id, State.ERASING, actor="server", model_version=3)
+    store.note(r.id, actor="server", model_version=4, detail=f"{REMOVAL_NOTE} of silo 1's work")
+    store.transition(
+        r.id, State.CALIBRATING, actor="server", model_version=6, boundary_version=6,
+        metrics=GOOD,
+    )  # fmt: skip
+    # Execute
+    steps = build(store, r.id)["timeline"]
+    # Assert: the two moments, in order; a request without a removal has no such step
+    assert [s["step"] for s in steps][:4] == [
+        "requested", "silo_started", "server_removal", "in_global_model",
+    ]  # fmt: skip
+    assert steps[2]["reached"] and steps[2]["model_version"] == 4
+    store2, rid = _applied(GOOD)
+    assert "server_removal" not in [s["step"] for s in build(store2, rid)["timeline"]]

@@ -10,7 +10,8 @@ that needs nothing else to be read (``certificate.html``). Its parts:
   its reference (readings.py), else ``not verified`` with the checks and figures not within;
   a request in progress reads as its state (queued, erasing, calibrating), a failed one as
   ``failed``;
-- the timeline: requested -> silo started -> erased model in the global model -> calibration
+- the timeline: requested -> silo started -> (the server's removal, at once) -> its part in
+  the global model -> calibration
   -> checked again after the relearning window, from the store's audit rows (wall clock) and the run's events (run clock);
 - the global model's version and SHA-256 just before the erasure boundary, at it and when
   checked again (facts the server records with the audit rows: server/unlearning/attest.py);
@@ -50,7 +51,7 @@ from server.erasure.limits import Limits
 from server.erasure.readings import NOT_VERIFIED, TOLERANCES, summary, verdict
 from server.erasure.records import AuditRow, Refusal, Request, RequestNotFound
 from server.erasure.refusals import REFUSALS_KEPT
-from server.erasure.states import CHECKED, UNFINISHED, State
+from server.erasure.states import CHECKED, REMOVAL_NOTE, UNFINISHED, State
 from server.erasure.store import ErasureStore
 
 FORMAT = "fedasync-erasure-certificate"
@@ -315,9 +316,10 @@ def _timeline(
             _detail(started) + again,
             b,
         ),
+        *_removal_step(rows, run, b),
         _step(
             "in_global_model",
-            "The erased model became the global model (the erasure boundary)",
+            "The silo's part in the global model (the erasure boundary)",
             boundary,
             _clock(run, "calibrating"),
             _detail(boundary),
@@ -338,6 +340,19 @@ def _timeline(
     if failed is not None:
         steps.append(_step("failed", "Failed", failed, _clock(run, "failed"), failed.detail, b))
     return steps
+
+
+def _removal_step(
+    rows: Sequence[AuditRow], run: RunEvents | None, b: Bounds
+) -> list[dict[str, Any]]:
+    """The server's removal of what persists of the silo's work, in force at the request
+    (before the silo's reply), when there was one: its audit note; none otherwise."""
+    notes = [a for a in rows if a.action == "note" and a.detail.startswith(REMOVAL_NOTE)]
+    if not notes:
+        return []
+    row = notes[-1]
+    label = "The server's removal of the silo's work in the global model (at the request)"
+    return [_step("server_removal", label, row, _clock(run, "removed"), row.detail, b)]
 
 
 def _detail(row: AuditRow | None) -> str:

@@ -65,3 +65,8 @@ def check_transition(from_state: State | str, to_state: State | str) -> None:
     """Raise ``InvalidTransition`` unless ``from_state -> to_state`` is allowed."""
     if not can_transition(from_state, to_state):
         raise InvalidTransition(f"erasure request cannot go from {from_state} to {to_state}")
+
+
+REMOVAL_NOTE = "the server's removal"
+"""How the audit note of a whole-silo erasure's removal by the server begins (written when the
+removal comes into force, at the request; the certificate's timeline finds it by this)."""

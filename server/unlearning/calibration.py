@@ -280,8 +280,9 @@ class Calibration:
         reply: from now on later changes may not move back along it (``protect`` jump, both
         or onesided) and what the server carries past it is calibrated. The signature and the
         forget gradient come with the silo's reply (``protect``)."""
-        if "jump" in self._protects:
-            self.jumps.append(ErasureJump.between(old, new))
+        jump = ErasureJump.between(old, new) if "jump" in self._protects else None
+        if jump is not None:  # (None: the removal moved nothing)
+            self.jumps.append(jump)
         if self.projects_applied:
             dropped = self.at_boundary(str(erasure.silo), self.project)
             log.info(

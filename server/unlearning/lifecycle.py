@@ -33,7 +33,7 @@ from fedasync.unlearning import ContributionLedger, ForgetGradient, GradientSign
 from protocol.ids import fraction_ids
 from server.erasure.certificate_checks import server_checks
 from server.erasure.readings import VERIFIED, summary, verdict
-from server.erasure.states import State
+from server.erasure.states import REMOVAL_NOTE, State
 from server.intake import JobKind
 from server.removal import removal
 from server.unlearn_messages import SiloLost
@@ -263,7 +263,7 @@ class ErasureCoordinator:
             e.request_id,
             actor="server",
             model_version=srv.version,
-            detail=f"the server's removal of silo {e.silo}'s work{share} in force at version "
+            detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work{share} in force at version "
             f"{srv.version}; the silo's own part follows with its reply",
         )
         self.event(e, "removed", score_before=before, score_after=after)
