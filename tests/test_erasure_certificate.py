@@ -25,7 +25,6 @@ import torch
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
-from fedasync.stopping import band
 from protocol.ids import digest
 from server.app import run_server
 from server.erasure.auth import Authorizer, Principal
@@ -38,8 +37,6 @@ from server.erasure.limits import Limits
 from server.erasure.readings import (
     READINGS,
     TOLERANCES,
-    auc_band,
-    null_band,
     score_band,
     verdict,
 )
@@ -178,13 +175,11 @@ def test_each_figure_has_its_reference(erased):
     )
     assert at["forget_accuracy"]["reference"] == boundary.metrics["test_accuracy"]
     assert at["asr"]["reference"] == boundary.metrics["asr_without_trigger"]
-    # the verification reports its sample counts, and the AUC's tolerance is its null band
-    # at them (at least the floor)
+    # the verification reports its sample counts; the server's AUC (non-members from the
+    # global test set) is shown, not judged: the silo's own test judges membership
     n, k = boundary.metrics["mia_members"], boundary.metrics["mia_nonmembers"]
     assert n == k == min(boundary.metrics["forget_samples"], boundary.metrics["test_samples"])
-    noise = null_band(int(n), int(k), TOLERANCES.alpha)
-    assert at["mia_auc"]["tolerance"] == pytest.approx(max(noise, TOLERANCES.mia_auc))
-    assert at["mia_auc"]["tolerance_from"] == ("noise" if noise >= TOLERANCES.mia_auc else "floor")
+    assert at["mia_auc"]["verdict"] == "informational" and "silo's own" in at["mia_auc"]["rule"]
     silo = {f["name"]: f for f in _check(cert, "silo_membership")["figures"]}
     assert silo["silo_auc"]["band"] == boundary.metrics["silo_auc_band"]
     auc, band = silo["silo_auc"]["value"], boundary.metrics["silo_auc_band"]
@@ -264,7 +259,10 @@ GOOD = {
     "boundary_dip": 0.01, "silo_auc": 0.55, "silo_auc_band": 0.08, "delta_norm": 0.4,
     "delta_bound": 0.6,
 }  # fmt: skip
-AFTER = {"forget_accuracy": 0.72, "test_accuracy": 0.72, "mia_auc": 0.51, "reversion_ratio": 0.1}
+AFTER = {
+    "forget_accuracy": 0.72, "test_accuracy": 0.72, "mia_auc": 0.51, "reversion_ratio": 0.1,
+    "score": 0.70,
+}  # fmt: skip
 
 
 def test_a_figure_out_of_tolerance_is_never_called_verified():
@@ -285,7 +283,7 @@ def test_a_figure_out_of_tolerance_is_never_called_verified():
             {"check": "at_boundary", "title": _check(cert, "at_boundary")["title"],
              "figures": ["forget_accuracy"]}
         ]  # fmt: skip
-        (f,) = [f for f in _check(cert, "at_boundary")["figures"] if f["verdict"] != "within"]
+        (f,) = [f for f in _check(cert, "at_boundary")["figures"] if f["verdict"] == "not within"]
         assert (f["name"], f["side"], f["tolerance"]) == ("forget_accuracy", "above", 0.05)
         assert "NOT verified" in cert["outcome"]["statement"]
         assert "at_boundary (forget_accuracy)" in cert["outcome"]["statement"]
@@ -302,9 +300,10 @@ def test_a_figure_out_of_tolerance_is_never_called_verified():
 @pytest.mark.parametrize(
     ("change", "check", "name"),
     [
-        ({"mia_auc": 0.35}, "at_boundary", "mia_auc"),  # below 0.5 by 0.15: over-erased
+        ({"forget_accuracy": 0.95}, "at_boundary", "forget_accuracy"),  # still recognised
         ({"asr": 0.30}, "at_boundary", "asr"),
-        ({"boundary_dip": 0.2, "score_after": 0.51}, "at_boundary", "boundary_dip"),
+        # the global score has not come back by verification (0.70 against 0.95 before)
+        ({"score_before": 0.95}, "resurfacing", "score_recovered"),
         ({"silo_auc": 0.7}, "silo_membership", "silo_auc"),
         # above its bound, yet not clipped (no clip_factor): the delta applied is over it
         ({"delta_norm": 6.0}, "bound", "delta_applied"),
@@ -313,7 +312,7 @@ def test_a_figure_out_of_tolerance_is_never_called_verified():
 def test_the_lifecycle_reads_the_certificate_s_verdict(change, check, name):
     e = Erasure("r1", 1, ["a", "b"], 0.0)
     e.metrics_at_boundary = dict(GOOD)
-    assert _checked(e, dict(AFTER)) == (State.VERIFIED, "all 10 judged figures within")
+    assert _checked(e, dict(AFTER)) == (State.VERIFIED, "all 7 judged figures within")
     e.metrics_at_boundary = {**GOOD, **change}
     state, why = _checked(e, dict(AFTER))
     assert state is State.UNVERIFIED and f"{check} (" in why and name in why
@@ -326,7 +325,7 @@ def test_a_clipped_delta_is_within_its_bound_and_says_how_much_was_applied():
     # the silo sent a delta of norm 6 against a bound of 0.6: clipped, a tenth applied
     e = Erasure("r1", 1, ["a", "b"], 0.0)
     e.metrics_at_boundary = {**GOOD, "delta_norm": 6.0, "clip_factor": 0.1}
-    assert _checked(e, dict(AFTER)) == (State.VERIFIED, "all 10 judged figures within")
+    assert _checked(e, dict(AFTER)) == (State.VERIFIED, "all 7 judged figures within")
     store, rid = _applied(e.metrics_at_boundary, AFTER)
     bound = _check(build(store, rid), "bound")
     figs = {f["name"]: f for f in bound["figures"]}
@@ -340,17 +339,6 @@ def test_a_clipped_delta_is_within_its_bound_and_says_how_much_was_applied():
 
 
 def test_the_forgetting_tolerances_follow_the_noise_at_the_sample_counts():
-    # the server's band is the silo's test's, by the same formula (readings.py does not
-    # import it: fedasync loads torch)
-    for n, k in ((1, 1), (8, 8), (32, 120), (1000, 1000)):
-        assert null_band(n, k, 0.05) == pytest.approx(band(n, k, 0.05), rel=1e-12)
-    counts = {"mia_members": 8, "mia_nonmembers": 8}
-    assert auc_band(counts) == (
-        pytest.approx(band(8, 8, 0.05)), "noise", "the AUC's null band over 8 against 8 "
-        "samples at alpha 0.05",
-    )  # fmt: skip
-    assert auc_band({"mia_members": 120, "mia_nonmembers": 120})[:2] == (0.1, "floor")
-    assert auc_band({"mia_members": 8})[:2] == (0.1, "fixed")
     # forget 0.75 over 12 samples against test 0.55 over 120: 1.96 pooled standard errors
     tol, source, _ = score_band({"forget_samples": 12, "test_samples": 120}, 0.75, 0.55)
     p = (0.75 * 12 + 0.55 * 120) / 132
@@ -363,9 +351,8 @@ def test_the_forgetting_tolerances_follow_the_noise_at_the_sample_counts():
     )
     assert score_band({}, 0.7, 0.7)[:2] == (0.05, "fixed")
 
-    # in a certificate: an AUC 0.125 from 0.5 over 8 against 8 samples is within its band,
-    # over 120 against 120 it is not (the floor, 0.1); a forget score 0.2 above the test
-    # score over 12 samples is within, over 1000 it is not
+    # in a certificate: a forget score 0.2 above the test score over 12 samples is within,
+    # over 1000 it is not
     small = {"mia_members": 8, "mia_nonmembers": 8, "forget_samples": 12, "test_samples": 120}
     large = {
         "mia_members": 120,
@@ -381,14 +368,12 @@ def test_the_forgetting_tolerances_follow_the_noise_at_the_sample_counts():
         assert state is (State.VERIFIED if ok else State.UNVERIFIED), why
         store, rid = _applied(e.metrics_at_boundary, AFTER, state)
         figs = {f["name"]: f for f in _check(build(store, rid), "at_boundary")["figures"]}
-        assert figs["mia_auc"]["verdict"] == ("within" if ok else "not within")
-        assert figs["mia_auc"]["tolerance_from"] == source
         assert figs["forget_accuracy"]["verdict"] == ("within" if ok else "not within")
-        assert "samples" in figs["mia_auc"]["rule"] and "samples" in figs["forget_accuracy"]["rule"]
+        assert figs["forget_accuracy"]["tolerance_from"] == source
+        assert "samples" in figs["forget_accuracy"]["rule"]
     # without counts (a store written before they were reported): the fixed tolerances
     store, rid = _applied({**GOOD, **moved}, AFTER, State.UNVERIFIED)
     figs = {f["name"]: f for f in _check(build(store, rid), "at_boundary")["figures"]}
-    assert (figs["mia_auc"]["tolerance"], figs["mia_auc"]["tolerance_from"]) == (0.1, "fixed")
     assert (figs["forget_accuracy"]["tolerance"], figs["forget_accuracy"]["tolerance_from"]) == (
         0.05,
         "fixed",

@@ -41,7 +41,6 @@ from server.erasure.readings import (
     around,
     at_least,
     at_most,
-    auc_band,
     informational,
     score_band,
     within,
@@ -194,23 +193,34 @@ def server_checks(
     ]
 
 
+MIA_UNJUDGED = (
+    "not judged: its non-members are the global test set, not the silo's own unseen data, so "
+    "a gap between the silo's data and the test set reads as membership (a retrained model "
+    "shows it too); membership is judged by the silo's own test, and against retraining "
+    "when reference runs are given"
+)
+DIP_UNJUDGED = (
+    "not judged here: removing a silo's data may cost score at once, as retraining without it "
+    "does; the score must come back by verification (score_recovered)"
+)
+
+
 def _boundary_reading(
     key: str, m: dict[str, float], v: object, ref: object, tol: Tolerances
 ) -> dict[str, Any]:
     """The reading of one forgetting figure (or ``score_after``) of metrics ``m``: the
     forget-set score's and the membership AUC's tolerances follow their noise at ``m``'s
-    sample counts when it has them (readings.score_band, readings.auc_band)."""
+    sample counts when it has them (readings.score_band)."""
     value, reference = num(v), num(ref)
     if key == "forget_accuracy":
         t, source, where = score_band(m, value, reference, tol)
         rule = f"value <= reference + tolerance ({where})"
         return _source(at_most(value, reference, t, rule), source)
     if key == "mia_auc":
-        t, source, where = auc_band(m, tol)
-        return _source(around(value, 0.5, t, f"|value - 0.5| <= tolerance ({where})"), source)
+        return informational(MIA_UNJUDGED)
     if key == "asr":
         return at_most(value, reference, tol.asr, "value <= reference + tolerance")
-    return at_least(value, reference, tol.dip, "value >= reference - tolerance")  # score_after
+    return informational(DIP_UNJUDGED)  # score_after: the score must come back (resurfacing)
 
 
 def _source(reading: dict[str, Any], source: str) -> dict[str, Any]:
@@ -234,7 +244,7 @@ def _at_boundary(m: dict[str, float], tol: Tolerances) -> dict[str, Any]:
                 m["boundary_dip"],
                 0.0,
                 "no dip (positive: a drop)",
-                reading=at_most(num(m["boundary_dip"]), 0.0, tol.dip, "value <= tolerance"),
+                reading=informational(DIP_UNJUDGED),
             )
         )
     return check(
@@ -548,6 +558,22 @@ def _resurfacing(
                 "at the boundary",
                 reading=informational("the model's own score over the window: training goes on"),
                 at_boundary=num(at_b.get("test_accuracy")),
+            )
+        )
+    if num(after.get("score")) is not None:
+        figures.append(
+            figure(
+                "score_recovered",
+                "Global test score at verification, against just before the erasure",
+                after["score"],
+                at_b.get("score_before"),
+                "just before the erasure (the server's removal, when there was one)",
+                reading=at_least(
+                    num(after["score"]),
+                    num(at_b.get("score_before")),
+                    tol.dip,
+                    "value >= reference - tolerance",
+                ),
             )
         )
     if num(after.get("reversion_ratio")) is not None:

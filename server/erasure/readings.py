@@ -39,15 +39,20 @@ class Tolerances:
     AUCs are fractions in [0, 1].
 
     Where the figures come with the sample counts they were measured on (the server's
-    verification reports them: ``forget_samples``, ``test_samples``, ``mia_members``,
-    ``mia_nonmembers``), the forget-set score and the membership AUC get a tolerance from
-    their own noise at those counts, at significance ``alpha`` (``score_band``,
-    ``auc_band``): a few samples cannot tell a residue from chance, and a figure is only
-    called not within when chance alone would rarely put it there. ``score`` and
-    ``mia_auc`` are then floors under those bands (a difference too small to matter is not
-    flagged however many samples show it); without the counts they are the tolerances
-    themselves. Each figure says which it used (``tolerance_from``: ``noise``, ``floor``,
-    ``fixed``)."""
+    verification reports them: ``forget_samples``, ``test_samples``), the forget-set score
+    gets a tolerance from its own noise at those counts, at significance ``alpha``
+    (``score_band``): a few samples cannot tell a residue from chance, and a figure is only
+    called not within when chance alone would rarely put it there. ``score`` is then a floor
+    under that band (a difference too small to matter is not flagged however many samples
+    show it); without the counts it is the tolerance itself. Each figure says which it used
+    (``tolerance_from``: ``noise``, ``floor``, ``fixed``).
+
+    The server's membership-inference AUC is not judged: its non-members are the global
+    test set, not the silo's own unseen data, so a gap between the two reads as membership
+    (a model retrained without the silo shows it too: 0.20 on the breast-fna benchmark's
+    backdoored silo). Membership is judged by the silo's own test, which compares its
+    samples with its own held-out ones, and against retraining where reference runs are
+    given."""
 
     alpha: float = 0.05
     """Significance of the noise bands, two-sided: a band is z = 1.96 standard deviations of
@@ -62,21 +67,14 @@ class Tolerances:
     averaged over samples in [0, 1] spreads no more than a proportion; a pooled Dice is
     read the same way, an image a trial); 0.05 is its floor, and the tolerance without
     counts (an accuracy over about a hundred samples has a standard deviation near 0.05)."""
-    mia_auc: float = 0.1
-    """|membership-inference AUC - 0.5|, both sides: above is under-erasure (the samples are
-    still recognised), below is over-erasure, which an attacker detects as well (the
-    Streisand effect). With the counts the tolerance is the band of the silo's own test at
-    them (fedasync.stopping.band: ``z * sqrt((n + m + 1) / (12 n m))``, the AUC's null
-    spread over ``n`` members against ``m`` unseen samples); 0.1 is its floor (the band
-    over 50 against 50 samples is 0.11; over 120 against 120, 0.073), and the tolerance
-    without counts."""
     asr: float = 0.05
     """The backdoor's attack success rate above the same images' rate without the trigger:
     what the trigger still adds. 0.05, as for a score (a rate over about a hundred images)."""
     dip: float = 0.1
-    """The global test score's drop at the boundary (``boundary_dip``, and ``score_after``
-    below ``score_before``). Erasing removes the data's own contribution, so some drop is
-    expected; a drop above 0.1 in one version is damage to the model to be flagged."""
+    """The global test score at verification below the score just before the erasure
+    (``score_recovered``): a lasting loss above 0.1 is damage to the model. The dip at the
+    boundary itself is shown, not judged: removing a silo's data may cost score at once, as
+    retraining without it does, and the other silos' training brings it back."""
     reversion: float = 0.5
     """The reversion ratio toward the pre-erasure model at verification: 0 none, 1 all the
     way back. Past half-way the erased model has mostly come back."""
@@ -107,29 +105,6 @@ def _count(v: object) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         return None
     return int(v) if v >= 1 and float(v).is_integer() else None
-
-
-def null_band(n: int, k: int, alpha: float) -> float:
-    """Half-width of the two-sided band around AUC 0.5 at significance ``alpha`` for ``n``
-    members against ``k`` non-members: fedasync.stopping.band, the silo's own test's, by the
-    same formula (not imported: fedasync loads torch, and a certificate is read without it;
-    tests/test_erasure_certificate.py keeps the two equal)."""
-    sd = math.sqrt((n + k + 1) / (12.0 * n * k))
-    return NormalDist().inv_cdf(1.0 - alpha / 2.0) * sd
-
-
-def auc_band(m: dict[str, Any], tol: Tolerances = TOLERANCES) -> tuple[float, str, str]:
-    """The membership AUC's tolerance for metrics ``m``: (tolerance, ``tolerance_from``, in
-    words). The null band at ``m``'s ``mia_members`` against ``mia_nonmembers`` when they
-    are there (at least ``tol.mia_auc``), else ``tol.mia_auc``."""
-    n, k = _count(m.get("mia_members")), _count(m.get("mia_nonmembers"))
-    if n is None or k is None:
-        return tol.mia_auc, FIXED, "fixed: no sample counts"
-    noise = null_band(n, k, tol.alpha)
-    where = f"the AUC's null band over {n} against {k} samples at alpha {tol.alpha:g}"
-    if noise >= tol.mia_auc:
-        return noise, NOISE, where
-    return tol.mia_auc, FLOOR, f"the floor ({where} is {noise:.3g})"
 
 
 def score_band(

@@ -469,6 +469,7 @@ class ErasureCoordinator:
                     self._watch(e, since)
                 continue
             after = e.measure(self.srv.params, self.verify_fn)
+            after["score"] = float(srv.evaluate_fn(srv.params)["score"])  # (has it come back?)
             e.around_boundary = None
             state, reading = _checked(e, after)
             # verified_version: the version at which it was checked, verified or not
