@@ -15,6 +15,8 @@ from inprocess import CHECKED, InProcessGrid, checked_rows
 from clients.app import app as client_app
 from fedasync.events import read_events
 from server.app import run_server
+from server.erasure.certificate import build
+from server.erasure.store import ErasureStore
 
 ERASE = (
     "unlearning.relearn_versions=4",
@@ -322,3 +324,26 @@ def test_watching_the_backdoor_adds_its_metrics_to_every_evaluation(small_cfg):
         for key in ("bd_asr", "bd_asr_without_trigger", "bd_forget_accuracy", "bd_mia_auc"):
             assert 0.0 <= e[key] <= 1.0, (key, e)
         assert "bd_test_accuracy" not in e  # that is the eval's own score
+
+
+def test_an_erasure_the_run_ends_before_checking_says_so(small_cfg):
+    # Prepare: a relearning window far longer than what is left of the run
+    cfg = small_cfg(
+        "run.max_versions=16", "erasures=[{silo: 1, at_s: 4}]", *ERASE,
+        "unlearning.relearn_versions=1000",
+    )  # fmt: skip
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    # Execute
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    # Assert: still calibrating, never called verified; its row, its audit log and its
+    # certificate say it was not checked within the run, and why
+    (req,) = summary["erasures"]["requests"]
+    (row,) = summary["erasures"]["applied"]
+    assert req["state"] == "calibrating" and not summary["erasures"]["verified"]
+    assert row["reading"].startswith("not checked within the run: the run ended at version")
+    with ErasureStore(run_dir / "erasures.sqlite") as store:
+        notes = [a.detail for a in store.audit(req["id"]) if a.action == "note"]
+        cert = build(store, req["id"], events=run_dir / "metrics.jsonl")
+    assert row["reading"] in notes
+    assert cert["verdict"]["reading"] == "calibrating"
+    assert {"check": "the relearning check", "why": row["reading"]} in cert["not_verified"]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from server.erasure.certificate_checks import MIN_BAND, SUBSPACE, checked, last, num
-from server.erasure.states import CHECKED, State
+from server.erasure.states import CHECKED, ENDED_UNCHECKED, State
 
 if TYPE_CHECKING:
     from server.erasure.certificate_events import Reference, RunEvents
@@ -46,7 +46,10 @@ def not_verified(
         miss("the erasure itself", f"the request is {r.state.value}: no erased model is in force")
     else:
         _boundary_gaps(m, miss)
-    if r.state not in CHECKED:
+    ended = [a for a in rows if a.action == "note" and a.detail.startswith(ENDED_UNCHECKED)]
+    if r.state not in CHECKED and ended and r.state is State.CALIBRATING:
+        miss("the relearning check", ended[-1].detail)
+    elif r.state not in CHECKED:
         miss(
             "the relearning check",
             f"the request is {r.state.value}: it is verified "

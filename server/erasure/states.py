@@ -70,3 +70,8 @@ def check_transition(from_state: State | str, to_state: State | str) -> None:
 REMOVAL_NOTE = "the server's removal"
 """How the audit note of a whole-silo erasure's removal by the server begins (written when the
 removal comes into force, at the request; the certificate's timeline finds it by this)."""
+
+
+ENDED_UNCHECKED = "not checked within the run"
+"""How the audit note of a request whose run ended inside its relearning window begins (it
+stays ``calibrating``; the certificate's gaps quote it)."""

@@ -33,7 +33,7 @@ from fedasync.unlearning import ContributionLedger, ForgetGradient, GradientSign
 from protocol.ids import fraction_ids
 from server.erasure.certificate_checks import server_checks
 from server.erasure.readings import VERIFIED, summary, verdict
-from server.erasure.states import REMOVAL_NOTE, State
+from server.erasure.states import ENDED_UNCHECKED, REMOVAL_NOTE, State
 from server.intake import JobKind
 from server.removal import removal
 from server.unlearn_messages import SiloLost
@@ -486,6 +486,21 @@ class ErasureCoordinator:
                 facts=verified_facts(srv.params),
             )
             self.event(e, state.value, **after)
+
+    def unchecked_at_end(self, e: Erasure) -> str:
+        """The run ends with ``e`` applied but its relearning window not over: it cannot be
+        checked within this run. Says so in its audit log (a note; the request stays
+        ``calibrating``, and a resumed run goes on with it) and returns the same words."""
+        srv = self.srv
+        since, window = srv.version - (e.boundary or 0), self.cfg.relearn_versions
+        why = (
+            f"{ENDED_UNCHECKED}: the run ended at version {srv.version}, {since} of the "
+            f"{window} versions of its relearning window after the boundary; it stays "
+            "calibrating (a resumed run, run.resume=true, goes on with it)"
+        )
+        self.store.note(e.request_id, actor="server", model_version=srv.version, detail=why)
+        log.warning("erasure %s: %s", e.request_id, why)
+        return why
 
     def _watch(self, e: Erasure, since: int) -> None:
         """An ``erasure_watch`` event: the erased model's verification metrics ``since``
