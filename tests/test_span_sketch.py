@@ -130,3 +130,20 @@ def test_a_signature_loses_the_sketched_span_as_it_loses_the_exact_one():
     torch.testing.assert_close(
         got.basis @ got.basis.T, want.basis @ want.basis.T, atol=1e-5, rtol=0
     )
+
+
+def test_a_row_untouched_for_thousands_of_updates_is_rescaled_not_lost():
+    # Prepare: silo 0's row gets one update, then 5,000 of silo 1 go by (its content has
+    # faded by 2^-78, below the rescaling threshold), then one more of silo 0
+    e = torch.eye(10)
+    sketch = SpanSketch(rows=2, silos=2)
+    sketch.add(0, _params(e[3]))
+    for _ in range(5000):
+        sketch.add(1, _params(e[5]))
+    sketch.add(0, _params(e[7]))
+    # Assert: silo 0's row is finite and points along its latest update; the old one faded
+    row = params_to_vector(sketch.row(0), NAMES)
+    assert bool(torch.isfinite(sketch.buffer).all())
+    assert abs(float(row[7])) / float(row.norm()) == pytest.approx(1.0, abs=1e-6)
+    kept = outside(_params(e[7] + e[5]), sketch.span(NAMES, without=1), NAMES)[1]
+    assert kept == pytest.approx(0.5, abs=1e-6)  # e7 in silo 0's span, e5 outside it

@@ -198,11 +198,11 @@ class SpanSketch:
         if mult < _RENORM:  # the row's content is negligible: rescale it once
             self.buffer[j].mul_(mult)
             mult = 1.0
+        self._mult[j], self._last[j] = mult, self.added  # (the row's decay so far, applied)
         alpha = _sign(silo, n) / (norm * mult)
         if not add_into(self.buffer[j], update, alpha, self._offsets, self.names):
             self.added -= 1
             return False
-        self._mult[j], self._last[j] = mult, self.added
         self._silos[j].add(int(silo))
         self._counts[silo] = n + 1
         self._group_counts[group] += 1
