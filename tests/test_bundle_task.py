@@ -243,7 +243,7 @@ def test_a_silo_of_a_bundle_task_is_erased_while_the_others_train(small_cfg, bun
     cfg = small_cfg(
         f"task.bundle={bundle_dir}",
         "silos.count=2",
-        "run.max_versions=8",
+        "run.max_versions=10",
         "run.budget_s=60",
         "client.local_steps=1",
         "erasures=[{silo: 1, at_s: 4}]",

@@ -38,6 +38,7 @@ FAMILIES: dict[str, str] = {
 
 ERASURE_STATES: dict[str, float] = {
     "queued": 0.0,
+    "removed": 0.5,
     "erasing": 1.0,
     "calibrating": 2.0,
     "verified": 3.0,
@@ -221,8 +222,8 @@ TAGS: tuple[Tag, ...] = (
     _t("fed/silo/<silo>/central_epsilon", "fed", "update", "`central_epsilon`", "each silo's epsilon under central DP (`server.dp`)", field("central_epsilon", "silo")),
     _t("fed/silo/<silo>/score", "fed", "silo_eval", "`score`", "the final model's score on each silo's own data", field("score", "silo")),
     _t("fed/silos/stopped", "fed", "silo_stopped", "count", "silos stopped so far (privacy budget spent, or no data left)", count()),
-    _t("fed/erasures/<state>", "fed", "erasure", "count by `state`", "erasure requests that entered each state so far (`queued`, `erasing`, `calibrating`, `verified`, `unverified`, `failed`)", count("state")),
-    _t("fed/silo/<silo>/erasure_state", "fed", "erasure", "`state` as a number", "the state of the silo's latest erasure: 0 queued, 1 erasing, 2 calibrating, 3 verified, -2 unverified, -1 failed", computed(erasure_state, "silo")),
+    _t("fed/erasures/<state>", "fed", "erasure", "count by `state`", "erasure requests that entered each state so far (`queued`, `removed`: the server's removal in force, `erasing`, `calibrating`, `verified`, `unverified`, `failed`)", count("state")),
+    _t("fed/silo/<silo>/erasure_state", "fed", "erasure", "`state` as a number", "the state of the silo's latest erasure: 0 queued, 0.5 the server's removal in force, 1 erasing, 2 calibrating, 3 verified, -2 unverified, -1 failed", computed(erasure_state, "silo")),
     _t("fed/silo/<silo>/forget_accuracy", "fed", "erasure erasure_watch", "`forget_accuracy`", "the global model's accuracy on the erased data, at calibration, at verification and at each watch", field("forget_accuracy", "silo")),
     _t("fed/silo/<silo>/mia_auc", "fed", "erasure erasure_watch", "`mia_auc`", "a membership-inference attack's AUC on the erased data (0.5: indistinguishable from unseen data)", field("mia_auc", "silo")),
     # --- a hospital's node: its own metrics.jsonl (clients/node_log.py)

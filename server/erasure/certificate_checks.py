@@ -26,6 +26,11 @@ by the rule and tolerance it states, or ``informational`` where no rule makes se
 a setting, a reading before the erasure). ``server_checks`` are the checks the training
 server has when the relearning window ends; the lifecycle reads the same figures with the
 same ``readings.verdict`` to move a request to ``verified`` or ``unverified``.
+
+One file (over 500 lines) because it is one thing: the certificate's checks in their fixed
+order, each built from the same figure and reading helpers on the same store rows and run
+events, and the server's own subset of them (``server_checks``) that the lifecycle's verdict
+reads, so that the certificate and the lifecycle can never judge a figure two ways.
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ parts with a ``state_dict`` each, the calibration (calibration.py) and FedEraser
 A silo that goes down while erasing (its reply is an error: its ClientApp crashed or raised,
 its SuperNode restarted, the SuperLink reports it offline; or no reply within
 ``server.reply_timeout_s``) sends its request back: erasing -> queued, the audit row saying
-why, and it is started again (from the then-current model) when the silo is back. Nothing of
-an erasure is in the model before erasing -> calibrating, so it is applied once however often
-it was started. An offline silo (the SuperLink's word) is tried again after
+why, and it is started again (from the then-current model) when the silo is back. Of an
+erasure only the server's removal is in the model before erasing -> calibrating (in force at
+its first start, the silo's recorded sum then forgotten, so a second start has nothing to
+remove), and the silo's part comes with erasing -> calibrating: each is applied once however
+often it was started. An offline silo (the SuperLink's word) is tried again after
 ``server.offline_retry_s`` and not counted; any other loss counts, and the
 ``unlearning.max_attempts``-th one (default 3) fails the request with the reason. A reply
 that arrives but is malformed fails it at once, as do requests a method cannot carry out.
@@ -20,6 +22,11 @@ that arrives but is malformed fails it at once, as do requests a method cannot c
 A whole-silo erasure retires the silo; a sample-level one lets it train without the erased
 samples (bounded: bounds.py). One silo, one job: an erasure starts only on an idle silo (the
 loop refuses a second job); while a request waits for its silo, it is sent no training.
+
+One file (over 500 lines) because it is one thing: the coordinator's methods are the
+lifecycle's transitions and the moments between them (start, the removal at it, the silo's
+reply, the boundary, the check after the window, a silo lost, a restart), and each reads and
+writes the same requests in progress, the store and the event log in the order above.
 """
 
 from __future__ import annotations
