@@ -1,6 +1,6 @@
 """A request across a server restart: which requests resume and how (``reconcile``), when a
 request was submitted (``submitted``), and its latency in the summary (``row``), which counts
-from submission, not from the restart (issue 9). Functions of what the erasure coordinator
+from submission, not from the restart. Functions of what the erasure coordinator
 (lifecycle.py) hands them; it owns the state.
 """
 
