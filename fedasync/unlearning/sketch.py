@@ -216,12 +216,10 @@ class SpanSketch:
     def span(self, names: Sequence[str], without: int | None = None, tol: float = 1e-6) -> Span:
         """The span of the rows without silo ``without``'s updates (None: every row with
         content) over ``names`` (each sketched)."""
-        rows = [j for j in range(self.rows) if self._silos[j]]
-        if without is not None:
-            rows = self.others(without)
-        if not self.names:
-            rows = []
-        return Span(self, rows, names if self.names else [], tol)
+        if not self.names:  # nothing added yet
+            return Span(self, [], [], tol)
+        rows = [j for j in range(self.rows) if self._silos[j] and without not in self._silos[j]]
+        return Span(self, rows, names, tol)
 
     def row(self, j: int) -> dict[str, torch.Tensor]:
         """Row ``j``'s tensors by name, flat (views; a direction: its scale is arbitrary)."""

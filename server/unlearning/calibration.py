@@ -139,12 +139,8 @@ class Calibration:
         self.gradients: list[ForgetGradient] = []
         """Each applied erasure's mean forget gradient, as its silo sent it
         (``unlearning.protect`` gradient or onesided)."""
-        self._keeps_recent = bool(
-            cfg.signature_unique or (cfg.server_removal and cfg.server_removal_part == "unique")
-        )
-        self.sketch: SpanSketch | None = (
-            SpanSketch(int(cfg.sketch_rank), silos) if self._keeps_recent else None
-        )
+        spans = cfg.signature_unique or (cfg.server_removal and cfg.server_removal_part == "unique")
+        self.sketch: SpanSketch | None = SpanSketch(int(cfg.sketch_rank), silos) if spans else None
         """``unlearning.signature_unique`` or ``server_removal_part=unique``: the span of the
         accepted updates as received, by silo, in ``sketch_rank`` model-sized rows: what the
         other silos' data moves the model along. Checkpointed (``state_dict``), so a resumed
