@@ -250,13 +250,13 @@ def erasure_summary(co: ErasureCoordinator, params: Any) -> dict[str, Any]:
     which; a row's ``verified_version`` is the version at which it was checked, either way),
     and the same metrics on the final model ``params`` for every applied erasure
     (``at_end``)."""
-    ids_of = {r.id: list(r.sample_ids) for r in co.store.list()}
-    calibrating = [
+    requests = co.store.list()
+    ids_of = {r.id: list(r.sample_ids) for r in requests}
+    calibrating = [  # (a note changes no request's state: the list above stands)
         {**co.row(e), "after_relearn": None, "reading": co.unchecked_at_end(e)}
         for e in co.active.values()
         if e.boundary is not None
     ]
-    requests = co.store.list()  # (after the notes of those the run ended before checking)
     for row in [*co.report, *calibrating]:
         row["at_end"] = co.verify_fn(params, row["silo"], ids_of.get(row["request"], []))
     return {
