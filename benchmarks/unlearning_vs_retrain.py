@@ -539,6 +539,9 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
             if _ran_the_window(saved):
                 return None  # its removal used the window of copies the sketch replaced
             del saved.unlearning["unique_window"]  # (a setting that run never used)
+        if OmegaConf.select(saved, "unlearning.server_removal_max_drop") is None:
+            if _removal_cost_more(run_dir, cfg.unlearning.server_removal_max_drop):
+                return None  # its removal was not bounded, and this run's would have been
         absent = [o for o in PINNED if OmegaConf.select(saved, o.split("=", 1)[0]) is None]
         with tempfile.TemporaryDirectory() as tmp:  # the saved config as today's schema reads it
             today = Path(tmp) / REUSE_CONFIG
@@ -553,6 +556,27 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     except ValueError:
         return None
     return summary if "evals" in summary else None
+
+
+def _removal_cost_more(run_dir: Path, max_drop: float) -> bool:
+    """Whether a run saved before the removal was bounded by the held-out score had a removal
+    that lowered it by more than ``max_drop`` (``unlearning.server_removal_max_drop``): with
+    the bound it would have been smaller. One within it ran as it would today."""
+    import json
+
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return True
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue  # (a torn last line)
+        if ev.get("event") == "erasure" and ev.get("state") == "removed":
+            if float(ev["score_before"]) - float(ev["score_after"]) > max_drop:
+                return True
+    return False
 
 
 def _ran_the_window(saved: Any) -> bool:

@@ -100,6 +100,7 @@ RANGES: dict[str, Range] = {
     "unlearning.stop_probe": AT_LEAST_ONE,
     "unlearning.radius": NON_NEGATIVE,
     "unlearning.server_removal_scale": UNIT_OPEN_LOW,
+    "unlearning.server_removal_max_drop": UNIT,
     "unlearning.radius_floor": UNIT_OPEN_LOW,
     "unlearning.calibration_strength": UNIT,
     "unlearning.signature_rank": AT_LEAST_ONE,

@@ -20,7 +20,8 @@ membership test alone was verified on 5 of 5 (docs/measured.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -87,3 +88,41 @@ def alignment(ledger: ContributionLedger, silo: int, total: Mapping[str, Any]) -
     cos = float(mine @ others) / (n_mine * n_others) if n_mine and n_others else 0.0
     n_all = float((mine + others).norm())
     return {"removal_cos_others": cos, "removal_norm_share": n_mine / n_all if n_all else 0.0}
+
+
+HALVINGS = 4
+"""How many times a removal that costs the held-out score too much is halved (to 1/16)
+before it is withheld."""
+
+
+def bounded(
+    params: Params,
+    removal: Params,
+    score: Callable[[Params], float],
+    max_drop: float,
+) -> tuple[Params, dict[str, float]]:
+    """``params`` plus the largest share of ``removal`` (1, 1/2, ..., 1/2**HALVINGS, else none)
+    whose held-out score (``score``, the server's evaluation) falls by at most ``max_drop``
+    (``unlearning.server_removal_max_drop``; 1: no bound). Returns the new parameters and
+    what was measured: ``removal_score_before`` and ``_after``, ``removal_applied`` (the
+    share). A score that is not a finite number (no test set at the coordinator: nothing is
+    measured mid-run) bounds nothing: the removal is applied whole."""
+    before = score(params)
+    new = _plus(params, removal, 1.0)
+    after = score(new)
+    share = 1.0
+    if max_drop < 1.0 and math.isfinite(before) and math.isfinite(after):
+        while before - after > max_drop and share > 0.0:
+            share = share / 2 if share > 2.0**-HALVINGS else 0.0
+            new = _plus(params, removal, share)
+            after = score(new) if share else before
+    report = {"removal_score_before": before, "removal_score_after": after}
+    return new, {**report, "removal_applied": share}
+
+
+def _plus(params: Params, removal: Params, share: float) -> Params:
+    """``params + share * removal`` on the floating tensors ``removal`` holds."""
+    return {
+        k: v + share * removal[k] if k in removal and v.is_floating_point() else v
+        for k, v in params.items()
+    }

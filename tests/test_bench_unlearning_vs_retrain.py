@@ -333,3 +333,31 @@ def test_a_run_saved_with_the_window_the_sketch_replaced_is_read_back_only_if_it
     got = bench._reused(cfg, tmp_path)
     # Assert: a run whose removal used the window is another run; one that never did is read
     assert (got is None) is unique
+
+
+@pytest.mark.parametrize(("drop", "reused"), [(0.01, True), (0.05, False)])
+def test_a_run_saved_before_the_removal_was_bounded_is_read_back_only_if_its_removal_was_within(
+    tmp_path, drop, reused
+):
+    # Prepare: a finished run saved before unlearning.server_removal_max_drop, whose removal
+    # lowered the held-out score by `drop` (its 'removed' event; a torn last line after it)
+    import json
+
+    from omegaconf import OmegaConf
+
+    from simulations.config import load_config, to_yaml
+
+    cfg = load_config(None, [*bench.PINNED, "run.seed=3", "unlearning.server_removal=true"])
+    saved = OmegaConf.create(to_yaml(cfg))
+    del saved.unlearning["server_removal_max_drop"]
+    (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))
+    (tmp_path / "summary.json").write_text(json.dumps({"evals": [], "versions": 4}))
+    removed = {"event": "erasure", "state": "removed", "score_before": 0.9}
+    lines = [json.dumps({**removed, "score_after": 0.9 - drop}), '{"event": "ev']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    # Execute
+    got = bench._reused(cfg, tmp_path)
+    # Assert: a removal within today's bound (0.02) ran as today's would; a larger one is
+    # another run
+    assert cfg.unlearning.server_removal_max_drop == 0.02
+    assert (got is not None) is reused

@@ -42,7 +42,7 @@ from server.erasure.certificate_checks import server_checks
 from server.erasure.readings import VERIFIED, summary, verdict
 from server.erasure.states import ENDED_UNCHECKED, REMOVAL_NOTE, State
 from server.intake import JobKind
-from server.removal import removal
+from server.removal import bounded, removal
 from server.unlearn_messages import SiloLost
 from server.unlearning import resume
 from server.unlearning.attest import boundary_facts, erasing_facts, model_sha256, verified_facts
@@ -252,17 +252,22 @@ class ErasureCoordinator:
         if e.removal is None:
             return
         srv = self.srv
-        old, new = srv.params, add_floats(srv.params, e.removal)
+        old = srv.params
+
+        def score(params: Params) -> float:
+            return float(srv.evaluate_fn(params)["score"])
+
+        new, measured = bounded(old, e.removal, score, self.cfg.server_removal_max_drop)
         e.removal = None  # in force: the silo's reply adds only its own part
         e.pre_erasure = old
-        before = float(srv.evaluate_fn(old)["score"])
+        before = measured["removal_score_before"]
         self.calibration.removed(e, old, new)
         self.ledger.forget(str(e.silo))
         srv.apply_erasure(new)
         e.removed_version, e.removed_t = srv.version, srv.clock.now
         self.calibration.boundary = srv.version
-        after = float(srv.evaluate_fn(srv.params)["score"])
-        e.start_report.update(removal_score_before=before, removal_score_after=after)
+        after = measured["removal_score_after"]
+        e.start_report.update(measured)
         srv.checkpoint()
         kept = e.start_report.get("removal_kept")
         share = "" if kept is None else f" ({100 * float(kept):.1f}% of its recorded contributions)"
@@ -270,10 +275,11 @@ class ErasureCoordinator:
             e.request_id,
             actor="server",
             model_version=srv.version,
-            detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work{share} in force at version "
-            f"{srv.version}; the silo's own part follows with its reply",
+            detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work{share}"
+            f"{_applied(measured, self.cfg.server_removal_max_drop, srv.version)}",
         )
-        self.event(e, "removed", score_before=before, score_after=after)
+        applied = measured["removal_applied"]
+        self.event(e, "removed", score_before=before, score_after=after, applied=applied)
 
     def _submitted(self, req: Any) -> tuple[float, int | None]:
         """``(submitted_t, submitted_wall_ms)`` of ``req`` (`resume.submitted`)."""
@@ -572,3 +578,22 @@ def _checked(e: Erasure, after: dict[str, float]) -> tuple[State, str]:
     checks = server_checks(e.metrics_at_boundary, after, whole_silo=not e.sample_ids)
     v = verdict(checks)
     return (State.VERIFIED if v["verdict"] == VERIFIED else State.UNVERIFIED), summary(v)
+
+
+def _applied(measured: dict[str, float], max_drop: float, version: int) -> str:
+    """The rest of the removal's audit note: in force at ``version``, whole or the share the
+    held-out score bounded (`server.removal.bounded`), or withheld."""
+    share = measured["removal_applied"]
+    if share == 0.0:
+        return (
+            f" withheld: even 1/16 of it lowered the held-out score by more than {max_drop:g}; "
+            "the silo's own part erases alone, with its reply"
+        )
+    part = (
+        ""
+        if share == 1.0
+        else (
+            f", {share:g} of it (the whole lowered the held-out score by more than {max_drop:g}),"
+        )
+    )
+    return f"{part} in force at version {version}; the silo's own part follows with its reply"
