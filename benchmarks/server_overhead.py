@@ -14,7 +14,8 @@
    (the packaged erasure defaults), whose take also adds the update into the span sketch
    and the fold's contribution into the silo's ledger sum; beside it, what that run keeps
    in memory and in checkpoints, in model copies, and its floor: the same arithmetic as one
-   fused pass into preallocated buffers, with nothing else. Medians of repetitions. Goals:
+   fused pass into preallocated buffers, with nothing else (timed in turns with the take and
+   a copy). Medians of repetitions. Goals:
    plain <= 2x a copy, with DC and error feedback <= 6x.
 2. Updates per second of the whole server loop (dispatch with encoding, poll, intake, fold,
    version bump) with 100 silos on a small network, the silos answering at once with a
@@ -197,10 +198,12 @@ def erasure_memory(parts: tuple, plain: dict[str, torch.Tensor]) -> None:
     )
 
 
-def erasure_floor(params, update, reps: int) -> float:
-    """Median seconds of the least memory traffic a take that can erase needs, with nothing
+def erasure_floor(params, update, take, copy, reps: int) -> dict[str, float]:
+    """The floor of a take that can erase, and that take, timed in turns with a copy of the
+    model (each repetition runs the three, so a noisy machine slows them alike): median
+    seconds of each. The floor is the least memory traffic such a take needs, with nothing
     else (no decoding, no validation, no allocation): one chunked pass that reads the update
-    and the model, writes the new model, adds the update into a span-sketch row and the
+    and the model, writes the new model, and adds the update into a span-sketch row and the
     applied change into the silo's ledger sum (both in place). A bound from below."""
     from fedasync.flat import CHUNK
 
@@ -217,8 +220,14 @@ def erasure_floor(params, update, reps: int) -> float:
             torch.sub(out[c], y[c], out=d)
             total[c].add_(d)
 
-    fused()
-    return _median_time(fused, reps)
+    fns = {"floor": fused, "take": take, "copy": copy}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(3 * reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
@@ -232,7 +241,11 @@ def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
     job = Job("m", 0, 1, 0, 3, 0, 1, 0)
     reply = _reply(delta, job)
     base = {k: v + 0.01 if v.is_floating_point() else v for k, v in plain.items()}
-    copy = _median_time(lambda: {k: v.clone() for k, v in plain.items()}, reps)
+
+    def clone() -> None:
+        {k: v.clone() for k, v in plain.items()}
+
+    copy = _median_time(clone, reps)
     buf = flatten(plain).buffers[0]
     dst = torch.empty_like(buf)
     memcpy = _median_time(lambda: dst.copy_(buf), reps)
@@ -262,12 +275,14 @@ def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
             row[path] = out[(setting, path)] = _median_time(take, reps)
             if parts is not None and path == "flat":
                 erasure_memory(parts, plain)
-                floor = erasure_floor(flatten(plain), flatten(delta), reps)
+                t = erasure_floor(flatten(plain), flatten(delta), take, clone, reps)
+                c = t["copy"]
                 print(
-                    f"erasure floor: the arithmetic alone, one fused pass into preallocated "
-                    f"buffers, {floor * 1e3:.3f} ms = {floor / copy:.2f}x copy; with the intake, "
-                    f"{(floor + intake) / copy:.2f}x copy: the least a take that can erase costs "
-                    "(a goal below it is out of reach)"
+                    f"erasure floor, timed in turns with the take and a copy: the arithmetic "
+                    f"alone (one fused pass into preallocated buffers) {t['floor'] / c:.2f}x "
+                    f"copy, with the intake {(t['floor'] + intake * c / copy) / c:.2f}x: the "
+                    f"least a take that can erase costs (a goal below it is out of reach); the "
+                    f"take {t['take'] / c:.2f}x copy, {t['take'] / t['floor']:.2f}x its floor"
                 )
         ref, fl = row["reference"], row["flat"]
         print(
