@@ -135,14 +135,18 @@ def _intake(params, reply: Message, job: Job):
 def _taker(pipe: CorrectionPipeline, params, w_base, reply: Message, job: Job, erasure=None):
     """What the loop does with one reply: intake, corrections and fold, the finiteness check;
     with ``erasure`` (a calibration and a ledger), what a run that can erase adds: the update
-    into the span sketch, and the fold's contribution into the silo's ledger sum."""
+    into the span sketch, and the fold's change into the silo's ledger sum (in the fold's own
+    pass on the flat path, server/unlearning/sinks.py; after it on the reference path)."""
+    from server.unlearning.sinks import UpdateSinks
+
     intake = _intake(params, reply, job)
 
     def take() -> None:
         res = intake()
-        calibrate = None
+        calibrate, sink = None, None
         if erasure is not None:
             cal = erasure[0]
+            sink = UpdateSinks(cal.sketch, erasure[1], job.silo, 5)
 
             def calibrate(tensors):
                 return cal.calibrate(job, tensors, res.norm)[0]
@@ -155,11 +159,12 @@ def _taker(pipe: CorrectionPipeline, params, w_base, reply: Message, job: Job, e
             norm=res.norm,
             w_base=w_base,
             calibrate=calibrate,
+            sink=sink,
         )
         assert not isinstance(fold, Rejection) and fold.params is not None
         assert is_finite(fold.params)
         if erasure is not None:
-            assert fold.contributions, "the fold attributes what it applies"
+            assert fold.sunk or fold.contributions, "the fold attributes what it applies"
             for silo, part in fold.contributions.items():
                 erasure[1].record(silo, part, 5)
 

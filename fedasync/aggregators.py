@@ -67,6 +67,27 @@ class FoldResult:
     unattributed: Params | None = None
     """The part of ``applied`` that is no silo's (central-DP noise, and server momentum from
     before attribution began), or ``None`` when there is none."""
+    sunk: bool = False
+    """The fold added into the sinks it was given (:meth:`FedAsyncAggregator.fold_sunk`), in its
+    own pass: the update into each span-sketch row, its change into the silo's running sum.
+    ``applied`` and ``contributions`` are then empty: what reads them has it already."""
+
+
+@runtime_checkable
+class FoldSink(Protocol):
+    """What a fold adds into besides the model, in its own pass (a run that can erase: the
+    update into the span sketch, the change into the silo's ledger sum)."""
+
+    def sinks(self, x: flat.FlatParams, norm: float | None, change: bool) -> list[flat.Sink] | None:
+        """The sinks for a fold of ``x`` (the update as folded; ``norm``: its L2 norm when
+        known), their bookkeeping done, so that the fold must add into them; with ``change``,
+        the silo's sum of the changes too. None, and nothing done: they cannot take ``x`` in
+        one pass (the unfused path runs: `unfused`, and the contributions)."""
+        ...
+
+    def unfused(self, x: Params, norm: float | None) -> None:
+        """Take ``x`` without a fused pass (its change goes by the result's contributions)."""
+        ...
 
 
 @runtime_checkable
@@ -167,6 +188,36 @@ class FedAsyncAggregator:
     def pending(self) -> int:
         """Always 0: every update is applied when it is folded."""
         return 0
+
+    def fold_sunk(
+        self,
+        params: Params,
+        update: Update,
+        tau: int,
+        sink: FoldSink,
+        norm: float | None,
+        factor: float = 1.0,
+    ) -> FoldResult | None:
+        """`fold`, adding into ``sink``'s sinks in the same chunked pass (``norm``: the
+        update's L2 norm when known): no model-sized copy of the change is made. None, and
+        nothing done, where that cannot be (a model update, central DP, tensors that are not
+        flat buffers of the params' layout on the CPU, sinks that cannot take them): `fold`
+        then does it."""
+        _check_names(params, update)
+        _check_factor(factor)
+        x = update.tensors
+        if update.kind != "delta" or self.mechanism is not None or not flat.same(x, params):
+            return None
+        assert isinstance(x, flat.FlatParams) and isinstance(params, flat.FlatParams)
+        if not all(b.device.type == "cpu" for b in (*x.buffers, *params.buffers)):
+            return None
+        sinks = sink.sinks(x, norm, change=self.attribute)
+        if sinks is None:
+            return None
+        s = self.alpha * self.weight_fn(tau) * factor
+        new = flat.axpy_sunk(s, x, params, sinks, loose_from=params)
+        assert new is not None  # (CPU buffers)
+        return FoldResult(new, s, 1, sunk=True)
 
     def fold(self, params: Params, update: Update, tau: int, factor: float = 1.0) -> FoldResult:
         """Apply ``update`` of staleness ``tau`` to ``params``; always returns new params."""

@@ -517,6 +517,96 @@ def axpy_applied(
     return res, from_buffers(y.layout.arithmetic(), diffs)
 
 
+@dataclass(frozen=True)
+class Sink:
+    """A running sum a fused fold adds into in its own pass (:func:`axpy_sunk`): ``dsts``,
+    one 1-D tensor per buffer of the update (the sum's part over that buffer's elements),
+    gets ``coef`` times the update (``of="update"``) or the change the fold makes to the
+    model (``of="change"``). A span-sketch row and a silo's ledger sum are two."""
+
+    dsts: tuple[torch.Tensor, ...]
+    coef: float = 1.0
+    of: str = "update"
+
+
+def axpy_sunk(
+    a: float, x: FlatParams, y: FlatParams, sinks: Sequence[Sink], loose_from: FlatParams
+) -> FlatParams | None:
+    """:func:`axpy`, adding into each of ``sinks`` in the same chunked pass, while the chunk
+    is in cache: the update's chunk, or the change's ((a·x + y) − y, in a chunk-sized
+    scratch buffer; never a model-sized one). CPU buffers only (None elsewhere: the caller's
+    unfused path runs). The result knows whether it is finite; when it is not, what was
+    added to the sinks is taken back (to rounding), and the caller refuses the update."""
+    if not all(b.device.type == "cpu" for b in (*x.buffers, *y.buffers)):
+        return None
+    if any(len(k.dsts) != len(x.buffers) for k in sinks):
+        raise ValueError("a sink has one part per buffer of the update")
+    out: list[torch.Tensor] = []
+    finite = True
+    scratch = torch.empty(0)
+    for i, (xb, yb) in enumerate(zip(x.buffers, y.buffers)):
+        o = empty_like(yb)
+        for c in _chunks(o.numel(), o.device):
+            torch.add(yb[c], xb[c], alpha=a, out=o[c])
+            if finite and not _sum_finite(o[c]):
+                finite = bool(torch.isfinite(o[c]).all())
+                if not finite:
+                    _unsink(x, y, out, sinks, i, c.start, o)
+            if finite:
+                scratch = _sink(xb[c], yb[c], o[c], sinks, i, c, scratch)
+        out.append(o)
+    res = new(x.layout, out, loose_from)
+    object.__setattr__(res, "finite", finite)
+    return res
+
+
+def _sink(
+    xc: torch.Tensor,
+    yc: torch.Tensor,
+    oc: torch.Tensor,
+    sinks: Sequence[Sink],
+    i: int,
+    c: slice,
+    scratch: torch.Tensor,
+) -> torch.Tensor:
+    """One chunk into the sinks (part ``i``, elements ``c``); returns the scratch buffer."""
+    change = None
+    for k in sinks:
+        if k.of == "update":
+            k.dsts[i][c].add_(xc, alpha=k.coef)
+            continue
+        if change is None:
+            if scratch.numel() < oc.numel() or scratch.dtype != oc.dtype:
+                scratch = torch.empty(oc.numel(), dtype=oc.dtype)
+            change = scratch[: oc.numel()]
+            torch.sub(oc, yc, out=change)
+        k.dsts[i][c].add_(change, alpha=k.coef)
+    return scratch
+
+
+def _unsink(
+    x: FlatParams,
+    y: FlatParams,
+    out: list[torch.Tensor],
+    sinks: Sequence[Sink],
+    i: int,
+    stop: int,
+    o: torch.Tensor,
+) -> None:
+    """Take back from ``sinks`` what the chunks before buffer ``i``'s element ``stop`` added
+    (to rounding): a fold whose result is not finite adds nothing."""
+    for j, xb in enumerate(x.buffers[: i + 1]):
+        n = stop if j == i else xb.numel()
+        if n == 0:
+            continue
+        ob = o if j == i else out[j]
+        for k in sinks:
+            if k.of == "update":
+                k.dsts[j][:n].sub_(xb[:n], alpha=k.coef)
+            else:
+                k.dsts[j][:n].sub_(ob[:n] - y.buffers[j][:n], alpha=k.coef)
+
+
 def _sum_finite(b: torch.Tensor) -> bool:
     """A finite sum proves every element finite (a NaN or inf makes it NaN or inf)."""
     return b.numel() == 0 or math.isfinite(abs(complex(b.sum())))
@@ -768,7 +858,7 @@ def _compress_exact(
     return new(x.layout, corrected, x), new(x.layout, res_bufs, x)
 
 
-def _floating_names(p: FlatParams) -> list[str] | None:
+def floating_names(p: FlatParams) -> list[str] | None:
     """The names of ``p``'s buffers in order when every buffer is floating (None: not)."""
     if not all(g.dtype.is_floating_point for g in p.layout.groups):
         return None
@@ -779,7 +869,7 @@ def sketched_norm(p: Params, names: Sequence[str]) -> float:
     """L2 norm of ``p``'s tensors ``names``: one pass per buffer when ``p`` is a
     :class:`FlatParams` whose buffers hold exactly ``names`` in that order; 0 when one of
     ``names`` is missing."""
-    if isinstance(p, FlatParams) and _floating_names(p) == list(names):
+    if isinstance(p, FlatParams) and floating_names(p) == list(names):
         return global_norm(p)
     if not all(n in p for n in names):
         return 0.0
@@ -799,7 +889,7 @@ def add_into(
     whose buffers hold exactly ``names`` in that order (a span sketch's row,
     `fedasync.unlearning.sketch`), per tensor otherwise. False, and ``dst`` untouched, when
     ``p`` lacks one of ``names`` or a size differs."""
-    if isinstance(p, FlatParams) and _floating_names(p) == list(names):
+    if isinstance(p, FlatParams) and floating_names(p) == list(names):
         if sum(b.numel() for b in p.buffers) != dst.numel():
             return False
         off = 0

@@ -39,7 +39,7 @@ from fedasync import (
     delay_compensate_delta,
     make_weight_fn,
 )
-from fedasync.aggregators import Aggregator
+from fedasync.aggregators import Aggregator, FoldSink
 from fedasync.privacy import GaussianMechanism
 from fedasync.tensors import clip_by_norm, is_arithmetic
 from server.config import FedAsyncConfig
@@ -118,6 +118,7 @@ class CorrectionPipeline:
         w_base: Params | None,
         calibrate: Calibrate | None = None,
         project: Project | None = None,
+        sink: FoldSink | None = None,
     ) -> FoldResult | Rejection:
         """Correct ``update`` (a validated delta on ``params``' names, of L2 norm ``norm``, sent
         with base weights ``w_base`` when the server still holds them) and fold it into
@@ -127,7 +128,12 @@ class CorrectionPipeline:
         ``project`` (the calibration of what is applied) replaces the change the fold makes to
         the model, new − old, by its projection: after every correction and the optimiser, so
         nothing carried past them escapes it. The result's ``applied`` and contributions are
-        projected with it (exactly, for a linear projection)."""
+        projected with it (exactly, for a linear projection).
+
+        ``sink`` (a run that can erase: server/unlearning/sinks.py) takes the update as folded
+        and the change it makes: in the fold's own pass where the aggregator can
+        (`FedAsyncAggregator.fold_sunk`; not with ``project``, whose change is projected
+        after), else after it (``sink.unfused``, and the contributions)."""
         raw = update.tensors
         if calibrate is not None:
             calibrated = calibrate(update.tensors)
@@ -146,7 +152,14 @@ class CorrectionPipeline:
             update.tensors, c = clip_by_norm(update.tensors, self.clip_norm, known)
             if c < 1.0:
                 update.metrics["clip_factor"] = c
-        res = self.aggregator.fold(params, update, staleness, factor=factor)
+        known = norm if update.tensors is raw else None
+        res = None
+        if sink is not None and project is None and isinstance(self.aggregator, FedAsyncAggregator):
+            res = self.aggregator.fold_sunk(params, update, staleness, sink, known, factor=factor)
+        if res is None:
+            res = self.aggregator.fold(params, update, staleness, factor=factor)
+            if sink is not None:
+                sink.unfused(update.tensors, known)
         if project is not None and res.params is not None:
             res = _project_applied(params, res, project)
         return res

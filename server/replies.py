@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.app import Message
 
 from fedasync import Params, Rejection, RejectReason
+from fedasync.tensors import is_finite
 from protocol.messages import TrainRefusal
 from protocol.reading import ErrorReply
 from server.intake import Accepted, Job, JobKind, read_reply
@@ -207,6 +208,7 @@ class ReplyRouter:
             w_base=w_base,
             calibrate=calibrate,
             project=project if cal.projects_applied else None,
+            sink=self.srv.erasure.fold_sink(job.silo, self.srv.version),
         )
         if overlaps:
             update.metrics["calibration_overlap"] = overlaps[-1]
@@ -219,8 +221,10 @@ class ReplyRouter:
         self.srv.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.srv.clock.now)
         if dc_skipped:
             self.srv.stats.dc_skip()
-        # the silos' exact shares of what this fold applied (kept only by an erasure part)
-        self.srv.erasure.record(job.silo, res.contributions, self.srv.version, acc.norm)
+        # the silos' exact shares of what this fold applied (kept only by an erasure part);
+        # none of a model that is not finite: the loop refuses it (publish)
+        shares = res.contributions if res.params is None or is_finite(res.params) else {}
+        self.srv.erasure.record(job.silo, shares, self.srv.version, acc.norm)
         self.srv.events.write(
             "update",
             t=self.srv.clock.now,

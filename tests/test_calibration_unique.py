@@ -175,6 +175,7 @@ def test_the_sketch_spans_the_others_updates_leaves_out_the_erased_silo_and_is_c
     for silo, values in [(1, (0.0, 0.0, 0.0, 9.0)), (1, (1.0, 0.0, 0.0, 0.0)),
                          (0, (0.0, 1.0, 0.0, 0.0)), (2, (0.0, 0.0, 1.0, 0.0))]:  # fmt: skip
         assert coord.calibration.calibrate(_job(silo), _w(*values))[0] is not None
+        coord.fold_sink(silo, 0).unfused(_w(*values), None)  # (as folded: not a flat update)
     sketch = coord.calibration.sketch
     assert sketch is not None and sketch.names == ["w"] and sketch.added == 4
     assert sketch.others(0) == [1, 2, 4]  # silo 1's two rows and silo 2's first
@@ -203,6 +204,7 @@ def test_without_signature_unique_no_sketch_is_kept(small_cfg):
     cfg = small_cfg("unlearning.server_removal_part=total")  # (the unique removal keeps one)
     coord = ErasureCoordinator(SimpleNamespace(cfg=cfg, params={}), None, None)  # type: ignore[arg-type]
     coord.calibration.calibrate(_job(1), _w(1.0, 0.0, 0.0, 0.0))
+    coord.fold_sink(1, 0).unfused(_w(1.0, 0.0, 0.0, 0.0), None)
     assert coord.calibration.sketch is None and coord.state_dict()["sketch"] is None
 
 

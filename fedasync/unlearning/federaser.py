@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from fedasync import flat as _flat
 from fedasync.tensors import add, clone, global_norm, sub
 from fedasync.types import Params
@@ -50,6 +52,28 @@ class ContributionLedger:
             self._sums[silo] = add(mine, c) if mine is not None else clone(c)
         self._counts[silo] = self._counts.get(silo, 0) + 1
         self._last[silo] = int(version)
+
+    def fusable(self, silo: str, like: _flat.FlatParams) -> bool:
+        """Whether a fold of an update shaped as ``like`` can add its change into ``silo``'s
+        sum in its own pass (`sink`): the sum is absent or has ``like``'s arithmetic layout."""
+        mine = self._sums.get(silo)
+        arithmetic = like.layout.arithmetic()
+        return mine is None or (isinstance(mine, _flat.FlatParams) and mine.layout is arithmetic)
+
+    def sink(self, silo: str, like: _flat.FlatParams, version: int) -> tuple[torch.Tensor, ...]:
+        """``silo``'s sum's buffers, for a fold to add the change it applies into in its own
+        pass (`fedasync.flat.axpy_sunk`, a sink of the change), counted as a contribution at
+        ``version`` (as `record` counts one). A zero sum first when it has none. ``like`` must
+        be `fusable`."""
+        mine = self._sums.get(silo)
+        if mine is None:
+            zeros = [torch.zeros_like(b) for b in like.buffers]
+            mine = self._sums[silo] = _flat.from_buffers(like.layout.arithmetic(), zeros)
+        assert isinstance(mine, _flat.FlatParams)
+        object.__setattr__(mine, "finite", None)  # (written in place from now on)
+        self._counts[silo] = self._counts.get(silo, 0) + 1
+        self._last[silo] = int(version)
+        return mine.buffers
 
     def total(self, silo: str) -> Params | None:
         """A copy of ``silo``'s summed contribution, or None when it has none."""

@@ -19,9 +19,11 @@ min(silos, rows)``), so that the span of the *others* leaves an erasing silo's o
 out: exactly when every silo has its own group (``silos <= rows``), and with the silos that
 share its group left out too otherwise (a smaller span: a larger removal).
 
-Cost per accepted update: its norm and one fused ``row += a·u`` over the model's buffers
-(:func:`fedasync.flat.add_into`), about two passes over the update, whatever ``rows`` is; the
-span is formed only when an erasure asks for it (:meth:`SpanSketch.span`), from the rows' Gram
+Cost per accepted update: its norm and one ``row += a·u`` over the model's buffers, whatever
+``rows`` is: :meth:`SpanSketch.add` (:func:`fedasync.flat.add_into`) reads the update again,
+:meth:`SpanSketch.sink` leaves the addition to the fold's own pass while each chunk of the
+update is in cache (:func:`fedasync.flat.axpy_sunk`). The span is formed only when an erasure
+asks for it (:meth:`SpanSketch.span`), from the rows' Gram
 matrix, without a second model-sized copy per row.
 """
 
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fedasync.flat import FlatParams, add_into, sketched_norm
+from fedasync.flat import FlatParams, Sink, add_into, floating_names, sketched_norm
 from fedasync.types import Params
 
 HALFLIFE = 64.0
@@ -185,10 +187,53 @@ class SpanSketch:
         or one that does not have the sketched tensors."""
         if not self.names:
             self._fix(update)
+        if not (isinstance(update, FlatParams) and self.fusable(update)) and not all(
+            n in update and update[n].numel() == k for n, (_, k) in self._offsets.items()
+        ):
+            return False
+        slot = self._take(silo, update, norm)
+        if slot is None:
+            return False
+        j, alpha = slot
+        add_into(self.buffer[j], update, alpha, self._offsets, self.names)
+        return True
+
+    def fusable(self, update: FlatParams) -> bool:
+        """Whether ``update``'s buffers hold exactly the sketched tensors, in order (the first
+        update fixes them): a fold can then add it into a row in its own pass (`sink`)."""
+        names = floating_names(update)
+        if names is None:
+            return False
+        if not self.names:
+            return True
+        n = sum(b.numel() for b in update.buffers)
+        return names == self.names and n == self.buffer.shape[1]
+
+    def sink(self, silo: int, update: FlatParams, norm: float | None = None) -> list[Sink]:
+        """Take one accepted update of ``silo`` as `add` does, but leave the addition to the
+        fold's pass (`fedasync.flat.axpy_sunk`): the row it goes into, as a sink with its
+        coefficient; [] when nothing is added (a zero or non-finite update). ``update`` must
+        be `fusable`: the fold adds that update, and only it."""
+        if not self.names:
+            self._fix(update)
+        slot = self._take(silo, update, norm)
+        if slot is None:
+            return []
+        j, alpha = slot
+        row, parts, off = self.buffer[j], [], 0
+        for b in update.buffers:
+            parts.append(row[off : off + b.numel()])
+            off += b.numel()
+        return [Sink(tuple(parts), alpha, "update")]
+
+    def _take(self, silo: int, update: Params, norm: float | None) -> tuple[int, float] | None:
+        """The row the next update of ``silo`` goes into and its coefficient (unit norm, its
+        sign, the row's pending decay), that update counted; None for a zero or non-finite
+        ``update`` (``norm``: its L2 norm when the caller has it)."""
         if norm is None:
             norm = sketched_norm(update, self.names)
         if not (norm > 0.0 and math.isfinite(norm)):
-            return False
+            return None
         group = silo % self.groups
         in_group = range(group, self.rows, self.groups)
         j = in_group[self._group_counts[group] % len(in_group)]
@@ -199,14 +244,10 @@ class SpanSketch:
             self.buffer[j].mul_(mult)
             mult = 1.0
         self._mult[j], self._last[j] = mult, self.added  # (the row's decay so far, applied)
-        alpha = _sign(silo, n) / (norm * mult)
-        if not add_into(self.buffer[j], update, alpha, self._offsets, self.names):
-            self.added -= 1
-            return False
         self._silos[j].add(int(silo))
         self._counts[silo] = n + 1
         self._group_counts[group] += 1
-        return True
+        return j, _sign(silo, n) / (norm * mult)
 
     # ------------------------------------------------------------------ reading it
     def others(self, silo: int) -> list[int]:

@@ -142,7 +142,7 @@ class Calibration:
         spans = cfg.signature_unique or (cfg.server_removal and cfg.server_removal_part == "unique")
         self.sketch: SpanSketch | None = SpanSketch(int(cfg.sketch_rank), silos) if spans else None
         """``unlearning.signature_unique`` or ``server_removal_part=unique``: the span of the
-        accepted updates as received, by silo, in ``sketch_rank`` model-sized rows: what the
+        accepted updates as folded, by silo, in ``sketch_rank`` model-sized rows: what the
         other silos' data moves the model along. Checkpointed (``state_dict``), so a resumed
         server has the same sketch as before the restart."""
         self.boundary = -1
@@ -153,7 +153,8 @@ class Calibration:
         """Calibrate one accepted train update (or reject it) before it is folded; with the
         share of the update's norm that lay in the erased data's signature subspace before
         the projection (None: uncalibrated). ``norm``: the update's L2 norm, when the intake
-        measured it (the sketch needs it; measured here otherwise)."""
+        measured it. (The span sketch takes the update as folded, in the fold's own pass:
+        server/unlearning/sinks.py.)"""
         refused = self.refuses(job)
         if refused is not None:
             return refused, None
@@ -162,8 +163,6 @@ class Calibration:
                 RejectReason.CROSSED_BOUNDARY,
                 f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
             ), None
-        if self.sketch is not None:  # accepted: the pipeline folds it after this
-            self.sketch.add(job.silo, tensors, norm)
         if self.signature is None or not self.cfg.calibration:
             return tensors, None
         if self.cfg.calibration_target == "applied":

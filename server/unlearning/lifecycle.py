@@ -50,6 +50,7 @@ from server.unlearning.bounds import bound_delta, size
 from server.unlearning.calibration import Calibration, carries_nothing
 from server.unlearning.rebuild import FedEraserRebuild
 from server.unlearning.requests import WENT_DOWN, WENT_OFFLINE, Erasure, Federation, add_floats
+from server.unlearning.sinks import UpdateSinks
 
 if TYPE_CHECKING:
     from server.erasure.store import ErasureStore
@@ -320,6 +321,12 @@ class ErasureCoordinator:
             self.ledger.record(s, part, version)
         if silo is not None and norm is not None and self.rebuild is not None:
             self.rebuild.record(version, silo, norm)
+
+    def fold_sink(self, silo: int, version: int) -> UpdateSinks:
+        """What is kept of an accepted update of ``silo`` folded at ``version``: the update
+        into the span sketch, the change into the silo's ledger sum (when the fold attributes
+        it), in the fold's own pass where it can (server/unlearning/sinks.py)."""
+        return UpdateSinks(self.calibration.sketch, self.ledger, silo, version)
 
     def take_unlearn(self, erasure: Erasure, decoded: tuple) -> None:
         """Apply a silo's erasure: removal + its delta onto the current model; boundary."""

@@ -197,6 +197,10 @@ class NoErasure:
     ) -> None:
         """Nothing is kept."""
 
+    def fold_sink(self, silo: int, version: int) -> None:
+        """Nothing is kept of an update."""
+        return None
+
     def on_version(self) -> None:
         """Nothing to verify."""
 
