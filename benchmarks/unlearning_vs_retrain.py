@@ -562,21 +562,17 @@ def _removal_cost_more(run_dir: Path, max_drop: float) -> bool:
     """Whether a run saved before the removal was bounded by the held-out score had a removal
     that lowered it by more than ``max_drop`` (``unlearning.server_removal_max_drop``): with
     the bound it would have been smaller. One within it ran as it would today."""
-    import json
+    from fedasync.events import read_events
 
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        events = read_events(run_dir / "metrics.jsonl", skip_bad=True)
     except OSError:
         return True
-    for line in lines:
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue  # (a torn last line)
-        if ev.get("event") == "erasure" and ev.get("state") == "removed":
-            if float(ev["score_before"]) - float(ev["score_after"]) > max_drop:
-                return True
-    return False
+    return any(
+        float(ev["score_before"]) - float(ev["score_after"]) > max_drop
+        for ev in events
+        if ev.get("event") == "erasure" and ev.get("state") == "removed"
+    )
 
 
 def _ran_the_window(saved: Any) -> bool:

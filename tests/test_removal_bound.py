@@ -14,6 +14,7 @@ import torch
 from inprocess import InProcessGrid
 
 from clients.app import app as client_app
+from fedasync.events import read_events
 from server.app import run_server
 from server.erasure.states import REMOVAL_NOTE
 from server.erasure.store import ErasureStore
@@ -83,9 +84,7 @@ def test_in_a_run_the_removal_costs_the_held_out_score_at_most_the_bound(small_c
     run_server(InProcessGrid(client_app, 3), cfg, run_dir)
     # Assert: the 'removed' event's share is one of the halvings, and the score it measured
     # on the server's test set fell by no more than the bound unless the removal was withheld
-    import json
-
-    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    events = read_events(run_dir / "metrics.jsonl")
     (ev,) = [e for e in events if e.get("event") == "erasure" and e["state"] == "removed"]
     shares = [1.0] + [2.0**-k for k in range(1, HALVINGS + 1)] + [0.0]
     assert ev["applied"] in shares
