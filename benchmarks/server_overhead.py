@@ -171,6 +171,18 @@ def _taker(pipe: CorrectionPipeline, params, w_base, reply: Message, job: Job, e
     return take
 
 
+def _as_folded(params):
+    """``params`` as the server's loop holds its model after a fold: a fold of nothing into
+    it (`fedasync.flat.axpy_sunk`), so that it knows it is finite and a bound on its
+    elements, as every model a fused fold makes does."""
+    from fedasync.flat import axpy_sunk, from_buffers
+
+    zero = from_buffers(params.layout, [torch.zeros_like(b) for b in params.buffers], params)
+    out = axpy_sunk(0.0, zero, params, [], loose_from=params)
+    assert out is not None and out.finite and out.bound is not None
+    return out
+
+
 def _erasure(cfg) -> tuple:
     """A run's erasure parts: its calibration (with the span sketch) and its ledger."""
     from fedasync.unlearning import ContributionLedger
@@ -209,21 +221,18 @@ def erasure_floor(params, update, take, copy, reps: int) -> dict[str, float]:
     seconds of each. The floor is the least memory traffic such a take needs, with nothing
     else (no decoding, no validation, no allocation): one chunked pass that reads the update
     and the model, writes the new model, and adds the update into a span-sketch row and the
-    applied change into the silo's ledger sum (both in place). A bound from below."""
+    applied change (0.5·x) into the silo's ledger sum (both in place). A bound from below."""
     from fedasync.flat import CHUNK
 
     (x,), (y,) = update.buffers, params.buffers
     out, row, total = torch.empty_like(y), torch.zeros_like(y), torch.zeros_like(y)
-    scratch = torch.empty(min(CHUNK, y.numel()), dtype=y.dtype)
 
     def fused() -> None:
         for i in range(0, y.numel(), CHUNK):
             c = slice(i, min(i + CHUNK, y.numel()))
             torch.add(y[c], x[c], alpha=0.5, out=out[c])
             row[c].add_(x[c], alpha=0.1)
-            d = scratch[: c.stop - c.start]
-            torch.sub(out[c], y[c], out=d)
-            total[c].add_(d)
+            total[c].add_(x[c], alpha=0.5)
 
     fns = {"floor": fused, "take": take, "copy": copy}
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -275,7 +284,8 @@ def take_cost(name: str, reps: int) -> dict[tuple[str, str], float]:
                 pipe.ef.compress = topk  # the per-tensor compressor (the old default)
             conv = flatten if path == "flat" else (lambda p: {k: v.clone() for k, v in p.items()})
             parts = _erasure(cfg) if setting == ERASURE else None
-            take = _taker(pipe, conv(plain), conv(base), reply, job, parts)
+            model = _as_folded(conv(plain)) if path == "flat" else conv(plain)
+            take = _taker(pipe, model, conv(base), reply, job, parts)
             take()  # warm-up (first-touch allocations, the residual's first step)
             row[path] = out[(setting, path)] = _median_time(take, reps)
             if parts is not None and path == "flat":

@@ -215,7 +215,7 @@ class FedAsyncAggregator:
         if sinks is None:
             return None
         s = self.alpha * self.weight_fn(tau) * factor
-        new = flat.axpy_sunk(s, x, params, sinks, loose_from=params)
+        new = flat.axpy_sunk(s, x, params, sinks, loose_from=params, norm=norm)
         assert new is not None  # (CPU buffers)
         return FoldResult(new, s, 1, sunk=True)
 

@@ -195,13 +195,17 @@ class FlatParams(dict):
     method reads through them; CPython's own merges (``dict(p)``, ``{**p}``, ``f(**p)``) go
     through ``keys``/``__getitem__`` because ``__iter__`` is overridden."""
 
-    __slots__ = ("layout", "buffers", "finite", "loose", "_made")
+    __slots__ = ("layout", "buffers", "finite", "bound", "loose", "_made")
 
     layout: Layout
     buffers: tuple[torch.Tensor, ...]
     finite: bool | None
     """Whether every buffer is finite, when the operation that made it learnt it (None).
     Another reason never to write into a FlatParams' tensors: it would not know."""
+    bound: float | None
+    """An upper bound on every element's magnitude, when the operation that made it learnt
+    one (None): a fold of a finite update of known norm into it then proves its result
+    finite without reading it (:func:`axpy_sunk`)."""
     loose: Params
     """The non-arithmetic tensors (shared, read-only by convention)."""
     _made: bool
@@ -347,6 +351,7 @@ def from_buffers(
     object.__setattr__(p, "layout", layout)
     object.__setattr__(p, "buffers", tuple(buffers))
     object.__setattr__(p, "finite", None)
+    object.__setattr__(p, "bound", None)
     object.__setattr__(p, "loose", {n: loose[n] for n, *_ in layout.loose} if loose else {})
     object.__setattr__(p, "_made", False)
     return p
@@ -522,7 +527,9 @@ class Sink:
     """A running sum a fused fold adds into in its own pass (:func:`axpy_sunk`): ``dsts``,
     one 1-D tensor per buffer of the update (the sum's part over that buffer's elements),
     gets ``coef`` times the update (``of="update"``) or the change the fold makes to the
-    model (``of="change"``). A span-sketch row and a silo's ledger sum are two."""
+    model (``of="change"``: ``a·x`` for a fold of ``a`` times the update ``x``; what the new
+    model holds differs from it by that model's float rounding). A span-sketch row and a
+    silo's ledger sum are two."""
 
     dsts: tuple[torch.Tensor, ...]
     coef: float = 1.0
@@ -530,81 +537,71 @@ class Sink:
 
 
 def axpy_sunk(
-    a: float, x: FlatParams, y: FlatParams, sinks: Sequence[Sink], loose_from: FlatParams
+    a: float,
+    x: FlatParams,
+    y: FlatParams,
+    sinks: Sequence[Sink],
+    loose_from: FlatParams,
+    norm: float | None = None,
 ) -> FlatParams | None:
     """:func:`axpy`, adding into each of ``sinks`` in the same chunked pass, while the chunk
-    is in cache: the update's chunk, or the change's ((a·x + y) − y, in a chunk-sized
-    scratch buffer; never a model-sized one). CPU buffers only (None elsewhere: the caller's
-    unfused path runs). The result knows whether it is finite; when it is not, what was
-    added to the sinks is taken back (to rounding), and the caller refuses the update."""
+    is in cache: the update's chunk, or the change's (``a·x``: the new model's rounding
+    aside, what the fold changed; no model-sized copy of it is written). CPU buffers only
+    (None elsewhere: the caller's unfused path runs).
+
+    The result knows whether it is finite, and a bound on its elements' magnitude. With
+    ``norm`` (``x``'s L2 norm, finite: every element of ``x`` is at most that) and ``y``'s
+    bound, ``|y_i + a·x_i| <= bound + |a|·norm``: below half a dtype's largest number, the
+    result is finite without reading it. Otherwise each chunk's least and greatest elements
+    are read while it is in cache (a NaN or inf shows), giving the bound anew. When the
+    result is not finite, what was added to the sinks is taken back (to rounding), and the
+    caller refuses the update."""
     if not all(b.device.type == "cpu" for b in (*x.buffers, *y.buffers)):
         return None
     if any(len(k.dsts) != len(x.buffers) for k in sinks):
         raise ValueError("a sink has one part per buffer of the update")
+    step = abs(a) * norm if norm is not None and math.isfinite(norm) else math.inf
+    bound = y.bound + step if y.finite and y.bound is not None else math.inf
     out: list[torch.Tensor] = []
-    finite = True
-    scratch = torch.empty(0)
+    finite, seen = True, 0.0
     for i, (xb, yb) in enumerate(zip(x.buffers, y.buffers)):
         o = empty_like(yb)
+        proven = bound < torch.finfo(o.dtype).max / 2
         for c in _chunks(o.numel(), o.device):
             torch.add(yb[c], xb[c], alpha=a, out=o[c])
-            if finite and not _sum_finite(o[c]):
-                finite = bool(torch.isfinite(o[c]).all())
+            if not proven and finite and o[c].numel():
+                lo, hi = torch.aminmax(o[c])
+                m = max(-float(lo), float(hi))
+                finite, seen = math.isfinite(m), max(seen, m)
                 if not finite:
-                    _unsink(x, y, out, sinks, i, c.start, o)
+                    _unsink(a, x, sinks, i, c.start)
             if finite:
-                scratch = _sink(xb[c], yb[c], o[c], sinks, i, c, scratch)
+                _sink(a, xb[c], sinks, i, c)
+        if proven:
+            seen = max(seen, bound)
         out.append(o)
     res = new(x.layout, out, loose_from)
     object.__setattr__(res, "finite", finite)
+    object.__setattr__(res, "bound", seen if finite else None)
     return res
 
 
-def _sink(
-    xc: torch.Tensor,
-    yc: torch.Tensor,
-    oc: torch.Tensor,
-    sinks: Sequence[Sink],
-    i: int,
-    c: slice,
-    scratch: torch.Tensor,
-) -> torch.Tensor:
-    """One chunk into the sinks (part ``i``, elements ``c``); returns the scratch buffer."""
-    change = None
+def _sink(a: float, xc: torch.Tensor, sinks: Sequence[Sink], i: int, c: slice) -> None:
+    """One chunk of the update ``xc`` into the sinks (part ``i``, elements ``c``): the change
+    is ``a·x``."""
     for k in sinks:
-        if k.of == "update":
-            k.dsts[i][c].add_(xc, alpha=k.coef)
-            continue
-        if change is None:
-            if scratch.numel() < oc.numel() or scratch.dtype != oc.dtype:
-                scratch = torch.empty(oc.numel(), dtype=oc.dtype)
-            change = scratch[: oc.numel()]
-            torch.sub(oc, yc, out=change)
-        k.dsts[i][c].add_(change, alpha=k.coef)
-    return scratch
+        k.dsts[i][c].add_(xc, alpha=k.coef if k.of == "update" else k.coef * a)
 
 
-def _unsink(
-    x: FlatParams,
-    y: FlatParams,
-    out: list[torch.Tensor],
-    sinks: Sequence[Sink],
-    i: int,
-    stop: int,
-    o: torch.Tensor,
-) -> None:
+def _unsink(a: float, x: FlatParams, sinks: Sequence[Sink], i: int, stop: int) -> None:
     """Take back from ``sinks`` what the chunks before buffer ``i``'s element ``stop`` added
     (to rounding): a fold whose result is not finite adds nothing."""
     for j, xb in enumerate(x.buffers[: i + 1]):
         n = stop if j == i else xb.numel()
         if n == 0:
             continue
-        ob = o if j == i else out[j]
         for k in sinks:
-            if k.of == "update":
-                k.dsts[j][:n].sub_(xb[:n], alpha=k.coef)
-            else:
-                k.dsts[j][:n].sub_(ob[:n] - y.buffers[j][:n], alpha=k.coef)
+            k.dsts[j][:n].sub_(xb[:n], alpha=k.coef if k.of == "update" else k.coef * a)
 
 
 def _sum_finite(b: torch.Tensor) -> bool:
@@ -619,6 +616,7 @@ def add_in_place(acc: FlatParams, x: FlatParams) -> None:
     for ab, xb in zip(acc.buffers, x.buffers):
         ab.add_(xb)
     object.__setattr__(acc, "finite", None)
+    object.__setattr__(acc, "bound", None)
 
 
 def weighted_sum(ps: Sequence[FlatParams], weights: Sequence[float]) -> FlatParams:

@@ -2,9 +2,10 @@
 
 A FedAsync fold adds the update into the span sketch's row and its change into the silo's
 ledger sum while each chunk is in cache (`fedasync.flat.axpy_sunk`, `server/unlearning/sinks.py`).
-It must keep exactly what the unfused path keeps (the sketch's `add` after the fold, the
-ledger's `record` of the fold's contributions), take back what it added when the model it
-makes is not finite, and leave to the unfused path what it cannot fuse.
+It must keep what the unfused path keeps (the sketch's `add` after the fold, exactly; the
+ledger's `record` of the fold's contributions, to the new model's rounding: the fused pass
+adds a·x, the unfused one new − old), take back what it added when the model it makes is not
+finite, and leave to the unfused path what it cannot fuse.
 """
 
 from pathlib import Path
@@ -43,7 +44,7 @@ def _aggregator() -> FedAsyncAggregator:
     return FedAsyncAggregator(0.6, make_weight_fn("polynomial", 0.5, 4.0), attribute=True)
 
 
-def test_a_fused_fold_keeps_exactly_what_the_unfused_one_keeps(small_chunks):
+def test_a_fused_fold_keeps_what_the_unfused_one_keeps(small_chunks):
     # Prepare: the same model and three updates of two silos, on two servers' parts
     unfused = (SpanSketch(4, 2), ContributionLedger())
     fused = (SpanSketch(4, 2), ContributionLedger())
@@ -63,14 +64,17 @@ def test_a_fused_fold_keeps_exactly_what_the_unfused_one_keeps(small_chunks):
         )
         assert sunk is not None and sunk.sunk and not sunk.contributions
         params_f = sunk.params
-    # Assert: the same model, the same rows, the same sums, counts and versions
+    # Assert: the same model and rows, bitwise; the same sums to the new models' rounding
+    # (half an ulp of the model per fold apart); the same counts and versions
     for k in params_u:
         assert torch.equal(params_u[k], params_f[k]), k
     assert torch.equal(unfused[0].buffer, fused[0].buffer)
     assert unfused[0].added == fused[0].added == 3
+    ulp = 2.0**-23 * max(float(b.abs().max()) for b in params_u.buffers)
     for s in ("0", "1"):
         tu, tf = unfused[1].total(s), fused[1].total(s)
-        assert all(torch.equal(tu[k], tf[k]) for k in tu)
+        for k in tu:
+            torch.testing.assert_close(tu[k], tf[k], rtol=0, atol=3 * ulp)
         assert unfused[1].count(s) == fused[1].count(s)
         assert unfused[1].last_version(s) == fused[1].last_version(s)
 
@@ -158,3 +162,33 @@ def test_in_a_run_every_fold_is_fused_and_the_ledger_adds_up(small_cfg, monkeypa
         if start.is_floating_point():
             recorded = sum(t[name] for t in totals)
             torch.testing.assert_close(recorded, srv.params[name] - start, rtol=1e-4, atol=1e-6)
+
+
+def test_a_fold_learns_a_bound_and_a_bounded_model_is_proven_finite_without_reading(
+    small_chunks, monkeypatch
+):
+    # Prepare: a model of unknown bound, an update of known norm, a sketch and a ledger
+    y, x = _params(0), _params(1, scale=1e-2)
+    sink = UpdateSinks(SpanSketch(4, 2), ContributionLedger(), 0, 0)
+    norm = flat.global_norm(x)
+    # Execute: the first fold reads each chunk's extremes; the second may prove instead
+    first = flat.axpy_sunk(0.5, x, y, sink.sinks(x, norm, True), loose_from=y, norm=norm)
+    reads = {"n": 0}
+    aminmax = torch.aminmax
+
+    def counting(t):
+        reads["n"] += 1
+        return aminmax(t)
+
+    monkeypatch.setattr(torch, "aminmax", counting)
+    second = flat.axpy_sunk(0.5, x, first, sink.sinks(x, norm, True), loose_from=y, norm=norm)
+    assert reads["n"] == 0
+    unknown = flat.axpy_sunk(0.5, x, first, sink.sinks(x, None, True), loose_from=y, norm=None)
+    # Assert: the first learnt its true bound; the second proved itself finite without a
+    # read, its bound the first's plus 0.5·norm, above its true largest element; without
+    # the norm nothing is proven and the chunks are read
+    top = max(float(b.abs().max()) for b in first.buffers)
+    assert first.finite is True and first.bound == pytest.approx(top, rel=1e-6)
+    assert second.finite is True and second.bound == pytest.approx(first.bound + 0.5 * norm)
+    assert second.bound >= max(float(b.abs().max()) for b in second.buffers)
+    assert unknown.finite is True and reads["n"] > 0
