@@ -175,10 +175,9 @@ def _as_folded(params):
     """``params`` as the server's loop holds its model after a fold: a fold of nothing into
     it (`fedasync.flat.axpy_sunk`), so that it knows it is finite and a bound on its
     elements, as every model a fused fold makes does."""
-    from fedasync.flat import axpy_sunk, from_buffers
+    from fedasync.flat import axpy_sunk, zeros_like
 
-    zero = from_buffers(params.layout, [torch.zeros_like(b) for b in params.buffers], params)
-    out = axpy_sunk(0.0, zero, params, [], loose_from=params)
+    out = axpy_sunk(0.0, zeros_like(params), params, [], loose_from=params)
     assert out is not None and out.finite and out.bound is not None
     return out
 

@@ -535,6 +535,10 @@ class Sink:
     coef: float = 1.0
     of: str = "update"
 
+    def alpha(self, a: float) -> float:
+        """What this sink adds times the update ``x`` in a fold of ``a·x``."""
+        return self.coef if self.of == "update" else self.coef * a
+
 
 def axpy_sunk(
     a: float,
@@ -569,7 +573,7 @@ def axpy_sunk(
         proven = bound < torch.finfo(o.dtype).max / 2
         for c in _chunks(o.numel(), o.device):
             torch.add(yb[c], xb[c], alpha=a, out=o[c])
-            if not proven and finite and o[c].numel():
+            if not proven and finite:
                 lo, hi = torch.aminmax(o[c])
                 m = max(-float(lo), float(hi))
                 finite, seen = math.isfinite(m), max(seen, m)
@@ -590,7 +594,7 @@ def _sink(a: float, xc: torch.Tensor, sinks: Sequence[Sink], i: int, c: slice) -
     """One chunk of the update ``xc`` into the sinks (part ``i``, elements ``c``): the change
     is ``a·x``."""
     for k in sinks:
-        k.dsts[i][c].add_(xc, alpha=k.coef if k.of == "update" else k.coef * a)
+        k.dsts[i][c].add_(xc, alpha=k.alpha(a))
 
 
 def _unsink(a: float, x: FlatParams, sinks: Sequence[Sink], i: int, stop: int) -> None:
@@ -601,7 +605,7 @@ def _unsink(a: float, x: FlatParams, sinks: Sequence[Sink], i: int, stop: int) -
         if n == 0:
             continue
         for k in sinks:
-            k.dsts[j][:n].sub_(xb[:n], alpha=k.coef if k.of == "update" else k.coef * a)
+            k.dsts[j][:n].sub_(xb[:n], alpha=k.alpha(a))
 
 
 def _sum_finite(b: torch.Tensor) -> bool:
