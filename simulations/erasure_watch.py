@@ -86,7 +86,8 @@ class ErasureWatcher:
         self.next_seq = 0
         """The first event seq the next stream asks for (resumes after the last one seen)."""
         self.connected = threading.Event()
-        """Set while a stream is open (a test waits for it)."""
+        """Set while a stream is open: from the service's answer (its headers, sent as it
+        accepts the watch) until the stream fails (a test waits for it)."""
         self.signalled: list[str] = []
         """Request ids whose start was written to the stop file, oldest first."""
         self._done = threading.Event()
@@ -153,6 +154,11 @@ class ErasureWatcher:
                 call.cancel()
                 return
             self._call = call
+        call.initial_metadata()  # the service's answer (its headers), or the call's end
+        if call.done():
+            for _ in call:  # refused or gone: raises its error
+                pass
+            return
         log.info("following this silo's erasure requests on %s", self.address)
         self.connected.set()
         for event in call:

@@ -331,6 +331,7 @@ class ErasureService(erasure_pb2_grpc.ErasureServicer):
             self.store.wake()
 
         context.add_callback(leave)  # the client went away or the server stops
+        context.send_initial_metadata(())  # the watch is accepted: a follower knows it is on
         seq = max(request.from_seq, 1) - 1
         while context.is_active() and not gone.is_set():
             events = self.store.events_since(seq, rid, limit=256)
