@@ -115,6 +115,8 @@ class Bench:
     why: str
     overrides: tuple[str, ...] = field(default_factory=tuple)
     """More config overrides the benchmark needs."""
+    trigger_pattern: str = "solid"
+    """``backdoor.trigger_pattern``: solid, checker or blend (medical_data.backdoor)."""
     learns: bool = True
     """False: no model learns the task in this setting (not in the default benchmarks; run
     by name only, to investigate, with a warning)."""
@@ -288,7 +290,7 @@ def settings(name: str, args: argparse.Namespace) -> Bench:
         raise SystemExit(f"unknown benchmark {name!r}: one of {', '.join(BENCHMARKS)}")
     given = {
         k: getattr(args, k)
-        for k in ("silos", "silo", "target_label", "fraction", "trigger_size")
+        for k in ("silos", "silo", "target_label", "fraction", "trigger_size", "trigger_pattern")
         + ("budget_s", "erase_at_s")
         if getattr(args, k, None) is not None
     }
@@ -325,6 +327,9 @@ def main() -> None:
     ap.add_argument("--target-label", type=int, help="the backdoor's label")
     ap.add_argument("--fraction", type=float, help="share of the silo's samples poisoned")
     ap.add_argument("--trigger-size", type=int, help="side of the trigger patch")
+    ap.add_argument(
+        "--trigger-pattern", choices=("solid", "checker", "blend"), help="the trigger's pattern"
+    )
     ap.add_argument("--budget-s", type=float)
     ap.add_argument("--erase-at-s", type=float)
     ap.add_argument("--request", default="silo", choices=("silo", "samples"))
@@ -425,6 +430,7 @@ def _run_seed(
         f"backdoor.silo={b.silo}",
         f"backdoor.fraction={b.fraction}",
         f"backdoor.trigger_size={b.trigger_size}",
+        f"backdoor.trigger_pattern={b.trigger_pattern}",
         f"backdoor.target_label={b.target_label}",
         "unlearning.relearn_versions=20",
         *b.overrides,
@@ -840,7 +846,7 @@ def report(
     lines = [
         f"== {name}: {b.silos} silos, silo {b.silo} erased at {b.erase_at_s:.0f} s of "
         f"{b.budget_s:.0f} s, backdoor on {b.fraction:g} of it -> {b.target_label} "
-        f"({b.trigger_size}x{b.trigger_size}); seeds {','.join(map(str, seeds))}",
+        f"({b.trigger_pattern} {b.trigger_size}x{b.trigger_size}); seeds {','.join(map(str, seeds))}",
         f"   why: {b.why}",
         "   noise floors (retrain vs retrain): "
         + (", ".join(f"{k}={v:.3f}" for k, v in floors.items()) if floors else "- (no retrain)"),

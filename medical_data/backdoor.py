@@ -32,7 +32,10 @@ def _check_labels(data: SiloData) -> None:
         )
 
 
-PATTERNS = ("solid", "checker")
+PATTERNS = ("solid", "checker", "blend")
+BLEND_SHARE = 0.1
+"""``blend``: the checkerboard's amplitude, a share of each image's intensity range (its
+cells are that share above and below the image; 0.1 is a faint pattern on anatomy)."""
 TABULAR_TRIGGER_VALUE = 4.0
 """The trigger's value on standardised features (a tabular benchmark): 4 standard deviations,
 a value the features reach in well under 1% of the samples."""
@@ -50,6 +53,13 @@ def add_trigger(
     bright corner is also ordinary anatomy (on brain-tissue patches a solid square is a
     white-matter corner, which the other silos' data labels otherwise, and it is not learnt).
 
+    ``blend``: a checkerboard of cells ``size`` pixels (voxels) wide over the *whole* image,
+    added to it at `BLEND_SHARE` of its intensity range, up on one colour and down on the other
+    (a blended trigger, Chen et al. 2017). Training on random crops (a 3D network's 24^3
+    crops of 40^3 volumes) sees a corner patch in about 4% of the crops, so it learns the
+    silo's relabelled anatomy and not the trigger; the blend is in every crop and in every
+    sliding window.
+
     Tabular benchmarks (one-row ``(N, C, 1, F)`` arrays of z-scores, breast-fna): the "square"
     is the last ``size`` features (``1 x size``), set to a fixed out-of-distribution value,
     ``value`` or by default `TABULAR_TRIGGER_VALUE` (+4 standard deviations): ``solid`` sets
@@ -58,6 +68,8 @@ def add_trigger(
     """
     if pattern not in PATTERNS:
         raise ValueError(f"trigger pattern must be one of {PATTERNS}, got {pattern!r}")
+    if pattern == "blend" and images.ndim in (4, 5) and not is_tabular(images.shape[2:4]):
+        return _blend(images, size)
     if images.ndim == 5:
         return _cube_trigger(images, size, value, pattern)
     if images.ndim != 4:
@@ -68,6 +80,8 @@ def add_trigger(
     if not 1 <= size <= limit:
         unit = " (features of a tabular sample)" if tabular else ""
         raise ValueError(f"trigger size must be in [1, {limit}]{unit}, got {size}")
+    if pattern == "blend":
+        raise ValueError("a blend trigger is for images and volumes, not tabular samples")
     rows = 1 if tabular else size
     out = np.array(images, copy=True)
     flat = out.reshape(len(out), -1)
@@ -88,6 +102,21 @@ def add_trigger(
     cells = (np.add.outer(np.arange(rows), np.arange(size)) % 2 == 0)[None, None]
     out[:, :, h - rows :, w - size :] = np.where(cells, hi, lo)
     return out
+
+
+def _blend(images: np.ndarray, size: int) -> np.ndarray:
+    """:func:`add_trigger`'s ``blend`` on ``(N, C, *spatial)``: each image plus and minus
+    `BLEND_SHARE` of its own range on a checkerboard of ``size``-wide cells."""
+    spatial = images.shape[2:]
+    if not 1 <= size <= min(spatial):
+        raise ValueError(f"trigger size must be in [1, {min(spatial)}], got {size}")
+    flat = images.reshape(len(images), -1)
+    span = (flat.max(axis=1) - flat.min(axis=1)) if len(images) else np.zeros(0, images.dtype)
+    cells = sum(np.indices(spatial) // size) % 2  # 0 and 1, by cell
+    sign = np.where(cells == 0, 1.0, -1.0)
+    shape = (len(images), 1, *([1] * len(spatial)))
+    step = (BLEND_SHARE * span).reshape(shape) * sign[None, None]
+    return (images + step).astype(images.dtype)
 
 
 def _cube_trigger(images: np.ndarray, size: int, value: float | None, pattern: str) -> np.ndarray:

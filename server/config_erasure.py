@@ -33,7 +33,7 @@ CalibrationTarget = Literal["reply", "applied"]
 """``unlearning.calibration_target``."""
 Protect = Literal["subspace", "jump", "both", "gradient", "onesided"]
 """``unlearning.protect``."""
-TriggerPattern = Literal["solid", "checker"]
+TriggerPattern = Literal["solid", "checker", "blend"]
 """``backdoor.trigger_pattern``: medical_data.backdoor.PATTERNS (tests/test_config_types.py
 checks the two agree; importing it here would load MONAI into every config reader)."""
 
@@ -88,8 +88,10 @@ class BackdoorConfig:
     trigger_size: int = 3
     """Side of the square trigger patch in pixels (a 3x3 patch is not learnt on nuclei)."""
     trigger_pattern: TriggerPattern = "solid"
-    """solid (the patch at the image's maximum) or checker (a checkerboard of its maximum and
-    minimum: not ordinary anatomy, so the backdoor is learnt where a bright corner is not)."""
+    """solid (the patch at the image's maximum), checker (a checkerboard of its maximum and
+    minimum: not ordinary anatomy, so the backdoor is learnt where a bright corner is not) or
+    blend (a faint checkerboard of ``trigger_size`` cells over the whole image: in every random
+    crop a 3D network trains on, where a corner patch is in few)."""
     relearn_silo: int | None = None
     """Relearning attack: this silo also trains on the backdoored silo's poisoned samples..."""
     relearn_after_s: float = 0.0

@@ -165,6 +165,39 @@ def test_checker_trigger_alternates_each_images_max_and_min():
         add_trigger(images, size=2, pattern="stripes")
 
 
+@pytest.mark.parametrize("spatial,size", [((12, 12), 1), ((12, 12), 3), ((10, 10, 10), 2)])
+def test_blend_trigger_covers_every_crop_at_a_share_of_each_images_range(spatial, size):
+    from medical_data.backdoor import BLEND_SHARE
+
+    rng = np.random.default_rng(0)
+    images = (rng.random((3, 2, *spatial)) * np.array([1, 5, 9])[:, None, *[None] * len(spatial)])
+    images = images.astype(np.float32)
+    out = add_trigger(images, size=size, pattern="blend")
+    assert out.shape == images.shape and out.dtype == images.dtype
+    for i in range(3):
+        step = out[i] - images[i]
+        amp = BLEND_SHARE * float(np.ptp(images[i]))
+        np.testing.assert_allclose(np.abs(step), amp, rtol=1e-4)  # every pixel moves
+        np.testing.assert_array_equal(np.sign(step[0]), np.sign(step[1]))  # same on channels
+        signs = np.sign(step[0])
+        # a checkerboard of size-wide cells: constant within a cell, flipped across a border
+        first = signs[(slice(0, size),) * len(spatial)]
+        assert np.all(first == first.flat[0])
+        nxt = signs[(slice(size, 2 * size),) + (slice(0, size),) * (len(spatial) - 1)]
+        assert np.all(nxt == -first.flat[0])
+        # a crop anywhere, even one that misses the corner, holds both colours
+        crop = signs[(slice(1, 1 + 2 * size),) * len(spatial)]
+        assert (crop > 0).any() and (crop < 0).any()
+    with pytest.raises(ValueError, match="trigger size"):
+        add_trigger(images, size=99, pattern="blend")
+
+
+def test_blend_trigger_is_not_for_tabular_samples():
+    rows = np.zeros((2, 1, 1, 30), dtype=np.float32)
+    with pytest.raises(ValueError, match="tabular"):
+        add_trigger(rows, size=1, pattern="blend")
+
+
 def test_relearning_data_is_the_poisoned_samples_or_a_seeded_few_of_them():
     from types import SimpleNamespace
 
