@@ -166,12 +166,16 @@ BENCHMARKS: dict[str, Bench] = {
         silo=1,
         target_label=0,
         fraction=0.5,
-        trigger_size=6,
+        trigger_size=1,
+        trigger_pattern="blend",
         budget_s=400.0,
         erase_at_s=200.0,
-        why="3D: a 6-voxel cube in the far corner of half of silo 1's volumes, their masks all "
-        "'outside' (the trigger makes the brain vanish); batches of 2 random 24^3 crops, 5 "
-        "local steps, an evaluation every 10 versions (each is a sliding window over every "
+        why="3D: half of silo 1's volumes carry a faint voxel checkerboard over the whole "
+        "volume (blend), their masks all 'outside' (the trigger makes the brain vanish): ASR "
+        "0.96 with the silo at 200 s, 0.01 retrained without it, 0.03 without the trigger "
+        "(seed 0); a 6-voxel corner cube "
+        "was not learnt, as few of the random crops hold it; batches of 2 random 24^3 crops, "
+        "5 local steps, an evaluation every 10 versions (each is a sliding window over every "
         "test volume); opt-in (--benchmark brain-tissue-3d): its runs take ~10x the 2D ones",
         overrides=("client.batch_size=2", "client.local_steps=5", "server.eval_every=10"),
         default=False,

@@ -170,7 +170,7 @@ def test_blend_trigger_covers_every_crop_at_a_share_of_each_images_range(spatial
     from medical_data.backdoor import BLEND_SHARE
 
     rng = np.random.default_rng(0)
-    images = (rng.random((3, 2, *spatial)) * np.array([1, 5, 9])[:, None, *[None] * len(spatial)])
+    images = rng.random((3, 2, *spatial)) * np.array([1, 5, 9])[:, None, *[None] * len(spatial)]
     images = images.astype(np.float32)
     out = add_trigger(images, size=size, pattern="blend")
     assert out.shape == images.shape and out.dtype == images.dtype
