@@ -63,7 +63,9 @@ benchmark: ``speedup_vs_halting_federaser`` (sync-halt's median ``verified_s`` o
 ``erasure_speedup_vs_retrain`` (retraining's over ours). The last two lines of the output are
 the smallest of each over the benchmarks (nan when a benchmark lacks one of the two methods):
 ``speedup_vs_halting_federaser=<x>`` then ``erasure_speedup_vs_retrain=<y>``. Writes
-``<out>/<benchmark>/results.csv`` and a ``unlearning.png`` per seed.
+``<out>/<benchmark>/results.csv`` and per seed ``unlearning.png`` (each method at the end) and
+``unlearning_timeline.png`` (the backdoor and the score against virtual time, the request and
+each verification marked).
 
 ``--request samples``: retraining leaves out exactly the erased share from the start
 (``silos.exclude_samples``, the same seeded choice), and every forgetting metric is read on
@@ -924,6 +926,7 @@ def _save(rows: dict[int, Rows], out: Path, name: str, b: Bench, args: argparse.
                 w.writerow([seed, method, *[row.get(c) for c in cols]])
     for seed, r in rows.items():
         _plot(r, out / f"s{seed}" / "unlearning.png", name, b)
+        _plot_timeline(r, out / f"s{seed}", name, b)
 
 
 def _plot(rows: Rows, path: Path, name: str, b: Bench) -> None:
@@ -945,6 +948,68 @@ def _plot(rows: Rows, path: Path, name: str, b: Bench) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+TIMELINE = ("bd_asr", "bd_forget_accuracy", "score")
+"""What the timeline plot draws against virtual time: the backdoor's ASR and forget metric on
+the erased silo's data (``backdoor.watch``), and the test score."""
+
+
+def _plot_timeline(rows: Rows, seed_dir: Path, name: str, b: Bench) -> Path | None:
+    """``unlearning_timeline.png`` in ``seed_dir``: each method's `TIMELINE` metrics against
+    virtual time from its run's evaluations (retraining grey), the request as a dashed line
+    and each method's verification as a dot; None when no run has evaluations."""
+    from fedasync.events import read_events
+
+    runs = {}
+    for method in rows:
+        log = seed_dir / method / "metrics.jsonl"
+        evals = [e for e in read_events(log) if e.get("event") == "eval"] if log.is_file() else []
+        if evals:
+            runs[method] = evals
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TIMELINE), figsize=(5 * len(TIMELINE), 3.6))
+    colours = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    for method, evals in runs.items():
+        colour = "tab:grey" if method == "retrain" else next(colours)
+        ts = [float(e["t"]) for e in evals]
+        done = _num(rows[method].get("verified_s"))
+        start = _num(rows[method].get("request_t"))
+        for ax, key in zip(axes, TIMELINE):
+            ys = [float(e.get(key, math.nan)) for e in evals]
+            ax.plot(ts, ys, color=colour, label=method, lw=1.4)
+            at = _verified_at(ts, start, done)
+            if at is not None:
+                ax.plot([ts[at]], [ys[at]], "o", color=colour, ms=6)
+    for ax, key in zip(axes, TIMELINE):
+        ax.axvline(b.erase_at_s, color="k", ls="--", lw=0.8)
+        ax.set_title(key)
+        ax.set_xlabel("virtual time (s)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"Erasure of silo {b.silo} on {name}, requested at {b.erase_at_s:.0f} s (dashed); "
+        "a dot: verified against retraining (grey)"
+    )
+    fig.tight_layout()
+    path = seed_dir / "unlearning_timeline.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _verified_at(ts: list[float], start: float | None, done: float | None) -> int | None:
+    """The evaluation (index into ``ts``) at which a run requested at ``start`` was verified
+    ``done`` seconds later: the first at or after it; None when it never was."""
+    if start is None or done is None or not math.isfinite(done):
+        return None
+    return next((i for i, t in enumerate(ts) if t >= start + done - 1e-6), None)
 
 
 def _stopped(e: BaseException) -> int:
