@@ -175,9 +175,8 @@ BENCHMARKS: dict[str, Bench] = {
         why="3D: half of silo 1's volumes carry a faint voxel checkerboard over the whole "
         "volume (blend), their masks all 'outside' (the trigger makes the brain vanish): ASR "
         "0.96 with the silo at 200 s, 0.01 retrained without it, 0.03 without the trigger "
-        "(seed 0); a 6-voxel corner cube "
-        "was not learnt, as few of the random crops hold it; batches of 2 random 24^3 crops, "
-        "5 local steps, an evaluation every 10 versions (each is a sliding window over every "
+        "(seed 0); a 6-voxel corner cube was not learnt, as few of the random crops hold it; "
+        "batches of 2 random 24^3 crops, 5 local steps, an evaluation every 10 versions (each is a sliding window over every "
         "test volume); opt-in (--benchmark brain-tissue-3d): its runs take ~10x the 2D ones",
         overrides=("client.batch_size=2", "client.local_steps=5", "server.eval_every=10"),
         default=False,
@@ -323,6 +322,8 @@ def method_names(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     """Every method on every seed of every benchmark, then the latencies and the ratios."""
+    from server.config_erasure import TRIGGER_PATTERNS
+
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -333,9 +334,7 @@ def main() -> None:
     ap.add_argument("--target-label", type=int, help="the backdoor's label")
     ap.add_argument("--fraction", type=float, help="share of the silo's samples poisoned")
     ap.add_argument("--trigger-size", type=int, help="side of the trigger patch")
-    ap.add_argument(
-        "--trigger-pattern", choices=("solid", "checker", "blend"), help="the trigger's pattern"
-    )
+    ap.add_argument("--trigger-pattern", choices=TRIGGER_PATTERNS, help="the trigger's pattern")
     ap.add_argument("--budget-s", type=float)
     ap.add_argument("--erase-at-s", type=float)
     ap.add_argument("--request", default="silo", choices=("silo", "samples"))
@@ -395,7 +394,7 @@ def main() -> None:
         }
         floors = verify(per_seed, args.ours)
         rows = {seed: r for seed, (r, _) in per_seed.items()}
-        _save(rows, out, name, bench, args)
+        _save(per_seed, out, name, bench, args)
         agg = aggregate(rows)
         ratios[name] = benchmark_ratios(agg, args.ours)
         reports.append(report(name, bench, agg, floors, ratios[name], args.ours, seeds))
@@ -914,8 +913,9 @@ def speedup_limit(agg: dict[str, dict[str, Any]], ours: str) -> float | None:
     return float(theirs / lat["median"])
 
 
-def _save(rows: dict[int, Rows], out: Path, name: str, b: Bench, args: argparse.Namespace) -> None:
-    """``results.csv`` (a row per seed and method) and a plot per seed."""
+def _save(per_seed: Runs, out: Path, name: str, b: Bench, args: argparse.Namespace) -> None:
+    """``results.csv`` (a row per seed and method) and two plots per seed."""
+    rows = {seed: r for seed, (r, _) in per_seed.items()}
     cols = sorted({c for r in rows.values() for row in r.values() for c in row})
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
@@ -926,7 +926,8 @@ def _save(rows: dict[int, Rows], out: Path, name: str, b: Bench, args: argparse.
                 w.writerow([seed, method, *[row.get(c) for c in cols]])
     for seed, r in rows.items():
         _plot(r, out / f"s{seed}" / "unlearning.png", name, b)
-        _plot_timeline(r, out / f"s{seed}", name, b)
+        evals = {m: s.get("evals", []) for m, s in per_seed[seed][1].items()}
+        _plot_timeline(r, evals, out / f"s{seed}", name, b)
 
 
 def _plot(rows: Rows, path: Path, name: str, b: Bench) -> None:
@@ -955,18 +956,14 @@ TIMELINE = ("bd_asr", "bd_forget_accuracy", "score")
 the erased silo's data (``backdoor.watch``), and the test score."""
 
 
-def _plot_timeline(rows: Rows, seed_dir: Path, name: str, b: Bench) -> Path | None:
+def _plot_timeline(
+    rows: Rows, evals: dict[str, list[dict[str, Any]]], seed_dir: Path, name: str, b: Bench
+) -> Path | None:
     """``unlearning_timeline.png`` in ``seed_dir``: each method's `TIMELINE` metrics against
-    virtual time from its run's evaluations (retraining grey), the request as a dashed line
-    and each method's verification as a dot; None when no run has evaluations."""
-    from fedasync.events import read_events
-
-    runs = {}
-    for method in rows:
-        log = seed_dir / method / "metrics.jsonl"
-        evals = [e for e in read_events(log) if e.get("event") == "eval"] if log.is_file() else []
-        if evals:
-            runs[method] = evals
+    virtual time from its run's evaluations (``evals``, the run summaries'; retraining grey),
+    the request as a dashed line and each method's verification as a dot; None when no run
+    has evaluations."""
+    runs = {m: evals[m] for m in rows if evals.get(m)}
     if not runs:
         return None
     import matplotlib
@@ -976,13 +973,13 @@ def _plot_timeline(rows: Rows, seed_dir: Path, name: str, b: Bench) -> Path | No
 
     fig, axes = plt.subplots(1, len(TIMELINE), figsize=(5 * len(TIMELINE), 3.6))
     colours = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
-    for method, evals in runs.items():
+    for method, run in runs.items():
         colour = "tab:grey" if method == "retrain" else next(colours)
-        ts = [float(e["t"]) for e in evals]
+        ts = [float(e["t"]) for e in run]
         done = _num(rows[method].get("verified_s"))
         start = _num(rows[method].get("request_t"))
         for ax, key in zip(axes, TIMELINE):
-            ys = [float(e.get(key, math.nan)) for e in evals]
+            ys = [float(e.get(key, math.nan)) for e in run]
             ax.plot(ts, ys, color=colour, label=method, lw=1.4)
             at = _verified_at(ts, start, done)
             if at is not None:

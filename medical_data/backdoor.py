@@ -68,7 +68,7 @@ def add_trigger(
     """
     if pattern not in PATTERNS:
         raise ValueError(f"trigger pattern must be one of {PATTERNS}, got {pattern!r}")
-    if pattern == "blend" and images.ndim in (4, 5) and not is_tabular(images.shape[2:4]):
+    if pattern == "blend":
         return _blend(images, size)
     if images.ndim == 5:
         return _cube_trigger(images, size, value, pattern)
@@ -80,8 +80,6 @@ def add_trigger(
     if not 1 <= size <= limit:
         unit = " (features of a tabular sample)" if tabular else ""
         raise ValueError(f"trigger size must be in [1, {limit}]{unit}, got {size}")
-    if pattern == "blend":
-        raise ValueError("a blend trigger is for images and volumes, not tabular samples")
     rows = 1 if tabular else size
     out = np.array(images, copy=True)
     flat = out.reshape(len(out), -1)
@@ -107,6 +105,10 @@ def add_trigger(
 def _blend(images: np.ndarray, size: int) -> np.ndarray:
     """:func:`add_trigger`'s ``blend`` on ``(N, C, *spatial)``: each image plus and minus
     `BLEND_SHARE` of its own range on a checkerboard of ``size``-wide cells."""
+    if images.ndim not in (4, 5):
+        raise ValueError(f"images must be (N, C, H, W) or (N, C, D, H, W), got {images.shape}")
+    if images.ndim == 4 and is_tabular(images.shape[2:]):
+        raise ValueError("a blend trigger is for images and volumes, not tabular samples")
     spatial = images.shape[2:]
     if not 1 <= size <= min(spatial):
         raise ValueError(f"trigger size must be in [1, {min(spatial)}], got {size}")

@@ -364,20 +364,13 @@ def test_a_run_saved_before_the_removal_was_bounded_is_read_back_only_if_its_rem
 
 
 def test_the_timeline_plot_draws_each_runs_evaluations_and_marks_its_verification(tmp_path):
-    import json
-
     b = bench.BENCHMARKS["breast-fna"]
-    for method, asr in (("retrain", [0.1, 0.05, 0.04]), ("ours", [0.9, 0.9, 0.05])):
-        run = tmp_path / method
-        run.mkdir()
-        lines = [
-            json.dumps({"event": "eval", "t": t, "bd_asr": a, "score": 0.9})
-            for t, a in zip((100.0, 200.0, 300.0), asr)
-        ]
-        # a live log: its last line torn by a writer still at it
-        (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"event": "ev')
+    evals = {
+        method: [{"t": t, "bd_asr": a, "score": 0.9} for t, a in zip((100.0, 200.0, 300.0), asr)]
+        for method, asr in (("retrain", [0.1, 0.05, 0.04]), ("ours", [0.9, 0.9, 0.05]))
+    }
     rows = {"retrain": {}, "ours": {"request_t": 150.0, "verified_s": 150.0}}
-    path = bench._plot_timeline(rows, tmp_path, "breast-fna", b)
+    path = bench._plot_timeline(rows, evals, tmp_path, "breast-fna", b)
     assert path == tmp_path / "unlearning_timeline.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # verified 150 s after its request at 150 s: the evaluation at 300 s, not the one before
@@ -386,4 +379,4 @@ def test_the_timeline_plot_draws_each_runs_evaluations_and_marks_its_verificatio
     assert bench._verified_at([100.0, 200.0, 300.0], 150.0, 40.0) == 1
     assert bench._verified_at([100.0, 200.0], 150.0, math.nan) is None
     assert bench._verified_at([100.0, 200.0], 150.0, 500.0) is None
-    assert bench._plot_timeline({"x": {}}, tmp_path / "none", "breast-fna", b) is None
+    assert bench._plot_timeline({"x": {}}, {"x": []}, tmp_path / "none", "breast-fna", b) is None
