@@ -228,6 +228,9 @@ METRICS = ("asr", "asr_without_trigger", "forget_accuracy", "mia_auc", "test_acc
 WATCHED = {"asr": "bd_asr", "forget_accuracy": "bd_forget_accuracy", "mia_auc": "bd_mia_auc"}
 """Forgetting metrics at the boundary (the erasure report) -> the same, watched at every
 evaluation (``backdoor.watch``), as in retraining's run."""
+UNTRIGGERED = "bd_asr_without_trigger"
+"""The ASR's images without the trigger, watched at every evaluation (the model's lean to the
+target label, which the ASR counts too)."""
 LATENCY_GAP = 0.01
 """Within 1 point of the pre-request test score (issue 14 §5); retraining's plateau: the same."""
 MIN_BAND = 0.01
@@ -666,6 +669,26 @@ def classify(
     )
 
 
+def trigger_lift(row: dict[str, Any], band: float) -> dict[str, Any]:
+    """Where the ASR at the boundary is below retraining's band, whether the trigger is: its
+    lift (ASR minus the same images' ASR without it) against retraining's, within ``band``.
+    An ASR below retraining's with the same lift is the model's lean to the target label on
+    every image, not a backdoor erased past retraining. Empty where ASR is not below."""
+    keys = ("asr@boundary", "asr@retrain", "asr_without_trigger@boundary")
+    vals = [_num(row.get(k)) for k in (*keys, "asr_without_trigger@retrain")]
+    if any(v is None for v in vals):
+        return {}
+    asr, ref, base, ref_base = (float(v) for v in vals)  # type: ignore[arg-type]
+    if asr >= ref - band:
+        return {}
+    lift, ref_lift = asr - base, ref - ref_base
+    return {
+        "trigger_lift@boundary": lift,
+        "trigger_lift@retrain": ref_lift,
+        "trigger_lift_within": abs(lift - ref_lift) <= band,
+    }
+
+
 def verify(per_seed: Runs, ours: str) -> dict[str, float]:
     """Each erased run's ``verified_s`` (issue 14 §5) and its boundary against retraining's
     band (``erasure``); retraining's ``verified_s``: from scratch to ``ours``'s pre-request
@@ -692,10 +715,14 @@ def verify(per_seed: Runs, ours: str) -> dict[str, float]:
             # retraining's watch follows the same share)
             at = {
                 k: float(np.interp(row["boundary_t"], [e["t"] for e in ref], [e[k] for e in ref]))
-                for k in WATCHED.values()
+                for k in (*WATCHED.values(), UNTRIGGERED)
+                if all(k in e for e in ref)
             }
             row.update({f"{k}@retrain": at[w] for k, w in WATCHED.items()})
+            if UNTRIGGERED in at:
+                row["asr_without_trigger@retrain"] = at[UNTRIGGERED]
             row["erasure"] = classify({k: row.get(f"{k}@boundary") for k in WATCHED}, at, floors)
+            row.update(trigger_lift(row, max(floors.get("bd_asr", 0.0), MIN_BAND)))
         pres = [r["pre_erasure_accuracy"] for r in rows.values() if "pre_erasure_accuracy" in r]
         target = rows.get(ours, {}).get("pre_erasure_accuracy", pres[0] if pres else None)
         if target is not None and "retrain" in rows:
@@ -762,6 +789,9 @@ def aggregate(rows: dict[int, Rows]) -> dict[str, dict[str, Any]]:
         kinds = [r["erasure"] for r in rs if r.get("erasure")]
         a["erasure"] = {k: kinds.count(k) for k in ("within", "over", "under", "over+under")}
         a["erasure"]["judged"] = len(kinds)
+        a["asr_below"] = [
+            (seed, r[name]) for seed, r in rows.items() if "trigger_lift_within" in r.get(name, {})
+        ]
         out[name] = a
     return out
 
@@ -890,6 +920,20 @@ def report(
                 for k in ("asr", "forget_accuracy", "mia_auc", "test_accuracy")
             )
         )
+    for m, a in agg.items():
+        for seed, r in a.get("asr_below", []):
+            lines.append(
+                f"   {m} s{seed}: ASR {r['asr@boundary']:.3f} below retraining's "
+                f"{r['asr@retrain']:.3f}; the trigger's lift {r['trigger_lift@boundary']:.3f} "
+                f"against {r['trigger_lift@retrain']:.3f}, "
+                + (
+                    "within: the model's lean to the target label (untriggered "
+                    f"{r['asr_without_trigger@boundary']:.3f} against "
+                    f"{r['asr_without_trigger@retrain']:.3f}), not the trigger"
+                    if r["trigger_lift_within"]
+                    else "below: the trigger erased past retraining"
+                )
+            )
     limit = speedup_limit(agg, ours)
     if limit is not None:
         lines.append(

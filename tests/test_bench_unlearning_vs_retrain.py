@@ -380,3 +380,49 @@ def test_the_timeline_plot_draws_each_runs_evaluations_and_marks_its_verificatio
     assert bench._verified_at([100.0, 200.0], 150.0, math.nan) is None
     assert bench._verified_at([100.0, 200.0], 150.0, 500.0) is None
     assert bench._plot_timeline({"x": {}}, {"x": []}, tmp_path / "none", "breast-fna", b) is None
+
+
+@pytest.mark.parametrize(
+    ("asr", "base", "within"),
+    [
+        # below retraining's 0.149 by more than the band; same lift (0.012 vs 0.014): the lean
+        (0.104, 0.092, True),
+        # below, and the trigger now lowers the ASR (lift -0.08 vs 0.014): erased past
+        (0.02, 0.10, False),
+    ],
+)
+def test_an_asr_below_retrainings_band_is_read_by_the_triggers_lift(asr, base, within):
+    row = {
+        "asr@boundary": asr,
+        "asr_without_trigger@boundary": base,
+        "asr@retrain": 0.149,
+        "asr_without_trigger@retrain": 0.135,
+    }
+    got = bench.trigger_lift(row, band=0.043)
+    assert got["trigger_lift_within"] is within
+    assert got["trigger_lift@boundary"] == pytest.approx(asr - base)
+    assert got["trigger_lift@retrain"] == pytest.approx(0.014)
+    # an ASR within the band, or a run without the untriggered reading, is not read
+    assert bench.trigger_lift({**row, "asr@boundary": 0.12}, band=0.043) == {}
+    assert bench.trigger_lift({**row, "asr_without_trigger@retrain": None}, band=0.043) == {}
+
+
+def test_the_report_names_each_seed_whose_asr_was_below_and_why():
+    row = {
+        "erasure": "over",
+        "verified_s": 10.0,
+        "window_s": 300.0,
+        "asr@boundary": 0.104,
+        "asr_without_trigger@boundary": 0.092,
+        "asr@retrain": 0.149,
+        "asr_without_trigger@retrain": 0.135,
+    }
+    row.update(bench.trigger_lift(row, band=0.043))
+    agg = bench.aggregate(
+        {6: {"fedasync-fixed": row}, 7: {"fedasync-fixed": {"erasure": "within"}}}
+    )
+    assert [s for s, _ in agg["fedasync-fixed"]["asr_below"]] == [6]
+    b = bench.BENCHMARKS["nuclei"]
+    text = bench.report("nuclei", b, agg, {}, {}, "fedasync-fixed", [6, 7])
+    line = next(x for x in text.splitlines() if "s6:" in x)
+    assert "lean to the target label" in line and "0.092" in line
