@@ -49,7 +49,6 @@ from protocol import ids as digests
 from protocol.transport import short_backoff
 from server.benchmark import bundle_evaluation, federation, initial_model, server_test_set
 from server.bundle import BUNDLE_DIR, describe_run, write_run_bundles, write_run_info
-from server.checkpoint import resume
 from server.config import FedAsyncConfig
 from server.erasure_setup import (
     coordinator_for,
@@ -171,7 +170,7 @@ def run_server(
         srv.connect()
         _check_reports(srv, spec)
         service = start_service(srv, cfg, fed, run_dir)
-        resumed = cfg.run.resume and resume(srv)
+        resumed = cfg.run.resume and srv.resume()
         if cfg.run.resume and not resumed:
             log.warning("run.resume=true but %s has no checkpoint: starting afresh", run_dir)
         samples = None if test is None else len(test)

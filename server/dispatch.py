@@ -217,6 +217,11 @@ class Dispatcher:
             (j for j in self.inflight.values() if j.kind is JobKind.TRAIN), key=lambda j: j.job_id
         )
 
+    def jobs_to_resend(self) -> list[dict[str, Any]]:
+        """``train_jobs`` as a checkpoint keeps them, to be re-sent identically on resume."""
+        keys = ("silo", "job_id", "base_version", "dispatched_at", "finishes_at", "fault")
+        return [{k: getattr(j, k) for k in keys} for j in self.train_jobs()]
+
     def state_dict(self, params: Params, version: int) -> dict[str, Any]:
         """Job ids, retries, the refusal count, and the weights the train jobs in flight were
         sent (``params`` is the model at the current ``version``). A job whose weights were

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from flwr.serverapp import Grid
 
+from fedasync.clock import Clock
+from fedasync.events import EventLog
 from protocol import wire
 from protocol.messages import EvaluateReply, EvaluateRequest
 from protocol.reading import ErrorReply, Malformed
 from server.roster import exchange
-
-if TYPE_CHECKING:
-    from server.loop import AsyncServer
 
 log = logging.getLogger("fedasync.server")
 
@@ -58,8 +58,27 @@ def evaluate_on_nodes(
     return out
 
 
+class Panel(Protocol):
+    """What a federated evaluation reads of the server: the Grid, the silos' nodes and set-up,
+    the global model, and the clock time and version its events are stamped with; whether a
+    silo holds a job (``inflight``). The server (``server.loop.AsyncServer``) is one."""
+
+    grid: Grid
+    setup_json: str
+    roster: dict[int, int]
+    params: dict[str, torch.Tensor]
+    version: int
+    events: EventLog
+    clock: Clock
+
+    @property
+    def inflight(self) -> Mapping[str, Any]:
+        """The jobs in flight, by message id."""
+        ...
+
+
 def evaluate_silos(
-    srv: AsyncServer, timeout_s: float = 300.0, params: dict[str, torch.Tensor] | None = None
+    srv: Panel, timeout_s: float = 300.0, params: dict[str, torch.Tensor] | None = None
 ) -> dict[int, dict[str, float]]:
     """Every silo's evaluation of ``params`` (default: the current global model) on its own
     data (``evaluate_on_nodes``), each written as a ``silo_eval`` event."""
@@ -96,7 +115,7 @@ class FederatedEvaluation:
     server exists; ``per_silo`` keeps the last answers (the summary's per-silo evaluations)."""
 
     def __init__(self) -> None:
-        self.srv: AsyncServer | None = None
+        self.srv: Panel | None = None
         self.final = False
         self.per_silo: dict[int, dict[str, float]] = {}
 

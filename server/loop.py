@@ -20,7 +20,7 @@ publishing versions. The rest are the server's parts (docs/how-it-works.md): the
 sends (server/requests.py), the dispatcher and faults (server/dispatch.py), how a reply is
 taken by its job's kind (server/replies.py), the intake, pipeline, privacy and statistics,
 the erasure part (server/unlearning/; ``NoErasure`` in a run that cannot erase, so the loop
-never asks), and the checkpoint composed of their ``state_dict``s (server/checkpoint.py).
+never asks). A checkpoint is the loop's own state and its parts' ``state_dict``s by name.
 The server is built complete by ``server.app.build_server``.
 """
 
@@ -43,7 +43,16 @@ from fedasync.flat import same as flat_same
 from fedasync.tensors import is_finite
 from protocol.config import to_dict
 from server.cancel import JobCanceller
-from server.checkpoint import write_checkpoint
+from server.checkpoint import (
+    CheckpointState,
+    Part,
+    Stateful,
+    check_mode,
+    compose,
+    load_state,
+    restore,
+    save_state,
+)
 from server.clock import client_setup, run_clock, silo_speeds
 from server.config import FedAsyncConfig
 from server.dispatch import Dispatcher, FaultSchedule
@@ -55,7 +64,7 @@ from server.privacy import ServerPrivacy
 from server.replies import ReplyRouter
 from server.reply_pull import ReplyPuller
 from server.requests import JobRequests
-from server.roster import connect
+from server.roster import discover_silos, roster_event
 from server.stats import RunStats
 from server.unlearning import ErasureCoordinator, NoErasure, UpdateCalibration
 
@@ -141,8 +150,19 @@ class AsyncServer:
 
     # ---------------------------------------------------------------- set-up
     def connect(self) -> None:
-        """Learn which node is which silo and what each reports of its data (server/roster.py)."""
-        connect(self)
+        """Wait for the silos' nodes and learn which node is which silo, and what each reports
+        of its data (sample and class counts; with ``id_salt``, its ids' digests): the
+        ``roster`` event (server/roster.py)."""
+        self.roster, self.num_samples = discover_silos(
+            self.grid,
+            self.setup_json,
+            self.cfg.silos.count,
+            self.cfg.server.wait_for_nodes_s,
+            salt=self.id_salt,
+            reports=self.silo_reports,
+        )
+        silos = roster_event(self.roster, self.num_samples, self.speeds, self.silo_reports)
+        self.events.write("roster", t=self.clock.now, version=self.version, silos=silos)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(
@@ -400,6 +420,81 @@ class AsyncServer:
             self.progress.refresh()
 
     # ---------------------------------------------------------------- checkpoints
+    def parts(self) -> dict[str, Stateful]:
+        """The parts a checkpoint holds, by name, in the order they are restored."""
+        return {
+            "dispatcher": Part(
+                lambda: self.jobs.state_dict(self.params, self.version), self.jobs.load_state_dict
+            ),
+            "faults": self.faults,
+            "pipeline": self.pipeline,
+            "intake": self.intake,
+            "stats": self.stats,
+            "privacy": self.privacy,
+            "cancels": self.cancels,
+            "erasure": self.erasure,  # (None without erasures)
+            "best": self.best,  # (None before an evaluation scored)
+        }
+
+    def state_dict(self) -> CheckpointState:
+        """Everything the loop needs to continue as if it had never stopped: the version and
+        weights, the train jobs in flight (re-sent identically; an erasure in flight is
+        restarted from the erasure store instead), the event log's length, the clock, and
+        each part's ``state_dict`` (server/checkpoint.py)."""
+        return CheckpointState(
+            mode=self.cfg.server.mode,
+            version=self.version,
+            params=self.params,
+            jobs=self.jobs.jobs_to_resend(),
+            events_offset=self.events.offset(),
+            loop={"clock": self.clock.state_dict(), "started_at": self.started_at},
+            parts=compose(self.parts()),
+        )
+
+    def load_state_dict(self, state: CheckpointState) -> None:
+        """Restore what ``state_dict`` returned (the jobs in flight are ``resume``'s)."""
+        self.version = int(state.version)
+        self.params = flatten(state.params)  # (saved as a plain dict)
+        self.clock.load_state_dict(state.loop["clock"])
+        started = state.loop["started_at"]
+        self.started_at = 0.0 if started is None else float(started)  # the budget's origin
+        restore(self.parts(), state.parts)
+
     def checkpoint(self) -> None:
-        """Write ``checkpoint.pt`` and a ``checkpoint`` event (server/checkpoint.py)."""
-        write_checkpoint(self)
+        """Write the model snapshot (server/models.py), then ``checkpoint.pt`` (atomically,
+        with a digest) and a ``checkpoint`` event."""
+        self.models.save(self.version, self.params)
+        save_state(self.ckpt_path, self.state_dict())
+        self.events.write("checkpoint", t=self.clock.now, version=self.version)
+
+    def resume(self) -> bool:
+        """Restore from ``checkpoint.pt`` if present and re-send the jobs that were in flight;
+        False when there is none (the run starts afresh)."""
+        if not self.ckpt_path.exists():
+            return False
+        state = load_state(self.ckpt_path)
+        check_mode(self.ckpt_path, state, self.cfg.server.mode)
+        self.load_state_dict(state)
+        self.events.truncate(state.events_offset)
+        self.models.drop(after=self.version)  # written past the checkpoint by the run that stopped
+        self.erasure.reconcile()
+        self.events.write("resume", t=self.clock.now, version=self.version)
+        log.info(
+            "resumed from %s at version %d, t=%.1f", self.ckpt_path, self.version, self.clock.now
+        )
+        # jobs whose base weights the checkpoint kept go out first, as they were: re-sending a
+        # job whose weights were dropped stores the current model, which could evict them
+        for j in sorted(state.jobs, key=lambda j: not self.requests.base_kept(j["base_version"])):
+            self.dispatch(
+                j["silo"],
+                job_id=j["job_id"],
+                base_version=j["base_version"],
+                timing=(j["dispatched_at"], j["finishes_at"]),
+                fault=j["fault"],
+            )
+        if not self.barrier:  # a silo between two jobs at the checkpoint (its reply just taken)
+            busy = {j.silo for j in self.inflight.values()}
+            for silo in sorted(self.roster):
+                if silo not in busy and not self.is_down(silo):
+                    self.dispatch(silo)
+        return True

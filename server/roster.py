@@ -1,5 +1,5 @@
 """Which node is which silo: the roster, learned with one ``query`` message per node
-(``connect`` learns a server's and writes its ``roster`` event).
+(``discover_silos``), and what the ``roster`` event says of it (``roster_event``).
 
 Also the one helper for the server's few blocking exchanges (the roster query at start and
 the per-silo evaluation at the end): push messages, collect their replies until a deadline.
@@ -11,15 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from flwr.app import Message
 from flwr.serverapp import Grid
 
 from protocol.messages import ErrorReply, Malformed, QueryReply, QueryRequest
-
-if TYPE_CHECKING:
-    from server.loop import AsyncServer
 
 log = logging.getLogger("fedasync.server")
 
@@ -97,30 +94,21 @@ def discover_silos(
     return roster, samples
 
 
-def connect(srv: AsyncServer) -> None:
-    """Wait for ``srv``'s silos' nodes and learn which node is which silo, and what each
-    reports of its data (sample and class counts; with ``srv.id_salt``, its ids' digests);
-    written as the ``roster`` event."""
-    srv.roster, srv.num_samples = discover_silos(
-        srv.grid,
-        srv.setup_json,
-        srv.cfg.silos.count,
-        srv.cfg.server.wait_for_nodes_s,
-        salt=srv.id_salt,
-        reports=srv.silo_reports,
-    )
-    counts = {s: list(r.class_counts) for s, r in srv.silo_reports.items() if r.class_counts}
-    srv.events.write(
-        "roster",
-        t=srv.clock.now,
-        version=srv.version,
-        silos={
-            str(s): {
-                "node": n,
-                "num_samples": srv.num_samples[s],
-                "speed": srv.speeds[s],
-                **({"class_counts": counts[s]} if s in counts else {}),
-            }
-            for s, n in srv.roster.items()
-        },
-    )
+def roster_event(
+    roster: dict[int, int],
+    samples: dict[int, int],
+    speeds: Sequence[float],
+    reports: dict[int, QueryReply],
+) -> dict[str, Any]:
+    """The ``roster`` event's ``silos``: per silo its node, sample count, speed and, where it
+    reported them, its class counts."""
+    counts = {s: list(r.class_counts) for s, r in reports.items() if r.class_counts}
+    return {
+        str(s): {
+            "node": n,
+            "num_samples": samples[s],
+            "speed": speeds[s],
+            **({"class_counts": counts[s]} if s in counts else {}),
+        }
+        for s, n in roster.items()
+    }
