@@ -94,3 +94,34 @@ def test_a_malformed_rename_is_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--rename takes OLD=NEW" in err and len(err) < 200
+
+
+def test_request_ids_are_named_by_appearance_and_a_cancelled_jobs_discard_is_unordered(tmp_path):
+    rid = "2d2edcf0812247d09e3885a53cf7c777"
+    cancelled = {
+        "event": "reply_discarded",
+        "silo": 1,
+        "job": 16,
+        "reason": f"its job was cancelled for erasure {rid}",
+    }
+    upd = {"event": "update", "t": 40.8, "silo": 0}
+    early = _run(
+        tmp_path, "early", [{"event": "erasure", "request": rid}, {**cancelled, "t": 40.0}, upd], {}
+    )
+    late = _run(
+        tmp_path,
+        "late",
+        [{"event": "erasure", "request": "f" * 32}, upd, {**cancelled, "t": 42.1}],
+        {},
+    )
+    a, b = parity.fingerprint(early), parity.fingerprint(late)
+    assert a["events"][0]["request"] == "<id 1>"
+    assert a["discarded"][0]["reason"] == "its job was cancelled for erasure <id 1>"
+    assert parity.differences(a, b) == []
+    # a discard of another job is a difference
+    other = _run(
+        tmp_path, "other", [{"event": "erasure", "request": rid}, upd, {**cancelled, "job": 17}], {}
+    )
+    assert parity.differences(a, parity.fingerprint(other)) == [
+        "the discarded replies of cancelled jobs differ"
+    ]

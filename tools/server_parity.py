@@ -16,8 +16,10 @@ and the sha256 of each saved model. Run it before and after, then compare::
 
 The six: fedasync (the default), fedbuff, sync, an erasure of a whole silo, a crash fault, and
 a stop at version 12 resumed from its checkpoint to version 25. What is left out as noise: the
-wall clock (``train_seconds``, ``wall_time_s``, ``silo_seconds``), Flower's node ids, which it
-draws at random, and the run folder in paths.
+wall clock (``train_seconds``, ``wall_time_s``, ``silo_seconds``), Flower's node ids and the
+request ids, which are drawn at random (a request id is named by its order of appearance),
+the run folder in paths, and when a cancelled job's reply was discarded (it arrives on the
+wall clock: those events are compared as a set).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +50,11 @@ ENTRY = "import sys; from simulations.entry import main; sys.argv[0] = 'fedasync
 """``fedasync`` as the checkout's code (``-c`` puts the working folder first on the path)."""
 NOISE = frozenset({"train_seconds", "wall_time_s", "silo_seconds", "node"})
 """Keys whose values the machine decides (wall seconds) or Flower draws (node ids)."""
+UUID = re.compile(r"\b[0-9a-f]{32}\b")
+"""A request id (uuid4 hex): random, so each is named by its order of appearance."""
+CANCELLED = "its job was cancelled"
+"""A cancelled job's reply is discarded when it arrives, on the wall clock: these events are
+compared as a set, without their time and version."""
 MAX_SHOWN = 8
 """Differences printed per configuration."""
 
@@ -97,22 +105,32 @@ def fingerprint(run_dir: Path) -> dict[str, Any]:
     """A run's events and flattened summary without the noise, and its models' sha256."""
     from fedasync.events import read_events
 
+    ids: dict[str, str] = {}  # a request id (uuid4) -> its order of appearance
+
     def clean(v: Any) -> Any:
         if isinstance(v, dict):
             return {k: clean(x) for k, x in v.items() if k not in NOISE}
         if isinstance(v, list):
             return [clean(x) for x in v]
         if isinstance(v, str):
-            return v.replace(str(run_dir), "<run>")
+            v = v.replace(str(run_dir), "<run>")
+            return UUID.sub(lambda m: ids.setdefault(m.group(0), f"<id {len(ids) + 1}>"), v)
         return v
 
-    events = [clean(e) for e in read_events(run_dir / "metrics.jsonl")]
+    events, discarded = [], []
+    for e in read_events(run_dir / "metrics.jsonl"):
+        e = clean(e)
+        if e["event"] == "reply_discarded" and str(e.get("reason", "")).startswith(CANCELLED):
+            discarded.append({k: v for k, v in e.items() if k not in ("t", "version")})
+        else:
+            events.append(e)
     summary = flatten(clean(json.loads((run_dir / "summary.json").read_text())))
     models = {
         p.name: hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted((run_dir / "models").glob("*.pt"))
     }
-    return {"events": events, "summary": summary, "models": models}
+    discarded.sort(key=lambda e: (e.get("silo", -1), e.get("job", -1)))
+    return {"events": events, "discarded": discarded, "summary": summary, "models": models}
 
 
 def flatten(v: Any, prefix: str = "") -> dict[str, Any]:
@@ -162,6 +180,8 @@ def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
             out.append(
                 f"summary {k}: {_short(sb.get(k, '<absent>'))} -> {_short(sa.get(k, '<absent>'))}"
             )
+    if before.get("discarded", []) != after.get("discarded", []):
+        out.append("the discarded replies of cancelled jobs differ")
     if before["models"] != after["models"]:
         out.append(f"models differ: {sorted(before['models'])} -> {sorted(after['models'])}")
     return out
