@@ -108,12 +108,9 @@ def test_request_ids_are_named_by_appearance_and_a_cancelled_jobs_discard_is_uno
     early = _run(
         tmp_path, "early", [{"event": "erasure", "request": rid}, {**cancelled, "t": 40.0}, upd], {}
     )
-    late = _run(
-        tmp_path,
-        "late",
-        [{"event": "erasure", "request": "f" * 32}, upd, {**cancelled, "t": 42.1}],
-        {},
-    )
+    other_id = "f" * 32  # another run draws another id for the same request
+    late_cancel = {**cancelled, "t": 42.1, "reason": cancelled["reason"].replace(rid, other_id)}
+    late = _run(tmp_path, "late", [{"event": "erasure", "request": other_id}, upd, late_cancel], {})
     a, b = parity.fingerprint(early), parity.fingerprint(late)
     assert a["events"][0]["request"] == "<id 1>"
     assert a["discarded"][0]["reason"] == "its job was cancelled for erasure <id 1>"
