@@ -170,6 +170,16 @@ class Dispatcher:
             self._unreferenced.add(v)
         return job
 
+    def take_timed_out(self, limit_s: float) -> list[Job]:
+        """Take out of flight the jobs whose message has waited for a reply more than
+        ``limit_s`` wall seconds, oldest first."""
+        expired = []
+        for mid in self.unanswered:  # sent in order, so the oldest first
+            if time.monotonic() - self.inflight[mid].wall_sent <= limit_s:
+                break
+            expired.append(mid)
+        return [self.take(mid) for mid in expired]
+
     def retry_after(self, silo: int, down_s: float) -> None:
         """Send ``silo`` work again ``down_s`` clock seconds from now."""
         t = self.clock.now + down_s

@@ -7,21 +7,17 @@ synchronous FedAvg baseline on the same silos and clock: a barrier waits for eve
 reply before the round is averaged, so one straggler stalls everyone.
 
 Which reply is taken next is the clock's decision (fedasync/clock.py): virtual-finish order in
-simulation (deterministic for a seed), arrival order on the wall clock in deployment. A failed
-silo is sent work again after ``down_s`` of an injected crash, ``server.offline_retry_s`` when
-the SuperLink reports it offline, or at once; a message unanswered for
-``server.reply_timeout_s`` wall seconds (also its Flower TTL) is abandoned. On the wall clock
-the loop polls every ``server.poll_interval_s``; ``run.budget_s`` counts from the first
-dispatch. One silo, at most one job in flight, always: the dispatcher's ``send`` refuses a
-second (a ``dispatch_refused`` event).
+simulation (deterministic for a seed), arrival order on the wall clock in deployment. Failed
+silos are sent work again by the dispatcher's retries (server/dispatch.py); a message
+unanswered for ``server.reply_timeout_s`` wall seconds is abandoned; ``run.budget_s`` counts
+from the first dispatch. One silo, at most one job in flight, always.
 
-This module is the event loop only: dispatching, waiting for and taking replies in order,
-publishing versions. The rest are the server's parts (docs/how-it-works.md): the requests it
-sends (server/requests.py), the dispatcher and faults (server/dispatch.py), how a reply is
-taken by its job's kind (server/replies.py), the intake, pipeline, privacy and statistics,
-the erasure part (server/unlearning/; ``NoErasure`` in a run that cannot erase, so the loop
-never asks). A checkpoint is the loop's own state and its parts' ``state_dict``s by name.
-The server is built complete by ``server.app.build_server``.
+This module is the event loop only: dispatching, taking replies in order, publishing
+versions, and checkpoints (the loop's own state and its parts' ``state_dict``s by name). The
+rest are its parts (docs/how-it-works.md), each given what it reads: the requests it sends
+(server/requests.py), the dispatcher, how a reply is taken (server/replies.py), the intake,
+pipeline, privacy, statistics and the erasure part (server/unlearning/; ``NoErasure`` in a
+run that cannot erase). ``server.app.build_server`` builds it complete.
 """
 
 from __future__ import annotations
@@ -66,7 +62,7 @@ from server.reply_pull import ReplyPuller
 from server.requests import JobRequests
 from server.roster import discover_silos, roster_event
 from server.stats import RunStats
-from server.unlearning import ErasureCoordinator, NoErasure, UpdateCalibration
+from server.unlearning import ErasureCoordinator, NoErasure
 
 log = logging.getLogger("fedasync.server")
 
@@ -128,7 +124,19 @@ class AsyncServer:
         self.best = BestModel()  # the model at its best evaluation (the ``best`` bundle)
         self.progress: Any = None  # fedasync.progress's bar or lines, made when run() starts
         self._make_progress = progress
-        self.requests = JobRequests(self, sample_ids_fn)  # silo -> its sample ids, or None
+        self.requests = JobRequests(
+            cfg,
+            self.setup_json,
+            run_dir,
+            jobs=self.jobs,
+            faults=self.faults,
+            clock=self.clock,
+            events=self.events,
+            roster=self.roster,
+            model=lambda: (self.version, self.params),
+            erased_ids=lambda silo: self.erasure.excluded.get(silo, []),
+            sample_ids_fn=sample_ids_fn,  # silo -> its sample ids, or None
+        )
         self.id_salt = id_salt  # the silos report their ids' digests under it (deployment)
         self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
@@ -137,11 +145,6 @@ class AsyncServer:
             NoErasure() if erasure is None else erasure(self)
         )
         self.replies = ReplyRouter(self)  # how a reply is taken, by its job's kind
-
-    @property
-    def calibration(self) -> UpdateCalibration:
-        """The erasure part's calibration of accepted updates (a no-op without erasures)."""
-        return self.erasure.calibration
 
     @property
     def inflight(self) -> InFlight[Job]:
@@ -153,7 +156,7 @@ class AsyncServer:
         """Wait for the silos' nodes and learn which node is which silo, and what each reports
         of its data (sample and class counts; with ``id_salt``, its ids' digests): the
         ``roster`` event (server/roster.py)."""
-        self.roster, self.num_samples = discover_silos(
+        roster, samples = discover_silos(
             self.grid,
             self.setup_json,
             self.cfg.silos.count,
@@ -161,6 +164,8 @@ class AsyncServer:
             salt=self.id_salt,
             reports=self.silo_reports,
         )
+        self.roster.update(roster)  # (filled in place: the parts hold it)
+        self.num_samples.update(samples)
         silos = roster_event(self.roster, self.num_samples, self.speeds, self.silo_reports)
         self.events.write("roster", t=self.clock.now, version=self.version, silos=silos)
 
@@ -239,13 +244,7 @@ class AsyncServer:
     def _abandon_timed_out(self) -> None:
         limit = self.cfg.server.reply_timeout_s
         self.cancels.expire(limit)
-        expired = []
-        for mid in self.jobs.unanswered:  # sent in order, so the oldest first
-            if time.monotonic() - self.inflight[mid].wall_sent <= limit:
-                break
-            expired.append(mid)
-        for mid in expired:
-            job = self.jobs.take(mid)
+        for job in self.jobs.take_timed_out(limit):
             self.replies.abandon(
                 job, f"no reply within {limit:g}s wall (job {job.job_id} abandoned)"
             )
@@ -348,7 +347,7 @@ class AsyncServer:
 
     def _close_round(self) -> None:
         """Sync mode: average what the round brought, then send everyone the new model."""
-        cal = self.calibration
+        cal = self.erasure.calibration  # (a no-op without erasures)
         res = self.pipeline.flush(self.params, cal.project if cal.projects_applied else None)
         if res is not None and res.params is not None:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)

@@ -179,7 +179,7 @@ class ReplyRouter:
     def fold(self, job: Job, acc: Accepted) -> None:
         """Correct and fold an accepted update (server/pipeline.py), count it, and publish the
         new model when the fold made one."""
-        update, cal = acc.update, self.srv.calibration
+        update, cal = acc.update, self.srv.erasure.calibration
         w_base = self.srv.jobs.sent.get(job.base_version)
         # its base weights dropped (server.corrections.max_snapshots): no delay compensation
         dc_skipped = w_base is None and acc.staleness > 0 and self.srv.dc_lambda > 0

@@ -239,7 +239,10 @@ class ErasureCoordinator:
             self.rebuild.start(e)
             return
         self._remove_now(e)
-        srv.dispatch_unlearn(req.silo, srv.params, e)
+        if srv.dispatch_unlearn(req.silo, srv.params, e):
+            self.event(e, "erasing", **e.start_report)
+        else:  # refused: the silo holds a job (erasures start on idle silos: a bug's trace)
+            self.requeue(e, SiloLost("its silo was busy", offline=True))
 
     def _remove_now(self, e: Erasure) -> None:
         """The server's removal in force at once: it needs nothing from the silo, so it does
