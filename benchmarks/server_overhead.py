@@ -49,8 +49,8 @@ from fedasync.tensors import is_finite  # noqa: E402
 from medical_data.networks import build_network  # noqa: E402
 from protocol import keys as P  # noqa: E402
 from protocol import wire  # noqa: E402
+from server.corrections import CorrectionPipeline  # noqa: E402
 from server.intake import Accepted, Job, take_reply  # noqa: E402
-from server.pipeline import CorrectionPipeline  # noqa: E402
 from simulations.config import load_config  # noqa: E402
 
 SIZES = {

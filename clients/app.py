@@ -42,7 +42,7 @@ from clients.privacy import BudgetExhausted, Refusal, ledger_path
 from clients.task import ArrayTask, SiloTask
 from clients.unlearn import ArraySamples
 from fedasync.devices import pick_device
-from fedasync.stopping import MembershipStop
+from fedasync.membership import MembershipStop
 from fedasync.tensors import sub
 from medical_data.tasks import (
     concat,

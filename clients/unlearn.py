@@ -35,7 +35,7 @@ from clients.local import objective
 from clients.loop import cap_guard, random_crops, run_steps, seeded_draws
 from fedasync import seeds
 from fedasync.erasure_metrics import logit_scale, true_label_confidence
-from fedasync.stopping import MembershipStop, Track
+from fedasync.membership import MembershipStop, Track
 from fedasync.types import Params
 from fedasync.unlearning import GradientSignature, params_to_vector
 from medical_data.federation import SiloData
@@ -163,7 +163,7 @@ def erase_pga(
     With ``stop`` (and ``heldout``, samples of this silo that no model trained on) ``steps``
     is a budget: before the first step and every ``check_every`` steps the forget samples'
     membership statistic is compared with the held-out samples' (``probe`` seeded samples of
-    each, `fedasync.stopping`). The ascent stops as soon as the two cannot be told apart, and
+    each, `fedasync.membership`). The ascent stops as soon as the two cannot be told apart, and
     returns to its best earlier state when it overshoots (forget samples less familiar than
     unseen ones: over-erasure).
 

@@ -18,7 +18,7 @@ holds no silo's data (``run_server(..., data_here=False)``):
 The server is built complete by ``build_server``. What a run does around the loop lives
 beside it: the benchmark's federation and model (server/benchmark.py), evaluation by the silos
 (server/evaluation.py), the erasure coordinator, verifier and service (server/erasure_setup.py),
-the stop handle (server/stopping.py), the summary (server/summary.py) and the final and best
+the stop handle (server/run_stop.py), the summary (server/summary.py) and the final and best
 models as MONAI bundles (server/bundle.py; the run's description they need is written as it
 starts).
 """
@@ -60,7 +60,7 @@ from server.erasure_setup import (
 from server.evaluation import FederatedEvaluation, evaluate_silos
 from server.loop import AsyncServer
 from server.models import MODELS_DIR
-from server.stopping import RunStopped, StopHandle, StoppableGrid, stop_reason
+from server.run_stop import RunStopped, StopHandle, StoppableGrid, stop_reason
 from server.summary import build_summary, central_dp_summary, write_summary
 from server.unlearning import ErasureCoordinator
 
@@ -82,7 +82,7 @@ def run_server(
     """Run one federated job on ``grid``; write metrics.jsonl, checkpoints and summary.json.
 
     A stop (``RunStopped`` from a ``StoppableGrid``, or the SuperLink refusing the run after
-    ``flwr stop``: server.stopping.stop_reason) writes a checkpoint and is raised again; with ``summary_on_stop`` the
+    ``flwr stop``: server.run_stop.stop_reason) writes a checkpoint and is raised again; with ``summary_on_stop`` the
     run ends there as a finished one does instead (evaluated where it can be without the
     silos, summary.json with ``stopped``: the reason and the version).
 

@@ -15,7 +15,7 @@ from the first dispatch. One silo, at most one job in flight, always.
 This module is the event loop only: dispatching, taking replies in order, publishing
 versions, and checkpoints (the loop's own state and its parts' ``state_dict``s by name). The
 rest are its parts (docs/how-it-works.md), each given what it reads: the requests it sends
-(server/requests.py), the dispatcher, how a reply is taken (server/replies.py), the intake,
+(server/job_requests.py), the dispatcher, how a reply is taken (server/replies.py), the intake,
 pipeline, privacy, statistics and the erasure part (server/unlearning/; ``NoErasure`` in a
 run that cannot erase). ``server.app.build_server`` builds it complete.
 """
@@ -51,17 +51,17 @@ from server.checkpoint import (
 )
 from server.clock import client_setup, run_clock, silo_speeds
 from server.config import FedAsyncConfig
+from server.corrections import CorrectionPipeline
 from server.dispatch import Dispatcher, FaultSchedule
 from server.evaluation import BestModel
 from server.intake import Intake, Job, JobKind
+from server.job_requests import JobRequests
 from server.models import MODELS_DIR, ModelStore
-from server.pipeline import CorrectionPipeline
 from server.privacy import ServerPrivacy
 from server.replies import ReplyRouter
 from server.reply_pull import ReplyPuller
-from server.requests import JobRequests
 from server.roster import discover_silos, roster_event
-from server.stats import RunStats
+from server.stats import ServerStats
 from server.unlearning import ErasureCoordinator, NoErasure
 
 log = logging.getLogger("fedasync.server")
@@ -106,7 +106,7 @@ class AsyncServer:
         self.pipeline = CorrectionPipeline(cfg)
         self.dc_lambda = cfg.server.corrections.delay_compensation
         self.privacy = ServerPrivacy.for_run(cfg.server.dp, run_dir)
-        self.stats = RunStats()
+        self.stats = ServerStats()
         self.setup_json = client_setup(cfg).to_json()
         self.roster: dict[int, int] = {}
         self.num_samples: dict[int, int] = {}
@@ -205,7 +205,7 @@ class AsyncServer:
         return self.requests.calibration(silo, start, steps, erasure)
 
     def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
-        """Send ``silo`` a train.unlearn message (server/requests.py); False when refused."""
+        """Send ``silo`` a train.unlearn message (server/job_requests.py); False when refused."""
         return self.requests.unlearn(silo, start, erasure)
 
     def silo_sample_ids(self, silo: int) -> list[str]:

@@ -3,7 +3,7 @@
 Paper: none. ``ReplyRouter.take`` looks the job's kind up in a table (train, calibration,
 unlearn) rather than asking it in turn. A training reply is read (``read_reply``), its privacy
 spend noted, checked by the intake (server/intake.py) and folded by the correction pipeline
-(``fold``: server/pipeline.py), which may make the next version (the loop's ``publish``); a
+(``fold``: server/corrections.py), which may make the next version (the loop's ``publish``); a
 FedEraser calibration reply is checked and handed to the erasure coordinator, never folded; an
 unlearn reply is validated and handed to the coordinator. Failures (a client error, a silo that
 went down, a job abandoned for its timeout: ``abandon``) count, are written as ``reject``
@@ -177,7 +177,7 @@ class ReplyRouter:
         )
 
     def fold(self, job: Job, acc: Accepted) -> None:
-        """Correct and fold an accepted update (server/pipeline.py), count it, and publish the
+        """Correct and fold an accepted update (server/corrections.py), count it, and publish the
         new model when the fold made one."""
         update, cal = acc.update, self.srv.erasure.calibration
         w_base = self.srv.jobs.sent.get(job.base_version)

@@ -17,7 +17,7 @@ def _silo_row() -> dict[str, float]:
     return {"accepted": 0, "rejected": 0, "weight": 0.0}
 
 
-class RunStats:
+class ServerStats:
     """Counters behind ``summary.json``.
 
     ``per_silo[silo]``: accepted and rejected replies, the summed mixing weight, and the

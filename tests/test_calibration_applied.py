@@ -19,8 +19,8 @@ from clients.app import app as client_app
 from fedasync import ErasureJump, Update
 from fedasync.unlearning import GradientSignature
 from server.app import run_server
+from server.corrections import CorrectionPipeline
 from server.loop import AsyncServer
-from server.pipeline import CorrectionPipeline
 
 E1 = GradientSignature.from_basis(torch.tensor([[1.0], [0.0], [0.0], [0.0]]), ["w"])
 """The erased subspace: the first coordinate of the one tensor ``w``."""

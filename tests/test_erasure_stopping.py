@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from clients.unlearn import erase_pga, membership_statistic
-from fedasync.stopping import MembershipStop, Reading
+from fedasync.membership import MembershipStop, Reading
 from medical_data.federation import SiloData
 
 

@@ -1,6 +1,6 @@
 """A sample-level erasure's retraining reference (``silos.exclude_samples``) never trains on
 exactly the samples the erasure of the same share erases, and the backdoor watch follows
-those samples in both runs (server/requests.py ``excluded_ids``, server/erasure_setup.py ``watched_ids``)."""
+those samples in both runs (server/job_requests.py ``excluded_ids``, server/erasure_setup.py ``watched_ids``)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from fedasync import FedAsyncAggregator, Update, flat, make_weight_fn
 from fedasync.flat import Sink, axpy_sunk, flatten
 from fedasync.unlearning import ContributionLedger, SpanSketch
 from server.app import run_server
-from server.pipeline import CorrectionPipeline
+from server.corrections import CorrectionPipeline
 from server.unlearning.sinks import UpdateSinks
 
 

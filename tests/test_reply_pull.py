@@ -201,7 +201,7 @@ def test_another_grid_is_pulled_as_it_is():
 
 
 def test_a_stoppable_grid_around_the_deployment_grid_still_stops_the_run_at_a_poll(puller_of):
-    from server.stopping import RunStopped, StoppableGrid
+    from server.run_stop import RunStopped, StoppableGrid
 
     reason: list[str] = []
     grid = StoppableGrid(_grid(_api(held=(), ready=(1,))), lambda: reason[0] if reason else None)
@@ -217,7 +217,7 @@ def test_what_counts_as_a_stop_and_what_as_a_failure():
     import httpx
     from flwr.supercore.run import RunNotRunningException
 
-    from server.stopping import RunStopped, stop_reason
+    from server.run_stop import RunStopped, stop_reason
 
     def refused(status: int, path: str) -> httpx.HTTPStatusError:
         request = httpx.Request("POST", f"https://10.0.0.1:9092{path}")

@@ -35,7 +35,7 @@ beside its own, so a checkpoint's layout is what it was before the parts were sp
   boundary, the window of recent updates) and the calibration of every later update;
 - rebuild.py: ``FedEraserRebuild``, the halting baseline's rebuild and its update history.
 
-Beside them: requests.py (the ``Erasure`` record, the ``Federation`` the parts see, and
+Beside them: requests.py (the ``Erasure`` record, the ``ErasureHost`` the parts see, and
 ``NoErasure``, the erasure part of a run that cannot erase), bounds.py (an erasure's size and
 the bound on its delta) and resume.py (a request across a server restart). The arithmetic is
 the core's (fedasync.unlearning) and the messages are protocol's.
@@ -48,7 +48,7 @@ from server.unlearning.requests import (
     WENT_DOWN,
     WENT_OFFLINE,
     Erasure,
-    Federation,
+    ErasureHost,
     NoErasure,
 )
 
@@ -60,7 +60,7 @@ __all__ = [
     "Erasure",
     "ErasureCoordinator",
     "FedEraserRebuild",
-    "Federation",
+    "ErasureHost",
     "NoCalibration",
     "NoErasure",
     "Rebuild",

@@ -39,8 +39,8 @@ from fedasync.unlearning import (
 
 if TYPE_CHECKING:
     from server.config import UnlearningConfig
+    from server.corrections import Project
     from server.intake import Job
-    from server.pipeline import Project
     from server.unlearning.lifecycle import Erasure
 
 log = logging.getLogger("fedasync.server")

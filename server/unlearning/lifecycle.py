@@ -49,13 +49,13 @@ from server.unlearning.attest import boundary_facts, erasing_facts, model_sha256
 from server.unlearning.bounds import bound_delta, size
 from server.unlearning.calibration import Calibration, carries_nothing
 from server.unlearning.rebuild import FedEraserRebuild
-from server.unlearning.requests import WENT_DOWN, WENT_OFFLINE, Erasure, Federation, add_floats
+from server.unlearning.requests import WENT_DOWN, WENT_OFFLINE, Erasure, ErasureHost, add_floats
 from server.unlearning.sinks import UpdateSinks
 
 if TYPE_CHECKING:
+    from server.corrections import Project
     from server.erasure.store import ErasureStore
     from server.intake import Job
-    from server.pipeline import Project
 
 log = logging.getLogger("fedasync.server")
 
@@ -68,7 +68,7 @@ class ErasureCoordinator:
 
     def __init__(
         self,
-        srv: Federation,
+        srv: ErasureHost,
         store: ErasureStore,
         verify_fn: Any,
         *,

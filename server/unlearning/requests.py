@@ -1,5 +1,5 @@
 """What the erasure parts share: one request in progress as the server tracks it
-(``Erasure``), what they see of the server (``Federation``), and the erasure part of a run
+(``Erasure``), what they see of the server (``ErasureHost``), and the erasure part of a run
 that cannot erase (``NoErasure``, with ``NoCalibration``), so that the server loop calls its
 erasure part without asking whether there is one.
 """
@@ -27,7 +27,7 @@ WENT_OFFLINE = "silo went offline mid-erasure"
 """Audit detail of an erasing -> queued that does not (the SuperLink reported it offline)."""
 
 
-class Federation(Protocol):
+class ErasureHost(Protocol):
     """What the erasure coordinator sees of the server: the model and its version, the clock,
     the silos and their jobs, the event log, and the few actions it may ask for. The server
     (``server.loop.AsyncServer``) is one; a test may pass another. What it needs of the

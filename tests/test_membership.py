@@ -1,4 +1,4 @@
-"""The erasure's stopping rule (fedasync.stopping): a two-sided membership test."""
+"""The erasure's stopping rule (fedasync.membership): a two-sided membership test."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from fedasync.stopping import MembershipStop, Reading, band, null_sd
+from fedasync.membership import MembershipStop, Reading, band, null_sd
 
 
 def test_the_band_is_the_normal_quantile_times_the_null_sd():
