@@ -313,8 +313,9 @@ class RunConfig(RunKeys):
     """Stop after this many global versions (None: only the time budget)."""
     resume: bool = False
     """Continue from <out_dir>/<name>/checkpoint.pt."""
-    compare_sync: bool = True
-    """After the run, also run the sync FedAvg baseline on the same data, clock and silos."""
+    compare_sync: bool = False
+    """After the run, also run the sync FedAvg baseline on the same data, clock and silos
+    (``make demo`` asks for it; a run on its own runs once)."""
     target_accuracy: float | None = None
     """Accuracy for time_to_target_s; None: 95% of the sync baseline's best (or of this run's)."""
     plots: bool = True

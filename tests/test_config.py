@@ -17,7 +17,7 @@ def test_default_config_is_valid():
     cfg = load_config()
     assert cfg.server.mode == "fedasync"
     assert cfg.data.benchmark == "brain-tissue"
-    assert cfg.run.compare_sync is True
+    assert cfg.run.compare_sync is False  # a run runs once; make demo asks for the baseline
 
 
 def test_overrides_apply_with_types():
