@@ -114,8 +114,8 @@ def main() -> None:
         loaded, dice_monai = monai_alone(final_bundle, val_items)
         rows[seed] = {
             "initial": s["evals"][0]["score"],
-            "final": s["final_accuracy"],
-            "best": s["best_accuracy"],
+            "final": s["final_score"],
+            "best": s["best_score"],
             "versions": s["versions"],
             "loads_with_monai": loaded,
             "dice_monai_alone": dice_monai,
@@ -146,9 +146,9 @@ def main() -> None:
             ],
         )
         d = deploy_local(cfg)
-        deploy = {"versions": d["versions"], "final": d["final_accuracy"]}
+        deploy = {"versions": d["versions"], "final": d["final_score"]}
         print(
-            f"deployment (2 hospitals, TLS): {d['versions']} versions, Dice {d['final_accuracy']:.4f}"
+            f"deployment (2 hospitals, TLS): {d['versions']} versions, Dice {d['final_score']:.4f}"
         )
     gains = [r["final"] - r["initial"] for r in rows.values()]
     (out / "results.json").write_text(json.dumps({"seeds": rows, "deploy": deploy}, indent=2))

@@ -66,12 +66,12 @@ def main() -> None:
         eps = list(s.get("central_dp", {}).get("epsilon", {}).values())
         hi, lo = (f"{max(eps):10.3g}", f"{min(eps):10.3g}") if eps else (f"{'-':>10s}",) * 2
         print(
-            f"{name:10s} {s['final_accuracy']:9.3f} {s['best_accuracy']:9.3f} "
+            f"{name:10s} {s['final_score']:9.3f} {s['best_score']:9.3f} "
             f"{s['versions']:8d} {wall:7.0f} {hi} {lo}"
         )
     print(f"runs in {out}")
-    base = rows[0][1]["final_accuracy"]
-    print(f"central_dp_accuracy_ratio={rows[1][1]['final_accuracy'] / base:.3f}")
+    base = rows[0][1]["final_score"]
+    print(f"central_dp_accuracy_ratio={rows[1][1]['final_score'] / base:.3f}")
 
 
 if __name__ == "__main__":

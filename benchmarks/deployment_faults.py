@@ -246,7 +246,7 @@ def _partition_figures(summary: dict, watch: Watch, marks: dict, run_dir: Path) 
         "h0_full_rate_after_heal_s": _back_to_full(seen, 0, healed, before),
         "applied_twice": len(final) - len(set(final)),
         "versions": summary["versions"],
-        "final_score": summary.get("final_accuracy"),
+        "final_score": summary.get("final_score"),
     }
 
 
@@ -254,7 +254,7 @@ def undisturbed(out: Path, seed: int, budget_s: float) -> dict:
     cfg = _config(out, f"undisturbed-{seed}", seed, budget_s)
     with HostFederation(HOSTS) as fed:
         summary = deploy_local(cfg, where=OnHosts(fed), echo=lambda line: None)
-    return {"versions": summary["versions"], "final_score": summary.get("final_accuracy")}
+    return {"versions": summary["versions"], "final_score": summary.get("final_score")}
 
 
 def partition(out: Path, seed: int, args: argparse.Namespace) -> dict:
@@ -336,7 +336,7 @@ def restart(out: Path, seed: int, args: argparse.Namespace) -> dict:
         "requests_at_crash": marks["requests_at_crash"],
         "erasures": _requests(run_dir),
         "versions": summary["versions"],
-        "final_score": summary.get("final_accuracy"),
+        "final_score": summary.get("final_score"),
     }
 
 
@@ -429,7 +429,7 @@ def stop(out: Path, seed: int, args: argparse.Namespace) -> dict:
         "accepted_lost": len(set(before) - set(final)),
         "applied_twice": len(final) - len(set(final)),
         "versions": second["versions"],
-        "final_score": second.get("final_accuracy"),
+        "final_score": second.get("final_score"),
     }
 
 
@@ -469,7 +469,7 @@ def slow_link(out: Path, seed: int, args: argparse.Namespace) -> dict:
                 "versions": summary["versions"],
                 "updates_per_s": n_updates / max(evals[-1]["t"], 1e-9) if evals else None,
                 "time_to_target_s": hit,
-                "final_score": summary.get("final_accuracy"),
+                "final_score": summary.get("final_score"),
             }
     for link in ("limited", "unlimited"):
         a, f = (

@@ -135,7 +135,7 @@ def accuracy(args: argparse.Namespace) -> None:
     for name, (s, eps, wall) in rows.items():
         e = "-" if eps[0] is None else " ".join(f"{x:.2f}" for x in eps)
         print(
-            f"{name:8s} {s['final_accuracy']:9.3f} {s['best_accuracy']:9.3f} "
+            f"{name:8s} {s['final_score']:9.3f} {s['best_score']:9.3f} "
             f"{s['versions']:8d} {wall:7.0f}  {e}"
         )
 

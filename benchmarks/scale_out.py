@@ -119,7 +119,7 @@ def main(overrides: list[str]) -> None:
         "updates_accepted": updates,
         "updates_rejected": summary["updates_rejected_total"],
         "versions": summary["versions"],
-        "final_accuracy": round(summary["final_accuracy"], 4),
+        "final_score": round(summary["final_score"], 4),
         "silos_that_trained": sum(1 for s in summary["per_silo"].values() if s["accepted"] > 0),
         "virtual_s": round(summary["virtual_time_s"], 1),
         "server_wall_s": round(summary["wall_time_s"], 1),

@@ -120,7 +120,7 @@ def main() -> int:
     )
     try:
         summary = run_engine(cfg, out / "shared-gpu")
-        versions, dice = summary["versions"], summary["final_accuracy"]
+        versions, dice = summary["versions"], summary["final_score"]
         print(f"{args.silos} silos on one GPU: {versions} versions, Dice {dice:.4f}")
         if versions < 1 or not math.isfinite(dice):
             failures.append(f"the shared-GPU run made {versions} versions, Dice {dice}")

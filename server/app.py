@@ -234,7 +234,7 @@ def run_server(
             "end",
             t=srv.clock.now,
             version=srv.version,
-            final_score=summary["final_accuracy"],
+            final_score=summary["final_score"],
             **({"stopped": stopped} if stopped is not None else {}),
         )
         if isinstance(srv.erasure, ErasureCoordinator):
@@ -247,7 +247,7 @@ def run_server(
             "run %s at version %d: score %s; summary in %s",
             "stopped" if stopped else "ended",
             srv.version,
-            summary["final_accuracy"],
+            summary["final_score"],
             run_dir / "summary.json",
         )
         return summary

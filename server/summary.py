@@ -31,7 +31,7 @@ def build_summary(
 ) -> dict[str, Any]:
     """A finished run's summary: scores, times, update counts, staleness, per-silo numbers.
 
-    Scores are in ``metric`` (accuracy or Dice; the keys say accuracy either way), times in
+    Scores are in ``metric`` (accuracy, or Dice for segmentation: ``final_score``), times in
     seconds; ``virtual_time_s`` is None on a wall clock. ``silo_evals`` holds each silo's own
     evaluation by silo index (empty when the run did not evaluate the silos).
     """
@@ -53,8 +53,8 @@ def build_summary(
     return {
         "mode": srv.cfg.server.mode,
         "metric": metric,
-        "final_accuracy": final["score"],
-        "best_accuracy": max((e["score"] for e in evals), default=float("nan")),
+        "final_score": final["score"],
+        "best_score": max((e["score"] for e in evals), default=float("nan")),
         "final_loss": final["loss"],
         "virtual_time_s": None if srv.clock.realtime else srv.clock.now,
         "clock": srv.clock.kind,

@@ -115,7 +115,7 @@ def print_result(summary: dict[str, Any], run_dir: Path) -> None:
     print()
     print(
         f"{summary['mode']}: {summary['versions']} versions in {summary['wall_time_s']:.0f}s "
-        f"(ServerApp wall), final {summary['metric']} {summary['final_accuracy']:.4f}"
+        f"(ServerApp wall), final {summary['metric']} {summary['final_score']:.4f}"
     )
     print(f"updates: {per_silo}; rejected {summary['updates_rejected_total']}")
     if rt["count"]:

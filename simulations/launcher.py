@@ -368,7 +368,7 @@ def _run_and_plot(
     source = "run.target_accuracy"
     if target is None:
         ref = baseline if baseline is not None else summary
-        target = 0.95 * ref["best_accuracy"]
+        target = 0.95 * ref["best_score"]
         source = f"95% of {ref['mode']} best"
     for s in runs.values():
         s["target_accuracy"] = target
@@ -379,7 +379,7 @@ def _run_and_plot(
         summary["speedup_vs_sync"] = (tb / ta) if (ta and tb) else None
         summary["baseline"] = {
             k: baseline[k]
-            for k in ("mode", "final_accuracy", "best_accuracy", "time_to_target_s", "versions")
+            for k in ("mode", "final_score", "best_score", "time_to_target_s", "versions")
         }
         write_summary(run_dir / BASELINE_DIR / "summary.json", baseline)
     write_summary(run_dir / "summary.json", summary)
@@ -401,7 +401,7 @@ def _print_result(runs: dict[str, dict[str, Any]], run_dir: Path, wall: float) -
     for mode, s in runs.items():
         ttt = s["time_to_target_s"]
         print(
-            f"{mode:10s} {s['final_accuracy']:7.4f} {s['best_accuracy']:7.4f} {s['versions']:8d} "
+            f"{mode:10s} {s['final_score']:7.4f} {s['best_score']:7.4f} {s['versions']:8d} "
             f"{s['updates_applied']:8d} {s['updates_rejected_total']:8d} "
             f"{(f'{ttt:.0f}' if ttt is not None else 'never'):>11s} {s['staleness_mean']:10.2f}"
         )

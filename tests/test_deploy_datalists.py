@@ -73,7 +73,7 @@ def test_silos_train_on_their_own_datalists_and_the_coordinator_holds_no_data(sm
     events = read_events(run_dir / "metrics.jsonl")
     [final] = [e for e in events if e["event"] == "eval"]
     assert final["version"] == 2 and final["eval_samples"] == sum(sizes)
-    assert 0.0 <= summary["final_accuracy"] <= 1.0
+    assert 0.0 <= summary["final_score"] <= 1.0
     assert {summary["per_silo"][str(s)]["eval"]["num_samples"] for s in range(2)} == set(sizes)
     # ...and every process it started is gone
     assert summary["deployment"]["left_running"] == []

@@ -70,5 +70,5 @@ def test_flwr_run_on_the_simulation_runtime_gives_fedasync_simulates_run(small_c
     assert summary["clock"] == "virtual" and summary["versions"] == 6
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     assert _updates(theirs_dir) == _updates(run_dir) and len(_updates(run_dir)) == 6
-    assert summary["final_accuracy"] == pytest.approx(ours["final_accuracy"], abs=1e-6)
+    assert summary["final_score"] == pytest.approx(ours["final_score"], abs=1e-6)
     assert (theirs_dir / "checkpoint.pt").exists()

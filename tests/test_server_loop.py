@@ -38,8 +38,8 @@ def test_fedasync_loop_versions_and_summary(small_cfg):
     assert summary["updates_applied"] == 8  # fedasync: one version per update
     for key in (
         "mode",
-        "final_accuracy",
-        "best_accuracy",
+        "final_score",
+        "best_score",
         "final_loss",
         "virtual_time_s",
         "time_to_target_s",
