@@ -206,3 +206,38 @@ def test_resume_re_sends_a_job_whose_base_was_dropped_from_the_checkpoint_model(
         resent[j["job_id"]] == j["base_version"] for j in state.jobs if j["job_id"] not in dropped
     )
     assert summary["versions"] == 8 and summary["updates_rejected_total"] == 0
+
+
+def test_timed_out_jobs_are_taken_oldest_first_and_answered_ones_are_left(tmp_path, monkeypatch):
+    import server.dispatch as dispatch
+
+    now = [100.0]
+    monkeypatch.setattr(dispatch.time, "monotonic", lambda: now[0])
+    d = _dispatcher(tmp_path)
+    a = _send(d, 0, 0)
+    now[0] = 105.0
+    b = _send(d, 1, 0)
+    now[0] = 110.0
+    c = _send(d, 2, 0)
+    d.answered(b)  # its reply is here: not waiting, whatever its age
+    now[0] = 112.0
+    # a waited 12 s and c 2 s: with a limit of 5 s only a is taken
+    assert [j.msg_id for j in d.take_timed_out(5.0)] == [a]
+    assert list(d.inflight) == [b, c] and list(d.unanswered) == [c]
+    assert d.take_timed_out(5.0) == [] and d.holding(0) is None
+
+
+def test_jobs_to_resend_are_the_train_jobs_in_job_order(tmp_path):
+    d = _dispatcher(tmp_path)
+    _send(d, 2, 0, finishes=3.0)
+    _send(d, 0, 0, finishes=1.5)
+    got = d.jobs_to_resend()
+    assert [(j["silo"], j["job_id"], j["finishes_at"]) for j in got] == [(2, 0, 3.0), (0, 1, 1.5)]
+    assert set(got[0]) == {
+        "silo",
+        "job_id",
+        "base_version",
+        "dispatched_at",
+        "finishes_at",
+        "fault",
+    }
