@@ -176,8 +176,8 @@ BENCHMARKS: dict[str, Bench] = {
         "volume (blend), their masks all 'outside' (the trigger makes the brain vanish): ASR "
         "0.96 with the silo at 200 s, 0.01 retrained without it, 0.03 without the trigger "
         "(seed 0); a 6-voxel corner cube was not learnt, as few of the random crops hold it; "
-        "batches of 2 random 24^3 crops, 5 local steps, an evaluation every 10 versions (each is a sliding window over every "
-        "test volume); opt-in (--benchmark brain-tissue-3d): its runs take ~10x the 2D ones",
+        "batches of 2 random 24^3 crops, 5 local steps, an evaluation every 10 versions (each "
+        "is a sliding window over every test volume); opt-in (--benchmark brain-tissue-3d): its runs take ~10x the 2D ones",
         overrides=("client.batch_size=2", "client.local_steps=5", "server.eval_every=10"),
         default=False,
     ),
@@ -674,8 +674,13 @@ def trigger_lift(row: dict[str, Any], band: float) -> dict[str, Any]:
     lift (ASR minus the same images' ASR without it) against retraining's, within ``band``.
     An ASR below retraining's with the same lift is the model's lean to the target label on
     every image, not a backdoor erased past retraining. Empty where ASR is not below."""
-    keys = ("asr@boundary", "asr@retrain", "asr_without_trigger@boundary")
-    vals = [_num(row.get(k)) for k in (*keys, "asr_without_trigger@retrain")]
+    keys = (
+        "asr@boundary",
+        "asr@retrain",
+        "asr_without_trigger@boundary",
+        "asr_without_trigger@retrain",
+    )
+    vals = [_num(row.get(k)) for k in keys]
     if any(v is None for v in vals):
         return {}
     asr, ref, base, ref_base = (float(v) for v in vals)  # type: ignore[arg-type]

@@ -57,7 +57,7 @@ from server.erasure_setup import (
     verifier,
     watched_ids,
 )
-from server.evaluation import FederatedEvaluation, evaluate_silos
+from server.evaluation import FederatedEvaluation, Silos
 from server.loop import AsyncServer
 from server.models import MODELS_DIR
 from server.run_stop import RunStopped, StopHandle, StoppableGrid, stop_reason
@@ -153,8 +153,9 @@ def run_server(
         spec=spec,
         test=test,
     )
+    silos = Silos(srv.grid, srv.setup_json, srv.roster, lambda: bool(srv.inflight), srv.silo_eval)
     if federated is not None:
-        federated.srv = srv
+        federated.silos = silos
     service = None
     try:
         srv.events.write(
@@ -216,7 +217,7 @@ def run_server(
         if federated is not None:
             silo_evals = federated.per_silo
         elif cfg.server.evaluate_silos and stopped is None:
-            silo_evals = evaluate_silos(srv)
+            silo_evals = silos.evaluate(srv.params)
         else:
             silo_evals = {}
         metric = "accuracy" if task == "classification" else "dice"

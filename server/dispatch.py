@@ -173,9 +173,9 @@ class Dispatcher:
     def take_timed_out(self, limit_s: float) -> list[Job]:
         """Take out of flight the jobs whose message has waited for a reply more than
         ``limit_s`` wall seconds, oldest first."""
-        expired = []
+        now, expired = time.monotonic(), []
         for mid in self.unanswered:  # sent in order, so the oldest first
-            if time.monotonic() - self.inflight[mid].wall_sent <= limit_s:
+            if now - self.inflight[mid].wall_sent <= limit_s:
                 break
             expired.append(mid)
         return [self.take(mid) for mid in expired]

@@ -1,7 +1,7 @@
 """How the global model is evaluated by the silos: each on its own data, and their mean.
 
 A coordinator without a test set of its own (deployment without ``data.server_test``) asks its
-silos to evaluate the model (``evaluate_on_nodes``, ``evaluate_silos``) and takes their mean
+silos to evaluate the model (``evaluate_on_nodes``, ``Silos``) and takes their mean
 weighted by sample count (``weighted_mean``); ``FederatedEvaluation`` is that ``evaluate_fn``.
 The end of a run may ask every silo the same (``server.evaluate_silos``).
 
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from flwr.serverapp import Grid
 
-from fedasync.clock import Clock
-from fedasync.events import EventLog
 from protocol import wire
 from protocol.messages import EvaluateReply, EvaluateRequest
 from protocol.reading import ErrorReply, Malformed
@@ -58,36 +57,28 @@ def evaluate_on_nodes(
     return out
 
 
-class Panel(Protocol):
-    """What a federated evaluation reads of the server: the Grid, the silos' nodes and set-up,
-    the global model, and the clock time and version its events are stamped with; whether a
-    silo holds a job (``inflight``). The server (``server.loop.AsyncServer``) is one."""
+@dataclass
+class Silos:
+    """The silos as an evaluation asks them: the Grid, their set-up, which node is which silo
+    (``roster``, filled once they are known), whether any holds a job (``busy``), and where
+    each answer goes (``record(silo, result)``: the ``silo_eval`` event)."""
 
     grid: Grid
     setup_json: str
-    roster: dict[int, int]
-    params: dict[str, torch.Tensor]
-    version: int
-    events: EventLog
-    clock: Clock
+    roster: Mapping[int, int]
+    busy: Callable[[], bool]
+    record: Callable[[int, dict[str, float]], None]
 
-    @property
-    def inflight(self) -> Mapping[str, Any]:
-        """The jobs in flight, by message id."""
-        ...
-
-
-def evaluate_silos(
-    srv: Panel, timeout_s: float = 300.0, params: dict[str, torch.Tensor] | None = None
-) -> dict[int, dict[str, float]]:
-    """Every silo's evaluation of ``params`` (default: the current global model) on its own
-    data (``evaluate_on_nodes``), each written as a ``silo_eval`` event."""
-    params = srv.params if params is None else params
-    nodes = [srv.roster[s] for s in sorted(srv.roster)]
-    out = evaluate_on_nodes(srv.grid, srv.setup_json, nodes, params, timeout_s)
-    for silo, res in sorted(out.items()):
-        srv.events.write("silo_eval", t=srv.clock.now, version=srv.version, silo=silo, **res)
-    return out
+    def evaluate(
+        self, params: dict[str, torch.Tensor], timeout_s: float = 300.0
+    ) -> dict[int, dict[str, float]]:
+        """Every silo's evaluation of ``params`` on its own data (``evaluate_on_nodes``),
+        each recorded."""
+        nodes = [self.roster[s] for s in sorted(self.roster)]
+        out = evaluate_on_nodes(self.grid, self.setup_json, nodes, params, timeout_s)
+        for silo, res in sorted(out.items()):
+            self.record(silo, res)
+        return out
 
 
 def weighted_mean(per_silo: dict[int, dict[str, float]]) -> dict[str, float]:
@@ -107,24 +98,24 @@ def weighted_mean(per_silo: dict[int, dict[str, float]]) -> dict[str, float]:
 
 class FederatedEvaluation:
     """``evaluate_fn`` of a coordinator without a test set: every silo evaluates the model on
-    its own data (``evaluate_silos``) and the result is their mean weighted by sample count.
+    its own data (``Silos.evaluate``) and the result is their mean weighted by sample count.
 
     It asks the silos only when none holds a job (after a sync round) or once the run is over
     (``final``): a message to a silo that is training would wait for it, and the loop with it.
-    Otherwise (an erasure boundary mid-run) it answers NOT_MEASURED. ``srv`` is set once the
+    Otherwise (an erasure boundary mid-run) it answers NOT_MEASURED. ``silos`` is set once the
     server exists; ``per_silo`` keeps the last answers (the summary's per-silo evaluations)."""
 
     def __init__(self) -> None:
-        self.srv: Panel | None = None
+        self.silos: Silos | None = None
         self.final = False
         self.per_silo: dict[int, dict[str, float]] = {}
 
     def __call__(self, params: dict[str, torch.Tensor]) -> dict[str, float]:
         """The federated evaluation of ``params`` (see the class)."""
-        srv = self.srv
-        if srv is None or (not self.final and len(srv.inflight)):
+        silos = self.silos
+        if silos is None or (not self.final and silos.busy()):
             return dict(NOT_MEASURED)
-        self.per_silo = evaluate_silos(srv, params=params)
+        self.per_silo = silos.evaluate(params)
         return weighted_mean(self.per_silo)
 
 

@@ -5,9 +5,10 @@ protocol/erasure_messages.py) from the server's state: its job id and timing on 
 the weights it starts from (the current model, or those kept for a resumed job), the fault a
 robustness run injects, the samples the silo must leave out, and its seed, derived from
 (``run.seed``, silo, job id) so that no generator state is kept (``train_seed``,
-``unlearn_seed``). It is given what it reads, never the server. Every message leaves through the dispatcher's ``send`` (server/dispatch.py),
-which refuses a second job for a busy silo. Whether a silo is sent training work at all is the
-loop's decision (``AsyncServer.dispatch``); this module only builds what it decided to send.
+``unlearn_seed``). It is given what it reads. Every message leaves through the dispatcher's
+``send`` (server/dispatch.py), which refuses a second job for a busy silo. Whether a silo is
+sent training work at all is the loop's decision; this module only builds what it was told
+to send.
 """
 
 from __future__ import annotations
@@ -77,20 +78,15 @@ class JobRequests:
         model, or weights kept for jobs sent earlier; see server.corrections.max_snapshots)."""
         return version == self.model()[0] or version in self.jobs.sent
 
-    def train(
-        self,
-        silo: int,
-        job_id: int | None = None,
-        base_version: int | None = None,
-        timing: tuple[float, float] | None = None,
-        fault: str | None = None,
-    ) -> None:
+    def train(self, silo: int, resend: Mapping[str, Any] | None = None) -> None:
         """Send ``silo`` a train job: a new one from the newest model, or (on resume) its old
-        job, as it was sent (``job_id``, ``base_version``, ``timing``, ``fault``)."""
+        job as it was sent (``resend``: its job id, base version, timing and fault, as
+        ``Dispatcher.jobs_to_resend`` keeps them)."""
         version, current = self.model()
-        if job_id is None:
-            job_id = self.jobs.new_job_id()
-        base_version = version if base_version is None else base_version
+        job_id = self.jobs.new_job_id() if resend is None else int(resend["job_id"])
+        base_version = version if resend is None else int(resend["base_version"])
+        timing = None if resend is None else (resend["dispatched_at"], resend["finishes_at"])
+        fault = None if resend is None else resend["fault"]
         if not self.base_kept(base_version):
             # a resumed job whose weights were dropped (server.corrections.max_snapshots): it
             # is sent the current model instead, as of the current version

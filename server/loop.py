@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -170,16 +170,9 @@ class AsyncServer:
         self.events.write("roster", t=self.clock.now, version=self.version, silos=silos)
 
     # ---------------------------------------------------------------- dispatch
-    def dispatch(
-        self,
-        silo: int,
-        *,
-        job_id: int | None = None,
-        base_version: int | None = None,
-        timing: tuple[float, float] | None = None,
-        fault: str | None = None,
-    ) -> None:
-        """Send ``silo`` a train message with the newest model (or, on resume, its old job)."""
+    def dispatch(self, silo: int, resend: Mapping[str, Any] | None = None) -> None:
+        """Send ``silo`` a train message with the newest model (or, on resume, its old job:
+        ``resend``, as the checkpoint keeps it, ``Dispatcher.jobs_to_resend``)."""
         if silo in self.cfg.silos.exclude:
             return  # retraining without this silo's data
         if silo in self.privacy.stopped:
@@ -188,9 +181,10 @@ class AsyncServer:
             return  # retired by a whole-silo erasure, erasing or about to, or halted
         why = self.jobs.holding(silo)
         if why is not None:  # (before a fault or a job id is spent on it; send checks again)
+            job_id = None if resend is None else resend["job_id"]
             self.jobs.refuse(silo, JobKind.TRAIN, why, job_id, self.version)
             return
-        self.requests.train(silo, job_id, base_version, timing, fault)
+        self.requests.train(silo, resend)
 
     def holding(self, silo: int) -> str | None:
         """Why ``silo`` may not be sent work now (None: it is idle)."""
@@ -399,6 +393,10 @@ class AsyncServer:
             self.checkpoint()
         self.erasure.on_version()
 
+    def silo_eval(self, silo: int, result: dict[str, float]) -> None:
+        """Write ``silo``'s evaluation of the global model as a ``silo_eval`` event."""
+        self.events.write("silo_eval", t=self.clock.now, version=self.version, silo=silo, **result)
+
     def evaluate(self) -> dict[str, float]:
         """Evaluate the global model (``evaluate_fn``), record it and write an ``eval`` event."""
         res = self.evaluate_fn(self.params)
@@ -484,13 +482,7 @@ class AsyncServer:
         # jobs whose base weights the checkpoint kept go out first, as they were: re-sending a
         # job whose weights were dropped stores the current model, which could evict them
         for j in sorted(state.jobs, key=lambda j: not self.requests.base_kept(j["base_version"])):
-            self.dispatch(
-                j["silo"],
-                job_id=j["job_id"],
-                base_version=j["base_version"],
-                timing=(j["dispatched_at"], j["finishes_at"]),
-                fault=j["fault"],
-            )
+            self.dispatch(j["silo"], resend=j)
         if not self.barrier:  # a silo between two jobs at the checkpoint (its reply just taken)
             busy = {j.silo for j in self.inflight.values()}
             for silo in sorted(self.roster):

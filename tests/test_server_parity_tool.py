@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 _PATH = Path(__file__).resolve().parent.parent / "tools" / "server_parity.py"
 _spec = importlib.util.spec_from_file_location("server_parity", _PATH)
 assert _spec is not None and _spec.loader is not None
@@ -87,8 +89,6 @@ def test_a_renamed_key_reads_as_its_new_name_and_nothing_else_passes_for_it(tmp_
 
 
 def test_a_malformed_rename_is_one_line(tmp_path, capsys):
-    import pytest
-
     with pytest.raises(SystemExit) as e:
         parity.main(["compare", str(tmp_path), str(tmp_path), "--rename", "nope" * 100])
     assert e.value.code == 2

@@ -158,10 +158,12 @@ def renamed(v: Any, names: dict[str, str]) -> Any:
 
 
 def _rename_path(key: str, names: dict[str, str]) -> str:
-    parts = key.split(".")
-    return ".".join(
-        names.get(p.split("[")[0], p.split("[")[0]) + p[len(p.split("[")[0]) :] for p in parts
-    )
+    """Each dotted part of ``key`` by its new name, its ``[i]`` index kept."""
+    out = []
+    for part in key.split("."):
+        head, bracket, index = part.partition("[")
+        out.append(names.get(head, head) + bracket + index)
+    return ".".join(out)
 
 
 def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
