@@ -386,12 +386,13 @@ class AsyncServer:
         self.params = params
         self.version += 1
         self.events.write("version", t=self.clock.now, version=self.version)
+        score = None
         if self.barrier or self.version % self.cfg.server.eval_every == 0:
-            self.evaluate()  # sync rounds are few and long: evaluate every one
+            score = self.evaluate().get("score")  # sync rounds are few and long: evaluate every one
         every = self.cfg.server.checkpoint_every
         if every and self.version % every == 0:
             self.checkpoint()
-        self.erasure.on_version()
+        self.erasure.on_version(score)
 
     def silo_eval(self, silo: int, result: dict[str, float]) -> None:
         """Write ``silo``'s evaluation of the global model as a ``silo_eval`` event."""

@@ -15,6 +15,15 @@ retraining without those samples keeps it too: what is specific to the samples i
 memorisation, which the silo's own membership test sees. Measured: a removal of the samples'
 share (10%) of the silo's unique part over-erased breast-fna on 4 of 5 seeds, where the
 membership test alone was verified on 5 of 5 (docs/measured.md).
+
+The removal is bounded by the held-out score (``bounded``): when the whole of it would cost
+more than ``unlearning.server_removal_max_drop``, the largest share that does not is applied
+at the request. The rest (``Remainder``) is not dropped: it is applied in steps at the
+evaluations after it, each bounded the same way, while the other silos' training brings the
+score back, until it is all in force or the request is checked after its relearning window.
+A whole silo whose influence generalises (a learnt rule, such as a backdoor, rather than
+memorised samples) is erased by the removal alone, since its membership test cannot see the
+rule: withholding most of the removal for good left one in the model (docs/measured.md).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,19 +110,25 @@ def bounded(
     removal: Params,
     score: Callable[[Params], float],
     max_drop: float,
+    before: float | None = None,
+    reference: float | None = None,
 ) -> tuple[Params, dict[str, float]]:
     """``params`` plus the largest share of ``removal`` (1, 1/2, ..., 1/2**HALVINGS, else none)
     whose held-out score (``score``, the server's evaluation) falls by at most ``max_drop``
     (``unlearning.server_removal_max_drop``; 1: no bound). Returns the new parameters and
     what was measured: ``removal_score_before`` and ``_after``, ``removal_applied`` (the
     share). A score that is not a finite number (no test set at the coordinator: nothing is
-    measured mid-run) bounds nothing: the removal is applied whole."""
-    before = score(params)
+    measured mid-run) bounds nothing: the removal is applied whole. ``before``: the score of
+    ``params`` when the caller has it already (an evaluation of this version), else measured;
+    ``reference``: a score the fall is measured from instead when it is higher (the score
+    before the request, for the rest of a removal: the steps together cost at most the bound)."""
+    before = score(params) if before is None else before
+    base = before if reference is None or not math.isfinite(reference) else max(before, reference)
     new = _plus(params, removal, 1.0)
     after = score(new)
     share = 1.0
     if max_drop < 1.0 and math.isfinite(before) and math.isfinite(after):
-        while before - after > max_drop and share > 0.0:
+        while base - after > max_drop and share > 0.0:
             share = share / 2 if share > 2.0**-HALVINGS else 0.0
             new = _plus(params, removal, share)
             after = score(new) if share else before
@@ -126,3 +142,54 @@ def _plus(params: Params, removal: Params, share: float) -> Params:
         k: v + share * removal[k] if k in removal and v.is_floating_point() else v
         for k, v in params.items()
     }
+
+
+@dataclass
+class Remainder:
+    """What the held-out bound withheld of a removal (``bounded``): ``removal``, the part not
+    in force yet; ``left``, its share of the whole; ``reference``, the held-out score before
+    the request. ``step`` applies the largest share of it the bound allows now: the score
+    falls by at most the bound from the higher of the score now and ``reference``, so that
+    the steps together never cost more than the bound (the others' training must bring the
+    score back first)."""
+
+    removal: Params
+    left: float
+    reference: float
+
+    @classmethod
+    def of(cls, removal: Params, applied: float, reference: float) -> Remainder | None:
+        """The rest of ``removal`` once its share ``applied`` is in force (None: nothing);
+        ``reference``: the score before it."""
+        if applied >= 1.0:
+            return None
+        rest = {k: (1.0 - applied) * v for k, v in removal.items()}
+        return cls(rest, 1.0 - applied, reference)
+
+    def step(
+        self,
+        params: Params,
+        score: Callable[[Params], float],
+        max_drop: float,
+        before: float | None = None,
+    ) -> tuple[Params, dict[str, float]]:
+        """``params`` plus the largest share of the rest whose held-out score falls by at most
+        ``max_drop`` (``bounded``), and what was measured; what was applied leaves the rest.
+        ``removal_step`` and ``removal_left`` are shares of the whole removal: what this step
+        applied and what is still withheld."""
+        new, measured = bounded(params, self.removal, score, max_drop, before, self.reference)
+        share = measured["removal_applied"]
+        step = share * self.left
+        if share:
+            self.removal = {k: (1.0 - share) * v for k, v in self.removal.items()}
+            self.left = 0.0 if share >= 1.0 else self.left * (1.0 - share)
+        return new, {**measured, "removal_step": step, "removal_left": self.left}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it."""
+        return {"removal": dict(self.removal), "left": self.left, "reference": self.reference}
+
+    @classmethod
+    def from_state(cls, d: Mapping[str, Any]) -> Remainder:
+        """The remainder ``state_dict`` returned."""
+        return cls(dict(d["removal"]), float(d["left"]), float(d["reference"]))

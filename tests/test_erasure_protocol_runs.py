@@ -113,7 +113,8 @@ def test_three_erasures_in_a_row_are_each_checked_and_all_stay_protected(small_c
     # the erasure events of each request in its own order, the three one after another
     flow = [(e["request"], e["state"]) for e in events if e["event"] == "erasure"]
     for r in reqs:
-        got = [s for rid, s in flow if rid == r["id"] and s != "removed"]  # (with a removal)
+        removal = ("removed", "removed_more")  # (with a removal, in steps if it was bounded)
+        got = [s for rid, s in flow if rid == r["id"] and s not in removal]
         assert got == ["erasing", "calibrating", r["state"]]
     calibrating = [rid for rid, s in flow if s == "calibrating"]
     assert calibrating == [r["id"] for r in reqs]
@@ -138,7 +139,9 @@ def test_three_erasures_in_a_row_are_each_checked_and_all_stay_protected(small_c
     co = load_state(run_dir / "checkpoint.pt").parts["erasure"]
     merged = co["signature"]["basis"].shape[1]
     assert ranks[0] + ranks[1] < merged <= sum(ranks), (merged, ranks)
-    removals = sum(s == "removed" for _, s in flow)
+    # (a removal moves the model when some of it was applied, at once or in later steps)
+    moved = {e["request"] for e in events if e["event"] == "erasure" and e.get("applied")}
+    removals = len(moved)
     assert len(co["jumps"]) == (3 + removals if cfg.unlearning.protect == "both" else 0)
     assert co["boundary"] == boundaries[2] and sorted(co["retired"]) == [1, 2]
 

@@ -39,6 +39,7 @@ FAMILIES: dict[str, str] = {
 ERASURE_STATES: dict[str, float] = {
     "queued": 0.0,
     "removed": 0.5,
+    "removed_more": 0.5,
     "erasing": 1.0,
     "calibrating": 2.0,
     "verified": 3.0,

@@ -350,9 +350,15 @@ def _removal_step(
     notes = [a for a in rows if a.action == "note" and a.detail.startswith(REMOVAL_NOTE)]
     if not notes:
         return []
-    row = notes[-1]
+    row = notes[-1]  # (the last says how much of it is in force: steps follow a bounded one)
     label = "The server's removal of the silo's work in the global model (at the request)"
-    return [_step("server_removal", label, row, _clock(run, "removed"), row.detail, b)]
+    if len(notes) > 1:
+        label = (
+            "The server's removal of the silo's work in the global model (at the request, "
+            "the rest in steps after it)"
+        )
+    clock = _clock(run, "removed", "removed_more")
+    return [_step("server_removal", label, row, clock, row.detail, b)]
 
 
 def _detail(row: AuditRow | None) -> str:

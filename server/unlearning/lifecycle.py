@@ -42,7 +42,7 @@ from server.erasure.certificate_checks import server_checks
 from server.erasure.readings import VERIFIED, summary, verdict
 from server.erasure.states import ENDED_UNCHECKED, REMOVAL_NOTE, State
 from server.intake import JobKind
-from server.removal import bounded, removal
+from server.removal import Remainder, bounded, removal
 from server.unlearn_messages import SiloLost
 from server.unlearning import resume
 from server.unlearning.attest import boundary_facts, erasing_facts, model_sha256, verified_facts
@@ -113,6 +113,8 @@ class ErasureCoordinator:
         self.max_attempts = int(self.cfg.max_attempts)
         self.not_before: dict[str, float] = {}  # requeued id -> clock time it may start again
         self.waiting: set[int] = set()  # silos with a queued request: sent no new training
+        self.remainders: dict[str, Remainder] = {}  # request id -> its removal's withheld rest
+        self._removing = False  # a removal or a step of one is making its version (on_version)
 
     # -------------------------------------------------------------- scheduling
     def next_time(self) -> float:
@@ -262,12 +264,19 @@ class ErasureCoordinator:
             return float(srv.evaluate_fn(params)["score"])
 
         new, measured = bounded(old, e.removal, score, self.cfg.server_removal_max_drop)
+        before = measured["removal_score_before"]
+        rest = Remainder.of(e.removal, measured["removal_applied"], before)
+        if rest is not None:  # withheld by the bound: applied in steps later (_remove_more)
+            self.remainders[e.request_id] = rest
         e.removal = None  # in force: the silo's reply adds only its own part
         e.pre_erasure = old
-        before = measured["removal_score_before"]
         self.calibration.removed(e, old, new)
         self.ledger.forget(str(e.silo))
-        srv.apply_erasure(new)
+        self._removing = True
+        try:
+            srv.apply_erasure(new)
+        finally:
+            self._removing = False
         e.removed_version, e.removed_t = srv.version, srv.clock.now
         self.calibration.boundary = srv.version
         after = measured["removal_score_after"]
@@ -417,6 +426,7 @@ class ErasureCoordinator:
         if self.active.get(erasure.request_id) is not erasure:
             return  # an attempt already given up (requeued): its request has moved on
         self.active.pop(erasure.request_id, None)
+        self._end_remainder(erasure, "failed")
         self.store.transition(
             erasure.request_id,
             State.FAILED,
@@ -477,10 +487,20 @@ class ErasureCoordinator:
         """What the summary reports of an applied erasure (`resume.row`)."""
         return resume.row(e, self.store, self.srv.clock.kind, self.srv.updates_accepted_between)
 
-    def on_version(self) -> None:
+    def on_version(self, score: float | None = None) -> None:
         """Check again the erasures whose relearning window has passed: each moves to
         ``verified`` or ``unverified`` (``_checked``) and gets its report row, whose
-        ``verified_version`` is the version at which it was checked (either way)."""
+        ``verified_version`` is the version at which it was checked (either way). Then, when
+        this version was evaluated (``score``, its held-out score), apply a step of each
+        removal's withheld rest (``_remove_more``). The version a removal or a step makes is left
+        alone (a window that ends there is checked at the next version, after its audit note)."""
+        if self._removing:
+            return
+        self._check_windows()
+        if score is not None and self.remainders:
+            self._remove_more(score)
+
+    def _check_windows(self) -> None:
         srv = self.srv
         for rid, e in list(self.active.items()):
             if e.boundary is None:
@@ -494,6 +514,7 @@ class ErasureCoordinator:
             after = e.measure(self.srv.params, self.verify_fn)
             after["score"] = float(srv.evaluate_fn(srv.params)["score"])  # (has it come back?)
             e.around_boundary = None
+            self._end_remainder(e, "checked")
             state, reading = _checked(e, after)
             # verified_version: the version at which it was checked, verified or not
             row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
@@ -509,6 +530,70 @@ class ErasureCoordinator:
                 facts=verified_facts(srv.params),
             )
             self.event(e, state.value, **after)
+
+    def _remove_more(self, score: float) -> None:
+        """A step of each withheld rest of a removal whose request is in progress: the largest
+        share the held-out bound allows now (`Remainder.step`), as a version of its own. The
+        step moves the model along the removal's direction, which the part in force already
+        protects (``Calibration.removed``); a removal withheld whole at the request gets that
+        protection with its first step. A request waiting to start again (its silo went down)
+        keeps its rest for when it does."""
+        srv, max_drop = self.srv, self.cfg.server_removal_max_drop
+        before: float | None = score  # (the evaluation of this version; measured after a step)
+
+        def held_out(params: Params) -> float:
+            return float(srv.evaluate_fn(params)["score"])
+
+        for rid, rest in list(self.remainders.items()):
+            e = self.active.get(rid)
+            if e is None:
+                continue
+            old, whole_withheld = srv.params, rest.left >= 1.0
+            new, measured = rest.step(old, held_out, max_drop, before)
+            if not measured["removal_step"]:
+                continue  # the bound allows none of it yet: tried at the next evaluation
+            if rest.left <= 0.0:
+                del self.remainders[rid]
+            if whole_withheld:
+                self.calibration.removed(e, old, new)
+            self._removing = True
+            try:
+                srv.apply_erasure(new)
+            finally:
+                self._removing = False
+            before = None
+            srv.checkpoint()  # the model with the step is durable before the audit says so
+            self.store.note(
+                rid,
+                actor="server",
+                model_version=srv.version,
+                detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work: "
+                f"{_more(measured, max_drop, srv.version)}",
+            )
+            self.event(
+                e,
+                "removed_more",
+                score_before=measured["removal_score_before"],
+                score_after=measured["removal_score_after"],
+                applied=measured["removal_step"],
+                applied_total=1.0 - rest.left,
+            )
+
+    def _end_remainder(self, e: Erasure, why: str) -> None:
+        """``e`` is ``why`` (checked, failed): what is still withheld of its removal is never
+        applied, and its audit says so."""
+        rest = self.remainders.pop(e.request_id, None)
+        if rest is None:
+            return
+        self.store.note(
+            e.request_id,
+            actor="server",
+            model_version=self.srv.version,
+            detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work: {1.0 - rest.left:g} of it in "
+            f"force when the request was {why}; the rest ({rest.left:g}) was never applied "
+            f"(it would have lowered the held-out score by more than "
+            f"{self.cfg.server_removal_max_drop:g} below the score before the request)",
+        )
 
     def unchecked_at_end(self, e: Erasure) -> str:
         """The run ends with ``e`` applied but its relearning window not over: it cannot be
@@ -554,6 +639,7 @@ class ErasureCoordinator:
             "calibrating": {
                 rid: e.state_dict() for rid, e in self.active.items() if e.boundary is not None
             },
+            "remainders": {rid: r.state_dict() for rid, r in self.remainders.items()},
             # the parts' keys beside these (disjoint): the checkpoint's layout as it always was
             **self.calibration.state_dict(),
             **({"history": None} if self.rebuild is None else self.rebuild.state_dict()),
@@ -572,6 +658,9 @@ class ErasureCoordinator:
         self.report = list(d["report"])
         for rid, c in d["calibrating"].items():
             self.active[rid] = Erasure.from_state(rid, c)
+        self.remainders = {  # (absent in older checkpoints)
+            rid: Remainder.from_state(r) for rid, r in d.get("remainders", {}).items()
+        }
 
     def reconcile(self) -> None:
         """After a restart: match the store's unfinished requests with the restored model
@@ -594,16 +683,33 @@ def _applied(measured: dict[str, float], max_drop: float, version: int) -> str:
     """The rest of the removal's audit note: in force at ``version``, whole or the share the
     held-out score bounded (`server.removal.bounded`), or withheld."""
     share = measured["removal_applied"]
+    later = (
+        "; the rest is applied in steps at the evaluations after it, each bounded the same "
+        "way, until the request is checked"
+    )
     if share == 0.0:
         return (
-            f" withheld: even 1/16 of it lowered the held-out score by more than {max_drop:g}; "
-            "the silo's own part erases alone, with its reply"
+            f" withheld for now: even 1/16 of it lowered the held-out score by more than "
+            f"{max_drop:g}{later}; the silo's own part follows with its reply"
         )
-    part = (
-        ""
-        if share == 1.0
-        else (
-            f", {share:g} of it (the whole lowered the held-out score by more than {max_drop:g}),"
-        )
+    if share == 1.0:
+        return f" in force at version {version}; the silo's own part follows with its reply"
+    return (
+        f", {share:g} of it (the whole lowered the held-out score by more than {max_drop:g}), "
+        f"in force at version {version}{later}; the silo's own part follows with its reply"
     )
-    return f"{part} in force at version {version}; the silo's own part follows with its reply"
+
+
+def _more(measured: dict[str, float], max_drop: float, version: int) -> str:
+    """The audit note of a step of a removal's withheld rest (`ErasureCoordinator._remove_more`)."""
+    step, left = measured["removal_step"], measured["removal_left"]
+    rest = (
+        "all of it is in force now"
+        if left <= 0.0
+        else f"{1.0 - left:g} of it in force now; {left:g} still withheld"
+    )
+    return (
+        f"a further {step:g} of it in force at version {version} (the held-out score "
+        f"{measured['removal_score_before']:.4f} -> {measured['removal_score_after']:.4f}, "
+        f"at most {max_drop:g} below it or the score before the request); {rest}"
+    )

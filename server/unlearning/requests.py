@@ -201,7 +201,7 @@ class NoErasure:
         """Nothing is kept of an update."""
         return None
 
-    def on_version(self) -> None:
+    def on_version(self, score: float | None = None) -> None:
         """Nothing to verify."""
 
     def reconcile(self) -> None:
