@@ -61,6 +61,7 @@ from server.evaluation import FederatedEvaluation, Silos
 from server.loop import AsyncServer
 from server.models import MODELS_DIR
 from server.run_stop import RunStopped, StopHandle, StoppableGrid, stop_reason
+from server.strategies import strategy_for
 from server.summary import build_summary, central_dp_summary, write_summary
 from server.unlearning import ErasureCoordinator
 
@@ -111,12 +112,13 @@ def run_server(
     federated = FederatedEvaluation() if test is None and bundle_eval is None else None
     run_cfg = cfg
     if federated is not None:
+        run_cfg = replace(cfg, server=replace(cfg.server, eval_every=2**62))  # never mid-run...
+        mid_run = strategy_for(run_cfg).evaluates(1)  # (...unless the strategy evaluates each)
         log.info(
             "no coordinator test set (data.server_test): the silos evaluate the model on their "
             "own data at the end%s (federated, weighted by sample count)",
-            " and after every round" if cfg.server.mode == "sync" else "",
+            " and after every version (every round)" if mid_run else "",
         )
-        run_cfg = replace(cfg, server=replace(cfg.server, eval_every=2**62))  # never mid-run
 
     watch = (
         verifier(cfg, fed, spec=spec, test=test)

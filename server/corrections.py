@@ -11,8 +11,8 @@ In order, for one validated delta:
 3. **error feedback** (``server.corrections.error_feedback_topk`` < 1): top-k compression with
    per-silo residuals;
 4. **clip** to ``server.clip_norm`` (last: the corrections change the norm);
-5. **fold** into the global model by the aggregator (FedAsync mixing, or FedBuff's buffer and
-   server optimiser; with central DP, the aggregator's noise);
+5. **fold** into the global model by the strategy's aggregator (server/strategies.py: FedAsync
+   mixing, or FedBuff's buffer and server optimiser; with central DP, the aggregator's noise);
 6. with ``unlearning.calibration_target=applied`` the calibration moves here instead of step 1:
    the change the fold made to the model (new − old) is projected, after everything above, and
    ``at_boundary`` calibrates what the pipeline carries past an erasure (FedBuff's buffer, the
@@ -30,19 +30,16 @@ from typing import Any
 from fedasync import (
     ErrorFeedback,
     FedAsyncAggregator,
-    FedBuffAggregator,
     FoldResult,
     Params,
     Rejection,
-    ServerOptimizer,
     Update,
     delay_compensate_delta,
-    make_weight_fn,
 )
 from fedasync.aggregators import Aggregator, FoldSink
-from fedasync.privacy import GaussianMechanism
 from fedasync.tensors import clip_by_norm, is_arithmetic
 from server.config import FedAsyncConfig
+from server.strategies import strategy_for
 
 Calibrate = Callable[[Params], "Params | Rejection"]
 """An erasure's calibration of one update's tensors (or why the update is refused)."""
@@ -50,57 +47,20 @@ Project = Callable[[Params], Params]
 """An erasure's projection of a change to the model (``unlearning.calibration_target=applied``)."""
 
 
-def build_aggregator(cfg: FedAsyncConfig) -> FedAsyncAggregator | FedBuffAggregator:
-    """The core aggregator for ``server.mode``; sync is FedBuff with K = all silos, tau = 0.
-
-    Each fold's per-silo contributions are computed only when something reads them
-    (``unlearning.server_removal`` in a run that can erase: the erasure subtracts the silo's
-    recorded contributions).
-    """
-    s = cfg.server
-    # (only where an erasure can happen: scheduled ones, or the service taking requests)
-    attribute = cfg.unlearning.server_removal and bool(cfg.erasures or cfg.unlearning.service)
-    opt = ServerOptimizer(kind=s.optimizer.kind, lr=s.optimizer.lr, momentum=s.optimizer.momentum)
-    mech = None
-    if s.dp.noise_multiplier is not None and s.clip_norm is not None:
-        mech = GaussianMechanism(s.clip_norm, s.dp.noise_multiplier)  # noise from OS entropy
-    if s.mode == "fedasync":
-        return FedAsyncAggregator(
-            s.alpha,
-            make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b),
-            mechanism=mech,
-            attribute=attribute,
-        )
-    if s.mode == "fedbuff":
-        fn = make_weight_fn(s.staleness.fn, s.staleness.a, s.staleness.b)
-        return FedBuffAggregator(
-            s.buffer_size,
-            fn,
-            weight_by_samples=s.sample_weighting,
-            optimizer=opt,
-            mechanism=mech,
-            attribute=attribute,
-        )
-    return FedBuffAggregator(
-        cfg.silos.count,
-        make_weight_fn("constant"),
-        weight_by_samples=s.sample_weighting,
-        optimizer=opt,
-        mechanism=mech,
-        attribute=attribute,
-    )
-
-
 class CorrectionPipeline:
     """calibrate → delay compensation → error feedback → clip → fold, for one update at a time."""
 
-    def __init__(self, cfg: FedAsyncConfig):
+    def __init__(self, cfg: FedAsyncConfig, aggregator: Aggregator | None = None):
+        """``aggregator``: the strategy's fold rule (None: that of ``server.mode``'s strategy,
+        server/strategies.py)."""
         s = cfg.server
         self.delay_compensation = s.corrections.delay_compensation
         self.error_feedback = s.corrections.error_feedback_topk < 1.0
         self.clip_norm = s.clip_norm
         self.client_lr = cfg.client.lr
-        self.aggregator: Aggregator = build_aggregator(cfg)
+        if aggregator is None:
+            aggregator = strategy_for(cfg).aggregator()
+        self.aggregator: Aggregator = aggregator
         budget = s.corrections.residual_budget_mb
         self.ef = ErrorFeedback(
             s.corrections.error_feedback_topk,
@@ -165,7 +125,7 @@ class CorrectionPipeline:
         return res
 
     def flush(self, params: Params, project: Project | None = None) -> FoldResult | None:
-        """Apply what the aggregator holds (sync mode's round end), projected like ``fold``;
+        """Apply what the aggregator holds (a round's end: ``SyncFedAvg``), projected like ``fold``;
         None when it holds nothing."""
         if self.aggregator.pending == 0:
             return None

@@ -37,7 +37,7 @@ class Dispatcher:
     """The jobs in flight on ``grid``, keyed by message id, and the silos due a retry.
 
     ``inflight`` is changed only through ``send`` and ``take``, ``retries`` only through
-    ``retry_after``, ``next_retry`` and ``clear_retries``: they keep the indexes that answer
+    ``retry_after`` and ``next_retry``: they keep the indexes that answer
     ``holding``, ``is_down`` and ``prune_sent`` without a scan over every job in flight (a
     loop with thousands of silos asks them for every update).
 
@@ -194,11 +194,6 @@ class Dispatcher:
         if not times:
             del self._down[silo]
         return t, silo
-
-    def clear_retries(self) -> None:
-        """Forget every retry (sync mode: the silos that were down rejoin the next round)."""
-        self.retries = []
-        self._down = {}
 
     def keep_sent(self, version: int, params: Params) -> None:
         """Keep ``params`` as the weights jobs of base ``version`` are sent; past

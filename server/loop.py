@@ -1,10 +1,11 @@
 """The asynchronous server loop on Flower's Grid (push_messages / pull_messages).
 
-FedAsync (Xie et al. 2019) and FedBuff (Nguyen et al. 2022) as one event loop: every silo is
-kept busy; each reply is validated, corrected and folded in as soon as it is taken, the
-version bumps, and that silo is sent the newest model at once. ``sync`` mode is the
-synchronous FedAvg baseline on the same silos and clock: a barrier waits for every silo's
-reply before the round is averaged, so one straggler stalls everyone.
+One event loop for every strategy (server/strategies.py): FedAsync (Xie et al. 2019) and
+FedBuff (Nguyen et al. 2022) keep every silo busy, each reply validated, corrected and folded
+in as soon as it is taken and that silo sent the newest model at once; synchronous FedAvg, the
+baseline on the same silos and clock, waits for every silo's reply before the round is
+averaged, so one straggler stalls everyone. The strategy decides the fold rule and what is
+sent when; the loop never asks which one runs.
 
 Which reply is taken next is the clock's decision (fedasync/clock.py): virtual-finish order in
 simulation (deterministic for a seed), arrival order on the wall clock in deployment. Failed
@@ -62,6 +63,7 @@ from server.replies import ReplyRouter
 from server.reply_pull import ReplyPuller
 from server.roster import discover_silos, roster_event
 from server.stats import ServerStats
+from server.strategies import strategy_for
 from server.unlearning import ErasureCoordinator, NoErasure
 
 log = logging.getLogger("fedasync.server")
@@ -96,14 +98,14 @@ class AsyncServer:
         self.params: Params = flatten(initial_params, device="cpu")
         self.evaluate_fn = evaluate_fn
         self.version = 0
-        self.barrier = cfg.server.mode == "sync"
+        self.strategy = strategy_for(cfg)  # the fold rule, and what is sent when
         self.speeds = silo_speeds(cfg.silos, cfg.run.seed)
         self.clock: Clock = run_clock(cfg, self.speeds, wall_clock)
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.jobs = Dispatcher(grid, self.clock, self.events, cfg.server.corrections.max_snapshots)
         self.faults = FaultSchedule([to_dict(f) for f in cfg.faults])
         self.intake = Intake(cfg.server)
-        self.pipeline = CorrectionPipeline(cfg)
+        self.pipeline = CorrectionPipeline(cfg, self.strategy.aggregator())
         self.dc_lambda = cfg.server.corrections.delay_compensation
         self.privacy = ServerPrivacy.for_run(cfg.server.dp, run_dir)
         self.stats = ServerStats()
@@ -280,8 +282,7 @@ class AsyncServer:
             if what is Next.RETRY:
                 _, silo = self.jobs.next_retry()
                 self.clock.advance_to(t_retry)
-                if not self.barrier:
-                    self.dispatch(silo)
+                self.strategy.free(self, silo)
                 continue
             due = self._wait_due()
             if due is None or self.jobs.settle(due, self.arrived):
@@ -298,12 +299,7 @@ class AsyncServer:
                 job = self.jobs.take(mid)
                 if self._take(job, self.arrived.pop(mid)):
                     ready.append(job.silo)
-            if self.barrier:
-                if not self.inflight:
-                    self._close_round()
-            elif not self._at_cap():
-                for silo in sorted(ready):
-                    self.dispatch(silo)
+            self.strategy.replies_taken(self, [] if self._at_cap() else ready)
             self.jobs.prune_sent()
             self._tick()
 
@@ -339,18 +335,24 @@ class AsyncServer:
                 return None  # the loop's top starts live erasure requests within a second
             time.sleep(self.cfg.server.poll_interval_s)
 
-    def _close_round(self) -> None:
-        """Sync mode: average what the round brought, then send everyone the new model."""
+    def flush(self) -> None:
+        """Fold what the aggregator holds as the next version (a round's end: the strategy
+        asks for it)."""
         cal = self.erasure.calibration  # (a no-op without erasures)
         res = self.pipeline.flush(self.params, cal.project if cal.projects_applied else None)
         if res is not None and res.params is not None:
             self.privacy.record_release(res.released, self.version + 1, res.noise_std)
             self.erasure.record(None, res.contributions, self.version)
             self.publish(res.params, "round")
-        # silos that were down rejoin at the start of the next round
-        self.jobs.clear_retries()
-        for silo in sorted(self.roster):
-            self.dispatch(silo)
+
+    def retry_after(self, silo: int, down_s: float) -> None:
+        """``silo`` is free again ``down_s`` clock seconds from now (the dispatcher's retry)."""
+        self.jobs.retry_after(silo, down_s)
+
+    def release(self, silo: int) -> None:
+        """``silo`` may train again (an erasure released it): the strategy sends it work now
+        or at its next round."""
+        self.strategy.free(self, silo)
 
     # ---------------------------------------------------------------- one reply
     def _take(self, job: Job, reply: Message) -> bool:
@@ -387,8 +389,8 @@ class AsyncServer:
         self.version += 1
         self.events.write("version", t=self.clock.now, version=self.version)
         score = None
-        if self.barrier or self.version % self.cfg.server.eval_every == 0:
-            score = self.evaluate().get("score")  # sync rounds are few and long: evaluate every one
+        if self.strategy.evaluates(self.version):
+            score = self.evaluate().get("score")
         every = self.cfg.server.checkpoint_every
         if every and self.version % every == 0:
             self.checkpoint()
@@ -484,9 +486,8 @@ class AsyncServer:
         # job whose weights were dropped stores the current model, which could evict them
         for j in sorted(state.jobs, key=lambda j: not self.requests.base_kept(j["base_version"])):
             self.dispatch(j["silo"], resend=j)
-        if not self.barrier:  # a silo between two jobs at the checkpoint (its reply just taken)
-            busy = {j.silo for j in self.inflight.values()}
-            for silo in sorted(self.roster):
-                if silo not in busy and not self.is_down(silo):
-                    self.dispatch(silo)
+        busy = {j.silo for j in self.inflight.values()}
+        for silo in sorted(self.roster):  # between two jobs at the checkpoint (a reply just taken)
+            if silo not in busy and not self.is_down(silo):
+                self.strategy.free(self, silo)
         return True

@@ -152,9 +152,9 @@ class ReplyRouter:
         return self.srv.faults.crash_down_s(job.silo) if job.fault == "crash" else 0.0
 
     def after_failure(self, job: Job, down_s: float) -> None:
-        """Re-send the silo work after ``down_s`` (0: as soon as the loop goes on)."""
-        if not self.srv.barrier:
-            self.srv.jobs.retry_after(job.silo, down_s)
+        """The silo is down for ``down_s`` (0: free as soon as the loop goes on): the
+        strategy's ``failed`` says when it is sent work again."""
+        self.srv.strategy.failed(self.srv, job.silo, down_s)
 
     def reject(self, job: Job, rej: Rejection) -> None:
         """Count, log and write (``reject`` event) a rejected reply of ``job``."""

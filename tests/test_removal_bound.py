@@ -166,7 +166,7 @@ class _Host:
         self.cfg, self.version, self.params = cfg, 0, _params()
         self.anchor = W0.clone()
         self.clock = SimpleNamespace(now=0.0, kind="virtual", realtime=False)
-        self.roster, self.num_samples, self.barrier = {0: 0, 1: 1}, {0: 10, 1: 10}, False
+        self.roster, self.num_samples = {0: 0, 1: 1}, {0: 10, 1: 10}
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.checkpoints = 0
         self.coordinator = None

@@ -156,10 +156,9 @@ class ErasureCoordinator:
             self.seen.setdefault(req.id, now)
         before, self.waiting = self.waiting, {r.silo for r in queued}
         self._start_queued(queued, now)
-        if not self.srv.barrier:  # silos whose request left the queue otherwise (failed) train
-            for silo in sorted(before - self.waiting):
-                if self.srv.holding(silo) is None and self.may_train(silo):
-                    self.srv.dispatch(silo)
+        for silo in sorted(before - self.waiting):  # their request left the queue otherwise
+            if self.srv.holding(silo) is None and self.may_train(silo):  # (failed): they train
+                self.srv.release(silo)
 
     def _startable(self, req: Any, now: float) -> bool:
         """Whether ``req`` may start now but for its silo's job in flight."""
@@ -416,9 +415,9 @@ class ErasureCoordinator:
         )
         self.event(erasure, "calibrating", **erasure.metrics_at_boundary)
         self.halting = False  # re-evaluated by the next poll if more requests wait
-        if self.cfg.halt and not srv.barrier:  # (a sync round restarts everyone by itself)
+        if self.cfg.halt:
             for silo in self.halted_silos():
-                srv.dispatch(silo)  # the halted federation resumes
+                srv.release(silo)  # the halted federation resumes (in rounds: at the next one)
 
     def failed(self, erasure: Erasure, why: str) -> None:
         """The erasure cannot be carried out: ``failed`` with ``why`` (a silo that went down

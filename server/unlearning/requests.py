@@ -40,7 +40,6 @@ class ErasureHost(Protocol):
     clock: Clock
     roster: dict[int, int]
     num_samples: dict[int, int]
-    barrier: bool
     events: EventLog
     evaluate_fn: Any
 
@@ -59,6 +58,10 @@ class ErasureHost(Protocol):
 
     def dispatch(self, silo: int) -> None:
         """Send ``silo`` regular training work."""
+        ...
+
+    def release(self, silo: int) -> None:
+        """``silo`` may train again: sent work now, or at the strategy's next round."""
         ...
 
     def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
