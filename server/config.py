@@ -46,7 +46,7 @@ from server.config_erasure import BackdoorConfig, ErasureRequestConfig, Unlearni
 from server.config_ranges import RANGES
 from server.config_task import task_checks
 
-ServerMode = Literal["fedasync", "fedbuff", "sync"]
+ServerMode = Literal["fedasync", "fedbuff", "sync", "ca2fl"]
 """``server.mode``."""
 SpeedProfile = Literal["uniform", "stragglers", "lognormal"]
 """``silos.speed_profile``."""
@@ -158,12 +158,13 @@ class ServerConfig:
     """The asynchronous server loop."""
 
     mode: ServerMode = "fedasync"
-    """fedasync (fold every update at once), fedbuff (buffer K updates), sync (FedAvg rounds)."""
+    """fedasync (fold every update at once), fedbuff (buffer K updates), sync (FedAvg rounds),
+    ca2fl (buffer K updates, calibrated by each silo's cached latest one; server/strategies/)."""
     alpha: float = 0.3
     """FedAsync mixing rate: x <- x + alpha * s(tau) * delta (0.3: steadier than the paper's 0.6
     when silos are non-IID, see docs/measured.md)."""
     buffer_size: int = 3
-    """FedBuff: updates per aggregation (K)."""
+    """FedBuff and CA2FL: updates per aggregation (K)."""
     sample_weighting: bool = True
     """Weight updates by their sample counts (FedBuff and sync)."""
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
@@ -224,6 +225,10 @@ class ServerConfig:
                 "server.dp.noise_multiplier needs server.clip_norm: the noise is in units of "
                 "the clipping norm, which bounds each silo's influence",
             )
+            ca2fl = (
+                "a silo's cached update reaches every later step: per-step noise cannot bound it"
+            )
+            check(self.mode != "ca2fl", f"server.dp does not go with server.mode=ca2fl: {ca2fl}")
             check(
                 self.mode == "fedasync" or not self.sample_weighting,
                 "server.dp with fedbuff/sync needs server.sample_weighting=false: the sample "

@@ -34,6 +34,13 @@ MODES = {
         "server.optimizer.lr=0.01",
     ),
     "sync": ("server.mode=sync",),
+    "ca2fl": ("server.mode=ca2fl", "server.buffer_size=2"),
+    "ca2fl-momentum": (
+        "server.mode=ca2fl",
+        "server.buffer_size=2",
+        "server.optimizer.kind=momentum",
+        "server.optimizer.momentum=0.9",
+    ),
 }
 
 
