@@ -163,9 +163,9 @@ class UnlearningConfig:
     server_removal_max_drop: float = 0.02
     """With ``server_removal``: the most the server's held-out score may fall by the removal.
     A removal that costs more is halved until it costs no more (at most four times; then it
-    is withheld for now); the rest is applied in steps at later evaluations while the request
-    is in progress, each as large as keeps the score within this bound below the higher of
-    the score now and before the request (server/removal.py). 1: no bound. Only with a test set at
+    is withheld for now); the rest is applied in steps while the request is in progress, each
+    once the score is back to its level before the request and within this bound
+    (server/removal.py). 1: no bound. Only with a test set at
     the coordinator: a federated evaluation answers nothing mid-run, and the removal is then
     applied whole. A removal that costs the model more than its noise removes more than the
     silo's data explains (measured: nuclei's over-erased seeds lost 9 to 29 points of Dice

@@ -18,9 +18,10 @@ membership test alone was verified on 5 of 5 (docs/measured.md).
 
 The removal is bounded by the held-out score (``bounded``): when the whole of it would cost
 more than ``unlearning.server_removal_max_drop``, the largest share that does not is applied
-at the request. The rest (``Remainder``) is not dropped: it is applied in steps at the
-evaluations after it, each bounded the same way, while the other silos' training brings the
-score back, until it is all in force or the request is checked after its relearning window.
+at the request. The rest (``Remainder``) is not dropped: once the other silos' training has
+brought the score back to where it was before the request, a step of it is applied, bounded
+the same way, at an evaluation; so until it is all in force or the request is checked after
+its relearning window.
 A whole silo whose influence generalises (a learnt rule, such as a backdoor, rather than
 memorised samples) is erased by the removal alone, since its membership test cannot see the
 rule: withholding most of the removal for good left one in the model (docs/measured.md).
@@ -111,7 +112,6 @@ def bounded(
     score: Callable[[Params], float],
     max_drop: float,
     before: float | None = None,
-    reference: float | None = None,
 ) -> tuple[Params, dict[str, float]]:
     """``params`` plus the largest share of ``removal`` (1, 1/2, ..., 1/2**HALVINGS, else none)
     whose held-out score (``score``, the server's evaluation) falls by at most ``max_drop``
@@ -119,16 +119,13 @@ def bounded(
     what was measured: ``removal_score_before`` and ``_after``, ``removal_applied`` (the
     share). A score that is not a finite number (no test set at the coordinator: nothing is
     measured mid-run) bounds nothing: the removal is applied whole. ``before``: the score of
-    ``params`` when the caller has it already (an evaluation of this version), else measured;
-    ``reference``: a score the fall is measured from instead when it is higher (the score
-    before the request, for the rest of a removal: the steps together cost at most the bound)."""
+    ``params`` when the caller has it already (an evaluation of this version), else measured."""
     before = score(params) if before is None else before
-    base = before if reference is None or not math.isfinite(reference) else max(before, reference)
     new = _plus(params, removal, 1.0)
     after = score(new)
     share = 1.0
     if max_drop < 1.0 and math.isfinite(before) and math.isfinite(after):
-        while base - after > max_drop and share > 0.0:
+        while before - after > max_drop and share > 0.0:
             share = share / 2 if share > 2.0**-HALVINGS else 0.0
             new = _plus(params, removal, share)
             after = score(new) if share else before
@@ -148,10 +145,10 @@ def _plus(params: Params, removal: Params, share: float) -> Params:
 class Remainder:
     """What the held-out bound withheld of a removal (``bounded``): ``removal``, the part not
     in force yet; ``left``, its share of the whole; ``reference``, the held-out score before
-    the request. ``step`` applies the largest share of it the bound allows now: the score
-    falls by at most the bound from the higher of the score now and ``reference``, so that
-    the steps together never cost more than the bound (the others' training must bring the
-    score back first)."""
+    the request. ``step`` applies some of it only once the others' training has brought the
+    score back to ``reference`` at least, and then the largest share whose cost is within
+    the bound: the model is never more than the bound below its score before the request,
+    and it is back there before each step."""
 
     removal: Params
     left: float
@@ -175,9 +172,19 @@ class Remainder:
     ) -> tuple[Params, dict[str, float]]:
         """``params`` plus the largest share of the rest whose held-out score falls by at most
         ``max_drop`` (``bounded``), and what was measured; what was applied leaves the rest.
+        Nothing while the score (``before``, else measured) is below ``reference``.
         ``removal_step`` and ``removal_left`` are shares of the whole removal: what this step
         applied and what is still withheld."""
-        new, measured = bounded(params, self.removal, score, max_drop, before, self.reference)
+        before = score(params) if before is None else before
+        if math.isfinite(before) and math.isfinite(self.reference) and before < self.reference:
+            report = {"removal_score_before": before, "removal_score_after": before}
+            return params, {
+                **report,
+                "removal_applied": 0.0,
+                "removal_step": 0.0,
+                "removal_left": self.left,
+            }
+        new, measured = bounded(params, self.removal, score, max_drop, before)
         share = measured["removal_applied"]
         step = share * self.left
         if share:

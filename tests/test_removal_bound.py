@@ -105,10 +105,12 @@ def test_in_a_run_the_removal_costs_the_held_out_score_at_most_the_bound(small_c
         assert f", {ev['applied']:g} of it" in notes[0]
     else:
         assert "in force at version" in notes[0] and " of it" not in notes[0]
-    # the rest, if any, came in steps at later evaluations, each within the bound too, each
-    # with its note (and one more if some was never applied)
+    # the rest, if any, came in steps at later evaluations, each once the score was back to
+    # its level before the request and within the bound, each with its note (and one more if
+    # some was never applied)
     more = [e for e in events if e.get("event") == "erasure" and e["state"] == "removed_more"]
     assert all(e["score_before"] - e["score_after"] <= 0.0 for e in more)
+    assert all(e["score_before"] >= ev["score_before"] for e in more)
     assert all(0.0 < e["applied"] <= 1.0 - ev["applied"] for e in more)
     assert sum(e["applied"] for e in more) <= 1.0 - ev["applied"] + 1e-9
     assert [n for n in notes[1:] if "a further" in n] == notes[1 : 1 + len(more)]
@@ -143,17 +145,19 @@ def test_a_remainder_is_what_the_bound_withheld_and_each_step_takes_a_share_of_i
     assert torch.equal(back.removal["w"], REMOVAL["w"])
 
 
-def test_the_steps_together_cost_at_most_the_bound_below_the_score_before_the_request():
-    # the score was 0.9 before the request and is 0.885 now (0.015 spent): of the rest (L1
-    # 0.2, 0.1 of score) only a share costing at most 0.005 more may be applied: 1/32 is not
-    # a share, 1/16 costs 0.00625, so none; measured from the score now, 1/8 would be allowed
+def test_a_step_waits_until_the_score_is_back_to_its_level_before_the_request():
+    # the score was 0.9 before the request and is 0.885 now: no step, however small
     rest = Remainder(dict(REMOVAL), 1.0, reference=0.9)
-    _, m = rest.step(_params(), lambda p: falls(0.5)(p) - 0.015, max_drop=0.02)
-    assert m["removal_step"] == 0.0
+    same, m = rest.step(_params(), lambda p: falls(0.5)(p) - 0.015, max_drop=0.02)
+    assert m["removal_step"] == 0.0 and rest.left == 1.0 and torch.equal(same["w"], W0)
+    # back to 0.9: the largest share within the bound (a quarter costs 0.025, an eighth 0.0125)
+    _, m = rest.step(_params(), falls(0.5), max_drop=0.02)
+    assert m["removal_step"] == 0.125 and rest.left == 0.875
+    # a score above the level before the request: measured from the score now
     _, m = Remainder(dict(REMOVAL), 1.0, reference=0.8).step(
         _params(), lambda p: falls(0.5)(p) - 0.015, max_drop=0.02
     )
-    assert m["removal_applied"] == 0.125  # (a score above the reference: from the score now)
+    assert m["removal_applied"] == 0.125
 
 
 class _Host:
@@ -208,13 +212,12 @@ def test_the_withheld_rest_of_a_removal_is_applied_in_steps_as_the_score_comes_b
 
         for _ in range(3):
             evaluation()
-        # Assert: without recovery the steps spend only what the bound left of 0.02 below the
-        # score before the request (0.9): a sixteenth of the rest, then nothing
-        assert coord.remainders[req.id].left == pytest.approx(0.875 * 15 / 16)
-        assert 0.9 - host.evaluate_fn(host.params)["score"] <= 0.02
+        # Assert: without recovery (the score below 0.9, its level before the request) no
+        # step is taken
+        assert coord.remainders[req.id].left == pytest.approx(0.875)
+        assert steps == []
         # Execute: the others' training brings the score back (the anchor moves to the model)
         # at each evaluation, until the rest is in force
-        assert len(steps) == 1
         for _ in range(8):
             host.anchor = host.params["w"].clone()
             evaluation()
@@ -232,6 +235,7 @@ def test_the_withheld_rest_of_a_removal_is_applied_in_steps_as_the_score_comes_b
         notes = [a.detail for a in store.audit(req.id) if a.detail.startswith(REMOVAL_NOTE)]
         assert len(notes) == 1 + len(steps)
         assert "the rest is applied in steps" in notes[0] and "all of it is in force" in notes[-1]
+        assert all("back to its level before the request" in n for n in notes[1:])
         assert host.checkpoints == 1 + len(steps)  # each step durable before its note
     finally:
         store.close()

@@ -531,8 +531,9 @@ class ErasureCoordinator:
             self.event(e, state.value, **after)
 
     def _remove_more(self, score: float) -> None:
-        """A step of each withheld rest of a removal whose request is in progress: the largest
-        share the held-out bound allows now (`Remainder.step`), as a version of its own. The
+        """A step of each withheld rest of a removal whose request is in progress, once the
+        held-out score is back to its level before the request: the largest share the bound
+        allows then (`Remainder.step`), as a version of its own. The
         step moves the model along the removal's direction, which the part in force already
         protects (``Calibration.removed``); a removal withheld whole at the request gets that
         protection with its first step. A request waiting to start again (its silo went down)
@@ -590,8 +591,8 @@ class ErasureCoordinator:
             model_version=self.srv.version,
             detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work: {1.0 - rest.left:g} of it in "
             f"force when the request was {why}; the rest ({rest.left:g}) was never applied "
-            f"(it would have lowered the held-out score by more than "
-            f"{self.cfg.server_removal_max_drop:g} below the score before the request)",
+            f"(the held-out score was not back to its level before the request, or a step "
+            f"would have lowered it by more than {self.cfg.server_removal_max_drop:g})",
         )
 
     def unchecked_at_end(self, e: Erasure) -> str:
@@ -683,8 +684,8 @@ def _applied(measured: dict[str, float], max_drop: float, version: int) -> str:
     held-out score bounded (`server.removal.bounded`), or withheld."""
     share = measured["removal_applied"]
     later = (
-        "; the rest is applied in steps at the evaluations after it, each bounded the same "
-        "way, until the request is checked"
+        "; the rest is applied in steps, each once the held-out score is back to its level "
+        "before the request and bounded the same way, until the request is checked"
     )
     if share == 0.0:
         return (
@@ -708,7 +709,7 @@ def _more(measured: dict[str, float], max_drop: float, version: int) -> str:
         else f"{1.0 - left:g} of it in force now; {left:g} still withheld"
     )
     return (
-        f"a further {step:g} of it in force at version {version} (the held-out score "
-        f"{measured['removal_score_before']:.4f} -> {measured['removal_score_after']:.4f}, "
-        f"at most {max_drop:g} below it or the score before the request); {rest}"
+        f"a further {step:g} of it in force at version {version} (the held-out score, back to "
+        f"its level before the request, {measured['removal_score_before']:.4f} -> "
+        f"{measured['removal_score_after']:.4f}, bound {max_drop:g}); {rest}"
     )
