@@ -51,8 +51,10 @@ from server.benchmark import bundle_evaluation, federation, initial_model, serve
 from server.bundle import BUNDLE_DIR, describe_run, write_run_bundles, write_run_info
 from server.config import FedAsyncConfig
 from server.erasure_setup import (
+    LiveCatalog,
     coordinator_for,
     erasure_summary,
+    known_ids,
     start_service,
     verifier,
     watched_ids,
@@ -60,6 +62,7 @@ from server.erasure_setup import (
 from server.evaluation import FederatedEvaluation, Silos
 from server.loop import AsyncServer
 from server.models import MODELS_DIR
+from server.roster import check_reports
 from server.run_stop import RunStopped, StopHandle, StoppableGrid, stop_reason
 from server.strategies import strategy_for
 from server.summary import build_summary, central_dp_summary, write_summary
@@ -171,8 +174,14 @@ def run_server(
             evaluation=on,
         )
         srv.connect()
-        _check_reports(srv, spec)
-        service = start_service(srv, cfg, fed, run_dir)
+        check_reports(srv.silo_reports, spec)
+        catalog = LiveCatalog(
+            cfg.silos.count,
+            known_ids(fed, srv.silo_reports, srv.id_salt),
+            version=lambda: srv.version,
+            online=lambda silo: silo in srv.roster and not srv.is_down(silo),
+        )
+        service = start_service(cfg, run_dir, srv.erasure, catalog)
         resumed = cfg.run.resume and srv.resume()
         if cfg.run.resume and not resumed:
             log.warning("run.resume=true but %s has no checkpoint: starting afresh", run_dir)
@@ -224,8 +233,10 @@ def run_server(
             silo_evals = {}
         metric = "accuracy" if task == "classification" else "dice"
         summary = build_summary(
-            srv, metric=metric, wall_time_s=time.monotonic() - t0, silo_evals=silo_evals
+            srv.facts(), srv.stats, metric=metric, wall_time_s=time.monotonic() - t0
         )
+        for s, ev in silo_evals.items():  # each silo's own evaluation (none: not evaluated)
+            summary["per_silo"][str(s)]["eval"] = ev
         summary["evaluation"] = {"on": on, "samples": None if test is None else len(test)}
         summary["silo_data"] = {
             str(s): {"num_samples": r.num_samples, "class_counts": list(r.class_counts)}
@@ -243,7 +254,7 @@ def run_server(
         if isinstance(srv.erasure, ErasureCoordinator):
             summary["erasures"] = erasure_summary(srv.erasure, srv.params)
         if srv.privacy.ledger is not None:
-            summary["central_dp"] = central_dp_summary(srv)
+            summary["central_dp"] = central_dp_summary(cfg, srv.privacy.ledger, srv.roster)
         summary["bundles"] = _bundles(srv, info)
         write_summary(run_dir / "summary.json", summary)
         milestones.info(
@@ -339,23 +350,15 @@ def _check_deployable(cfg: FedAsyncConfig) -> None:
         )
 
 
-def _check_reports(srv: AsyncServer, spec: BenchmarkSpec) -> None:
-    """Every silo's class counts fit the benchmark (one per class): a silo that reads its
-    data for another task or class count is a configuration error, said at the start."""
-    for s, r in sorted(srv.silo_reports.items()):
-        if r.class_counts and len(r.class_counts) != spec.num_classes:
-            raise ConfigError(
-                f"silo {s} reports {len(r.class_counts)} classes, {spec.name} has "
-                f"{spec.num_classes}: its data or its version of the app differs"
-            )
-
-
 def _bundles(srv: AsyncServer, info: dict[str, Any]) -> dict[str, str]:
     """The run's final and best models as MONAI bundles (server/bundle.py), their folders by
     name; a failure is logged and leaves none (the checkpoint and snapshots are written:
     ``fedasync export`` makes them again)."""
     try:
-        return write_run_bundles(srv, info)
+        best = (srv.best.version, srv.best.params)
+        store = srv.erasure.store if isinstance(srv.erasure, ErasureCoordinator) else None
+        final = (srv.version, srv.params)
+        return write_run_bundles(srv.run_dir, info, final, best, srv.stats.evals, store)
     except Exception as e:  # noqa: BLE001 - the run's results are written; say what failed
         log.error(
             "the run's MONAI bundles were not written (%s: %s); make one with "
@@ -444,7 +447,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg = config_from_run_config(context.run_config)
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     _log_to(run_dir / "run.log")
-    if cfg.run.compare_sync and cfg.server.mode != "sync":
+    if cfg.run.compare_sync:
         log.warning(
             "run.compare_sync=true is run by `fedasync simulate` only, not under `flwr run` "
             "(benchmarks/deployment_overhead.py compares with Flower's FedAvg in deployment)"

@@ -64,8 +64,8 @@ from server.models import MODELS_DIR
 from server.unlearning.attest import model_sha256
 
 if TYPE_CHECKING:
+    from fedasync import Params
     from server.erasure.store import ErasureStore
-    from server.loop import AsyncServer
 
 log = logging.getLogger("fedasync.server")
 
@@ -372,17 +372,23 @@ def network_of(info: dict[str, Any]) -> dict[str, Any]:
     return network_entries(info["network"], spec.in_channels, spec.num_classes, spec.image_size)
 
 
-def write_run_bundles(srv: AsyncServer, info: dict[str, Any]) -> dict[str, str]:
-    """At the end of a run: its final model and its best evaluated one (server/evaluation.py
-    ``BestModel``; none when no evaluation since the last erasure scored) as bundles in
-    ``<run>/bundle/``; their folders by name."""
-    store = getattr(srv.erasure, "store", None)
-    evals = srv.stats.evals
-    root = srv.run_dir / BUNDLE_DIR
+def write_run_bundles(
+    run_dir: Path,
+    info: dict[str, Any],
+    final: tuple[int, Params],
+    best: tuple[int | None, Params | None],
+    evals: list[dict[str, Any]],
+    store: ErasureStore | None,
+) -> dict[str, str]:
+    """At the end of a run: its ``final`` model and its ``best`` evaluated one (server/
+    evaluation.py ``BestModel``: version and params; none when no evaluation since the last
+    erasure scored) as bundles in ``<run>/bundle/``, with what ``evals`` and the erasure
+    ``store`` say of each version; their folders by name."""
+    root = run_dir / BUNDLE_DIR
     made = {}
-    picks = [("final", srv.version, srv.params)]
-    if srv.best.params is not None and srv.best.version is not None:
-        picks.append(("best", srv.best.version, srv.best.params))
+    picks = [("final", *final)]
+    if best[0] is not None and best[1] is not None:
+        picks.append(("best", best[0], best[1]))
     else:
         shutil.rmtree(root / "best", ignore_errors=True)
     network = network_of(info)

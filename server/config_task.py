@@ -9,13 +9,25 @@ bundle's datalist), and a bundle's silo erases by projected gradient ascent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from server.config import FedAsyncConfig
+    from protocol.config import ClientConfig, DataConfig, TaskConfig
+    from server.config_erasure import BackdoorConfig, ErasureRequestConfig, UnlearningConfig
 
 
-def task_checks(cfg: FedAsyncConfig) -> list[tuple[bool, str]]:
+class RunSections(Protocol):
+    """The sections of a run's config these rules read (``server.config.FedAsyncConfig``)."""
+
+    task: TaskConfig
+    data: DataConfig
+    backdoor: BackdoorConfig
+    client: ClientConfig
+    unlearning: UnlearningConfig
+    erasures: list[ErasureRequestConfig]
+
+
+def task_checks(cfg: RunSections) -> list[tuple[bool, str]]:
     """(holds, what to say when it does not) for each rule above; none without a bundle."""
     if cfg.task.bundle is None:
         return []

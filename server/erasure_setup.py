@@ -3,7 +3,7 @@
 What ``run_server`` attaches when a run may erase (``erasures`` or ``unlearning.service``): the
 coordinator (server/unlearning/) with its store in the run folder, made for the server by
 ``coordinator_for``; the verification of a model on a silo's samples (``verifier``); the
-erasure gRPC service (``start_service``, with what it may ask the server: ``Catalog``,
+erasure gRPC service (``start_service``, with what it may ask the server: ``LiveCatalog``,
 ``known_ids``; TLS from ``service_tls``); the samples a backdoor watch follows
 (``watched_ids``); and the summary's ``erasures`` section (``erasure_summary``).
 """
@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +28,10 @@ from protocol.config import to_dict
 from protocol.ids import fraction_ids
 from server.benchmark import initial_model
 from server.config import FedAsyncConfig
-from server.unlearning import ErasureCoordinator
+from server.unlearning import ErasureCoordinator, ErasureFactory, ErasureHost
 
 if TYPE_CHECKING:
-    from server.loop import AsyncServer
+    from server.corrections import Project
 
 log = logging.getLogger("fedasync.server")
 
@@ -111,40 +112,40 @@ def coordinator_for(
     *,
     spec: BenchmarkSpec | None = None,
     test: SiloData | None = None,
-) -> Callable[[AsyncServer], ErasureCoordinator]:
+) -> ErasureFactory:
     """What makes a server's erasure coordinator (its store in the run folder; verifications by
-    ``verifier``): the server builder calls it with the server it completes."""
+    ``verifier``): the server calls it with what the coordinator sees of it."""
     verify_fn = verifier(cfg, fed, spec=spec, test=test)
 
-    def make(srv: AsyncServer) -> ErasureCoordinator:
+    def make(
+        host: ErasureHost,
+        norm_threshold: Callable[[], float | None],
+        at_boundary: Callable[[str, Project], int],
+    ) -> ErasureCoordinator:
         from server.erasure.store import ErasureStore
 
         store = ErasureStore(run_dir / "erasures.sqlite")
+        # what it needs of the server's parts: the norm bound an erasure delta gets like any
+        # update, and the calibration of what the pipeline carries past a boundary
         return ErasureCoordinator(
-            srv,
-            store,
-            verify_fn,
-            # what it needs of the server's parts: the norm bound an erasure delta gets like
-            # any update, and the calibration of what the pipeline carries past a boundary
-            norm_threshold=lambda: srv.intake.norms.threshold(),
-            at_boundary=srv.pipeline.at_boundary,
+            host, store, verify_fn, norm_threshold=norm_threshold, at_boundary=at_boundary
         )
 
     return make
 
 
-def start_service(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Path) -> Any:
-    """Start the erasure gRPC service on ``srv``'s coordinator's store, when configured
-    (``unlearning.service``); the gRPC server to stop, or None. Without ``fed`` (no silo data
-    here) requests are checked against the ids' digests the silos reported."""
+def start_service(cfg: FedAsyncConfig, run_dir: Path, erasure: Any, catalog: LiveCatalog) -> Any:
+    """Start the erasure gRPC service on the run's ``erasure`` coordinator's store, when
+    configured (``unlearning.service``), answering from ``catalog``; the gRPC server to stop,
+    or None."""
     if not cfg.unlearning.service:
         return None
-    assert isinstance(srv.erasure, ErasureCoordinator)
+    assert isinstance(erasure, ErasureCoordinator)
     from server.erasure.auth import Authorizer, generate_credentials, write_private
     from server.erasure.limits import Limits
     from server.erasure.service import ErasureService, serve
 
-    store = srv.erasure.store
+    store = erasure.store
     cred = Path(cfg.unlearning.credentials) if cfg.unlearning.credentials else None
     if cred is None:
         cred = run_dir / "credentials.json"
@@ -153,7 +154,6 @@ def start_service(srv: AsyncServer, cfg: FedAsyncConfig, fed: Any, run_dir: Path
     # every node may hold one Watch stream open (fedasync node --erasure-service), on top of
     # what the default leaves for silos' and the admin's own streams
     limits = Limits(streams_total=Limits().streams_total + cfg.silos.count)
-    catalog = Catalog(srv, known_ids(srv, fed))
     service = ErasureService(
         store,
         Authorizer.from_file(cred),
@@ -201,10 +201,11 @@ def watched_ids(cfg: FedAsyncConfig, fed: Any) -> list[str]:
     return fraction_ids(ids, cfg.run.seed, silo, shares[0])
 
 
-def known_ids(srv: AsyncServer, fed: Any) -> Callable[[int], AbstractSet[str]]:
+def known_ids(fed: Any, reports: Mapping[int, Any], salt: str) -> Callable[[int], AbstractSet[str]]:
     """A silo's sample ids as the erasure service checks them: in the clear from the
-    federation (simulation), else as the salted digests the silo reported (``protocol.ids``;
-    each silo's set built once, on first use)."""
+    federation ``fed`` (simulation), else as the salted digests each silo reported in its
+    roster reply (``reports``, salted with ``salt``: ``protocol.ids``; each silo's set built
+    once, on first use)."""
     if fed is not None:
         return lambda silo: {str(x) for x in fed.silos[silo].sample_ids}
     known: dict[int, digests.DigestSet] = {}
@@ -213,35 +214,40 @@ def known_ids(srv: AsyncServer, fed: Any) -> Callable[[int], AbstractSet[str]]:
     def of(silo: int) -> AbstractSet[str]:
         with lock:
             if silo not in known:
-                report = srv.silo_reports.get(silo)
+                report = reports.get(silo)
                 blob = b"" if report is None else report.id_digests
-                known[silo] = digests.DigestSet(srv.id_salt, digests.split(blob))
+                known[silo] = digests.DigestSet(salt, digests.split(blob))
             return known[silo]
 
     return of
 
 
-class Catalog:
-    """What the erasure service may ask the training server."""
+@dataclass
+class LiveCatalog:
+    """What the erasure service may ask the training server (``server.erasure.catalog``'s
+    Protocol), read from the running loop: ``silos`` of them, each one's ``ids`` (or their
+    digests), the model's ``version`` now and whether a silo is ``online``."""
 
-    def __init__(self, srv: AsyncServer, sample_ids: Callable[[int], AbstractSet[str]]):
-        self.srv, self._sample_ids = srv, sample_ids
+    silos: int
+    ids: Callable[[int], AbstractSet[str]]
+    version: Callable[[], int]
+    online: Callable[[int], bool]
 
     def silo_ids(self) -> set[int]:
         """Every silo of the run."""
-        return set(range(self.srv.cfg.silos.count))
+        return set(range(self.silos))
 
     def sample_ids(self, silo: int) -> AbstractSet[str]:
         """``silo``'s sample ids (or their digests)."""
-        return self._sample_ids(silo)
+        return self.ids(silo)
 
     def model_version(self) -> int:
         """The global model's version now."""
-        return self.srv.version
+        return self.version()
 
     def is_online(self, silo: int) -> bool:
         """Whether ``silo`` is in the roster and not waiting out a failure."""
-        return silo in self.srv.roster and not self.srv.is_down(silo)
+        return self.online(silo)
 
 
 def erasure_summary(co: ErasureCoordinator, params: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ contains NaN/Inf, is staler than the bound, or has a norm far beyond the others'
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -97,7 +98,7 @@ def take_reply(
     *,
     version: int,
     reference: Params,
-    roster: dict[int, int],
+    roster: Mapping[int, int],
     bound: StalenessBound,
     norms: NormOutlierDetector,
 ) -> Accepted | Rejection:
@@ -118,7 +119,7 @@ def check_reply(
     *,
     version: int,
     reference: Params,
-    roster: dict[int, int],
+    roster: Mapping[int, int],
     bound: StalenessBound,
     norms: NormOutlierDetector,
 ) -> Accepted | Rejection:
@@ -207,7 +208,7 @@ class Intake:
         *,
         version: int,
         reference: Params,
-        roster: dict[int, int],
+        roster: Mapping[int, int],
     ) -> Accepted | Rejection:
         """``check_reply`` with this intake's bound and the detector for ``job``'s kind."""
         norms = self.calibration_norms if job.kind is JobKind.CALIBRATE else self.norms

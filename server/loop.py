@@ -19,6 +19,12 @@ rest are its parts (docs/how-it-works.md), each given what it reads: the request
 (server/job_requests.py), the dispatcher, how a reply is taken (server/replies.py), the intake,
 pipeline, privacy, statistics and the erasure part (server/unlearning/; ``NoErasure`` in a
 run that cannot erase). ``server.app.build_server`` builds it complete.
+
+One file (over 500 lines) because it is one thing: the loop's own state (the version, the
+model, the clock's origin) and every method that reads or writes it: the dispatch, the event
+loop, a new version, the checkpoint, and what its parts may ask of it (a strategy's
+``StrategyHost``, the erasure part's ``ErasureHost``). Each part's work is in its own module,
+given the values and callables it needs when the loop is built.
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ from server.reply_pull import ReplyPuller
 from server.roster import discover_silos, roster_event
 from server.stats import ServerStats
 from server.strategies import strategy_for
-from server.unlearning import ErasureCoordinator, NoErasure
+from server.summary import RunFacts
+from server.unlearning import ErasureCoordinator, ErasureFactory, NoErasure
 
 log = logging.getLogger("fedasync.server")
 
@@ -87,7 +94,7 @@ class AsyncServer:
         *,
         sample_ids_fn: Any = None,
         id_salt: str = "",
-        erasure: Callable[[AsyncServer], ErasureCoordinator] | None = None,
+        erasure: ErasureFactory | None = None,
         progress: Callable[[float], Any] | None = None,
     ):
         self.cfg = cfg
@@ -106,7 +113,6 @@ class AsyncServer:
         self.faults = FaultSchedule([to_dict(f) for f in cfg.faults])
         self.intake = Intake(cfg.server)
         self.pipeline = CorrectionPipeline(cfg, self.strategy.aggregator())
-        self.dc_lambda = cfg.server.corrections.delay_compensation
         self.privacy = ServerPrivacy.for_run(cfg.server.dp, run_dir)
         self.stats = ServerStats()
         self.setup_json = client_setup(cfg).to_json()
@@ -143,10 +149,27 @@ class AsyncServer:
         self.silo_reports: dict[int, Any] = {}  # silo -> its roster reply (protocol QueryReply)
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
         # the erasure part: a coordinator made for this server, or NoErasure (cannot erase)
-        self.erasure: ErasureCoordinator | NoErasure = (
-            NoErasure() if erasure is None else erasure(self)
+        self.erasure: ErasureCoordinator | NoErasure = NoErasure()
+        if erasure is not None:  # what it needs of the parts: the norm bound, the pipeline's
+            self.erasure = erasure(  # calibration at a boundary
+                self, lambda: self.intake.norms.threshold(), self.pipeline.at_boundary
+            )
+        self.replies = ReplyRouter(  # how a reply is taken, by its job's kind
+            model=lambda: (self.version, self.params),
+            roster=self.roster,
+            intake=self.intake,
+            privacy=self.privacy,
+            pipeline=self.pipeline,
+            stats=self.stats,
+            events=self.events,
+            now=lambda: self.clock.now,
+            erasure=self.erasure,
+            base_weights=lambda version: self.jobs.sent.get(version),
+            crash_down_s=self.faults.crash_down_s,
+            offline_retry_s=cfg.server.offline_retry_s,
+            failed=lambda silo, down_s: self.strategy.failed(self, silo, down_s),
+            publish=self.publish,
         )
-        self.replies = ReplyRouter(self)  # how a reply is taken, by its job's kind
 
     @property
     def inflight(self) -> InFlight[Job]:
@@ -418,6 +441,24 @@ class AsyncServer:
             elapsed = self.clock.now - (self.started_at or 0.0)
             self.progress.n = min(elapsed, self.cfg.run.budget_s)
             self.progress.refresh()
+
+    def facts(self) -> RunFacts:
+        """What the run's summary says besides the statistics (server/summary.py)."""
+        silos = range(self.cfg.silos.count)
+        return RunFacts(
+            mode=self.cfg.server.mode,
+            silos=self.cfg.silos.count,
+            target=self.cfg.run.target_accuracy,
+            version=self.version,
+            clock_kind=self.clock.kind,
+            virtual_time_s=None if self.clock.realtime else self.clock.now,
+            speeds=list(self.speeds),
+            num_samples=dict(self.num_samples),
+            privacy={s: self.privacy.row(s) for s in silos},
+            dispatches_refused=self.jobs.refused,
+            cancels=self.cancels.summary(),
+            faults=self.faults.fired,
+        )
 
     # ---------------------------------------------------------------- checkpoints
     def parts(self) -> dict[str, Stateful]:

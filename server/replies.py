@@ -13,7 +13,7 @@ events, and put the silo on the dispatcher's retry heap.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import Message
@@ -27,17 +27,47 @@ from server.privacy import Stop
 from server.unlearn_messages import SiloLost, read_unlearn_reply
 
 if TYPE_CHECKING:
-    from server.loop import AsyncServer
+    from fedasync.events import EventLog
+    from server.corrections import CorrectionPipeline
+    from server.intake import Intake
+    from server.privacy import ServerPrivacy
+    from server.stats import ServerStats
+    from server.unlearning import ErasureCoordinator, NoErasure
 
 log = logging.getLogger("fedasync.server")
 
 
 class ReplyRouter:
-    """Takes ``srv``'s replies, each by its job's kind (``takers``), and abandons timed-out
-    jobs, each by its kind (``abandoned``)."""
+    """Takes the loop's replies, each by its job's kind (``takers``), and abandons timed-out
+    jobs, each by its kind (``abandoned``). It is given the parts it uses and, as callables,
+    what it reads of the loop (``model``: the version and weights now; ``base_weights``: the
+    weights a job of that base version was sent, while kept; ``now``: the clock) and what it
+    asks of it (``failed``: the strategy's answer to a silo down for a while; ``publish``: a
+    fold's model as the next version)."""
 
-    def __init__(self, srv: AsyncServer):
-        self.srv = srv
+    def __init__(
+        self,
+        *,
+        model: Callable[[], tuple[int, Params]],
+        roster: Mapping[int, int],
+        intake: Intake,
+        privacy: ServerPrivacy,
+        pipeline: CorrectionPipeline,
+        stats: ServerStats,
+        events: EventLog,
+        now: Callable[[], float],
+        erasure: ErasureCoordinator | NoErasure,
+        base_weights: Callable[[int], Params | None],
+        crash_down_s: Callable[[int], float],
+        offline_retry_s: float,
+        failed: Callable[[int, float], None],
+        publish: Callable[[Params, str], None],
+    ):
+        self.model, self.roster, self.intake, self.privacy = model, roster, intake, privacy
+        self.pipeline, self.stats, self.events, self.now = pipeline, stats, events, now
+        self.erasure, self.base_weights, self.crash_down_s = erasure, base_weights, crash_down_s
+        self.offline_retry_s, self.failed, self.publish = offline_retry_s, failed, publish
+        self.dc_lambda = pipeline.delay_compensation
         self.takers: dict[JobKind, Callable[[Job, Message], bool]] = {
             JobKind.TRAIN: self._train,
             JobKind.CALIBRATE: self._calibration,
@@ -46,8 +76,8 @@ class ReplyRouter:
         """How a reply is taken, by its job's kind: True when its silo may be sent work at once."""
         self.abandoned: dict[JobKind, Callable[[Job, str], None]] = {
             JobKind.TRAIN: lambda job, detail: None,
-            JobKind.CALIBRATE: lambda job, _: srv.erasure.take_calibration(job, None),
-            JobKind.UNLEARN: lambda job, detail: srv.erasure.requeue(job.erasure, SiloLost(detail)),
+            JobKind.CALIBRATE: lambda job, _: erasure.take_calibration(job, None),
+            JobKind.UNLEARN: lambda job, detail: erasure.requeue(job.erasure, SiloLost(detail)),
         }
         """What a job abandoned for its timeout leaves to do, by its kind."""
 
@@ -66,7 +96,7 @@ class ReplyRouter:
         """A cancelled job's reply: its privacy spend still counts, and a refusal (out of
         budget) still stops the silo; nothing else of it is used."""
         got = read_reply(reply)
-        note = self.srv.privacy.take(job.silo, job.job_id, got)
+        note = self.privacy.take(job.silo, job.job_id, got)
         if note.stop is not None:
             self.stopped(note.stop)
 
@@ -74,17 +104,15 @@ class ReplyRouter:
         """A train or calibration reply read and checked by the intake (None: the silo refused,
         out of privacy budget, and is stopped), and privacy's note of it."""
         got = read_reply(reply)  # an update, a refusal, or why it cannot be read
-        note = self.srv.privacy.take(job.silo, job.job_id, got)
+        note = self.privacy.take(job.silo, job.job_id, got)
         if isinstance(got, TrainRefusal):  # out of privacy budget: the silo is stopped
             if note.stop is not None:
                 self.stopped(note.stop)
             return None, note
         if isinstance(got, Rejection):
             return got, note
-        ref = self.srv.params
-        return self.srv.intake.check(
-            got, job, version=self.srv.version, reference=ref, roster=self.srv.roster
-        ), note
+        version, ref = self.model()
+        return self.intake.check(got, job, version=version, reference=ref, roster=self.roster), note
 
     def _train(self, job: Job, reply: Message) -> bool:
         """A training reply: validated, then folded (``fold``)."""
@@ -110,7 +138,7 @@ class ReplyRouter:
         res, _ = self._checked(job, reply)
         if isinstance(res, Rejection):
             self.reject(job, res)
-        self.srv.erasure.take_calibration(
+        self.erasure.take_calibration(
             job, None if res is None or isinstance(res, Rejection) else res.update
         )
         return False
@@ -118,27 +146,25 @@ class ReplyRouter:
     def _unlearn(self, job: Job, reply: Message) -> bool:
         """A silo's erasure result: validate it, then let the coordinator apply it."""
         erasure = job.erasure
-        result = read_unlearn_reply(reply, self.srv.params)
+        result = read_unlearn_reply(reply, self.model()[1])
         if isinstance(result, SiloLost):  # it went down mid-erasure: queued again, not failed
-            self.srv.erasure.requeue(erasure, result)
+            self.erasure.requeue(erasure, result)
             self.after_failure(job, down_s=self._down_s(job, reply))
             return False  # sent work, and the erasure, again once it is back
         if isinstance(result, str):
             log.error("erasure %s failed: %s", erasure.request_id, result)
-            self.srv.erasure.failed(erasure, result)
+            self.erasure.failed(erasure, result)
             return True  # the silo goes back to training; the request says why it failed
-        self.srv.erasure.take_unlearn(erasure, result)
+        self.erasure.take_unlearn(erasure, result)
         return bool(erasure.sample_ids)  # a retired silo is not sent work again
 
     def stopped(self, stop: Stop) -> None:
         """Write the ``silo_stopped`` event of a silo privacy stopped."""
-        self.srv.events.write(
-            "silo_stopped", t=self.srv.clock.now, version=self.srv.version, **stop.event()
-        )
+        self.events.write("silo_stopped", t=self.now(), version=self.model()[0], **stop.event())
 
     def budget_refuses(self, silo: int, job_id: int | None = None) -> bool:
         """True when central DP's budget stops ``silo`` (now, or earlier in this run)."""
-        refuses, stop = self.srv.privacy.over_budget(silo, job_id)
+        refuses, stop = self.privacy.over_budget(silo, job_id)
         if stop is not None:  # newly stopped
             self.stopped(stop)
         return refuses
@@ -146,19 +172,17 @@ class ReplyRouter:
     def _down_s(self, job: Job, reply: Message) -> float:
         """How long a failed silo waits before it is sent work again."""
         if reply.has_error() and ErrorReply(reply.error.code, reply.error.reason).offline:
-            return (
-                self.srv.cfg.server.offline_retry_s
-            )  # not at once: the SuperLink would refuse again
-        return self.srv.faults.crash_down_s(job.silo) if job.fault == "crash" else 0.0
+            return self.offline_retry_s  # not at once: the SuperLink would refuse again
+        return self.crash_down_s(job.silo) if job.fault == "crash" else 0.0
 
     def after_failure(self, job: Job, down_s: float) -> None:
         """The silo is down for ``down_s`` (0: free as soon as the loop goes on): the
         strategy's ``failed`` says when it is sent work again."""
-        self.srv.strategy.failed(self.srv, job.silo, down_s)
+        self.failed(job.silo, down_s)
 
     def reject(self, job: Job, rej: Rejection) -> None:
         """Count, log and write (``reject`` event) a rejected reply of ``job``."""
-        self.srv.stats.reject(job.silo, rej.reason)
+        self.stats.reject(job.silo, rej.reason)
         log.warning(
             "rejected reply of silo %d (job %d): %s: %s",
             job.silo,
@@ -166,10 +190,10 @@ class ReplyRouter:
             rej.reason.value,
             rej.detail,
         )
-        self.srv.events.write(
+        self.events.write(
             "reject",
-            t=self.srv.clock.now,
-            version=self.srv.version,
+            t=self.now(),
+            version=self.model()[0],
             silo=job.silo,
             job=job.job_id,
             reason=rej.reason.value,
@@ -179,10 +203,11 @@ class ReplyRouter:
     def fold(self, job: Job, acc: Accepted) -> None:
         """Correct and fold an accepted update (server/corrections.py), count it, and publish the
         new model when the fold made one."""
-        update, cal = acc.update, self.srv.erasure.calibration
-        w_base = self.srv.jobs.sent.get(job.base_version)
+        update, cal = acc.update, self.erasure.calibration
+        version, params = self.model()
+        w_base = self.base_weights(job.base_version)
         # its base weights dropped (server.corrections.max_snapshots): no delay compensation
-        dc_skipped = w_base is None and acc.staleness > 0 and self.srv.dc_lambda > 0
+        dc_skipped = w_base is None and acc.staleness > 0 and self.dc_lambda > 0
         if not cal.compensates(job):
             w_base, dc_skipped = None, False
         overlaps: list[float] = []  # what the calibration measured, the last one logged
@@ -199,8 +224,8 @@ class ReplyRouter:
                 overlaps.append(overlap)
             return projected
 
-        res = self.srv.pipeline.fold(
-            self.srv.params,
+        res = self.pipeline.fold(
+            params,
             update,
             staleness=acc.staleness,
             factor=acc.decision.factor,
@@ -208,7 +233,7 @@ class ReplyRouter:
             w_base=w_base,
             calibrate=calibrate,
             project=project if cal.projects_applied else None,
-            sink=self.srv.erasure.fold_sink(job.silo, self.srv.version),
+            sink=self.erasure.fold_sink(job.silo, version),
         )
         if overlaps:
             update.metrics["calibration_overlap"] = overlaps[-1]
@@ -216,19 +241,19 @@ class ReplyRouter:
             self.reject(job, res)
             return
         if res.released:
-            self.srv.privacy.record_release(res.released, self.srv.version + 1, res.noise_std)
-            update.metrics["central_epsilon"] = self.srv.privacy.central_epsilon[job.silo]
-        self.srv.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.srv.clock.now)
+            self.privacy.record_release(res.released, version + 1, res.noise_std)
+            update.metrics["central_epsilon"] = self.privacy.central_epsilon[job.silo]
+        self.stats.accept(job.silo, acc.staleness, res.weight, res.flushed, self.now())
         if dc_skipped:
-            self.srv.stats.dc_skip()
+            self.stats.dc_skip()
         # the silos' exact shares of what this fold applied (kept only by an erasure part);
         # none of a model that is not finite: the loop refuses it (publish)
         shares = res.contributions if res.params is None or is_finite(res.params) else {}
-        self.srv.erasure.record(job.silo, shares, self.srv.version, acc.norm)
-        self.srv.events.write(
+        self.erasure.record(job.silo, shares, version, acc.norm)
+        self.events.write(
             "update",
-            t=self.srv.clock.now,
-            version=self.srv.version,
+            t=self.now(),
+            version=version,
             silo=job.silo,
             job=job.job_id,
             staleness=acc.staleness,
@@ -239,4 +264,4 @@ class ReplyRouter:
             **({"dc_skipped": True} if dc_skipped else {}),
         )
         if res.params is not None:
-            self.srv.publish(res.params, f"update of silo {job.silo} (job {job.job_id})")
+            self.publish(res.params, f"update of silo {job.silo} (job {job.job_id})")

@@ -1,5 +1,6 @@
 """Which node is which silo: the roster, learned with one ``query`` message per node
-(``discover_silos``), and what the ``roster`` event says of it (``roster_event``).
+(``discover_silos``), what the ``roster`` event says of it (``roster_event``), and whether
+what each silo reports of its data fits the benchmark (``check_reports``).
 
 Also the one helper for the server's few blocking exchanges (the roster query at start and
 the per-silo evaluation at the end): push messages, collect their replies until a deadline.
@@ -10,13 +11,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from fedasync.errors import ConfigError
 from protocol.messages import ErrorReply, Malformed, QueryReply, QueryRequest
+
+if TYPE_CHECKING:
+    from medical_data.registry import BenchmarkSpec
 
 log = logging.getLogger("fedasync.server")
 
@@ -112,3 +117,15 @@ def roster_event(
         }
         for s, n in roster.items()
     }
+
+
+def check_reports(reports: Mapping[int, QueryReply], spec: BenchmarkSpec) -> None:
+    """Every silo's class counts (``reports``, its roster reply) fit the benchmark ``spec``
+    (one per class): a silo that reads its data for another task or class count is a
+    configuration error, said at the start."""
+    for s, r in sorted(reports.items()):
+        if r.class_counts and len(r.class_counts) != spec.num_classes:
+            raise ConfigError(
+                f"silo {s} reports {len(r.class_counts)} classes, {spec.name} has "
+                f"{spec.num_classes}: its data or its version of the app differs"
+            )

@@ -88,6 +88,4 @@ def test_the_loop_and_its_parts_never_ask_which_mode_runs():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if asks.search(line.split("#")[0]):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
-    assert found == ['server/app.py:447: if cfg.run.compare_sync and cfg.server.mode != "sync":'], (
-        found
-    )
+    assert found == [], found

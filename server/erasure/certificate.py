@@ -32,7 +32,7 @@ import hmac
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from server.erasure.certificate_checks import (
 )
 from server.erasure.certificate_events import RunEvents, read_reference, read_run_events
 from server.erasure.certificate_gaps import not_verified
-from server.erasure.limits import Limits
+from server.erasure.limits import Bounds
 from server.erasure.readings import NOT_VERIFIED, TOLERANCES, summary, verdict
 from server.erasure.records import AuditRow, Refusal, Request, RequestNotFound
 from server.erasure.refusals import REFUSALS_KEPT
@@ -57,25 +57,6 @@ from server.erasure.store import ErasureStore
 FORMAT = "fedasync-erasure-certificate"
 VERSION = 1
 DIGEST = "HMAC-SHA256 keyed with the request id, of the sample id; first 16 bytes, hex"
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The most a certificate holds of each thing (beyond: cut, and the count said)."""
-
-    text_chars: int = 512
-    """Longest text (a reason, an audit detail, a failure reason)."""
-    digests: int = Limits.max_sample_ids
-    """Most sample digests listed (as many as the service accepts in a request)."""
-    audit_rows: int = 200
-    """Most audit rows (the first and the last half of them)."""
-    refusals: int = 100
-    """Most refused calls naming the request (the newest)."""
-    metrics: int = 64
-    """Most metrics of one audit row."""
-    points: int = 256
-    """Most checks between the boundary and verification (``erasure_watch``), and most
-    cancelled jobs."""
 
 
 BOUNDS = Bounds()

@@ -53,8 +53,8 @@ from server.erasure.readings import (
 from server.erasure.states import CHECKED, State
 
 if TYPE_CHECKING:
-    from server.erasure.certificate import Bounds
     from server.erasure.certificate_events import Reference, RunEvents
+    from server.erasure.limits import Bounds
     from server.erasure.records import AuditRow, Request
 
 MIN_BAND = 0.01

@@ -66,3 +66,22 @@ def named(values: Sequence[str], limit: int = 5) -> str:
     """Up to ``limit`` values, each ``quoted``, then how many more there are."""
     shown = ", ".join(quoted(s) for s in values[:limit])
     return shown + (f" (+{len(values) - limit} more)" if len(values) > limit else "")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The most a certificate holds of each thing (beyond: cut, and the count said)."""
+
+    text_chars: int = 512
+    """Longest text (a reason, an audit detail, a failure reason)."""
+    digests: int = Limits.max_sample_ids
+    """Most sample digests listed (as many as the service accepts in a request)."""
+    audit_rows: int = 200
+    """Most audit rows (the first and the last half of them)."""
+    refusals: int = 100
+    """Most refused calls naming the request (the newest)."""
+    metrics: int = 64
+    """Most metrics of one audit row."""
+    points: int = 256
+    """Most checks between the boundary and verification (``erasure_watch``), and most
+    cancelled jobs."""

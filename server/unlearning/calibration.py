@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from server.config import UnlearningConfig
     from server.corrections import Project
     from server.intake import Job
-    from server.unlearning.lifecycle import Erasure
+    from server.unlearning.requests import Erasure
 
 log = logging.getLogger("fedasync.server")
 

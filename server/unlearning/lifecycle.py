@@ -35,6 +35,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import server.unlearning.resume as resume
 from fedasync import Params, Rejection, RejectReason
 from fedasync.unlearning import ContributionLedger, ForgetGradient, GradientSignature
 from protocol.ids import fraction_ids
@@ -44,7 +45,6 @@ from server.erasure.states import ENDED_UNCHECKED, REMOVAL_NOTE, State
 from server.intake import JobKind
 from server.removal import Remainder, bounded, removal
 from server.unlearn_messages import SiloLost
-from server.unlearning import resume
 from server.unlearning.attest import boundary_facts, erasing_facts, model_sha256, verified_facts
 from server.unlearning.bounds import bound_delta, size
 from server.unlearning.calibration import Calibration, carries_nothing

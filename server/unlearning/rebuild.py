@@ -24,7 +24,7 @@ from fedasync.unlearning import UpdateHistory, federaser_step
 if TYPE_CHECKING:
     from server.config import FedAsyncConfig
     from server.intake import Job
-    from server.unlearning.lifecycle import Erasure
+    from server.unlearning.requests import Erasure
 
 log = logging.getLogger("fedasync.server")
 
