@@ -38,7 +38,7 @@ from fedasync.contributions import MomentShares, applied_change
 from fedasync.optim import ServerOptimizer
 from fedasync.privacy import GaussianMechanism, largest_share
 from fedasync.staleness import WeightFn
-from fedasync.tensors import add, axpy, clone, is_arithmetic, sub, weighted_sum
+from fedasync.tensors import axpy, clone, is_arithmetic, sub, weighted_sum
 from fedasync.types import Params, Update
 
 
@@ -417,12 +417,7 @@ class FedBuffAggregator:
         self._weights = [self._weights[i] for i in keep]
         self._num_samples = [self._num_samples[i] for i in keep]
         self._silos = [self._silos[i] for i in keep]
-        share = self._shares.shares.get(silo)
-        if share is not None:
-            self._shares.drop(silo)
-            self._shares.rest = (
-                share if self._shares.rest is None else add(self._shares.rest, share)
-            )
+        self._shares.unattribute(silo)
         return dropped
 
     def map_state(self, fn: Callable[[Params], Params]) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from fedasync import flat
 from fedasync.optim import ServerOptimizer
-from fedasync.tensors import clone, is_arithmetic
+from fedasync.tensors import add, clone, is_arithmetic
 from fedasync.types import Params
 
 
@@ -140,6 +140,13 @@ class MomentShares:
     def drop(self, silo: str) -> None:
         """Forget ``silo``'s share (its moment was removed from the optimiser)."""
         self.shares.pop(silo, None)
+
+    def unattribute(self, silo: str) -> None:
+        """``silo``'s share stays in the optimiser's moment but is no longer its: it joins
+        the rest (Σ m_j + m_∅ = m still holds)."""
+        share = self.shares.pop(silo, None)
+        if share is not None:
+            self.rest = share if self.rest is None else add(self.rest, share)
 
     def start_from(self, moment: Params) -> None:
         """Forget the shares; the optimiser's current first moment becomes the rest (for an

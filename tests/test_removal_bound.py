@@ -186,11 +186,11 @@ class _Host:
         self.checkpoints += 1
 
 
-def test_the_withheld_rest_of_a_removal_is_applied_in_steps_as_the_score_comes_back(
-    small_cfg, tmp_path
-):
-    # Prepare: a coordinator over the host above; a whole-silo request of silo 1 whose
-    # removal (L1 0.2) costs 0.1 of the held-out score, bounded at 0.02
+@pytest.fixture
+def erasing(small_cfg, tmp_path):
+    """A coordinator over ``_Host`` with a whole-silo request of silo 1 in progress, whose
+    removal (L1 0.2) costs 0.1 of the held-out score, bounded at 0.02: (host, store,
+    coordinator, request id, erasure)."""
     cfg = small_cfg("unlearning.server_removal_max_drop=0.02")
     host = _Host(cfg, tmp_path)
     store = ErasureStore(tmp_path / "erasures.sqlite")
@@ -200,70 +200,68 @@ def test_the_withheld_rest_of_a_removal_is_applied_in_steps_as_the_score_comes_b
     e = Erasure(req.id, 1, [], 0.0, removal=dict(REMOVAL))
     coord.active[req.id] = e
     try:
-        # Execute: the removal at the request, then evaluations with no recovery
-        coord._remove_now(e)
-        assert coord.remainders[req.id].left == pytest.approx(0.875)  # an eighth in force
-        steps: list[int] = []
-
-        def evaluation() -> None:
-            before = host.version
-            coord.on_version(host.evaluate_fn(host.params)["score"])
-            steps.extend([host.version] if host.version > before else [])
-
-        for _ in range(3):
-            evaluation()
-        # Assert: without recovery (the score below 0.9, its level before the request) no
-        # step is taken
-        assert coord.remainders[req.id].left == pytest.approx(0.875)
-        assert steps == []
-        # Execute: the others' training brings the score back (the anchor moves to the model)
-        # at each evaluation, until the rest is in force
-        for _ in range(8):
-            host.anchor = host.params["w"].clone()
-            evaluation()
-            if req.id not in coord.remainders:
-                break
-        # Assert: each step is a version of its own, bounded, and the whole removal is in force
-        assert req.id not in coord.remainders and len(steps) >= 3
-        torch.testing.assert_close(host.params["w"], W0 + REMOVAL["w"])
-        events = read_events(tmp_path / "metrics.jsonl")
-        more = [ev for ev in events if ev.get("state") == "removed_more"]
-        assert [ev["version"] for ev in more] == steps
-        assert all(ev["score_before"] - ev["score_after"] <= 0.02 + 1e-9 for ev in more)
-        totals = [ev["applied_total"] for ev in more]
-        assert totals == sorted(totals) and totals[-1] == pytest.approx(1.0)
-        notes = [a.detail for a in store.audit(req.id) if a.detail.startswith(REMOVAL_NOTE)]
-        assert len(notes) == 1 + len(steps)
-        assert "the rest is applied in steps" in notes[0] and "all of it is in force" in notes[-1]
-        assert all("back to its level before the request" in n for n in notes[1:])
-        assert host.checkpoints == 1 + len(steps)  # each step durable before its note
+        yield host, store, coord, req.id, e
     finally:
         store.close()
+
+
+def test_the_withheld_rest_of_a_removal_is_applied_in_steps_as_the_score_comes_back(
+    erasing, tmp_path
+):
+    # Prepare: the request above
+    host, store, coord, rid, e = erasing
+    # Execute: the removal at the request, then evaluations with no recovery
+    coord._remove_now(e)
+    assert coord.remainders[rid].left == pytest.approx(0.875)  # an eighth in force
+    steps: list[int] = []
+
+    def evaluation() -> None:
+        before = host.version
+        coord.on_version(host.evaluate_fn(host.params)["score"])
+        steps.extend([host.version] if host.version > before else [])
+
+    for _ in range(3):
+        evaluation()
+    # Assert: without recovery (the score below 0.9, its level before the request) no
+    # step is taken
+    assert coord.remainders[rid].left == pytest.approx(0.875)
+    assert steps == []
+    # Execute: the others' training brings the score back (the anchor moves to the model)
+    # at each evaluation, until the rest is in force
+    for _ in range(8):
+        host.anchor = host.params["w"].clone()
+        evaluation()
+        if rid not in coord.remainders:
+            break
+    # Assert: each step is a version of its own, bounded, and the whole removal is in force
+    assert rid not in coord.remainders and len(steps) >= 3
+    torch.testing.assert_close(host.params["w"], W0 + REMOVAL["w"])
+    events = read_events(tmp_path / "metrics.jsonl")
+    more = [ev for ev in events if ev.get("state") == "removed_more"]
+    assert [ev["version"] for ev in more] == steps
+    assert all(ev["score_before"] - ev["score_after"] <= 0.02 + 1e-9 for ev in more)
+    totals = [ev["applied_total"] for ev in more]
+    assert totals == sorted(totals) and totals[-1] == pytest.approx(1.0)
+    notes = [a.detail for a in store.audit(rid) if a.detail.startswith(REMOVAL_NOTE)]
+    assert len(notes) == 1 + len(steps)
+    assert "the rest is applied in steps" in notes[0] and "all of it is in force" in notes[-1]
+    assert all("back to its level before the request" in n for n in notes[1:])
+    assert host.checkpoints == 1 + len(steps)  # each step durable before its note
 
 
 def test_a_remainder_survives_a_checkpoint_and_a_failed_request_says_what_was_never_applied(
-    small_cfg, tmp_path
+    erasing,
 ):
-    cfg = small_cfg("unlearning.server_removal_max_drop=0.02")
-    host = _Host(cfg, tmp_path)
-    store = ErasureStore(tmp_path / "erasures.sqlite")
-    coord = ErasureCoordinator(host, store, verify_fn=lambda *a: {})  # type: ignore[arg-type]
-    host.coordinator = coord
-    req, _ = store.submit(1, None, "test", 0)
-    e = Erasure(req.id, 1, [], 0.0, removal=dict(REMOVAL))
-    coord.active[req.id] = e
-    try:
-        coord._remove_now(e)
-        again = ErasureCoordinator(host, store, verify_fn=lambda *a: {})  # type: ignore[arg-type]
-        again.load_state_dict(coord.state_dict())
-        (rest,) = again.remainders.values()
-        assert rest.left == pytest.approx(0.875)
-        torch.testing.assert_close(rest.removal["w"], 0.875 * REMOVAL["w"])
-        store.transition(req.id, State.ERASING, actor="server", model_version=1)
-        coord.failed(e, "a test's reason")
-        assert coord.remainders == {}
-        notes = [a.detail for a in store.audit(req.id) if a.detail.startswith(REMOVAL_NOTE)]
-        assert "0.125 of it in force when the request was failed" in notes[-1]
-        assert "the rest (0.875) was never applied" in notes[-1]
-    finally:
-        store.close()
+    host, store, coord, rid, e = erasing
+    coord._remove_now(e)
+    again = ErasureCoordinator(host, store, verify_fn=lambda *a: {})  # type: ignore[arg-type]
+    again.load_state_dict(coord.state_dict())
+    (rest,) = again.remainders.values()
+    assert rest.left == pytest.approx(0.875)
+    torch.testing.assert_close(rest.removal["w"], 0.875 * REMOVAL["w"])
+    store.transition(rid, State.ERASING, actor="server", model_version=1)
+    coord.failed(e, "a test's reason")
+    assert coord.remainders == {}
+    notes = [a.detail for a in store.audit(rid) if a.detail.startswith(REMOVAL_NOTE)]
+    assert "0.125 of it in force when the request was failed" in notes[-1]
+    assert "the rest (0.875) was never applied" in notes[-1]

@@ -131,12 +131,7 @@ class CA2FLAggregator:
         self._silos = [self._silos[i] for i in keep]
         self.caches.pop(silo, None)
         self._start.pop(silo, None)
-        share = self._shares.shares.get(silo)
-        if share is not None:
-            self._shares.drop(silo)
-            self._shares.rest = (
-                share if self._shares.rest is None else add(self._shares.rest, share)
-            )
+        self._shares.unattribute(silo)
         return dropped
 
     def map_state(self, fn: Callable[[Params], Params]) -> None:
