@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from protocol.messages import (
 from server.app import run_server
 from server.benchmark import server_test_set
 from server.clock import client_setup
-from server.erasure_setup import Catalog, known_ids
+from server.erasure_setup import LiveCatalog, known_ids
 
 BRAIN = get_spec("brain-tissue")
 
@@ -460,17 +459,11 @@ def test_a_coordinator_checks_erasure_ids_against_the_digests_the_silos_reported
 
     salt = ids.new_salt()
     held = brain.silos[0].sample_ids.tolist()
-    srv = types.SimpleNamespace(
-        id_salt=salt,
-        silo_reports={0: QueryReply(0, len(held), (), ids.digest_all(salt, held))},
-        cfg=types.SimpleNamespace(silos=types.SimpleNamespace(count=1)),
-        version=3,
-        roster={0: 1000},
-        is_down=lambda silo: False,
-    )
+    reports = {0: QueryReply(0, len(held), (), ids.digest_all(salt, held))}
+    catalog = LiveCatalog(1, known_ids(None, reports, salt), lambda: 3, lambda silo: True)
     store = ErasureStore(tmp_path / "erasures.sqlite")
     auth = Authorizer.from_tokens([("tok", Principal("silo-0", "silo", 0))])
-    service = ErasureService(store, auth, Catalog(srv, known_ids(srv, None)))  # type: ignore[arg-type]
+    service = ErasureService(store, auth, catalog)
     server, port = serve(service, "127.0.0.1:0")
     md = [("authorization", "Bearer tok")]
     try:
