@@ -33,7 +33,7 @@ def time_to_target(evals: list[dict[str, Any]], target: float | None) -> float |
 @dataclass
 class RunFacts:
     """What the loop knows of a finished run besides its statistics, as values
-    (``AsyncServer.facts``)."""
+    (the loop's ``facts()``)."""
 
     mode: str
     silos: int

@@ -184,11 +184,12 @@ class CA2FL(Strategy):
 
     def aggregator(self) -> Aggregator:
         """CA2FL's cached calibration (``CA2FLAggregator``)."""
-        if self._shared()["mechanism"] is not None:
+        shared = self._shared()
+        if shared["mechanism"] is not None:
             raise ValueError("server.mode=ca2fl does not take central DP (server.dp)")
         return CA2FLAggregator(
             self.cfg.server.buffer_size,
             self.cfg.silos.count,
             optimizer=self._optimizer(),
-            attribute=self._shared()["attribute"],
+            attribute=shared["attribute"],
         )

@@ -27,7 +27,7 @@ WENT_OFFLINE = "silo went offline mid-erasure"
 class ErasureHost(Protocol):
     """What the erasure coordinator sees of the server: the model and its version, the clock,
     the silos and their jobs, the event log, and the few actions it may ask for. The server
-    (``server.loop.AsyncServer``) is one; a test may pass another. What it needs of the
+    loop is one; a test may pass another. What it needs of the
     server's parts (the accepted-update norm threshold, the pipeline's state at a boundary)
     it is given as callables instead (``ErasureCoordinator``)."""
 
