@@ -256,9 +256,7 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
         ],
         "sync-halt": [
             erase,
-            "server.mode=sync",
-            "unlearning.halt=true",
-            "unlearning.federaser=true",
+            "server.mode=federaser",
             "unlearning.calibration=false",
         ],
         "async-nocal": [erase, "server.mode=fedasync", "unlearning.calibration=false"],

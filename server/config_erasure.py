@@ -228,13 +228,8 @@ class UnlearningConfig:
     """Times an erasure may be lost by its silo going down mid-erasure (a crash, an error
     reply, no reply within server.reply_timeout_s) before it is failed; being reported offline
     does not count (it is retried every server.offline_retry_s)."""
-    halt: bool = False
-    """Halt the federation while a silo erases (the synchronous-unlearning baseline)."""
-    federaser: bool = False
-    """Halting baseline (with halt, server.mode=sync): instead of the silo's own erasure, rebuild
-    the model without it by FedEraser's calibration rounds (Liu et al. 2021)."""
     federaser_interval: int = 2
-    """FedEraser: retain every this-many-th round's update norms (one calibration round each)."""
+    """FedEraser (server.mode=federaser, the halting baseline): retain every this-many-th round's update norms (one calibration round each)."""
     federaser_steps_ratio: float = 0.5
     """FedEraser: calibration training's local steps as a share of client.local_steps."""
     service: bool = False

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,10 +28,13 @@ from protocol.config import to_dict
 from protocol.ids import fraction_ids
 from server.benchmark import initial_model
 from server.config import FedAsyncConfig
-from server.unlearning import ErasureCoordinator, ErasureFactory, ErasureHost
-
-if TYPE_CHECKING:
-    from server.corrections import Project
+from server.unlearning import (
+    ErasureCoordinator,
+    ErasureFactory,
+    ErasureRun,
+    ServedModel,
+    SiloJobs,
+)
 
 log = logging.getLogger("fedasync.server")
 
@@ -117,19 +120,11 @@ def coordinator_for(
     ``verifier``): the server calls it with what the coordinator sees of it."""
     verify_fn = verifier(cfg, fed, spec=spec, test=test)
 
-    def make(
-        host: ErasureHost,
-        norm_threshold: Callable[[], float | None],
-        at_boundary: Callable[[str, Project], int],
-    ) -> ErasureCoordinator:
+    def make(model: ServedModel, silos: SiloJobs, run: ErasureRun) -> ErasureCoordinator:
         from server.erasure.store import ErasureStore
 
         store = ErasureStore(run_dir / "erasures.sqlite")
-        # what it needs of the server's parts: the norm bound an erasure delta gets like any
-        # update, and the calibration of what the pipeline carries past a boundary
-        return ErasureCoordinator(
-            host, store, verify_fn, norm_threshold=norm_threshold, at_boundary=at_boundary
-        )
+        return ErasureCoordinator(model, silos, run, store, verify_fn)
 
     return make
 

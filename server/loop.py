@@ -23,7 +23,7 @@ run that cannot erase). ``server.app.build_server`` builds it complete.
 One file (over 500 lines) because it is one thing: the loop's own state (the version, the
 model, the clock's origin) and every method that reads or writes it: the dispatch, the event
 loop, a new version, the checkpoint, and what its parts may ask of it (a strategy's
-``StrategyHost``, the erasure part's ``ErasureHost``). Each part's work is in its own module,
+``StrategyHost``, the erasure part's ``ServedModel`` and ``SiloJobs``). Each part's work is in its own module,
 given the values and callables it needs when the loop is built.
 """
 
@@ -71,7 +71,7 @@ from server.roster import discover_silos, roster_event
 from server.stats import ServerStats
 from server.strategies import strategy_for
 from server.summary import RunFacts
-from server.unlearning import ErasureCoordinator, ErasureFactory, NoErasure
+from server.unlearning import ErasureCoordinator, ErasureFactory, ErasureRun, NoErasure
 
 log = logging.getLogger("fedasync.server")
 
@@ -150,9 +150,24 @@ class AsyncServer:
         self.started_at: float | None = None  # clock time of the first dispatch (budget origin)
         # the erasure part: a coordinator made for this server, or NoErasure (cannot erase)
         self.erasure: ErasureCoordinator | NoErasure = NoErasure()
-        if erasure is not None:  # what it needs of the parts: the norm bound, the pipeline's
-            self.erasure = erasure(  # calibration at a boundary
-                self, lambda: self.intake.norms.threshold(), self.pipeline.at_boundary
+        if erasure is not None:  # the model it changes, the silos' jobs, the run's values
+            self.erasure = erasure(
+                self,
+                self,
+                ErasureRun(
+                    cfg,
+                    self.clock,
+                    self.events,
+                    self.roster,
+                    self.num_samples,
+                    score=lambda params: float(self.evaluate_fn(params)["score"]),
+                    sample_ids=self.requests.silo_sample_ids,
+                    accepted_between=self.stats.accepted_between,
+                    norm_threshold=self.intake.norms.threshold,
+                    at_boundary=self.pipeline.at_boundary,
+                    halts=self.strategy.halts_for_erasure,
+                    rebuilds=self.strategy.rebuilds_for_erasure,
+                ),
             )
         self.replies = ReplyRouter(  # how a reply is taken, by its job's kind
             model=lambda: (self.version, self.params),
@@ -226,14 +241,6 @@ class AsyncServer:
     def dispatch_unlearn(self, silo: int, start: Params, erasure: Any) -> bool:
         """Send ``silo`` a train.unlearn message (server/job_requests.py); False when refused."""
         return self.requests.unlearn(silo, start, erasure)
-
-    def silo_sample_ids(self, silo: int) -> list[str]:
-        """The sample ids ``silo`` holds (empty where the server holds no silo data)."""
-        return self.requests.silo_sample_ids(silo)
-
-    def updates_accepted_between(self, t0: float, t1: float) -> int:
-        """Updates accepted in the clock interval ``(t0, t1]``."""
-        return self.stats.accepted_between(t0, t1)
 
     def apply_erasure(self, params: Params) -> None:
         """The erasure's model becomes the newest version (the erasure boundary). No model

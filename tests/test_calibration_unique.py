@@ -34,7 +34,7 @@ from protocol.erasure_messages import UnlearnReply, UnlearnRequest
 from protocol.reading import Malformed
 from server.app import run_server
 from server.loop import AsyncServer
-from server.unlearning import Calibration, ErasureCoordinator
+from server.unlearning import Calibration, ErasureCoordinator, ErasureRun
 
 E = torch.eye(4)
 
@@ -159,8 +159,13 @@ def test_defaults_and_the_new_choices_load(small_cfg):
 def _coordinator(small_cfg, *overrides) -> ErasureCoordinator:
     # 3 silos, 6 rows: two rows per silo, so each of a silo's first two updates has its own
     cfg = small_cfg("unlearning.signature_unique=true", "unlearning.sketch_rank=6", *overrides)
-    srv = SimpleNamespace(cfg=cfg, params={})
-    return ErasureCoordinator(srv, store=None, verify_fn=None)  # type: ignore[arg-type]
+    return _bare(cfg)
+
+
+def _bare(cfg) -> ErasureCoordinator:
+    """A coordinator of an empty model, with no silos, store or verification."""
+    run = ErasureRun(cfg, None, None, {}, {}, score=lambda params: 0.0)  # type: ignore[arg-type]
+    return ErasureCoordinator(SimpleNamespace(params={}, version=0), None, run, None, None)  # type: ignore[arg-type]
 
 
 def _job(silo: int) -> SimpleNamespace:
@@ -202,7 +207,7 @@ def test_the_sketch_spans_the_others_updates_leaves_out_the_erased_silo_and_is_c
 
 def test_without_signature_unique_no_sketch_is_kept(small_cfg):
     cfg = small_cfg("unlearning.server_removal_part=total")  # (the unique removal keeps one)
-    coord = ErasureCoordinator(SimpleNamespace(cfg=cfg, params={}), None, None)  # type: ignore[arg-type]
+    coord = _bare(cfg)
     coord.calibration.calibrate(_job(1), _w(1.0, 0.0, 0.0, 0.0))
     coord.fold_sink(1, 0).unfused(_w(1.0, 0.0, 0.0, 0.0), None)
     assert coord.calibration.sketch is None and coord.state_dict()["sketch"] is None
@@ -334,7 +339,7 @@ def test_with_the_forget_gradient_protected_no_version_lowers_the_forget_loss(
         assert seen["calibrating"]["forget_gradient"] == 1.0
         (grad,) = erasure.calibration.gradients
         assert min(_along_after_boundary(seen, grad)) > -1e-4
-        again = ErasureCoordinator(erasure.srv, None, None)
+        again = ErasureCoordinator(erasure.model, erasure.silos, erasure.run, None, None)
         again.load_state_dict(erasure.state_dict())
         assert torch.equal(again.calibration.gradients[0].direction, grad.direction)
     else:  # the jump alone lets the others' training lower the erased data's loss

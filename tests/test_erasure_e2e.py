@@ -125,26 +125,26 @@ def test_live_erasure_through_the_service(small_cfg, tmp_path):
     assert set(states) == {1, 2} and set(states.values()) <= CHECKED, states
 
 
-def test_halting_baseline_stops_the_others_while_erasing(small_cfg):
-    cfg = small_cfg(
-        "run.max_versions=30", "erasures=[{silo: 1, at_s: 10}]", "unlearning.halt=true", *ERASE
-    )
-    summary = run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
-    (row,) = checked_rows(summary)
-    assert row["erasure_latency_s"] > 0
-    assert row["updates_from_others_while_erasing"] == 0
+def test_only_the_halting_strategy_halts_for_an_erasure_and_rebuilds(small_cfg):
+    """The erasure policy is the strategy's: the coordinator is given it, it never asks the mode."""
+    from server.strategies import STRATEGIES, strategy_for
+
+    policy = {
+        name: (cls.halts_for_erasure, cls.rebuilds_for_erasure) for name, cls in STRATEGIES.items()
+    }
+    assert policy.pop("federaser") == (True, True)
+    assert set(policy.values()) == {(False, False)}
+    assert strategy_for(small_cfg("server.mode=federaser")).halts_for_erasure
 
 
 def test_federaser_baseline_rebuilds_without_the_silo(small_cfg):
-    """Sync + halt + FedEraser: the model is rebuilt from the initial one by calibration
+    """Halting FedEraser (server.mode=federaser): the model is rebuilt from the initial one by calibration
     rounds of the remaining silos only (half the local steps), one per retained round, while
     nobody trains; then training resumes without the silo."""
     cfg = small_cfg(
         "run.max_versions=12",
-        "server.mode=sync",
+        "server.mode=federaser",
         "erasures=[{silo: 1, at_s: 10}]",
-        "unlearning.halt=true",
-        "unlearning.federaser=true",
         "unlearning.federaser_interval=2",
         *ERASE,
     )
@@ -170,11 +170,23 @@ def test_federaser_baseline_rebuilds_without_the_silo(small_cfg):
     assert summary["versions"] == 12 and row["erasure_latency_s"] > 0
 
 
-def test_federaser_needs_the_sync_halting_baseline(small_cfg):
-    import pytest
-
-    with pytest.raises(ValueError, match="federaser"):
-        small_cfg("unlearning.federaser=true")
+def test_the_halting_baseline_erases_whole_silos_only(small_cfg):
+    """FedEraser rebuilds without a whole silo: a sample-level request fails, with the reason,
+    and the federation goes on (it is not left halted)."""
+    cfg = small_cfg(
+        "run.max_versions=10",
+        "server.mode=federaser",
+        "erasures=[{silo: 1, at_s: 10, fraction: 0.5}]",
+        *ERASE,
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    (req,) = summary["erasures"]["requests"]
+    assert req["state"] == "failed"
+    events = read_events(run_dir / "metrics.jsonl")
+    failed_t = next(e["t"] for e in events if e.get("state") == "failed")
+    after = [e for e in events if e["event"] == "update" and e["t"] > failed_t]
+    assert summary["versions"] == 10 and {e["silo"] for e in after} == {0, 1, 2}
 
 
 def test_excluded_silo_never_trains(small_cfg):

@@ -26,7 +26,7 @@ def _coordinator(kind: str, opened_ms: int, seen: dict[str, float]) -> SimpleNam
     """What ``ErasureCoordinator._submitted`` reads of its coordinator."""
     clock = SimpleNamespace(now=100.0, kind=kind, realtime=kind == "wall")
     return SimpleNamespace(
-        srv=SimpleNamespace(clock=clock), store=SimpleNamespace(opened_ms=opened_ms), seen=seen
+        run=SimpleNamespace(clock=clock), store=SimpleNamespace(opened_ms=opened_ms), seen=seen
     )
 
 
@@ -85,7 +85,7 @@ def test_erasing_request_whose_silo_is_gone_after_a_restart_goes_back_to_queued(
         store.transition(req.id, "erasing", actor="server", model_version=4)
         co = object.__new__(ErasureCoordinator)
         co.store, co.applied, co.active = store, {}, {}  # what reconcile reads
-        co.srv = SimpleNamespace(roster={0: 10, 1: 11}, version=7)
+        co.model, co.run = SimpleNamespace(version=7), SimpleNamespace(roster={0: 10, 1: 11})
 
         # Execute
         co.reconcile()

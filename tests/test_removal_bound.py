@@ -20,7 +20,7 @@ from server.app import run_server
 from server.erasure.states import REMOVAL_NOTE, State
 from server.erasure.store import ErasureStore
 from server.removal import HALVINGS, Remainder, bounded
-from server.unlearning import ErasureCoordinator
+from server.unlearning import ErasureCoordinator, ErasureRun
 from server.unlearning.requests import Erasure
 
 W0 = torch.tensor([1.0, -2.0, 0.5])
@@ -161,7 +161,7 @@ def test_a_step_waits_until_the_score_is_back_to_its_level_before_the_request():
 
 
 class _Host:
-    """The erasure coordinator's view of a server (``ErasureHost``): a model whose held-out
+    """The model an erasure coordinator changes (``ServedModel``): one whose held-out
     score falls 0.5 per unit of L1 distance from ``anchor``, where the other silos' training
     would bring it back (the test moves it); a version made by ``apply_erasure`` is seen by
     the coordinator as the loop would show it (``on_version``, evaluated)."""
@@ -185,6 +185,18 @@ class _Host:
     def checkpoint(self):
         self.checkpoints += 1
 
+    def coordinate(self, store: ErasureStore) -> ErasureCoordinator:
+        """An erasure coordinator of this model (no silo jobs: none is sent)."""
+        run = ErasureRun(
+            self.cfg,
+            self.clock,  # type: ignore[arg-type]
+            self.events,
+            self.roster,
+            self.num_samples,
+            score=lambda params: self.evaluate_fn(params)["score"],
+        )
+        return ErasureCoordinator(self, None, run, store, verify_fn=lambda *a: {})  # type: ignore[arg-type]
+
 
 @pytest.fixture
 def erasing(small_cfg, tmp_path):
@@ -194,7 +206,7 @@ def erasing(small_cfg, tmp_path):
     cfg = small_cfg("unlearning.server_removal_max_drop=0.02")
     host = _Host(cfg, tmp_path)
     store = ErasureStore(tmp_path / "erasures.sqlite")
-    coord = ErasureCoordinator(host, store, verify_fn=lambda *a: {})  # type: ignore[arg-type]
+    coord = host.coordinate(store)
     host.coordinator = coord
     req, _ = store.submit(1, None, "test", 0)
     e = Erasure(req.id, 1, [], 0.0, removal=dict(REMOVAL))
@@ -254,7 +266,7 @@ def test_a_remainder_survives_a_checkpoint_and_a_failed_request_says_what_was_ne
 ):
     host, store, coord, rid, e = erasing
     coord._remove_now(e)
-    again = ErasureCoordinator(host, store, verify_fn=lambda *a: {})  # type: ignore[arg-type]
+    again = host.coordinate(store)
     again.load_state_dict(coord.state_dict())
     (rest,) = again.remainders.values()
     assert rest.left == pytest.approx(0.875)

@@ -110,7 +110,7 @@ def _spies(monkeypatch, rows: bool = False):
     real_start = ErasureCoordinator._start
 
     def start_spy(self, req, resumed=False):
-        spied["srv"] = self.srv
+        spied["srv"] = self.model  # (the server loop)
         return real_start(self, req, resumed)
 
     monkeypatch.setattr(Calibration, "removed", removal_spy)

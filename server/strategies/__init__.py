@@ -19,7 +19,10 @@ The interface is strategy.py. builtin.py: ``FedAsync`` (Xie et al. 2019) folds e
 at once and sends its silo the newest model; ``FedBuff`` (Nguyen et al. 2022) buffers K
 updates per server step; ``SyncFedAvg`` is synchronous FedAvg (McMahan et al. 2017) on the
 same silos and clock: a round waits for every silo's reply, so one straggler stalls everyone.
-ca2fl.py: ``CA2FL`` (Wang et al. 2024), cached update calibration. Adding a rule is a file
+ca2fl.py: ``CA2FL`` (Wang et al. 2024), cached update calibration. federaser.py:
+``HaltingFedEraser`` (Liu et al. 2021), the erasure benchmarks' baseline: synchronous FedAvg
+that halts while a silo erases and rebuilds the model without it (its erasure policy:
+``halts_for_erasure``, ``rebuilds_for_erasure``, which the erasure part is given). Adding a rule is a file
 here (a ``Strategy`` with its aggregator) and its name in ``STRATEGIES`` (``server.mode``).
 """
 
@@ -28,9 +31,12 @@ from __future__ import annotations
 from server.config import FedAsyncConfig
 from server.strategies.builtin import FedAsync, FedBuff, SyncFedAvg
 from server.strategies.ca2fl import CA2FL
+from server.strategies.federaser import HaltingFedEraser
 from server.strategies.strategy import Strategy, StrategyHost
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAsync, FedBuff, SyncFedAvg, CA2FL)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    s.name: s for s in (FedAsync, FedBuff, SyncFedAvg, CA2FL, HaltingFedEraser)
+}
 """The strategies by ``server.mode``."""
 
 
@@ -44,6 +50,7 @@ __all__ = [
     "STRATEGIES",
     "FedAsync",
     "FedBuff",
+    "HaltingFedEraser",
     "Strategy",
     "StrategyHost",
     "SyncFedAvg",

@@ -71,4 +71,8 @@ class SyncFedAvg(Strategy):
         """It rejoins at the next round."""
 
     def free(self, host: StrategyHost, silo: int) -> None:
-        """It waits for the next round."""
+        """It waits for the next round; with no round in progress (no job in flight: the
+        federation was halted), the next round starts now."""
+        if not host.inflight:
+            for s in sorted(host.roster):
+                host.dispatch(s)

@@ -45,6 +45,11 @@ class Strategy:
 
     name: ClassVar[str]
     """Its ``server.mode``."""
+    halts_for_erasure: ClassVar[bool] = False
+    """Whether no silo trains while an erasure is carried out (until its boundary)."""
+    rebuilds_for_erasure: ClassVar[bool] = False
+    """Whether an erasure rebuilds the model without the silo from the retained history
+    (FedEraser) instead of the server's removal and the silo's own part."""
 
     def __init__(self, cfg: FedAsyncConfig):
         self.cfg = cfg

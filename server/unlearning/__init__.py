@@ -35,7 +35,8 @@ beside its own, so a checkpoint's layout is what it was before the parts were sp
   boundary, the window of recent updates) and the calibration of every later update;
 - rebuild.py: ``FedEraserRebuild``, the halting baseline's rebuild and its update history.
 
-Beside them: requests.py (the ``Erasure`` record and the ``ErasureHost`` the parts see),
+Beside them: requests.py (the ``Erasure`` record; what the coordinator is given of the server: its model
+(``ServedModel``), its silos' jobs (``SiloJobs``) and the run's values (``ErasureRun``)),
 no_erasure.py (``NoErasure``, the erasure part of a run that cannot erase), bounds.py (an erasure's size and
 the bound on its delta) and resume.py (a request across a server restart). The arithmetic is
 the core's (fedasync.unlearning) and the messages are protocol's.
@@ -43,19 +44,22 @@ the core's (fedasync.unlearning) and the messages are protocol's.
 
 from collections.abc import Callable
 
-from server.corrections import Project
 from server.unlearning.calibration import PROTECTS, Calibration, NoCalibration, UpdateCalibration
 from server.unlearning.lifecycle import ErasureCoordinator
 from server.unlearning.no_erasure import NoErasure
 from server.unlearning.rebuild import FedEraserRebuild, Rebuild
-from server.unlearning.requests import WENT_DOWN, WENT_OFFLINE, Erasure, ErasureHost
+from server.unlearning.requests import (
+    WENT_DOWN,
+    WENT_OFFLINE,
+    Erasure,
+    ErasureRun,
+    ServedModel,
+    SiloJobs,
+)
 
-ErasureFactory = Callable[
-    [ErasureHost, Callable[[], float | None], Callable[[str, Project], int]], ErasureCoordinator
-]
-"""What makes a run's erasure coordinator (``server.erasure_setup.coordinator_for``), given what
-it sees of the server, the accepted-update norm threshold now and the pipeline's calibration
-of what it carries past a boundary."""
+ErasureFactory = Callable[[ServedModel, SiloJobs, ErasureRun], ErasureCoordinator]
+"""What makes a run's erasure coordinator (``server.erasure_setup.coordinator_for``), given the
+model it changes, the silos' jobs and the run's values."""
 
 __all__ = [
     "PROTECTS",
@@ -65,10 +69,12 @@ __all__ = [
     "Erasure",
     "ErasureCoordinator",
     "ErasureFactory",
+    "ErasureRun",
     "FedEraserRebuild",
-    "ErasureHost",
     "NoCalibration",
     "NoErasure",
     "Rebuild",
+    "ServedModel",
+    "SiloJobs",
     "UpdateCalibration",
 ]

@@ -32,7 +32,6 @@ writes the same requests in progress, the store and the event log in the order a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import server.unlearning.resume as resume
@@ -49,11 +48,18 @@ from server.unlearning.attest import boundary_facts, erasing_facts, model_sha256
 from server.unlearning.bounds import bound_delta, size
 from server.unlearning.calibration import Calibration, carries_nothing
 from server.unlearning.rebuild import FedEraserRebuild
-from server.unlearning.requests import WENT_DOWN, WENT_OFFLINE, Erasure, ErasureHost, add_floats
+from server.unlearning.requests import (
+    WENT_DOWN,
+    WENT_OFFLINE,
+    Erasure,
+    ErasureRun,
+    ServedModel,
+    SiloJobs,
+    add_floats,
+)
 from server.unlearning.sinks import UpdateSinks
 
 if TYPE_CHECKING:
-    from server.corrections import Project
     from server.erasure.store import ErasureStore
     from server.intake import Job
 
@@ -68,35 +74,38 @@ class ErasureCoordinator:
 
     def __init__(
         self,
-        srv: ErasureHost,
+        model: ServedModel,
+        silos: SiloJobs,
+        run: ErasureRun,
         store: ErasureStore,
         verify_fn: Any,
-        *,
-        norm_threshold: Callable[[], float | None] = lambda: None,
-        at_boundary: Callable[[str, Project], int] = carries_nothing,
     ):
-        """``verify_fn``: (params, silo, sample_ids) -> the verification metrics;
-        ``norm_threshold``: the accepted-update norm outlier threshold now (None: not enough
-        updates yet), one of an erasure delta's bounds (``bound_delta``); ``at_boundary``:
-        calibrates what the server carries past an erasure boundary (the correction
-        pipeline's ``at_boundary``; by default nothing is carried)."""
-        self.srv = srv
+        """``model``: the model the erasures change; ``silos``: the silos' jobs; ``run``: the
+        run's values and what the coordinator reads of the server's parts (the norm bound an
+        erasure delta gets like any update, the calibration of what the correction pipeline
+        carries past a boundary); ``verify_fn``: (params, silo, sample_ids) -> the
+        verification metrics."""
+        self.model = model
+        self.silos = silos
+        self.run = run
         self.store = store
-        self.cfg = srv.cfg.unlearning
+        self.cfg = run.cfg.unlearning
         self.verify_fn = verify_fn
-        self.norm_threshold = norm_threshold
+        self.norm_threshold = run.norm_threshold
         self.ledger = ContributionLedger()
         self.calibration = Calibration(
             self.cfg,
             refuses=self._refuses,
-            at_boundary=at_boundary,
-            silos=srv.cfg.silos.count,
+            at_boundary=run.at_boundary or carries_nothing,
+            silos=run.cfg.silos.count,
         )
         self.rebuild: FedEraserRebuild | None = None  # the halting baseline's (federaser)
-        if self.cfg.federaser:
+        if run.rebuilds:
             self.rebuild = FedEraserRebuild(  # its rebuilt model is applied as any erasure's
-                srv,
-                srv.params,
+                run.cfg,
+                silos,
+                run.roster,
+                model.params,
                 is_retired=lambda s: s in self.retired,
                 done=lambda e, model, metrics: self._apply(e, model, None, metrics),
             )
@@ -105,7 +114,7 @@ class ErasureCoordinator:
         self.active: dict[str, Erasure] = {}
         self.applied: set[str] = set()
         self.schedule = sorted(
-            ((e.at_s, e.silo, e.fraction) for e in srv.cfg.erasures), key=lambda x: x[0]
+            ((e.at_s, e.silo, e.fraction) for e in self.run.cfg.erasures), key=lambda x: x[0]
         )
         self.report: list[dict[str, Any]] = []
         self.seen: dict[str, float] = {}  # request id -> clock time it was first seen queued
@@ -120,7 +129,7 @@ class ErasureCoordinator:
     def next_time(self) -> float:
         """The next clock time at which ``poll`` has something to do by itself: a scheduled
         erasure to submit, or a requeued one whose pause is over."""
-        now = self.srv.clock.now
+        now = self.run.clock.now
         times = [t for t in self.not_before.values() if t > now]
         if self.schedule:
             times.append(self.schedule[0][0])
@@ -132,7 +141,7 @@ class ErasureCoordinator:
 
     def may_train(self, silo: int) -> bool:
         """Whether ``silo`` may be sent training (not retired, erasing, or halted)."""
-        if self.cfg.halt and (
+        if self.run.halts and (
             self.halting or any(e.boundary is None for e in self.active.values())
         ):
             return False  # the synchronous baseline: everyone waits for the erasure
@@ -140,16 +149,19 @@ class ErasureCoordinator:
 
     def halted_silos(self) -> list[int]:
         """Silos with no work in flight, not down, that may train again (after a halt)."""
-        srv = self.srv
-        return [s for s in sorted(srv.roster) if srv.holding(s) is None and self.may_train(s)]
+        return [
+            s
+            for s in sorted(self.run.roster)
+            if self.silos.holding(s) is None and self.may_train(s)
+        ]
 
     def poll(self) -> None:
         """Submit due scheduled erasures; start queued requests whose silo is online."""
-        now = self.srv.clock.now
+        now = self.run.clock.now
         while self.schedule and self.schedule[0][0] <= now:
             _, silo, fraction = self.schedule.pop(0)
             ids = self._fraction_ids(silo, fraction)
-            req, _ = self.store.submit(silo, ids or None, "schedule", self.srv.version)
+            req, _ = self.store.submit(silo, ids or None, "schedule", self.model.version)
             log.info("scheduled erasure %s of silo %d submitted at t=%.1f", req.id, silo, now)
         queued = [r for r in self.store.unfinished() if r.state is State.QUEUED]
         for req in queued:
@@ -157,14 +169,14 @@ class ErasureCoordinator:
         before, self.waiting = self.waiting, {r.silo for r in queued}
         self._start_queued(queued, now)
         for silo in sorted(before - self.waiting):  # their request left the queue otherwise
-            if self.srv.holding(silo) is None and self.may_train(silo):  # (failed): they train
-                self.srv.release(silo)
+            if self.silos.holding(silo) is None and self.may_train(silo):  # (failed): they train
+                self.silos.release(silo)
 
     def _startable(self, req: Any, now: float) -> bool:
         """Whether ``req`` may start now but for its silo's job in flight."""
-        if req.id in self.active or req.silo in self.retired or req.silo not in self.srv.roster:
+        if req.id in self.active or req.silo in self.retired or req.silo not in self.run.roster:
             return False
-        if self.srv.is_down(req.silo) or self.erasing(req.silo):
+        if self.silos.is_down(req.silo) or self.erasing(req.silo):
             return False  # offline: it waits, queued, until the silo returns
         return self.not_before.get(req.id, now) <= now
 
@@ -176,19 +188,19 @@ class ErasureCoordinator:
         # stops that job when it sees the request enter erasing there (clients/preempt.py).
         # Without the service a cancel would gain nothing and start the erasure message's
         # reply timeout behind the job
-        if self.cfg.cancel_inflight and (not self.srv.clock.realtime or self.cfg.service):
+        if self.cfg.cancel_inflight and (not self.run.clock.realtime or self.cfg.service):
             for req in queued:
-                if self._startable(req, now) and self.srv.holding(req.silo) is not None:
-                    self.srv.cancel_for_erasure(req.silo, req.id)
+                if self._startable(req, now) and self.silos.holding(req.silo) is not None:
+                    self.silos.cancel_for_erasure(req.silo, req.id)
         # the synchronous baseline halts: no new work while a request waits, and the erasure
         # starts only once the (other silos') work in flight has drained
-        self.halting = self.cfg.halt and bool(queued)
-        if self.halting and any(j.kind is JobKind.TRAIN for j in self.srv.inflight.values()):
+        self.halting = self.run.halts and bool(queued)
+        if self.halting and any(j.kind is JobKind.TRAIN for j in self.silos.inflight.values()):
             return
         for req in queued:
             if not self._startable(req, now):
                 continue  # (a requeued one waits out its pause after its silo went down)
-            if self.srv.holding(req.silo) is not None:
+            if self.silos.holding(req.silo) is not None:
                 continue  # one job per silo: it starts when the silo's job in flight is back
             self.not_before.pop(req.id, None)
             if not any(r.silo == req.silo and r.id != req.id for r in queued):
@@ -198,13 +210,12 @@ class ErasureCoordinator:
     def _fraction_ids(self, silo: int, fraction: float) -> list[str]:
         if fraction >= 1.0:
             return []
-        return fraction_ids(self.srv.silo_sample_ids(silo), self.srv.cfg.run.seed, silo, fraction)
+        return fraction_ids(self.run.sample_ids(silo), self.run.cfg.run.seed, silo, fraction)
 
     def _start(self, req: Any, resumed: bool = False) -> None:
-        srv = self.srv
         submitted_t, wall_ms = self._submitted(req)
         e = Erasure(req.id, req.silo, list(req.sample_ids), submitted_t, submitted_wall_ms=wall_ms)
-        e.started_t = srv.clock.now
+        e.started_t = self.run.clock.now
         self.active[req.id] = e
         note = self._size(e)
         e.removal = removal(
@@ -220,7 +231,7 @@ class ErasureCoordinator:
             self.store.note(
                 req.id,
                 actor="server",
-                model_version=srv.version,
+                model_version=self.model.version,
                 detail=f"resumed after restart: sent train.unlearn to silo {req.silo} again{note}",
             )
         else:
@@ -228,7 +239,7 @@ class ErasureCoordinator:
                 req.id,
                 State.ERASING,
                 actor="server",
-                model_version=srv.version,
+                model_version=self.model.version,
                 detail=f"sent train.unlearn to silo {req.silo}{note}",
                 facts=erasing_facts(self.cfg, self.rebuild is not None),
             )
@@ -240,7 +251,7 @@ class ErasureCoordinator:
             self.rebuild.start(e)
             return
         self._remove_now(e)
-        if srv.dispatch_unlearn(req.silo, srv.params, e):
+        if self.silos.dispatch_unlearn(req.silo, self.model.params, e):
             self.event(e, "erasing", **e.start_report)
         else:  # refused: the silo holds a job (erasures start on idle silos: a bug's trace)
             self.requeue(e, SiloLost("its silo was busy", offline=True))
@@ -256,13 +267,8 @@ class ErasureCoordinator:
         with its reply, from this model."""
         if e.removal is None:
             return
-        srv = self.srv
-        old = srv.params
-
-        def score(params: Params) -> float:
-            return float(srv.evaluate_fn(params)["score"])
-
-        new, measured = bounded(old, e.removal, score, self.cfg.server_removal_max_drop)
+        old = self.model.params
+        new, measured = bounded(old, e.removal, self.run.score, self.cfg.server_removal_max_drop)
         before = measured["removal_score_before"]
         rest = Remainder.of(e.removal, measured["removal_applied"], before)
         if rest is not None:  # withheld by the bound: applied in steps later (_remove_more)
@@ -273,34 +279,33 @@ class ErasureCoordinator:
         self.ledger.forget(str(e.silo))
         self._removing = True
         try:
-            srv.apply_erasure(new)
+            self.model.apply_erasure(new)
         finally:
             self._removing = False
-        e.removed_version, e.removed_t = srv.version, srv.clock.now
-        self.calibration.boundary = srv.version
+        e.removed_version, e.removed_t = self.model.version, self.run.clock.now
+        self.calibration.boundary = self.model.version
         after = measured["removal_score_after"]
         e.start_report.update(measured)
-        srv.checkpoint()
+        self.model.checkpoint()
         kept = e.start_report.get("removal_kept")
         share = "" if kept is None else f" ({100 * float(kept):.1f}% of its recorded contributions)"
         self.store.note(
             e.request_id,
             actor="server",
-            model_version=srv.version,
+            model_version=self.model.version,
             detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work{share}"
-            f"{_applied(measured, self.cfg.server_removal_max_drop, srv.version)}",
+            f"{_applied(measured, self.cfg.server_removal_max_drop, self.model.version)}",
         )
         applied = measured["removal_applied"]
         self.event(e, "removed", score_before=before, score_after=after, applied=applied)
 
     def _submitted(self, req: Any) -> tuple[float, int | None]:
         """``(submitted_t, submitted_wall_ms)`` of ``req`` (`resume.submitted`)."""
-        return resume.submitted(req, self.srv.clock, self.store.opened_ms, self.seen)
+        return resume.submitted(req, self.run.clock, self.store.opened_ms, self.seen)
 
     def _size(self, e: Erasure) -> str:
         """Scope and size of ``e`` before it is sent (`bounds.size`); a note for the audit."""
-        srv = self.srv
-        held, n = set(srv.silo_sample_ids(e.silo)), int(srv.num_samples.get(e.silo, 0))
+        held, n = set(self.run.sample_ids(e.silo)), int(self.run.num_samples.get(e.silo, 0))
         return size(e, self.cfg, held, n, set(self.excluded.get(e.silo, [])))
 
     def take_calibration(self, job: Job, update: Any) -> None:
@@ -341,13 +346,12 @@ class ErasureCoordinator:
 
     def take_unlearn(self, erasure: Erasure, decoded: tuple) -> None:
         """Apply a silo's erasure: removal + its delta onto the current model; boundary."""
-        srv = self.srv
         if self.active.get(erasure.request_id) is not erasure:
             log.warning("ignored a reply to erasure %s: not in progress", erasure.request_id)
             return  # requeued or finished meanwhile: only the attempt in progress is applied
         delta, basis, names, metrics, gradient = decoded
         delta, bounds = self.bound_delta(erasure, delta)
-        new = add_floats(srv.params, delta)  # (the server's removal is in force already)
+        new = add_floats(self.model.params, delta)  # (the server's removal is in force already)
         sig = GradientSignature.from_basis(basis, names)
         grad = None if gradient is None else ForgetGradient.unit(gradient, names)
         self._apply(erasure, new, sig, metrics, bounds, grad)
@@ -360,7 +364,7 @@ class ErasureCoordinator:
             delta,
             self.cfg,
             threshold=self.norm_threshold(),
-            clip_norm=self.srv.cfg.server.clip_norm,
+            clip_norm=self.run.cfg.server.clip_norm,
         )
 
     def _apply(
@@ -373,9 +377,8 @@ class ErasureCoordinator:
         gradient: ForgetGradient | None = None,
     ) -> None:
         """Put the erased model in force: the erasure boundary, verification, durability."""
-        srv = self.srv
         # what the calibrating event says of what is protected
-        kept = self.calibration.protect(erasure, srv.params, new, sig, gradient)
+        kept = self.calibration.protect(erasure, self.model.params, new, sig, gradient)
         if erasure.sample_ids:
             self.excluded.setdefault(erasure.silo, []).extend(erasure.sample_ids)
         else:
@@ -384,16 +387,16 @@ class ErasureCoordinator:
         # the global score just before the erasure: before the server's removal, if it had one
         before = erasure.start_report.get("removal_score_before")
         if before is None:
-            before = float(srv.evaluate_fn(srv.params)["score"])
-        model_before = (srv.version, model_sha256(srv.params))
-        pre = srv.params if erasure.pre_erasure is None else erasure.pre_erasure
+            before = self.run.score(self.model.params)
+        model_before = (self.model.version, model_sha256(self.model.params))
+        pre = self.model.params if erasure.pre_erasure is None else erasure.pre_erasure
         erasure.around_boundary, erasure.pre_erasure = (pre, new), None
-        srv.apply_erasure(new)
-        erasure.boundary = self.calibration.boundary = srv.version
-        erasure.applied_t = srv.clock.now
-        after = float(srv.evaluate_fn(srv.params)["score"])  # just after it
+        self.model.apply_erasure(new)
+        erasure.boundary = self.calibration.boundary = self.model.version
+        erasure.applied_t = self.run.clock.now
+        after = self.run.score(self.model.params)  # just after it
         erasure.metrics_at_boundary = {
-            **self.verify_fn(srv.params, erasure.silo, erasure.sample_ids),
+            **self.verify_fn(self.model.params, erasure.silo, erasure.sample_ids),
             **{f"silo_{k}": v for k, v in metrics.items()},  # what the silo reported
             **(bounds or {}),  # the server's bound on the silo's delta (bound_delta)
             **kept,  # signature_unique's share removed; whether a forget gradient came
@@ -402,22 +405,27 @@ class ErasureCoordinator:
             "boundary_dip": before - after,
         }
         self.applied.add(erasure.request_id)
-        srv.checkpoint()  # the model with the erasure is durable before the store says so
+        self.model.checkpoint()  # the model with the erasure is durable before the store says so
         self.store.transition(
             erasure.request_id,
             State.CALIBRATING,
             actor="server",
-            model_version=srv.version,
-            boundary_version=srv.version,
+            model_version=self.model.version,
+            boundary_version=self.model.version,
             metrics=erasure.metrics_at_boundary,
-            detail=f"erasure applied at version {srv.version}; calibrating",
-            facts=boundary_facts(self.cfg, model_before, srv.params),
+            detail=f"erasure applied at version {self.model.version}; calibrating",
+            facts=boundary_facts(self.cfg, model_before, self.model.params),
         )
         self.event(erasure, "calibrating", **erasure.metrics_at_boundary)
-        self.halting = False  # re-evaluated by the next poll if more requests wait
-        if self.cfg.halt:
+        self._resume_halted()
+
+    def _resume_halted(self) -> None:
+        """A halted federation resumes (in rounds: the next one starts) once its erasure is
+        applied or has failed; the next poll halts it again if more requests wait."""
+        self.halting = False
+        if self.run.halts:
             for silo in self.halted_silos():
-                srv.release(silo)  # the halted federation resumes (in rounds: at the next one)
+                self.silos.release(silo)
 
     def failed(self, erasure: Erasure, why: str) -> None:
         """The erasure cannot be carried out: ``failed`` with ``why`` (a silo that went down
@@ -430,16 +438,17 @@ class ErasureCoordinator:
             erasure.request_id,
             State.FAILED,
             actor="server",
-            model_version=self.srv.version,
+            model_version=self.model.version,
             detail=why,
         )
         self.event(erasure, "failed", detail=why)
+        self._resume_halted()
 
     def requeue(self, erasure: Erasure, why: SiloLost) -> None:
         """Its silo went down mid-erasure: back to ``queued`` (the audit row says why), to be
         started again by ``poll`` when the silo is back; ``failed`` after
         ``unlearning.max_attempts`` losses that were not the silo being offline."""
-        srv, rid = self.srv, erasure.request_id
+        rid = erasure.request_id
         if self.active.get(rid) is not erasure or erasure.boundary is not None:
             return  # not in progress, or already applied (then it is not lost)
         if why.offline:
@@ -447,7 +456,7 @@ class ErasureCoordinator:
                 f"{WENT_OFFLINE}: {why}; will retry when it returns "
                 "(not counted against unlearning.max_attempts)"
             )
-            self.not_before[rid] = srv.clock.now + srv.cfg.server.offline_retry_s
+            self.not_before[rid] = self.run.clock.now + self.run.cfg.server.offline_retry_s
         else:
             n = 1 + sum(1 for a in self.store.requeues(rid) if a.detail.startswith(WENT_DOWN))
             if n >= self.max_attempts:
@@ -465,17 +474,16 @@ class ErasureCoordinator:
         self.waiting.add(erasure.silo)  # no training for it before the erasure starts again
         log.warning("erasure %s of silo %d back to queued: %s", rid, erasure.silo, detail)
         self.store.transition(
-            rid, State.QUEUED, actor="server", model_version=srv.version, detail=detail
+            rid, State.QUEUED, actor="server", model_version=self.model.version, detail=detail
         )
         self.event(erasure, "queued", detail=detail)
 
     def event(self, e: Erasure, state: str, **extra: Any) -> None:
         """The ``erasure`` event of ``e`` entering ``state`` (metrics.jsonl)."""
-        srv = self.srv
-        srv.events.write(
+        self.run.events.write(
             "erasure",
-            t=srv.clock.now,
-            version=srv.version,
+            t=self.run.clock.now,
+            version=self.model.version,
             request=e.request_id,
             silo=e.silo,
             state=state,
@@ -484,7 +492,7 @@ class ErasureCoordinator:
 
     def row(self, e: Erasure) -> dict[str, Any]:
         """What the summary reports of an applied erasure (`resume.row`)."""
-        return resume.row(e, self.store, self.srv.clock.kind, self.srv.updates_accepted_between)
+        return resume.row(e, self.store, self.run.clock.kind, self.run.accepted_between)
 
     def on_version(self, score: float | None = None) -> None:
         """Check again the erasures whose relearning window has passed: each moves to
@@ -500,33 +508,32 @@ class ErasureCoordinator:
             self._remove_more(score)
 
     def _check_windows(self) -> None:
-        srv = self.srv
         for rid, e in list(self.active.items()):
             if e.boundary is None:
                 continue
-            since = srv.version - e.boundary
+            since = self.model.version - e.boundary
             if since < self.cfg.relearn_versions:
                 every = self.cfg.watch_every
                 if every and since > 0 and since % every == 0:
                     self._watch(e, since)
                 continue
-            after = e.measure(self.srv.params, self.verify_fn)
-            after["score"] = float(srv.evaluate_fn(srv.params)["score"])  # (has it come back?)
+            after = e.measure(self.model.params, self.verify_fn)
+            after["score"] = self.run.score(self.model.params)  # (has it come back?)
             e.around_boundary = None
             self._end_remainder(e, "checked")
             state, reading = _checked(e, after)
             # verified_version: the version at which it was checked, verified or not
-            row = {**self.row(e), "after_relearn": after, "verified_version": srv.version}
+            row = {**self.row(e), "after_relearn": after, "verified_version": self.model.version}
             self.report.append({**row, "state": state.value, "reading": reading})
             del self.active[rid]
             self.store.transition(
                 rid,
                 state,
                 actor="server",
-                model_version=srv.version,
+                model_version=self.model.version,
                 metrics=after,
                 detail=f"{state.value} after {self.cfg.relearn_versions} versions: {reading}",
-                facts=verified_facts(srv.params),
+                facts=verified_facts(self.model.params),
             )
             self.event(e, state.value, **after)
 
@@ -538,18 +545,15 @@ class ErasureCoordinator:
         protects (``Calibration.removed``); a removal withheld whole at the request gets that
         protection with its first step. A request waiting to start again (its silo went down)
         keeps its rest for when it does."""
-        srv, max_drop = self.srv, self.cfg.server_removal_max_drop
+        max_drop = self.cfg.server_removal_max_drop
         before: float | None = score  # (the evaluation of this version; measured after a step)
-
-        def held_out(params: Params) -> float:
-            return float(srv.evaluate_fn(params)["score"])
 
         for rid, rest in list(self.remainders.items()):
             e = self.active.get(rid)
             if e is None:
                 continue
-            old, whole_withheld = srv.params, rest.left >= 1.0
-            new, measured = rest.step(old, held_out, max_drop, before)
+            old, whole_withheld = self.model.params, rest.left >= 1.0
+            new, measured = rest.step(old, self.run.score, max_drop, before)
             if not measured["removal_step"]:
                 continue  # the bound allows none of it yet: tried at the next evaluation
             if rest.left <= 0.0:
@@ -558,17 +562,17 @@ class ErasureCoordinator:
                 self.calibration.removed(e, old, new)
             self._removing = True
             try:
-                srv.apply_erasure(new)
+                self.model.apply_erasure(new)
             finally:
                 self._removing = False
             before = None
-            srv.checkpoint()  # the model with the step is durable before the audit says so
+            self.model.checkpoint()  # the model with the step is durable before the audit says so
             self.store.note(
                 rid,
                 actor="server",
-                model_version=srv.version,
+                model_version=self.model.version,
                 detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work: "
-                f"{_more(measured, max_drop, srv.version)}",
+                f"{_more(measured, max_drop, self.model.version)}",
             )
             self.event(
                 e,
@@ -588,7 +592,7 @@ class ErasureCoordinator:
         self.store.note(
             e.request_id,
             actor="server",
-            model_version=self.srv.version,
+            model_version=self.model.version,
             detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work: {1.0 - rest.left:g} of it in "
             f"force when the request was {why}; the rest ({rest.left:g}) was never applied "
             f"(the held-out score was not back to its level before the request, or a step "
@@ -599,26 +603,24 @@ class ErasureCoordinator:
         """The run ends with ``e`` applied but its relearning window not over: it cannot be
         checked within this run. Says so in its audit log (a note; the request stays
         ``calibrating``, and a resumed run goes on with it) and returns the same words."""
-        srv = self.srv
-        since, window = srv.version - (e.boundary or 0), self.cfg.relearn_versions
+        since, window = self.model.version - (e.boundary or 0), self.cfg.relearn_versions
         why = (
-            f"{ENDED_UNCHECKED}: the run ended at version {srv.version}, {since} of the "
+            f"{ENDED_UNCHECKED}: the run ended at version {self.model.version}, {since} of the "
             f"{window} versions of its relearning window after the boundary; it stays "
             "calibrating (a resumed run, run.resume=true, goes on with it)"
         )
-        self.store.note(e.request_id, actor="server", model_version=srv.version, detail=why)
+        self.store.note(e.request_id, actor="server", model_version=self.model.version, detail=why)
         log.warning("erasure %s: %s", e.request_id, why)
         return why
 
     def _watch(self, e: Erasure, since: int) -> None:
         """An ``erasure_watch`` event: the erased model's verification metrics ``since``
         versions after the boundary, and its reversion ratio (``unlearning.watch_every``)."""
-        srv = self.srv
-        metrics = e.measure(self.srv.params, self.verify_fn)
-        srv.events.write(
+        metrics = e.measure(self.model.params, self.verify_fn)
+        self.run.events.write(
             "erasure_watch",
-            t=srv.clock.now,
-            version=srv.version,
+            t=self.run.clock.now,
+            version=self.model.version,
             request=e.request_id,
             silo=e.silo,
             since_boundary=since,
@@ -666,7 +668,12 @@ class ErasureCoordinator:
         """After a restart: match the store's unfinished requests with the restored model
         (`resume.reconcile`; an erasing request not applied is started again)."""
         resume.reconcile(
-            self.store, self.active, self.applied, self.srv, lambda req: self._start(req, True)
+            self.store,
+            self.active,
+            self.applied,
+            self.model.version,
+            self.run.roster,
+            lambda req: self._start(req, True),
         )
 
 

@@ -13,7 +13,7 @@ back to the erasure coordinator (lifecycle.py), which applies it as any erasure.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,10 +30,7 @@ log = logging.getLogger("fedasync.server")
 
 
 class Calibrators(Protocol):
-    """What a rebuild sees of the server: the config, the silos, and calibration training."""
-
-    cfg: FedAsyncConfig
-    roster: dict[int, int]
+    """What a rebuild sees of the silos' jobs: which silo is down, and calibration training."""
 
     def is_down(self, silo: int) -> bool:
         """Whether ``silo`` waits out a failure."""
@@ -58,21 +55,27 @@ class Rebuild:
 
 
 class FedEraserRebuild:
-    """The update history and the one rebuild in progress (``unlearning.federaser``)."""
+    """The update history and the one rebuild in progress (``server.mode=federaser``)."""
 
     def __init__(
         self,
-        srv: Calibrators,
+        cfg: FedAsyncConfig,
+        silos: Calibrators,
+        roster: Mapping[int, int],
         initial: Params,
         *,
         is_retired: Callable[[int], bool],
         done: Callable[[Erasure, Params, dict[str, float]], None],
     ):
-        """``initial``: the model training starts from; ``is_retired``: whether a silo was
+        """``silos``: the silos' jobs; ``roster``: the silos (silo -> node id, filled in place
+        by the loop); ``initial``: the model training starts from; ``is_retired``: whether a silo was
         erased whole (it takes no part); ``done``: the coordinator's, applying a rebuilt
         model (with what the rebuild reports)."""
-        self.srv = srv
-        self.cfg = srv.cfg.unlearning
+        self.silos = silos
+        self.roster = roster
+        self.cfg = cfg.unlearning
+        self.local_steps = cfg.client.local_steps
+        self.lr = cfg.server.optimizer.lr
         self.history = UpdateHistory(self.cfg.federaser_interval)
         self.history.start(initial)
         self.current: Rebuild | None = None
@@ -96,20 +99,20 @@ class FedEraserRebuild:
         self._round()
 
     def _round(self) -> None:
-        rb, srv = self.current, self.srv
+        rb, jobs = self.current, self.silos
         assert rb is not None
-        steps = max(1, round(srv.cfg.client.local_steps * self.cfg.federaser_steps_ratio))
+        steps = max(1, round(self.local_steps * self.cfg.federaser_steps_ratio))
         while rb.idx < len(rb.rounds):
             norms = self.history.norms(rb.rounds[rb.idx])
             silos = [
                 s
-                for s in sorted(srv.roster)
+                for s in sorted(self.roster)
                 if str(s) in norms
                 and s != rb.erasure.silo
                 and not self.is_retired(s)
-                and not srv.is_down(s)
+                and not jobs.is_down(s)
             ]
-            sent = [s for s in silos if srv.dispatch_calibration(s, rb.model, steps, rb.erasure)]
+            sent = [s for s in silos if jobs.dispatch_calibration(s, rb.model, steps, rb.erasure)]
             if sent:
                 rb.pending = set(sent)
                 rb.updates = {}
@@ -134,7 +137,7 @@ class FedEraserRebuild:
             {s: u.tensors for s, u in rb.updates.items()},
             norms,
             weights={s: float(u.num_samples) for s, u in rb.updates.items()},
-            lr=self.srv.cfg.server.optimizer.lr,
+            lr=self.lr,
         )
         rb.idx += 1
         self._round()

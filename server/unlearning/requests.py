@@ -1,11 +1,12 @@
 """What the erasure parts share: one request in progress as the server tracks it
-(``Erasure``) and what they see of the server (``ErasureHost``). The erasure part of a run
+(``Erasure``) and what they are given of the server: its model (``ServedModel``), its silos'
+jobs (``SiloJobs``) and the run's values (``ErasureRun``). The erasure part of a run
 that cannot erase is no_erasure.py's ``NoErasure``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from fedasync.clock import Clock
     from fedasync.events import EventLog
     from server.config import FedAsyncConfig
+    from server.corrections import Project
     from server.intake import Job
 
 WENT_DOWN = "silo went down mid-erasure"
@@ -24,21 +26,33 @@ WENT_OFFLINE = "silo went offline mid-erasure"
 """Audit detail of an erasing -> queued that does not (the SuperLink reported it offline)."""
 
 
-class ErasureHost(Protocol):
-    """What the erasure coordinator sees of the server: the model and its version, the clock,
-    the silos and their jobs, the event log, and the few actions it may ask for. The server
-    loop is one; a test may pass another. What it needs of the
-    server's parts (the accepted-update norm threshold, the pipeline's state at a boundary)
-    it is given as callables instead (``ErasureCoordinator``)."""
+class ServedModel(Protocol):
+    """The model an erasure changes: its newest version and weights, making new weights the
+    newest version (a removal, a boundary, a step of a removal's rest), and a checkpoint of the
+    run with it. The server loop is one; a test may pass another."""
 
-    cfg: FedAsyncConfig
-    version: int
-    params: Params
-    clock: Clock
-    roster: dict[int, int]
-    num_samples: dict[int, int]
-    events: EventLog
-    evaluate_fn: Any
+    @property
+    def version(self) -> int:
+        """The newest model's version."""
+        ...
+
+    @property
+    def params(self) -> Params:
+        """The newest model's weights."""
+        ...
+
+    def apply_erasure(self, params: Params) -> None:
+        """Make ``params`` the newest version; no model from before it is kept."""
+        ...
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint now."""
+        ...
+
+
+class SiloJobs(Protocol):
+    """The silos' jobs as an erasure sees them: which silo is busy or down, and the sends and
+    the cancel an erasure asks for. The server loop is one; a test may pass another."""
 
     @property
     def inflight(self) -> Mapping[str, Job]:
@@ -51,10 +65,6 @@ class ErasureHost(Protocol):
 
     def is_down(self, silo: int) -> bool:
         """Whether ``silo`` waits out a failure."""
-        ...
-
-    def dispatch(self, silo: int) -> None:
-        """Send ``silo`` regular training work."""
         ...
 
     def release(self, silo: int) -> None:
@@ -73,21 +83,48 @@ class ErasureHost(Protocol):
         """Send ``silo`` FedEraser calibration training; False when refused."""
         ...
 
-    def apply_erasure(self, params: Params) -> None:
-        """Make ``params`` the newest version (the erasure boundary)."""
-        ...
 
-    def checkpoint(self) -> None:
-        """Write a checkpoint now."""
-        ...
+def _no_ids(silo: int) -> list[str]:
+    return []
 
-    def silo_sample_ids(self, silo: int) -> list[str]:
-        """The sample ids ``silo`` holds."""
-        ...
 
-    def updates_accepted_between(self, t0: float, t1: float) -> int:
-        """Updates accepted in the clock interval ``(t0, t1]``."""
-        ...
+def _none_accepted(t0: float, t1: float) -> int:
+    return 0
+
+
+def _no_threshold() -> float | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ErasureRun:
+    """What the erasure coordinator is given of its run, as values: the config, the clock, the
+    event log, the silos (``roster``, silo -> node id, and ``num_samples``: mappings the loop
+    fills in place once the nodes are known), and what it reads of the server's parts:
+
+    - ``score``: a model's score on the server's held-out set (the removal's bound);
+    - ``sample_ids``: the sample ids a silo holds (empty where the server holds no silo data);
+    - ``accepted_between``: the updates accepted in the clock interval ``(t0, t1]``;
+    - ``norm_threshold``: the accepted-update norm outlier threshold now (None: not enough
+      updates yet), one of an erasure delta's bounds;
+    - ``at_boundary``: the calibration of what the server carries past an erasure boundary
+      (the correction pipeline's; None: it carries nothing);
+
+    and the strategy's erasure policy: ``halts`` (no silo trains while an erasure is carried
+    out) and ``rebuilds`` (an erasure is FedEraser's rebuild without the silo)."""
+
+    cfg: FedAsyncConfig
+    clock: Clock
+    events: EventLog
+    roster: Mapping[int, int]
+    num_samples: Mapping[int, int]
+    score: Callable[[Params], float]
+    sample_ids: Callable[[int], list[str]] = _no_ids
+    accepted_between: Callable[[float, float], int] = _none_accepted
+    norm_threshold: Callable[[], float | None] = _no_threshold
+    at_boundary: Callable[[str, Project], int] | None = None
+    halts: bool = False
+    rebuilds: bool = False
 
 
 @dataclass

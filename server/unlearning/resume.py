@@ -7,7 +7,7 @@ from submission, not from the restart. Functions of what the erasure coordinator
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from server.erasure.states import State, is_terminal
@@ -81,12 +81,13 @@ def reconcile(
     store: ErasureStore,
     active: dict[str, Erasure],
     applied: set[str],
-    srv: Any,
+    version: int,
+    roster: Mapping[int, int],
     restart: Callable[[Any], None],
 ) -> None:
     """After a restart: match the store's unfinished requests with the restored model
-    (``active`` and ``applied``: the coordinator's, restored; ``srv``: its roster and
-    version; ``restart``: start an erasing request again).
+    (``active`` and ``applied``: the coordinator's, restored; ``version``: the
+    restored model's; ``roster``: the silos here; ``restart``: start an erasing request again).
 
     The model with an erasure applied is checkpointed before the store moves the request
     to calibrating, so: erasing + applied -> the transition was lost, finish it; erasing
@@ -114,7 +115,7 @@ def reconcile(
             store.note(
                 req.id,
                 actor="server",
-                model_version=srv.version,
+                model_version=version,
                 detail="resumed after restart (calibrating)",
             )
         if req.state is not State.ERASING:
@@ -124,10 +125,10 @@ def reconcile(
                 req.id,
                 State.CALIBRATING,
                 actor="server",
-                model_version=srv.version,
+                model_version=version,
                 detail="resumed after a restart",
             )
-        elif req.silo in srv.roster:
+        elif req.silo in roster:
             log.info("erasure %s restarts after a server restart", req.id)
             restart(req)
         else:  # its silo is not here after the restart: it waits, queued, for it
@@ -140,6 +141,6 @@ def reconcile(
                 req.id,
                 State.QUEUED,
                 actor="server",
-                model_version=srv.version,
+                model_version=version,
                 detail=detail,
             )
