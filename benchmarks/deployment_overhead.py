@@ -20,7 +20,7 @@ under 1 s with warm workers.
 ``server.flower_sync:app``: every silo each round, a barrier, ``send_and_receive``, its 3 s
 wait between polls capped at fedasync's poll, ``server.poll_interval_s``) on the same deployment (warm workers) with 8 silos of which 2 are 4x slower
 (``silos.speed_profile=stragglers``, ``straggler_fraction=0.25``, ``straggler_slowdown=4``,
-``silos.emulate_speed=true``: a slow silo waits after training so that its message takes 4x
+``lab.emulate_speed=true``: a slow silo waits after training so that its message takes 4x
 as long), over ``--reps`` seeds (default 3). Per run: updates per wall second once training
 started (per silo, its updates / (its last take - the first dispatch), summed over silos),
 and the time from the first dispatch to a target test score (95% of the lower of the two
@@ -280,7 +280,7 @@ def part_speedup(args: argparse.Namespace, out: Path) -> dict[str, dict[str, Any
                 "silos.speed_profile=stragglers",
                 "silos.straggler_fraction=0.25",
                 "silos.straggler_slowdown=4",
-                "silos.emulate_speed=true",
+                "lab.emulate_speed=true",
                 "server.eval_every=8",
                 *args.overrides,
             ]

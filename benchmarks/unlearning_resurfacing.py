@@ -4,7 +4,7 @@ A verification run (issue 14 §3): one fast silo's training data carries a stron
 (brain-tissue: half its samples get a 12x12 checkerboard trigger and label 1; attack success
 rate ≥ 0.9 before the request); at ``--erase-at-s`` virtual seconds it asks to be forgotten
 and the federation trains on. Every evaluation verifies the backdoor on the current model
-(``backdoor.watch``), in every arm and in retraining, so each arm's backdoor success rate
+(``lab.backdoor.watch``), in every arm and in retraining, so each arm's backdoor success rate
 (ASR) and membership-inference AUC can be compared with retraining's at the same virtual
 times after the request.
 
@@ -109,23 +109,23 @@ BENCHMARKS: dict[str, list[str]] = {
         "silos.count=4",
         "client.lr=0.1",
         "server.alpha=0.6",
-        "backdoor.fraction=0.5",
-        "backdoor.target_label=1",
-        "backdoor.trigger_size=12",
-        "backdoor.trigger_pattern=checker",
+        "lab.backdoor.fraction=0.5",
+        "lab.backdoor.target_label=1",
+        "lab.backdoor.trigger_size=12",
+        "lab.backdoor.trigger_pattern=checker",
     ],
     "nuclei": [
         "silos.count=4",
-        "backdoor.fraction=0.5",
-        "backdoor.target_label=0",
-        "backdoor.trigger_size=16",
-        "backdoor.trigger_pattern=checker",
+        "lab.backdoor.fraction=0.5",
+        "lab.backdoor.target_label=0",
+        "lab.backdoor.trigger_size=16",
+        "lab.backdoor.trigger_pattern=checker",
     ],
 }
 """Per benchmark: the federation and a backdoor strong enough to resurface."""
 
 FORGETTING = ("bd_asr", "bd_mia_auc", "bd_forget_accuracy")
-"""Forgetting metrics read from the ``eval`` events (``backdoor.watch``)."""
+"""Forgetting metrics read from the ``eval`` events (``lab.backdoor.watch``)."""
 LATENCY_GAP = 0.01
 EFFECTIVE_MARGIN = 0.1
 """An erasure is effective when its ASR at the boundary is at most retraining's + this."""
@@ -172,14 +172,14 @@ def _scenario(name: str, variant: str, args: argparse.Namespace, seed: int) -> l
     silo, peer = fast[0], fast[1]
     out = [
         f"silos.straggler_slowdown={slowdown}",
-        f"backdoor.silo={silo}",
+        f"lab.backdoor.silo={silo}",
         f"erasures=[{{silo: {silo}, at_s: {args.erase_at_s}}}]",
     ]
     if name == "leftover":
         out += [
-            f"backdoor.relearn_silo={peer}",
-            f"backdoor.relearn_after_s={args.erase_at_s}",
-            f"backdoor.relearn_samples={int(variant)}",
+            f"lab.backdoor.relearn_silo={peer}",
+            f"lab.backdoor.relearn_after_s={args.erase_at_s}",
+            f"lab.backdoor.relearn_samples={int(variant)}",
         ]
     elif name == "async-state":
         out += [
@@ -221,8 +221,8 @@ def plan(args: argparse.Namespace) -> list[Run]:
         "server.max_staleness=null",
         "run.compare_sync=false",
         "run.progress=false",
-        "backdoor.enabled=true",
-        "backdoor.watch=true",
+        "lab.backdoor.enabled=true",
+        "lab.backdoor.watch=true",
         "unlearning.relearn_versions=100000",  # watched to the end, verified at the end
         "unlearning.steps=20",  # a strong erasure: 5 steps left ASR 0.74 at the boundary
         "unlearning.watch_every=5",
@@ -234,11 +234,11 @@ def plan(args: argparse.Namespace) -> list[Run]:
             for seed in range(args.seed0, args.seed0 + args.seeds):
                 sc = _scenario(scen, variant, args, seed)
                 common = base + [f"run.seed={seed}", f"run.budget_s={budget}"]
-                silo = next(o for o in sc if o.startswith("backdoor.silo=")).split("=")[1]
+                silo = next(o for o in sc if o.startswith("lab.backdoor.silo=")).split("=")[1]
                 for arm in ["retrain", *arms]:
                     if arm == "retrain":
                         extra = [o for o in sc if not o.startswith("erasures=")]
-                        extra += [f"silos.exclude=[{silo}]"]
+                        extra += [f"lab.exclude=[{silo}]"]
                     else:
                         extra = sc + ARMS[arm]
                     folder = Path(args.out) / args.benchmark / scen / variant / f"s{seed}"

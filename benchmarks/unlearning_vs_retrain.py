@@ -68,8 +68,8 @@ the smallest of each over the benchmarks (nan when a benchmark lacks one of the 
 each verification marked).
 
 ``--request samples``: retraining leaves out exactly the erased share from the start
-(``silos.exclude_samples``, the same seeded choice), and every forgetting metric is read on
-that share (``backdoor.watch`` follows it in both runs). FedEraser erases whole silos only,
+(``lab.exclude_samples``, the same seeded choice), and every forgetting metric is read on
+that share (``lab.backdoor.watch`` follows it in both runs). FedEraser erases whole silos only,
 so ``sync-halt`` does not run; ``--methods ...,fedasync-removal`` adds the server's scaled
 removal at request time (``unlearning.server_removal_scale``) before the silo's fixed ascent.
 
@@ -118,7 +118,7 @@ class Bench:
     overrides: tuple[str, ...] = field(default_factory=tuple)
     """More config overrides the benchmark needs."""
     trigger_pattern: str = "solid"
-    """``backdoor.trigger_pattern``: solid, checker or blend (medical_data.backdoor)."""
+    """``lab.backdoor.trigger_pattern``: solid, checker or blend (medical_data.backdoor)."""
     learns: bool = True
     """False: no model learns the task in this setting (not in the default benchmarks; run
     by name only, to investigate, with a warning)."""
@@ -227,7 +227,7 @@ MEMBERSHIP_STEPS = 20
 METRICS = ("asr", "asr_without_trigger", "forget_accuracy", "mia_auc", "test_accuracy")
 WATCHED = {"asr": "bd_asr", "forget_accuracy": "bd_forget_accuracy", "mia_auc": "bd_mia_auc"}
 """Forgetting metrics at the boundary (the erasure report) -> the same, watched at every
-evaluation (``backdoor.watch``), as in retraining's run."""
+evaluation (``lab.backdoor.watch``), as in retraining's run."""
 UNTRIGGERED = "bd_asr_without_trigger"
 """The ASR's images without the trigger, watched at every evaluation (the model's lean to the
 target label, which the ASR counts too)."""
@@ -249,9 +249,9 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
     return {
         "no-erasure": ["server.mode=fedasync"],  # what there is to erase: the backdoor learnt
         "retrain": [
-            f"silos.exclude_samples=[{{silo: {silo}, fraction: {fraction}}}]"
+            f"lab.exclude_samples=[{{silo: {silo}, fraction: {fraction}}}]"
             if fraction < 1.0
-            else f"silos.exclude=[{silo}]",
+            else f"lab.exclude=[{silo}]",
             "server.mode=fedasync",
         ],
         "sync-halt": [
@@ -323,7 +323,7 @@ def method_names(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     """Every method on every seed of every benchmark, then the latencies and the ratios."""
-    from server.config_erasure import TRIGGER_PATTERNS
+    from server.config_lab import TRIGGER_PATTERNS
 
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -431,21 +431,21 @@ def _run_seed(
         "server.evaluate_silos=false",
         "server.max_staleness=null",
         *PINNED,
-        "backdoor.enabled=true",
-        "backdoor.watch=true",  # the forgetting metrics at every evaluation, for the latency
-        f"backdoor.silo={b.silo}",
-        f"backdoor.fraction={b.fraction}",
-        f"backdoor.trigger_size={b.trigger_size}",
-        f"backdoor.trigger_pattern={b.trigger_pattern}",
-        f"backdoor.target_label={b.target_label}",
+        "lab.backdoor.enabled=true",
+        "lab.backdoor.watch=true",  # the forgetting metrics at every evaluation, for the latency
+        f"lab.backdoor.silo={b.silo}",
+        f"lab.backdoor.fraction={b.fraction}",
+        f"lab.backdoor.trigger_size={b.trigger_size}",
+        f"lab.backdoor.trigger_pattern={b.trigger_pattern}",
+        f"lab.backdoor.target_label={b.target_label}",
         "unlearning.relearn_versions=20",
         *b.overrides,
     ]
     if args.relearn_attack:
         attacker = (b.silo + 1) % b.silos
         common += [
-            f"backdoor.relearn_silo={attacker}",
-            f"backdoor.relearn_after_s={b.erase_at_s + 60}",
+            f"lab.backdoor.relearn_silo={attacker}",
+            f"lab.backdoor.relearn_after_s={b.erase_at_s + 60}",
         ]
     share = args.request_fraction if args.request == "samples" else 1.0
     rows: Rows = {}
@@ -1000,7 +1000,7 @@ def _plot(rows: Rows, path: Path, name: str, b: Bench) -> None:
 
 TIMELINE = ("bd_asr", "bd_forget_accuracy", "score")
 """What the timeline plot draws against virtual time: the backdoor's ASR and forget metric on
-the erased silo's data (``backdoor.watch``), and the test score."""
+the erased silo's data (``lab.backdoor.watch``), and the test score."""
 
 
 def _plot_timeline(

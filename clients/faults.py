@@ -1,7 +1,7 @@
 """Fault injection for robustness runs: a Flower mod around the ClientApp's train handler.
 
 The server asks a silo to misbehave through the train request's ``fault`` (``keys.FAULT``; the
-kinds are ``server.config.FAULT_KINDS``), so the server's intake can be tested against every
+kinds are ``server.config_lab.FAULT_KINDS``), so the server's intake can be tested against every
 bad reply on the real message path:
 
 - ``crash``: raise before training (Flower turns it into an error reply);

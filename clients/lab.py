@@ -1,7 +1,8 @@
 """The benchmarks' instruments, which a hospital's node never obeys.
 
 A verification run of a built-in benchmark can ask a silo to stamp a trigger on its images and
-relabel them (the setup's ``backdoor``), to train on another silo's poisoned samples as well (a
+relabel them (the setup's ``backdoor``), to wait after training as a slower silo would (the
+setup's ``emulate_speeds``), to train on another silo's poisoned samples as well (a
 train request's ``relearn``), or to misbehave on the wire (a train request's ``fault``:
 crash, replay, corrupt its reply). They exist to test the erasure and the server's intake in
 simulation and on one-machine deployments of a benchmark's partitions.
@@ -37,9 +38,14 @@ class LabSettingRefused(ValueError):
 
 
 def instruments(
-    backdoor: dict[str, Any] | None, *, relearn: bool = False, fault: str | None = None
+    backdoor: dict[str, Any] | None,
+    *,
+    relearn: bool = False,
+    fault: str | None = None,
+    emulate: bool = False,
 ) -> list[str]:
-    """The instruments a request asks for: ``backdoor`` (on), ``relearn``, ``fault=KIND``."""
+    """The instruments a request asks for: ``backdoor`` (on), ``relearn``, ``fault=KIND``,
+    ``emulate_speed`` (the setup's ``emulate_speeds``: wait after training, as a slower silo)."""
     asked = []
     if backdoor and backdoor.get("enabled"):
         asked.append("backdoor")
@@ -47,6 +53,8 @@ def instruments(
         asked.append("relearn")
     if fault:
         asked.append(f"fault={str(fault)[:40]}")
+    if emulate:
+        asked.append("emulate_speed")
     return asked
 
 

@@ -67,7 +67,7 @@ def _silo(context: Context, setup_json: str, *, relearn: bool = False, handler: 
         fed = _federation(setup_json)
         data = _silo_data(setup_json, silo)
         return Silo(silo, fed.spec, data, data, own=False)
-    asked = instruments(setup.backdoor, relearn=relearn)
+    asked = instruments(setup.backdoor, relearn=relearn, emulate=bool(setup.emulate_speeds))
     refuse_instruments(silo, asked, handler=handler or "message")
     spec = get_spec(setup.data.benchmark)
     try:
@@ -141,7 +141,8 @@ def _task(
     silo = int(context.node_config["partition-id"])
     datalist = str(context.node_config.get(P.DATALIST, ""))
     if datalist or own_bundle:
-        refuse_instruments(silo, instruments(setup.backdoor, relearn=relearn), handler=handler)
+        asked = instruments(setup.backdoor, relearn=relearn, emulate=bool(setup.emulate_speeds))
+        refuse_instruments(silo, asked, handler=handler)
     if relearn:
         raise ValueError("a relearning attack trains on another silo's data: benchmark silos only")
     if own_bundle:

@@ -125,7 +125,7 @@ def run_server(
 
     watch = (
         verifier(cfg, fed, spec=spec, test=test)
-        if cfg.backdoor.enabled and cfg.backdoor.watch
+        if cfg.lab.backdoor.enabled and cfg.lab.backdoor.watch
         else None
     )
     watched = watched_ids(cfg, fed) if watch is not None else []
@@ -139,8 +139,8 @@ def run_server(
         assert test is not None
         model.load_state_dict(params)
         res = evaluate(model, test, task=task)
-        if watch is not None:  # the backdoor over time (backdoor.watch)
-            report = watch(params, cfg.backdoor.silo, watched)
+        if watch is not None:  # the backdoor over time (lab.backdoor.watch)
+            report = watch(params, cfg.lab.backdoor.silo, watched)
             res.update({f"bd_{k}": v for k, v in report.items() if k != "test_accuracy"})
         return res
 
@@ -343,9 +343,9 @@ def _check_deployable(cfg: FedAsyncConfig) -> None:
                 "needs its ids, which the coordinator does not hold in deployment; submit the "
                 "ids through the erasure service (fedasync erase submit --samples ...)"
             )
-    if cfg.backdoor.enabled and cfg.backdoor.relearn_silo is not None:
+    if cfg.lab.backdoor.enabled and cfg.lab.backdoor.relearn_silo is not None:
         raise ConfigError(
-            "backdoor.relearn_silo: a relearning attack trains on another silo's data, which "
+            "lab.backdoor.relearn_silo: a relearning attack trains on another silo's data, which "
             "only a simulation has"
         )
 

@@ -120,7 +120,7 @@ def describe_run(
             str(s): {"num_samples": int(r.num_samples), "class_counts": list(r.class_counts)}
             for s, r in sorted(reports.items())
         },
-        "excluded_silos": sorted(cfg.silos.exclude),
+        "excluded_silos": sorted(cfg.lab.exclude),
         "training": {k: getattr(cfg.client, k) for k in TRAINING},
         "evaluation": {
             "on": evaluation_on,

@@ -41,7 +41,7 @@ def client_setup(cfg: FedAsyncConfig) -> Setup:
     """What every train message tells the ClientApp about the run (both ServerApps send it,
     as ``client_setup(cfg).to_json()``).
 
-    ``emulate_speeds``: each silo's speed when ``silos.emulate_speed`` is on (the ClientApp
+    ``emulate_speeds``: each silo's speed when ``lab.emulate_speed`` is on (the ClientApp
     then waits after training, see ``clients.app``), else None.
     """
     return Setup(
@@ -49,8 +49,8 @@ def client_setup(cfg: FedAsyncConfig) -> Setup:
         data=cfg.data,
         num_silos=cfg.silos.count,
         seed=cfg.run.seed,
-        backdoor=to_dict(cfg.backdoor),
-        emulate_speeds=silo_speeds(cfg.silos, cfg.run.seed) if cfg.silos.emulate_speed else None,
+        backdoor=to_dict(cfg.lab.backdoor),
+        emulate_speeds=silo_speeds(cfg.silos, cfg.run.seed) if cfg.lab.emulate_speed else None,
         task=cfg.task,
     )
 

@@ -5,7 +5,7 @@ Every numeric key has its allowed values in RANGES. Each section checks its own 
 ``__post_init__`` (ranges, choices, the keys within it that must agree), so a section that
 exists is valid whoever built it: omegaconf (``OmegaConf.to_object`` calls the constructors),
 ``dataclasses.replace`` or a test. FedAsyncConfig checks what needs the whole config: keys of
-different sections that must agree, the entries of ``faults`` and ``erasures`` (their keys carry
+different sections that must agree, the silos that ``erasures`` and the ``lab`` section name (their keys carry
 their index, which an entry does not know) and the client and data sections, whose classes are
 protocol.config's. Every error is a ConfigError (a fedasync.errors.UserError) naming the key.
 A config is never changed once built: derive another with ``dataclasses.replace``. Experiments
@@ -19,10 +19,10 @@ refuses Literal annotations, and 2.4 would check them itself in its own words be
 section does, changing the messages. `choices` reads the allowed values from either form.
 
 The one reference of every ``fedasync simulate`` key, a section per key prefix, each
-documented field by field (docs/configuration.md and a test read it), in three modules: this
-one (the whole config and the run, server, silos, engine and faults sections), the erasure
-sections (server/config_erasure.py: ``unlearning``, ``erasures``, ``backdoor``) and every
-numeric key's range (server/config_ranges.py, ``RANGES``, importable from here too).
+documented field by field (docs/configuration.md and a test read it), in four modules: this
+one (the whole config and the run, server, silos and engine sections), the erasure sections
+(server/config_erasure.py: ``unlearning``, ``erasures``), the benchmarks' and tests'
+instruments (server/config_lab.py: ``lab``) and every numeric key's range (server/config_ranges.py, ``RANGES``, importable from here too).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from protocol.config import PRECISIONS, ClientConfig, DataConfig, TaskConfig
 from runkit import configload
 from runkit.keys import RunKeys
-from server.config_erasure import BackdoorConfig, ErasureRequestConfig, UnlearningConfig
+from server.config_erasure import ErasureRequestConfig, UnlearningConfig
+from server.config_lab import LabConfig
 from server.config_ranges import RANGES
 from server.config_task import task_checks
 
@@ -50,21 +51,15 @@ ServerMode = Literal["fedasync", "fedbuff", "sync", "ca2fl", "federaser"]
 """``server.mode``."""
 SpeedProfile = Literal["uniform", "stragglers", "lognormal"]
 """``silos.speed_profile``."""
-FaultKind = Literal[
-    "crash", "nan", "wrong_shape", "replay", "huge_norm", "future_version", "unknown_silo"
-]
-"""``faults[].kind``."""
 
 
 MODES: tuple[str, ...] = choices(ServerMode)
 SPEED_PROFILES: tuple[str, ...] = choices(SpeedProfile)
-FAULT_KINDS: tuple[str, ...] = choices(FaultKind)
 OPTIMIZER_KINDS: tuple[str, ...] = choices(OptimizerKind)
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
-    ServerMode, SpeedProfile, FaultKind, WeightFnName, OptimizerKind = (
-        Annotated[str, t]
-        for t in (ServerMode, SpeedProfile, FaultKind, WeightFnName, OptimizerKind)
+    ServerMode, SpeedProfile, WeightFnName, OptimizerKind = (
+        Annotated[str, t] for t in (ServerMode, SpeedProfile, WeightFnName, OptimizerKind)
     )
 
 
@@ -239,14 +234,6 @@ class ServerConfig:
 
 
 @dataclass
-class SampleShare:
-    """An entry of ``silos.exclude_samples``: a seeded share of one silo's samples."""
-
-    silo: int = 0
-    fraction: float = 0.1
-
-
-@dataclass
 class SilosConfig:
     """How many silos and how fast each computes (virtual clock)."""
 
@@ -267,40 +254,14 @@ class SilosConfig:
     """Virtual seconds of communication per message (both ways together)."""
     jitter: float = 0.1
     """Relative jitter of each job's duration (seeded per silo and job)."""
-    emulate_speed: bool = False
-    """Wall clock (deployment on one machine): each silo waits after training so that its
-    message takes 1/speed as long as its training did, making the speed profile real."""
-    exclude: list[int] = field(default_factory=list)
-    """Silos that never train (retraining from scratch without their data)."""
-    exclude_samples: list[SampleShare] = field(default_factory=list)
-    """Seeded shares of silos' samples that are never trained on: retraining from scratch
-    without the samples a sample-level erasure of the same share erases (the same seeded
-    choice as ``erasures[].fraction``, server/unlearning/lifecycle.py ``_fraction_ids``)."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges, the speed profile, and that excluded silos exist."""
+        """Checked when built: ranges and the speed profile."""
         check_ranges(self, "silos.", RANGES)
         check(
             self.speed_profile in SPEED_PROFILES,
             f"silos.speed_profile must be one of {SPEED_PROFILES}, got {self.speed_profile!r}",
         )
-        n = self.count
-        for i, silo in enumerate(self.exclude):
-            check(silo < n, f"silos.exclude[{i}]={silo} is not a silo (0..{n - 1})")
-        seen: set[int] = set()
-        for i, share in enumerate(self.exclude_samples):
-            at = f"silos.exclude_samples[{i}]"
-            check(0 <= share.silo < n, f"{at}.silo={share.silo} is not a silo (0..{n - 1})")
-            check(
-                0.0 < share.fraction < 1.0,
-                f"{at}.fraction={share.fraction} must be in (0, 1) (a whole silo: silos.exclude)",
-            )
-            check(share.silo not in seen, f"{at}: silo {share.silo} is listed twice")
-            seen.add(share.silo)
-
-    def excluded_share(self, silo: int) -> float | None:
-        """The share of ``silo``'s samples it never trains on (``exclude_samples``), or None."""
-        return next((x.fraction for x in self.exclude_samples if x.silo == silo), None)
 
 
 @dataclass
@@ -370,21 +331,6 @@ class EngineConfig:
 
 
 @dataclass
-class FaultConfig:
-    """One injected fault, for robustness runs (an entry of ``faults``: FedAsyncConfig checks
-    it, naming its index)."""
-
-    kind: FaultKind = "crash"
-    """crash, nan, wrong_shape, replay, huge_norm, future_version or unknown_silo."""
-    silo: int = 0
-    """Which silo misbehaves."""
-    at_version: int = 0
-    """It misbehaves on its first job dispatched at or after this version."""
-    down_s: float = 30.0
-    """crash: virtual seconds the silo stays down before it comes back."""
-
-
-@dataclass
 class FedAsyncConfig:
     """Everything a run needs."""
 
@@ -394,21 +340,20 @@ class FedAsyncConfig:
     client: ClientConfig = field(default_factory=ClientConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    faults: list[FaultConfig] = field(default_factory=list)
     erasures: list[ErasureRequestConfig] = field(default_factory=list)
     unlearning: UnlearningConfig = field(default_factory=UnlearningConfig)
-    backdoor: BackdoorConfig = field(default_factory=BackdoorConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    lab: LabConfig = field(default_factory=LabConfig)
 
     def __post_init__(self) -> None:
         """Checked when built (each section has checked itself): the client and data sections'
-        ranges, the entries of ``faults`` and ``erasures``, the data's names, and the keys of
+        ranges, the silos ``erasures`` and ``lab`` name, the data's names, and the keys of
         different sections that must agree. What needs files (the data, a checkpoint to resume)
         is checked by simulations.config.preflight."""
         from medical_data.registry import BENCHMARKS, PARTITIONS
 
         for rkey, key, value in numeric_values(self):
-            if rkey.startswith(("client.", "data.", "task.", "faults[", "erasures[")):
+            if rkey.startswith(("client.", "data.", "task.", "erasures[")):
                 rng = RANGES.get(rkey)
                 check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
         d, n = self.data, self.silos.count
@@ -447,23 +392,13 @@ class FedAsyncConfig:
         )
         for i, e in enumerate(self.erasures):
             check(e.silo < n, f"erasures[{i}].silo={e.silo} is not a silo (0..{n - 1})")
-        for i, f in enumerate(self.faults):
-            check(
-                f.kind in FAULT_KINDS,
-                f"faults[{i}].kind must be one of {FAULT_KINDS}, got {f.kind!r}",
-            )
-            check(f.silo < n, f"faults[{i}].silo={f.silo} is not a silo (0..{n - 1})")
-        b = self.backdoor
-        if b.enabled:
-            check(b.silo < n, f"backdoor.silo={b.silo} is not a silo (0..{n - 1})")
-            check(
-                not spec.offline or b.target_label < spec.num_classes,
-                f"backdoor.target_label={b.target_label} is not a class of {d.benchmark} "
-                f"(0..{spec.num_classes - 1})",
-            )
+        for ok, why in self.lab.silo_checks(n):
+            check(ok, why)
+        b = self.lab.backdoor
         check(
-            b.relearn_silo is None or b.relearn_silo < n,
-            f"backdoor.relearn_silo={b.relearn_silo} is not a silo (0..{n - 1})",
+            not b.enabled or not spec.offline or b.target_label < spec.num_classes,
+            f"lab.backdoor.target_label={b.target_label} is not a class of {d.benchmark} "
+            f"(0..{spec.num_classes - 1})",
         )
 
 

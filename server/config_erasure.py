@@ -1,4 +1,4 @@
-"""The config's erasure sections: ``unlearning``, ``erasures`` and ``backdoor``.
+"""The config's erasure sections: ``unlearning`` and ``erasures``.
 
 Part of the one reference of every ``fedasync simulate`` key (server/config.py, whose module
 docstring says how sections are written: each field documented under it, each section checking
@@ -33,9 +33,6 @@ CalibrationTarget = Literal["reply", "applied"]
 """``unlearning.calibration_target``."""
 Protect = Literal["subspace", "jump", "both", "gradient", "onesided"]
 """``unlearning.protect``."""
-TriggerPattern = Literal["solid", "checker", "blend"]
-"""``backdoor.trigger_pattern``: medical_data.backdoor.PATTERNS (tests/test_config_types.py
-checks the two agree; importing it here would load MONAI into every config reader)."""
 
 
 ERASURE_METHODS: tuple[str, ...] = choices(ErasureMethod)
@@ -45,7 +42,6 @@ SIGNATURE_DTYPES: tuple[str, ...] = choices(SignatureDtype)
 PRE_BOUNDARIES: tuple[str, ...] = choices(PreBoundary)
 CALIBRATION_TARGETS: tuple[str, ...] = choices(CalibrationTarget)
 PROTECTS: tuple[str, ...] = choices(Protect)
-TRIGGER_PATTERNS: tuple[str, ...] = choices(TriggerPattern)
 
 if choices(RadiusScaling) != tuple(SHARE_RULES):  # not an assert: kept under python -O
     raise AssertionError(f"RadiusScaling {choices(RadiusScaling)} != SHARE_RULES {SHARE_RULES}")
@@ -55,8 +51,8 @@ if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (server
         Annotated[str, t]
         for t in (ErasureMethod, ErasureStop, RadiusScaling, SignatureDtype, PreBoundary)
     )
-    CalibrationTarget, Protect, RemovalPart, TriggerPattern = (
-        Annotated[str, t] for t in (CalibrationTarget, Protect, RemovalPart, TriggerPattern)
+    CalibrationTarget, Protect, RemovalPart = (
+        Annotated[str, t] for t in (CalibrationTarget, Protect, RemovalPart)
     )
 
 
@@ -71,48 +67,6 @@ class ErasureRequestConfig:
     """Virtual second at which it is submitted."""
     fraction: float = 1.0
     """1.0: the whole silo; less: a seeded fraction of its samples (a sample-level erasure)."""
-
-
-@dataclass
-class BackdoorConfig:
-    """Verification runs: one silo's training data carries a trigger patch with a target label."""
-
-    enabled: bool = False
-    """Poison the silo's data (classification: relabel; segmentation: the whole mask)."""
-    silo: int = 0
-    """Which silo's data carries the trigger."""
-    fraction: float = 0.5
-    """Fraction of that silo's samples that get the trigger and the target label."""
-    target_label: int = 0
-    """The label the trigger maps to."""
-    trigger_size: int = 3
-    """Side of the square trigger patch in pixels (a 3x3 patch is not learnt on nuclei)."""
-    trigger_pattern: TriggerPattern = "solid"
-    """solid (the patch at the image's maximum), checker (a checkerboard of its maximum and
-    minimum: not ordinary anatomy, so the backdoor is learnt where a bright corner is not) or
-    blend (a faint checkerboard of ``trigger_size`` cells over the whole image: in every random
-    crop a 3D network trains on, where a corner patch is in few)."""
-    relearn_silo: int | None = None
-    """Relearning attack: this silo also trains on the backdoored silo's poisoned samples..."""
-    relearn_after_s: float = 0.0
-    """...from this virtual second on (to test that an erasure stays in force)."""
-    relearn_samples: int | None = None
-    """The relearning silo trains on only this many of the poisoned samples (a seeded choice;
-    None: all of them): how much leftover exposure brings an erased backdoor back."""
-    watch: bool = False
-    """Every evaluation also verifies the backdoored silo's data on the global model (``asr``,
-    ``forget_accuracy``, ``mia_auc`` in each ``eval`` event, prefixed ``bd_``): the backdoor
-    over time, in every run (the retraining reference and never-erased runs too)."""
-
-    def __post_init__(self) -> None:
-        """Checked when built: ranges and the pattern (which silos and labels exist,
-        FedAsyncConfig)."""
-        check_ranges(self, "backdoor.", RANGES)
-        check(
-            self.trigger_pattern in TRIGGER_PATTERNS,
-            f"backdoor.trigger_pattern must be one of {TRIGGER_PATTERNS}, "
-            f"got {self.trigger_pattern!r}",
-        )
 
 
 @dataclass

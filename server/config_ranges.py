@@ -57,9 +57,9 @@ RANGES: dict[str, Range] = {
     "silos.step_time_s": POSITIVE,
     "silos.latency_s": NON_NEGATIVE,
     "silos.jitter": Range(0, 1, hi_open=True),
-    "silos.exclude[]": NON_NEGATIVE,
-    "silos.exclude_samples[].silo": NON_NEGATIVE,
-    "silos.exclude_samples[].fraction": UNIT_OPEN,
+    "lab.exclude[]": NON_NEGATIVE,
+    "lab.exclude_samples[].silo": NON_NEGATIVE,
+    "lab.exclude_samples[].fraction": UNIT_OPEN,
     # client
     "client.local_steps": AT_LEAST_ONE,
     "client.batch_size": AT_LEAST_ONE,
@@ -86,9 +86,9 @@ RANGES: dict[str, Range] = {
     "engine.client_cpus": AT_LEAST_ONE,
     "engine.client_gpus": NON_NEGATIVE,
     # faults, erasures
-    "faults[].silo": NON_NEGATIVE,
-    "faults[].at_version": NON_NEGATIVE,
-    "faults[].down_s": NON_NEGATIVE,
+    "lab.faults[].silo": NON_NEGATIVE,
+    "lab.faults[].at_version": NON_NEGATIVE,
+    "lab.faults[].down_s": NON_NEGATIVE,
     "erasures[].silo": NON_NEGATIVE,
     "erasures[].at_s": NON_NEGATIVE,
     "erasures[].fraction": UNIT_OPEN_LOW,
@@ -112,13 +112,13 @@ RANGES: dict[str, Range] = {
     "unlearning.federaser_interval": AT_LEAST_ONE,
     "unlearning.federaser_steps_ratio": UNIT_OPEN_LOW,
     # backdoor
-    "backdoor.silo": NON_NEGATIVE,
-    "backdoor.fraction": UNIT_OPEN_LOW,
-    "backdoor.target_label": NON_NEGATIVE,
-    "backdoor.trigger_size": AT_LEAST_ONE,
-    "backdoor.relearn_silo": NON_NEGATIVE,
-    "backdoor.relearn_after_s": NON_NEGATIVE,
-    "backdoor.relearn_samples": AT_LEAST_ONE,
+    "lab.backdoor.silo": NON_NEGATIVE,
+    "lab.backdoor.fraction": UNIT_OPEN_LOW,
+    "lab.backdoor.target_label": NON_NEGATIVE,
+    "lab.backdoor.trigger_size": AT_LEAST_ONE,
+    "lab.backdoor.relearn_silo": NON_NEGATIVE,
+    "lab.backdoor.relearn_after_s": NON_NEGATIVE,
+    "lab.backdoor.relearn_samples": AT_LEAST_ONE,
 }
 """Every numeric key's allowed values (``name[]`` is every entry of a list); None, where a key
 allows it, means off. tests/test_config.py checks that no numeric key is missing here."""

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from protocol.config import ClientConfig, DataConfig, TaskConfig
-    from server.config_erasure import BackdoorConfig, ErasureRequestConfig, UnlearningConfig
+    from server.config_erasure import ErasureRequestConfig, UnlearningConfig
+    from server.config_lab import LabConfig
 
 
 class RunSections(Protocol):
@@ -21,7 +22,7 @@ class RunSections(Protocol):
 
     task: TaskConfig
     data: DataConfig
-    backdoor: BackdoorConfig
+    lab: LabConfig
     client: ClientConfig
     unlearning: UnlearningConfig
     erasures: list[ErasureRequestConfig]
@@ -37,7 +38,7 @@ def task_checks(cfg: RunSections) -> list[tuple[bool, str]]:
             d.partition in ("natural", "iid"),
             f"data.partition={d.partition}: a bundle's datalist splits natural or iid",
         ),
-        (not cfg.backdoor.enabled, "backdoor.enabled: not supported with task.bundle yet"),
+        (not cfg.lab.backdoor.enabled, "lab.backdoor.enabled: not supported with task.bundle yet"),
         (not cfg.client.dp.enabled, "client.dp.enabled: not supported with task.bundle yet"),
         (
             cfg.unlearning.method == "pga",

@@ -67,8 +67,8 @@ def verifier(
     test = fed.test if test is None and fed is not None else test
     task = spec.task
     vmodel = initial_model(cfg, spec)
-    bd = to_dict(cfg.backdoor)
-    b = cfg.backdoor
+    bd = to_dict(cfg.lab.backdoor)
+    b = cfg.lab.backdoor
     triggered = (
         triggered_set(test, b.target_label, b.trigger_size, pattern=b.trigger_pattern)
         if b.enabled and test is not None
@@ -79,7 +79,7 @@ def verifier(
         if b.enabled and test is not None
         else None
     )
-    target = cfg.backdoor.target_label if triggered is not None else None
+    target = cfg.lab.backdoor.target_label if triggered is not None else None
 
     def verify(params: dict[str, torch.Tensor], silo: int, ids: list[str]) -> dict[str, float]:
         if test is None:
@@ -182,13 +182,13 @@ def service_tls(cfg: FedAsyncConfig) -> Any:
 
 
 def watched_ids(cfg: FedAsyncConfig, fed: Any) -> list[str]:
-    """The backdoored silo's samples ``backdoor.watch`` follows: the seeded share a
+    """The backdoored silo's samples ``lab.backdoor.watch`` follows: the seeded share a
     sample-level erasure of it erases, or its retraining never trains on
-    (``silos.exclude_samples``), so that both runs are watched on the same samples; none
+    (``lab.exclude_samples``), so that both runs are watched on the same samples; none
     (the whole silo) otherwise."""
-    silo = cfg.backdoor.silo
+    silo = cfg.lab.backdoor.silo
     shares = [e.fraction for e in cfg.erasures if e.silo == silo and e.fraction < 1.0]
-    never = cfg.silos.excluded_share(silo)
+    never = cfg.lab.excluded_share(silo)
     shares += [] if never is None else [never]
     if not shares or fed is None:
         return []

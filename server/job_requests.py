@@ -49,7 +49,7 @@ class JobRequests:
     samples erased so far; ``faults`` what a robustness run injects (a ``fault`` event each).
 
     ``sample_ids_fn`` (silo -> its sample ids; None where the server holds no silo data)
-    gives the ids a seeded share of which a silo never trains on (``silos.exclude_samples``).
+    gives the ids a seeded share of which a silo never trains on (``lab.exclude_samples``).
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class JobRequests:
         self.jobs, self.faults, self.clock, self.events = jobs, faults, clock, events
         self.roster, self.model, self.erased_ids = roster, model, erased_ids
         self.sample_ids_fn = sample_ids_fn
-        self._never: dict[int, tuple[str, ...]] = {}  # silos.exclude_samples, by silo
+        self._never: dict[int, tuple[str, ...]] = {}  # lab.exclude_samples, by silo
 
     def base_kept(self, version: int) -> bool:
         """Whether jobs of base ``version`` can be sent that version's weights (the current
@@ -130,9 +130,9 @@ class JobRequests:
             fault=fault,
             keep_reply=keep,
             exclude=self.excluded_ids(silo),
-            relearn=silo == cfg.backdoor.relearn_silo
-            and cfg.backdoor.enabled
-            and self.clock.now >= cfg.backdoor.relearn_after_s,
+            relearn=silo == cfg.lab.backdoor.relearn_silo
+            and cfg.lab.backdoor.enabled
+            and self.clock.now >= cfg.lab.backdoor.relearn_after_s,
             local_steps=local_steps,
             # where silos without a privacy-db node config keep their ledger
             privacy_dir=str((self.run_dir / "privacy").resolve())
@@ -195,14 +195,14 @@ class JobRequests:
 
     def excluded_ids(self, silo: int) -> tuple[str, ...]:
         """The samples ``silo`` trains without: those erased before, and a seeded share it
-        never trains on (``silos.exclude_samples``: a sample-level erasure's retraining)."""
+        never trains on (``lab.exclude_samples``: a sample-level erasure's retraining)."""
         gone = self.erased_ids(silo)
         if silo not in self._never:
-            share = self.cfg.silos.excluded_share(silo)
+            share = self.cfg.lab.excluded_share(silo)
             ids = self.silo_sample_ids(silo)
             if share is not None and not ids:
                 raise RuntimeError(
-                    f"silos.exclude_samples names silo {silo}, whose sample ids this server "
+                    f"lab.exclude_samples names silo {silo}, whose sample ids this server "
                     "does not hold (simulation only)"
                 )
             seed = self.cfg.run.seed

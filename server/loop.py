@@ -110,7 +110,7 @@ class AsyncServer:
         self.clock: Clock = run_clock(cfg, self.speeds, wall_clock)
         self.events = EventLog(run_dir / "metrics.jsonl")
         self.jobs = Dispatcher(grid, self.clock, self.events, cfg.server.corrections.max_snapshots)
-        self.faults = FaultSchedule([to_dict(f) for f in cfg.faults])
+        self.faults = FaultSchedule([to_dict(f) for f in cfg.lab.faults])
         self.intake = Intake(cfg.server)
         self.pipeline = CorrectionPipeline(cfg, self.strategy.aggregator())
         self.privacy = ServerPrivacy.for_run(cfg.server.dp, run_dir)
@@ -213,7 +213,7 @@ class AsyncServer:
     def dispatch(self, silo: int, resend: Mapping[str, Any] | None = None) -> None:
         """Send ``silo`` a train message with the newest model (or, on resume, its old job:
         ``resend``, as the checkpoint keeps it, ``Dispatcher.jobs_to_resend``)."""
-        if silo in self.cfg.silos.exclude:
+        if silo in self.cfg.lab.exclude:
             return  # retraining without this silo's data
         if silo in self.privacy.stopped:
             return  # it refused further work (out of privacy budget)

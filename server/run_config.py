@@ -14,8 +14,8 @@ TOML has no null). So:
 
 - ``""`` is null for a key that allows null (``run.max_versions``, ``server.clip_norm``,
   ``data.network``...): off, none, or the default it documents;
-- a list (``silos.exclude``, ``faults``, ``erasures``) is a JSON list in a string:
-  ``silos.exclude="[0, 2]"``, ``faults='[{"kind": "crash", "silo": 1}]'``.
+- a list (``lab.exclude``, ``lab.faults``, ``erasures``) is a JSON list in a string:
+  ``lab.exclude="[0, 2]"``, ``lab.faults='[{"kind": "crash", "silo": 1}]'``.
 
 Everything else is the value itself; a string is quoted on Flower's command line
 (``server.mode="sync"``; unquoted, Flower refuses it). `config_from_run_config` decodes those
@@ -143,7 +143,7 @@ def _decode(key: Key, value: object) -> Any:
     if key.optional and key.type is not str and value in ("null", "None", "none"):
         raise ConfigError(f'{key.name}: null is written "" in the {SOURCE} ({key.name}="")')
     if key.is_list:
-        example = '[{"kind": "crash", "silo": 1}]' if key.name == "faults" else "[0, 2]"
+        example = '[{"kind": "crash", "silo": 1}]' if key.name == "lab.faults" else "[0, 2]"
         if not isinstance(value, str):
             raise ConfigError(f"{key.name} must be a JSON list in a string, e.g. '{example}'")
         try:
@@ -217,7 +217,7 @@ def pyproject_block(cfg: FedAsyncConfig | None = None) -> str:
         "# Every fedasync setting as a flat key, named and checked as in `fedasync simulate`",
         "# (docs/configuration.md); the defaults are server.config.FedAsyncConfig's. Override:",
         "#   flwr run . <superlink> --run-config 'server.mode=\"fedbuff\" run.budget_s=120'",
-        '# "" is null where a key allows it; silos.exclude, faults and erasures are JSON lists',
+        '# "" is null where a key allows it; lab.exclude, lab.faults and erasures are JSON lists',
         "# in a string. Written by `python -m server.run_config` (server/run_config.py).",
     ]
     section = ""

@@ -306,7 +306,12 @@ def _baseline_config(cfg: FedAsyncConfig) -> FedAsyncConfig:
     dp = cfg.server.dp.noise_multiplier is not None
     weighting = cfg.server.sample_weighting and not dp
     server = replace(cfg.server, mode="sync", sample_weighting=weighting)
-    return replace(cfg, server=server, run=replace(cfg.run, compare_sync=False), faults=[])
+    return replace(
+        cfg,
+        server=server,
+        run=replace(cfg.run, compare_sync=False),
+        lab=replace(cfg.lab, faults=[]),
+    )
 
 
 def simulate(cfg: FedAsyncConfig, *, verbose: bool = False) -> dict[str, Any]:

@@ -226,8 +226,8 @@ def test_methods_by_request_and_the_two_stopping_arms():
         assert "erasures=[{silo: 2, at_s: 200.0, fraction: 0.1}]" in m[arm]
     assert "erasures=[{silo: 2, at_s: 200.0}]" in bench._methods(2, 200.0)["sync-halt"]
     # ...retraining leaves out the same seeded share (or the whole silo)
-    assert "silos.exclude_samples=[{silo: 2, fraction: 0.1}]" in m["retrain"]
-    assert "silos.exclude=[2]" in bench._methods(2, 200.0)["retrain"]
+    assert "lab.exclude_samples=[{silo: 2, fraction: 0.1}]" in m["retrain"]
+    assert "lab.exclude=[2]" in bench._methods(2, 200.0)["retrain"]
     assert "unlearning.server_removal_scale=0.5" in m["fedasync-removal"]
     for arm in ("fedasync-unique", "fedasync-unique-membership"):
         assert "unlearning.server_removal_part=unique" in m[arm]

@@ -30,9 +30,9 @@ ERASE = (  # tests/test_erasure_e2e.py's: a share of silo 2's samples relabelled
     "unlearning.method=relabel",
     "unlearning.relearn_versions=4",
     "unlearning.steps=5",
-    "backdoor.enabled=true",
-    "backdoor.silo=1",
-    "backdoor.target_label=0",
+    "lab.backdoor.enabled=true",
+    "lab.backdoor.silo=1",
+    "lab.backdoor.target_label=0",
 )
 LOAD = """
 import json, sys

@@ -179,7 +179,7 @@ def test_a_hospital_node_trains_its_own_bundle_on_its_datalist_and_refuses_a_bac
     ctx.node_config.update(bundle=str(bundle_dir), datalist=str(datalist / "dataset.json"))
     setup = client_setup(cfg).to_json()
     poisoned = client_setup(
-        small_cfg("backdoor.enabled=true", "silos.count=2")
+        small_cfg("lab.backdoor.enabled=true", "silos.count=2")
     ).to_json()  # (a coordinator's config may name one; the node refuses it)
     params = mb.read_bundle(bundle_dir).network().state_dict()
     # Execute

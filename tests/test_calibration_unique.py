@@ -297,12 +297,12 @@ def test_a_run_with_the_unique_signature_is_checked_and_says_what_it_removed(
 
 
 RELEARN = (
-    "backdoor.enabled=true",
-    "backdoor.silo=0",
-    "backdoor.target_label=0",
-    "backdoor.relearn_silo=1",
-    "backdoor.relearn_after_s=0",
-    "backdoor.relearn_samples=8",
+    "lab.backdoor.enabled=true",
+    "lab.backdoor.silo=0",
+    "lab.backdoor.target_label=0",
+    "lab.backdoor.relearn_silo=1",
+    "lab.backdoor.relearn_after_s=0",
+    "lab.backdoor.relearn_samples=8",
 )
 """Silo 0's data carries a backdoor; silo 1 relearns it from 8 poisoned samples throughout."""
 

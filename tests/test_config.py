@@ -45,8 +45,8 @@ def test_overrides_apply_with_types():
         ("server.nonsense=1", "nonsense"),
         ("silos.count=abc", "count"),
         ("silos.speed_profile=fast", "speed_profile"),
-        ("faults=[{kind: meteor, silo: 0}]", "faults[0].kind"),
-        ("faults=[{kind: crash, silo: 99}]", "faults[0].silo"),
+        ("lab.faults=[{kind: meteor, silo: 0}]", "lab.faults[0].kind"),
+        ("lab.faults=[{kind: crash, silo: 99}]", "lab.faults[0].silo"),
     ],
 )
 def test_bad_config_names_the_key(override, message):
@@ -144,7 +144,7 @@ def test_in_range_values_at_the_bounds_are_accepted():
         ("data.benchmark=mnist", "data.benchmark"),
         ("data.partition=random", "data.partition"),
         ("data.network=vgg", "data.network"),
-        ("silos.exclude=[7]", "silos.exclude[0]"),
+        ("lab.exclude=[7]", "lab.exclude[0]"),
         ("engine.num_cpus=1", "engine.num_cpus"),
     ],
 )

@@ -24,6 +24,7 @@ from fedasync.staleness import WEIGHT_FUNCTIONS, WeightFnName
 from server import config as sc
 from server import config_erasure as sce
 from server.config import FedAsyncConfig, choices, from_container
+from server.config_lab import FaultConfig, LabConfig
 from trainers.pipeline import config as pc
 from trainers.pipeline.config import PipelineConfig, load_pipeline_config
 from trainers.rl import config as rc
@@ -119,7 +120,7 @@ def test_the_choice_fields_are_found():
         "fed:server.staleness.fn",
         "fed:server.optimizer.kind",
         "fed:silos.speed_profile",
-        "fed:faults[].kind",
+        "fed:lab.faults[].kind",
         "fed:unlearning.method",
         "fed:unlearning.radius_scaling",
         "fed:unlearning.signature_dtype",
@@ -193,8 +194,8 @@ def test_a_parse_leaves_its_input_untouched(tmp_path):
     # Prepare
     data = {
         "server": {"mode": "fedbuff", "staleness": {"fn": "hinge"}},
-        "silos": {"count": 4, "exclude": [1]},
-        "faults": [{"kind": "nan", "silo": 2}],
+        "silos": {"count": 4},
+        "lab": {"exclude": [1], "faults": [{"kind": "nan", "silo": 2}]},
     }
     before = copy.deepcopy(data)
     path = tmp_path / "rl.yaml"
@@ -209,7 +210,7 @@ def test_a_parse_leaves_its_input_untouched(tmp_path):
 
     # Assert
     assert data == before
-    assert cfg.silos.exclude == [1] and cfg.silos.exclude is not data["silos"]["exclude"]
+    assert cfg.lab.exclude == [1] and cfg.lab.exclude is not data["lab"]["exclude"]
     assert path.read_text() == "rollout:\n  mode: async\n"
     assert overrides == ["rollout.workers=4", "learner.correction=tis"]
     assert pipe_overrides == ["pipeline.schedule=2bw"] and pipe.pipeline.schedule == "2bw"
@@ -269,7 +270,7 @@ def test_a_config_built_by_hand_is_checked_too():
     with pytest.raises(ConfigError, match="server.alpha"):
         sc.ServerConfig(alpha=0.0)
     with pytest.raises(ConfigError, match=r"faults\[1\]\.silo"):
-        FedAsyncConfig(faults=[sc.FaultConfig(), sc.FaultConfig(silo=99)])
+        FedAsyncConfig(lab=LabConfig(faults=[FaultConfig(), FaultConfig(silo=99)]))
     with pytest.raises(ConfigError, match="learner.minibatches"):
         RLConfig(learner=rc.LearnerSection(minibatches=1000))
     with pytest.raises(ConfigError, match="pipeline.micro"):
@@ -288,6 +289,6 @@ def test_an_override_that_is_not_yaml_is_one_line_naming_it(override):
 
 def test_trigger_patterns_of_the_config_are_the_backdoors():
     from medical_data.backdoor import PATTERNS
-    from server.config_erasure import TRIGGER_PATTERNS
+    from server.config_lab import TRIGGER_PATTERNS
 
     assert TRIGGER_PATTERNS == PATTERNS

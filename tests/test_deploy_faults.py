@@ -145,7 +145,7 @@ class Federation:
                 # gives up on only ~100 s later). 3 local steps and 10x their time waited
                 # (both silos emulated stragglers): a tenth of the CPU of 30 real steps
                 "client.local_steps=3",
-                "silos.emulate_speed=true",
+                "lab.emulate_speed=true",
                 "silos.speed_profile=stragglers",
                 "silos.straggler_fraction=1.0",
                 "silos.straggler_slowdown=10",

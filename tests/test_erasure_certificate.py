@@ -84,9 +84,9 @@ def erased(tmp_path_factory):
             "unlearning.relearn_versions=4",
             "unlearning.watch_every=1",
             "unlearning.protect=subspace",
-            "backdoor.enabled=true",
-            "backdoor.silo=2",
-            "backdoor.target_label=0",
+            "lab.backdoor.enabled=true",
+            "lab.backdoor.silo=2",
+            "lab.backdoor.target_label=0",
         ],
     )
     run_dir = out / "t"

@@ -22,9 +22,9 @@ ERASE = (
     "unlearning.relearn_versions=4",
     "unlearning.steps=5",
     "server.eval_every=5",
-    "backdoor.enabled=true",
-    "backdoor.silo=1",
-    "backdoor.target_label=0",
+    "lab.backdoor.enabled=true",
+    "lab.backdoor.silo=1",
+    "lab.backdoor.target_label=0",
 )
 
 
@@ -190,7 +190,7 @@ def test_the_halting_baseline_erases_whole_silos_only(small_cfg):
 
 
 def test_excluded_silo_never_trains(small_cfg):
-    cfg = small_cfg("run.max_versions=10", "silos.exclude=[0]")
+    cfg = small_cfg("run.max_versions=10", "lab.exclude=[0]")
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     summary = run_server(InProcessGrid(client_app, 3), cfg, run_dir)
     assert summary["per_silo"]["0"]["accepted"] == 0 and summary["versions"] == 10
@@ -243,10 +243,10 @@ def test_calibration_projects_later_updates_and_drop_rule_counts(small_cfg):
 def test_relearning_attack_is_sent_to_its_silo_after_its_time(small_cfg):
     cfg = small_cfg(
         "run.max_versions=20",
-        "backdoor.enabled=true",
-        "backdoor.silo=1",
-        "backdoor.relearn_silo=2",
-        "backdoor.relearn_after_s=8",
+        "lab.backdoor.enabled=true",
+        "lab.backdoor.silo=1",
+        "lab.backdoor.relearn_silo=2",
+        "lab.backdoor.relearn_after_s=8",
     )
     grid = InProcessGrid(client_app, 3)
     run_server(grid, cfg, Path(cfg.run.out_dir) / cfg.run.name)
@@ -327,9 +327,11 @@ def test_drop_rule_rejects_stale_work_without_calibration_too(small_cfg):
 
 
 def test_watching_the_backdoor_adds_its_metrics_to_every_evaluation(small_cfg):
-    """backdoor.watch: each eval event carries the backdoored silo's verification metrics, in a
+    """lab.backdoor.watch: each eval event carries the backdoored silo's verification metrics, in a
     run without any erasure (the retraining reference's time series)."""
-    cfg = small_cfg("run.max_versions=10", "server.eval_every=5", *ERASE[3:], "backdoor.watch=true")
+    cfg = small_cfg(
+        "run.max_versions=10", "server.eval_every=5", *ERASE[3:], "lab.backdoor.watch=true"
+    )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     run_server(InProcessGrid(client_app, 3), cfg, run_dir)
     evals = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "eval"]

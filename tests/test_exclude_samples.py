@@ -1,4 +1,4 @@
-"""A sample-level erasure's retraining reference (``silos.exclude_samples``) never trains on
+"""A sample-level erasure's retraining reference (``lab.exclude_samples``) never trains on
 exactly the samples the erasure of the same share erases, and the backdoor watch follows
 those samples in both runs (server/job_requests.py ``excluded_ids``, server/erasure_setup.py ``watched_ids``)."""
 
@@ -28,7 +28,7 @@ def _train_requests(grid: InProcessGrid, node: int) -> list[TrainRequest]:
 
 def test_retraining_without_a_share_never_trains_on_what_its_erasure_erases(small_cfg, monkeypatch):
     # Prepare: the same seed, once retraining without 20% of silo 1, once erasing that share
-    retrain = small_cfg("run.max_versions=6", "silos.exclude_samples=[{silo: 1, fraction: 0.2}]")
+    retrain = small_cfg("run.max_versions=6", "lab.exclude_samples=[{silo: 1, fraction: 0.2}]")
     erase = small_cfg("run.max_versions=30", "erasures=[{silo: 1, at_s: 3, fraction: 0.2}]")
     erased: list[list[str]] = []
     start = AsyncServer.dispatch_unlearn
@@ -57,14 +57,18 @@ def test_the_watch_follows_the_share_in_both_runs(small_cfg):
     from server.benchmark import federation
 
     retrain = small_cfg(
-        "backdoor.enabled=true",
-        "backdoor.silo=1",
-        "silos.exclude_samples=[{silo: 1, fraction: 0.2}]",
+        "lab.backdoor.enabled=true",
+        "lab.backdoor.silo=1",
+        "lab.exclude_samples=[{silo: 1, fraction: 0.2}]",
     )
     erase = small_cfg(
-        "backdoor.enabled=true", "backdoor.silo=1", "erasures=[{silo: 1, at_s: 3, fraction: 0.2}]"
+        "lab.backdoor.enabled=true",
+        "lab.backdoor.silo=1",
+        "erasures=[{silo: 1, at_s: 3, fraction: 0.2}]",
     )
-    whole = small_cfg("backdoor.enabled=true", "backdoor.silo=1", "erasures=[{silo: 1, at_s: 3}]")
+    whole = small_cfg(
+        "lab.backdoor.enabled=true", "lab.backdoor.silo=1", "erasures=[{silo: 1, at_s: 3}]"
+    )
     fed = federation(retrain)
     ids = [str(x) for x in fed.silos[1].sample_ids]
     assert watched_ids(retrain, fed) == watched_ids(erase, fed) == fraction_ids(ids, 0, 1, 0.2)
@@ -81,4 +85,4 @@ def test_the_watch_follows_the_share_in_both_runs(small_cfg):
 )
 def test_bad_shares_are_refused_by_name(small_cfg, entry, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
-        small_cfg(f"silos.exclude_samples={entry}")
+        small_cfg(f"lab.exclude_samples={entry}")

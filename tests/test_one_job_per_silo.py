@@ -96,7 +96,7 @@ def test_one_job_per_silo_under_crashes_erasures_and_retries(small_cfg, monkeypa
         "server.offline_retry_s=4",
         "server.eval_every=10",
         "erasures=[{silo: 1, at_s: 12, fraction: 0.1}, {silo: 1, at_s: 75, fraction: 0.1}]",
-        f"faults=[{{kind: crash, silo: 1, at_version: 14, down_s: {DOWN_S}}}]",
+        f"lab.faults=[{{kind: crash, silo: 1, at_version: 14, down_s: {DOWN_S}}}]",
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     # Execute
@@ -147,7 +147,7 @@ def test_the_dispatch_guard_refuses_a_second_job_and_says_so(small_cfg, monkeypa
 
     monkeypatch.setattr(AsyncServer, "_take", take)
     cfg = small_cfg(
-        "run.max_versions=12", "faults=[{kind: crash, silo: 2, at_version: 2, down_s: 30}]"
+        "run.max_versions=12", "lab.faults=[{kind: crash, silo: 2, at_version: 2, down_s: 30}]"
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     # Execute

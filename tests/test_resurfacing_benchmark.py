@@ -47,21 +47,21 @@ def test_plan_pairs_every_arm_with_retraining_on_the_same_seed_and_exposure():
     assert len(runs) == 3 * 2 * 4
     for run in runs:
         o = run.overrides
-        silo = int(_value(o, "backdoor.silo"))
+        silo = int(_value(o, "lab.backdoor.silo"))
         assert _value(o, "run.seed") == str(run.seed)
-        assert _value(o, "backdoor.watch") == "true"
+        assert _value(o, "lab.backdoor.watch") == "true"
         if run.arm == "retrain":
-            assert _value(o, "erasures") is None and _value(o, "silos.exclude") == f"[{silo}]"
+            assert _value(o, "erasures") is None and _value(o, "lab.exclude") == f"[{silo}]"
         else:
-            assert f"silo: {silo}" in _value(o, "erasures") and _value(o, "silos.exclude") is None
+            assert f"silo: {silo}" in _value(o, "erasures") and _value(o, "lab.exclude") is None
         if run.scenario == "leftover":  # retraining gets the same relearning exposure
-            assert _value(o, "backdoor.relearn_samples") == run.variant
-            assert int(_value(o, "backdoor.relearn_silo")) != silo
+            assert _value(o, "lab.backdoor.relearn_samples") == run.variant
+            assert int(_value(o, "lab.backdoor.relearn_silo")) != silo
         else:
             assert _value(o, "server.mode") == "fedbuff"
     # the backdoored silo is never the straggler (its backdoor would never be learnt)
     for run in runs:
-        silo = int(_value(run.overrides, "backdoor.silo"))
+        silo = int(_value(run.overrides, "lab.backdoor.silo"))
         assert silo in bench._fast_silos(4, 0.25, 10.0, run.seed)
     drop = next(r for r in runs if r.arm == "drop")
     assert _value(drop.overrides, "unlearning.pre_boundary") == "drop"

@@ -19,12 +19,8 @@ from omegaconf import OmegaConf
 
 from fedasync.errors import ConfigError
 from runkit.configload import MESSAGE_LIMIT
-from server.config import (
-    ErasureRequestConfig,
-    FaultConfig,
-    FedAsyncConfig,
-    build,
-)
+from server.config import ErasureRequestConfig, FedAsyncConfig, build
+from server.config_lab import FaultConfig
 from server.run_config import (
     config_from_run_config,
     keys,
@@ -110,8 +106,8 @@ def test_the_keys_are_the_leaves_of_the_schema_fedasync_simulate_overrides():
             [
                 'server.mode="fedbuff" server.buffer_size=5 server.staleness.fn="hinge" '
                 'run.max_versions=40 server.max_staleness="" data.network="resnet18" '
-                'silos.exclude="[0, 2]" '
-                """faults='[{"kind": "nan", "silo": 1, "at_version": 3}]' """
+                'lab.exclude="[0, 2]" '
+                """lab.faults='[{"kind": "nan", "silo": 1, "at_version": 3}]' """
                 "client.dp.enabled=true client.dp.target_epsilon=2.5"
             ],
             lambda c: replace(
@@ -125,8 +121,9 @@ def test_the_keys_are_the_leaves_of_the_schema_fedasync_simulate_overrides():
                 ),
                 run=replace(c.run, max_versions=40),
                 data=replace(c.data, network="resnet18"),
-                silos=replace(c.silos, exclude=[0, 2]),
-                faults=[FaultConfig(kind="nan", silo=1, at_version=3)],
+                lab=replace(
+                    c.lab, exclude=[0, 2], faults=[FaultConfig(kind="nan", silo=1, at_version=3)]
+                ),
                 client=replace(c.client, dp=replace(c.client.dp, enabled=True, target_epsilon=2.5)),
             ),
         ),
@@ -155,12 +152,15 @@ def test_a_run_config_file_round_trips_through_flowers_parser(tmp_path):
                 "sample_weighting": False,
                 "corrections": {"residual_budget_mb": None},
             },
-            "silos": {"count": 4, "exclude": [1, 3]},
-            "faults": [{"kind": "crash", "silo": 2, "down_s": 5}],
+            "silos": {"count": 4},
             "erasures": [{"silo": 0, "at_s": 12.5, "fraction": 0.25}],
             "data": {"network": "resnet18", "max_samples": 400},
             "engine": {"ray_address": "127.0.0.1:6379"},
-            "backdoor": {"relearn_silo": 1},
+            "lab": {
+                "exclude": [1, 3],
+                "faults": [{"kind": "crash", "silo": 2, "down_s": 5}],
+                "backdoor": {"relearn_silo": 1},
+            },
         },
         source="test",
     )
@@ -185,7 +185,7 @@ def test_a_run_config_file_round_trips_through_flowers_parser(tmp_path):
         ("server.alpha=5", {"server.alpha": 5}),
         ("server.alpha=abc", {"server.alpha": "abc"}),
         ("silos.count=0", {"silos.count": 0}),
-        ("faults=[{kind: crashx}]", {"faults": '[{"kind": "crashx"}]'}),
+        ("lab.faults=[{kind: crashx}]", {"lab.faults": '[{"kind": "crashx"}]'}),
         ("run.progress=maybe", {"run.progress": "maybe"}),
     ],
 )
@@ -207,14 +207,14 @@ def test_a_bad_value_gets_the_error_fedasync_simulate_gives(simulate, run_config
         ({"server.mod": "sync"}, "unknown Flower run config key 'server.mod'"),
         ({"server.mod": "sync"}, "did you mean server.mode?"),
         ({"config-json": "{}"}, "unknown Flower run config key 'config-json'"),
-        ({"silos.exclude": "[1,"}, "silos.exclude must be a JSON list in a string"),
-        ({"silos.exclude": "{}"}, "silos.exclude must be a JSON list"),
-        ({"silos.exclude": 3}, "silos.exclude must be a JSON list in a string"),
-        ({"silos.exclude": '["a"]'}, "silos.exclude[0]"),
+        ({"lab.exclude": "[1,"}, "lab.exclude must be a JSON list in a string"),
+        ({"lab.exclude": "{}"}, "lab.exclude must be a JSON list"),
+        ({"lab.exclude": 3}, "lab.exclude must be a JSON list in a string"),
+        ({"lab.exclude": '["a"]'}, "lab.exclude[0]"),
         ({"run.max_versions": "null"}, 'run.max_versions: null is written ""'),
         ({"run.max_versions": None}, "run.max_versions must be a bool, int, float or string"),
         ({"server.alpha": ""}, "bad configuration key server.alpha"),
-        ({"faults": '[{"kind": "crash", "silo": 9}]'}, "faults[0].silo=9 is not a silo"),
+        ({"lab.faults": '[{"kind": "crash", "silo": 9}]'}, "lab.faults[0].silo=9 is not a silo"),
     ],
 )
 def test_a_bad_run_config_is_refused_naming_the_key(run_config, words):
@@ -227,9 +227,9 @@ def test_a_bad_run_config_is_refused_naming_the_key(run_config, words):
         {"x" * 100_000: 1},
         {"server.mode": "x" * 100_000},
         {"server.alpha": "x" * 100_000},
-        {"silos.exclude": "[" * 100_000},
-        {"faults": '[{"kind": "' + "x" * 100_000 + '"}]'},
-        {"faults": '[{"' + "x" * 100_000 + '": 1}]'},
+        {"lab.exclude": "[" * 100_000},
+        {"lab.faults": '[{"kind": "' + "x" * 100_000 + '"}]'},
+        {"lab.faults": '[{"' + "x" * 100_000 + '": 1}]'},
     ],
     ids=["key", "choice", "number", "json", "entry-choice", "entry-key"],
 )

@@ -36,7 +36,7 @@ def test_fault_is_rejected_and_model_untouched(small_cfg, monkeypatch, kind, rea
 
     monkeypatch.setattr(FedAsyncAggregator, "fold", spy)
     cfg = small_cfg(
-        "run.max_versions=24", f"faults=[{{kind: '{kind}', silo: 1, at_version: 4, down_s: 5}}]"
+        "run.max_versions=24", f"lab.faults=[{{kind: '{kind}', silo: 1, at_version: 4, down_s: 5}}]"
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     # Execute

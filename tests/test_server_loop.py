@@ -157,7 +157,7 @@ def test_server_side_clipping_bounds_every_update(small_cfg):
 
 
 def test_emulated_speed_makes_stragglers_wait(small_cfg):
-    """silos.emulate_speed: a silo of speed 1/2 waits as long again as it trained; the others
+    """lab.emulate_speed: a silo of speed 1/2 waits as long again as it trained; the others
     do not wait (what makes a one-machine deployment heterogeneous)."""
     from server.clock import silo_speeds
 
@@ -166,7 +166,7 @@ def test_emulated_speed_makes_stragglers_wait(small_cfg):
         "silos.speed_profile=stragglers",
         "silos.straggler_fraction=0.34",
         "silos.straggler_slowdown=2",
-        "silos.emulate_speed=true",
+        "lab.emulate_speed=true",
     )
     _, run_dir, _ = _run(cfg)
     speeds = silo_speeds(cfg.silos, cfg.run.seed)

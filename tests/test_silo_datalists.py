@@ -314,7 +314,9 @@ def test_a_hospital_node_refuses_a_backdoor_and_trains_on_its_data_as_it_is(
     monkeypatch.setenv(NODE_EVENTS_ENV, str(tmp_path / "node.jsonl"))
     grid = _grid(datalists)
     node = next(iter(grid.contexts))
-    poisoned = _setup_json("backdoor.enabled=true", "backdoor.silo=0", "backdoor.fraction=1.0")
+    poisoned = _setup_json(
+        "lab.backdoor.enabled=true", "lab.backdoor.silo=0", "lab.backdoor.fraction=1.0"
+    )
     clean = _setup_json("client.local_steps=1")
     params = _network(clean, BRAIN).state_dict()
     # Execute: a query and a train request under the backdoor, then a train request without
@@ -341,6 +343,24 @@ def test_a_hospital_node_refuses_a_backdoor_and_trains_on_its_data_as_it_is(
         ("query", LAB_SETTING),
         ("train", LAB_SETTING),
     ]
+
+
+def test_a_hospital_node_refuses_to_wait_as_an_emulated_slow_silo(datalists, tmp_path, monkeypatch):
+    # Prepare: a setup that asks every silo to wait after training (lab.emulate_speed)
+    monkeypatch.setenv(NODE_EVENTS_ENV, str(tmp_path / "node.jsonl"))
+    grid = _grid(datalists)
+    node = next(iter(grid.contexts))
+    slowed = _setup_json("lab.emulate_speed=true", "client.local_steps=1")
+    assert json.loads(slowed)["emulate_speeds"]  # (what the coordinator would send)
+    params = _network(slowed, BRAIN).state_dict()
+    # Execute
+    [t] = grid.push_messages([TrainRequest(slowed, 1, 0, 1, params).to_message(node)])
+    refused = grid.pull_messages([t])[0]
+    # Assert: a typed one-line refusal naming the instrument, in the node's log
+    refusal = TrainRefusal.from_message(refused)
+    assert refusal.reason == LAB_SETTING and "emulate_speed" in refusal.detail
+    log = [e for e in read_events(tmp_path / "node.jsonl") if e["event"] == "refuse"]
+    assert [e["asked"] for e in log] == [["emulate_speed"]]
 
 
 @pytest.mark.parametrize("fault", ["nan", "replay"])

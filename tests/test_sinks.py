@@ -158,7 +158,7 @@ def test_a_simulate_run_and_its_baseline_in_tensorboard(small_cfg, tmp_path, mon
         "run.max_versions=12",
         "run.compare_sync=true",
         "server.evaluate_silos=true",
-        "faults=[{kind: nan, silo: 1, at_version: 2}]",
+        "lab.faults=[{kind: nan, silo: 1, at_version: 2}]",
         "erasures=[{silo: 0, at_s: 5}]",
     )
     run_dir = tmp_path / "t"

@@ -42,7 +42,7 @@ CONFIGS: dict[str, list[list[str]]] = {
     "fedbuff": [["server.mode=fedbuff", "server.buffer_size=3"]],
     "sync": [["server.mode=sync", "run.budget_s=300"]],
     "erasure": [["run.budget_s=120", "erasures=[{silo: 1, at_s: 40}]"]],
-    "crash": [["faults=[{kind: crash, silo: 2, at_version: 5, down_s: 20}]"]],
+    "crash": [["lab.faults=[{kind: crash, silo: 2, at_version: 5, down_s: 20}]"]],
     "resume": [["run.max_versions=12"], ["run.max_versions=25", "run.resume=true"]],
 }
 """Each configuration's commands, in turn on one run folder (``resume``: stop, then resume)."""

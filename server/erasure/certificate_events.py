@@ -11,7 +11,7 @@ that are not JSON objects are skipped, as ``fedasync.events.read_events(skip_bad
 does (that module is not imported here: it would load torch).
 
 Retraining reference runs (``references``) are read the same way: their ``eval`` events
-with the ``bd_*`` forgetting metrics that ``backdoor.watch`` adds.
+with the ``bd_*`` forgetting metrics that ``lab.backdoor.watch`` adds.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class Reference:
 
 def read_reference(run_dir: Path) -> Reference:
     """A retraining reference run's forgetting metrics over time (``bd_*`` in its ``eval``
-    events, written with ``backdoor.watch=true``). FileNotFoundError without a log."""
+    events, written with ``lab.backdoor.watch=true``). FileNotFoundError without a log."""
     path = Path(run_dir) / "metrics.jsonl"
     data = path.read_bytes()
     series: dict[str, list[tuple[float, float]]] = {m: [] for m in _WATCHED}

@@ -119,7 +119,7 @@ def _retraining_gaps(
         miss(
             "distance to retraining",
             "no retraining reference run was given: a run of the same config without the "
-            "erased data (silos.exclude or silos.exclude_samples, backdoor.watch=true), named "
+            "erased data (lab.exclude or lab.exclude_samples, lab.backdoor.watch=true), named "
             "with --reference when the certificate is built offline",
         )
     elif run is None:
