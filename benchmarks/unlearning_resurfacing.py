@@ -39,7 +39,7 @@ forget accuracy and MIA and within 1 point of the pre-request test accuracy. Ove
 mean, spread, and a paired bootstrap 95% CI of each arm's reduction of the uncalibrated
 gap. Writes ``runs.csv``, ``summary.csv`` and ``resurfacing.png``; the last line is
 ``resurfacing_gap_reduction=<x>``: the share of the uncalibrated arm's ASR resurfacing gap
-that the default calibration (``unlearning.calibration_target`` of the packaged config)
+that the default calibration (``lab.erasure.calibration_target`` of the packaged config)
 removes, pooled over the scenarios run.
 
 Runs are subprocesses (``fedasync simulate``), ``--jobs`` at a time; a run whose
@@ -80,23 +80,23 @@ from fedasync.erasure_metrics import (  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
     "none": ["unlearning.calibration=false"],
-    "reply": ["unlearning.calibration=true", "unlearning.calibration_target=reply"],
+    "reply": ["unlearning.calibration=true", "lab.erasure.calibration_target=reply"],
     "applied": [
         "unlearning.calibration=true",
-        "unlearning.calibration_target=applied",
-        "unlearning.protect=both",
+        "lab.erasure.calibration_target=applied",
+        "lab.erasure.protect=both",
     ],
     "applied-subspace": [
         "unlearning.calibration=true",
-        "unlearning.calibration_target=applied",
-        "unlearning.protect=subspace",
+        "lab.erasure.calibration_target=applied",
+        "lab.erasure.protect=subspace",
     ],
     "applied-jump": [
         "unlearning.calibration=true",
-        "unlearning.calibration_target=applied",
-        "unlearning.protect=jump",
+        "lab.erasure.calibration_target=applied",
+        "lab.erasure.protect=jump",
     ],
-    "drop": ["unlearning.calibration=false", "unlearning.pre_boundary=drop"],
+    "drop": ["unlearning.calibration=false", "lab.erasure.pre_boundary=drop"],
 }
 """Erasure arms: config overrides on top of the scenario's."""
 
@@ -425,7 +425,7 @@ def default_arm() -> str:
     """The arm that is the packaged config's calibration (its target and what it protects)."""
     from simulations.config import load_config
 
-    u = load_config(None, []).unlearning
+    u = load_config(None, []).lab.erasure
     if u.calibration_target == "reply":
         return "reply"
     return {"both": "applied", "subspace": "applied-subspace", "jump": "applied-jump"}.get(

@@ -71,7 +71,7 @@ each verification marked).
 (``lab.exclude_samples``, the same seeded choice), and every forgetting metric is read on
 that share (``lab.backdoor.watch`` follows it in both runs). FedEraser erases whole silos only,
 so ``sync-halt`` does not run; ``--methods ...,fedasync-removal`` adds the server's scaled
-removal at request time (``unlearning.server_removal_scale``) before the silo's fixed ascent.
+removal at request time (``lab.erasure.server_removal_scale``) before the silo's fixed ascent.
 
     .venv/bin/python benchmarks/unlearning_vs_retrain.py                  # 3 benchmarks, 5 seeds
     .venv/bin/python benchmarks/unlearning_vs_retrain.py --benchmark nuclei --seeds 0,1,2
@@ -210,7 +210,7 @@ PINNED = [
     "unlearning.stop=fixed",
     "unlearning.steps=5",
     "unlearning.server_removal=false",
-    "unlearning.server_removal_part=total",
+    "lab.erasure.server_removal_part=total",
 ]
 """Every run's erasure settings before its method's own: the methods say what they change from
 these (the fixed steps and no removal, the defaults these figures were first measured with),
@@ -270,13 +270,13 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             *calibrated,
             "unlearning.stop=fixed",
             "unlearning.server_removal=true",
-            f"unlearning.server_removal_scale={REMOVAL_SCALE}",
+            f"lab.erasure.server_removal_scale={REMOVAL_SCALE}",
         ],
         "fedasync-unique": [
             *calibrated,
             "unlearning.stop=fixed",
             "unlearning.server_removal=true",
-            "unlearning.server_removal_part=unique",
+            "lab.erasure.server_removal_part=unique",
             f"unlearning.sketch_rank={SKETCH_RANK}",
         ],
         "fedasync-unique-membership": [
@@ -284,7 +284,7 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             "unlearning.stop=membership",
             f"unlearning.steps={MEMBERSHIP_STEPS}",
             "unlearning.server_removal=true",
-            "unlearning.server_removal_part=unique",
+            "lab.erasure.server_removal_part=unique",
             f"unlearning.sketch_rank={SKETCH_RANK}",
         ],
     }
@@ -534,6 +534,53 @@ REUSE_CONFIG = "bench-config.yaml"
 """Written beside a finished run's summary.json: the config it ran (``--reuse``)."""
 
 
+MOVED = {
+    "backdoor": "lab.backdoor",
+    "faults": "lab.faults",
+    "silos.exclude": "lab.exclude",
+    "silos.exclude_samples": "lab.exclude_samples",
+    "silos.emulate_speed": "lab.emulate_speed",
+    **{
+        f"unlearning.{k}": f"lab.erasure.{k}"
+        for k in (
+            "server_removal_part",
+            "server_removal_scale",
+            "calibration_target",
+            "protect",
+            "signature_unique",
+            "pre_boundary",
+            "radius_scaling",
+            "radius_floor",
+            "federaser_interval",
+            "federaser_steps_ratio",
+        )
+    },
+}
+"""Keys a saved config may hold under the name they had before the ``lab`` section: read back
+under today's."""
+
+
+def _as_today(saved: Any) -> None:
+    """``saved`` (an omegaconf config a finished run wrote) with its keys under today's names
+    (``MOVED``), in place; the halting baseline's two switches became ``server.mode=federaser``."""
+    from omegaconf import OmegaConf
+
+    for old, new in MOVED.items():
+        value = OmegaConf.select(saved, old)
+        if value is None:
+            continue
+        OmegaConf.update(saved, new, value, force_add=True)
+        parent, _, leaf = old.rpartition(".")
+        del (OmegaConf.select(saved, parent) if parent else saved)[leaf]
+    u = saved.get("unlearning", {})
+    if "federaser" in u or "halt" in u:
+        if u.get("federaser", False):
+            OmegaConf.update(saved, "server.mode", "federaser")
+        for k in ("federaser", "halt"):
+            if k in u:
+                del u[k]
+
+
 def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     """The summary of a finished run of exactly ``cfg`` in ``run_dir``, or None."""
     import json
@@ -547,6 +594,7 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
         from omegaconf import OmegaConf
 
         saved = OmegaConf.load(ran)
+        _as_today(saved)
         if OmegaConf.select(saved, "unlearning.unique_window") is not None:
             if _ran_the_window(saved):
                 return None  # its removal used the window of copies the sketch replaced
@@ -590,9 +638,11 @@ def _removal_cost_more(run_dir: Path, max_drop: float) -> bool:
 def _ran_the_window(saved: Any) -> bool:
     """Whether a run saved before the sketch kept the window of the latest updates it
     replaced (its unique removal or signature_unique used it)."""
-    u = saved.get("unlearning", {})
-    unique_removal = u.get("server_removal", True) and u.get("server_removal_part") == "unique"
-    return bool(unique_removal or u.get("signature_unique", False))
+    from omegaconf import OmegaConf
+
+    u, lab = saved.get("unlearning", {}), OmegaConf.select(saved, "lab.erasure") or {}
+    unique_removal = u.get("server_removal", True) and lab.get("server_removal_part") == "unique"
+    return bool(unique_removal or lab.get("signature_unique", False))
 
 
 def _retrain_metrics(cfg: Any, run_dir: Path, silo: int) -> dict[str, float]:

@@ -10,7 +10,7 @@ Every method modifies ``model`` in place and returns scalar metrics. The erasing
 of them, then sends the server the erased model (or its delta) and
 ``forget_signature(model, forget, ...)``; the server projects later updates out of it.
 ``forget_signature_with_gradient`` also returns the forget set's mean loss gradient, for the
-server's one-sided protection (``unlearning.protect=gradient/onesided``).
+server's one-sided protection (``lab.erasure.protect=gradient/onesided``).
 
     reference = ledger.without(global_params, silo)   # server side
     model.load_state_dict(global_params)
@@ -453,7 +453,7 @@ def forget_signature_with_gradient(
     """:func:`forget_signature` and, from the same batches at no extra cost, the forget set's
     mean loss gradient g_f: ``(d,)`` float32 over the signature's tensor names (in its
     order), the batch gradients weighted by their batch sizes. A later change with
-    ⟨Δ, g_f⟩ < 0 would lower the forget loss (``unlearning.protect=gradient/onesided``
+    ⟨Δ, g_f⟩ < 0 would lower the forget loss (``lab.erasure.protect=gradient/onesided``
     blocks that component, `fedasync.unlearning.ForgetGradient`)."""
     if len(forget) == 0:
         raise ValueError("forget set is empty")

@@ -22,17 +22,17 @@ ErasureMethod = Literal["pga", "relabel"]
 ErasureStop = Literal["fixed", "membership"]
 """``unlearning.stop``."""
 RemovalPart = Literal["total", "unique"]
-"""``unlearning.server_removal_part``."""
+"""``lab.erasure.server_removal_part``."""
 RadiusScaling = Literal["linear", "sqrt", "none"]
-"""``unlearning.radius_scaling``: fedasync.unlearning.SHARE_RULES (checked equal at import)."""
+"""``lab.erasure.radius_scaling``: fedasync.unlearning.SHARE_RULES (checked equal at import)."""
 SignatureDtype = Literal["float32", "float16"]
 """``unlearning.signature_dtype``."""
 PreBoundary = Literal["project", "drop"]
-"""``unlearning.pre_boundary``."""
+"""``lab.erasure.pre_boundary``."""
 CalibrationTarget = Literal["reply", "applied"]
-"""``unlearning.calibration_target``."""
+"""``lab.erasure.calibration_target``."""
 Protect = Literal["subspace", "jump", "both", "gradient", "onesided"]
-"""``unlearning.protect``."""
+"""``lab.erasure.protect``."""
 
 
 ERASURE_METHODS: tuple[str, ...] = choices(ErasureMethod)
@@ -96,12 +96,6 @@ class UnlearningConfig:
     radius: float = 2.0
     """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
     sample-level one gets it scaled by radius_scaling)."""
-    radius_scaling: RadiusScaling = "linear"
-    """How a sample-level erasure's size (PGA radius, relabel steps) follows its share of the
-    silo's samples: linear (max(share, radius_floor)), sqrt (max(sqrt(share), radius_floor)) or
-    none (the full size for any erasure)."""
-    radius_floor: float = 0.01
-    """The smallest share of the full size a sample-level erasure gets."""
     cancel_inflight: bool = True
     """An erasure request cancels its silo's training job in flight, whose reply is discarded
     when it comes (server/cancel.py): the erasure starts at once rather than after that job.
@@ -111,9 +105,6 @@ class UnlearningConfig:
     finishes the job before it pulls the erasure's message, so the erasure waits for it."""
     server_removal: bool = True
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
-    server_removal_scale: float = 1.0
-    """With ``server_removal``: the share of those contributions subtracted (1: all of them;
-    the full removal over-erases, see docs/measured.md, so a smaller share can be tried)."""
     server_removal_max_drop: float = 0.02
     """With ``server_removal``: the most the server's held-out score may fall by the removal.
     A removal that costs more is halved until it costs no more (at most four times; then it
@@ -124,12 +115,6 @@ class UnlearningConfig:
     applied whole. A removal that costs the model more than its noise removes more than the
     silo's data explains (measured: nuclei's over-erased seeds lost 9 to 29 points of Dice
     to the whole removal, docs/measured.md)."""
-    server_removal_part: RemovalPart = "unique"
-    """With ``server_removal``: which part of the silo's recorded contributions is subtracted.
-    ``total``: all of it (FedEraser's first-order removal). ``unique``: only what lies outside
-    the span of the other silos' recent accepted updates (``sketch_rank``), the directions
-    their training does not act on and so cannot have washed out since (what persists of the
-    silo's work); the rest stays (docs/erasure.md)."""
     calibration: bool = True
     """Project later updates out of the erased data's gradient signature (invariance)."""
     calibration_strength: float = 1.0
@@ -141,37 +126,12 @@ class UnlearningConfig:
     signature_dtype: SignatureDtype = "float32"
     """Precision the signature crosses the wire in: float32, or float16 (half the bytes; the
     server re-orthonormalises it)."""
-    calibration_target: CalibrationTarget = "applied"
-    """What the invariance calibration projects: ``reply``, each accepted update as it arrives,
-    before delay compensation, error feedback and the server optimiser; or ``applied``, the
-    change each fold makes to the model, after all of them, with the server's carried state
-    (FedBuff's buffer, the optimiser's first moment, error-feedback residuals) projected at the
-    boundary, the erased silo's buffered deltas and residual dropped, and no delay compensation
-    across the boundary (its w_now − w_base would hold the erasure itself). Default applied
-    (with protect=jump): on benchmarks/unlearning_resurfacing.py it removed more of the
-    uncalibrated arm's resurfacing than reply did, without over-erasing (docs/measured.md)."""
-    protect: Protect = "jump"
-    """With ``calibration_target=applied``, what a change to the model may not do: ``subspace``,
-    move within the erased data's gradient signature (two-sided projection); ``jump``, move
-    back along the erasure's own jump (one-sided: only the component toward the pre-erasure
-    model is removed, PCGrad/FedOSD style); ``both``; ``gradient``, lower the erased data's
-    loss (one-sided: only the component along minus its mean loss gradient at the erased
-    model, which the erasing silo sends, is removed); ``onesided``, jump and gradient together
-    (both one-sided, projected onto their intersection). With ``calibration_target=reply`` it
-    is not used: each reply is projected out of the signature."""
-    signature_unique: bool = False
-    """At the boundary, remove from the erased data's signature the span of the other silos'
-    recent accepted updates (``sketch_rank``), keeping only directions unique to the erased
-    data (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event."""
     sketch_rank: int = 16
     """``server_removal_part=unique`` and ``signature_unique``: rows of the streaming sketch of
     the accepted updates' span, by silo (`fedasync.unlearning.SpanSketch`): the others' span
     has at most this many directions. Memory and checkpoints: this many float32 copies of the
     model, whatever the run's length; each accepted update costs its norm and one fused
     addition into one row."""
-    pre_boundary: PreBoundary = "project"
-    """Other silos' work based before the erasure boundary: project (calibrate it, when
-    ``calibration`` is on) or drop it (whether or not ``calibration`` is on)."""
     relearn_versions: int = 20
     """Versions after the boundary at which the erasure is verified (the relearning check)."""
     watch_every: int = 0
@@ -182,10 +142,6 @@ class UnlearningConfig:
     """Times an erasure may be lost by its silo going down mid-erasure (a crash, an error
     reply, no reply within server.reply_timeout_s) before it is failed; being reported offline
     does not count (it is retried every server.offline_retry_s)."""
-    federaser_interval: int = 2
-    """FedEraser (server.mode=federaser, the halting baseline): retain every this-many-th round's update norms (one calibration round each)."""
-    federaser_steps_ratio: float = 0.5
-    """FedEraser: calibration training's local steps as a share of client.local_steps."""
     service: bool = False
     """Run the erasure gRPC service during the run (live requests)."""
     address: str = "127.0.0.1:50151"
@@ -203,26 +159,6 @@ class UnlearningConfig:
         check_ranges(self, "unlearning.", RANGES)
         check(self.method in ERASURE_METHODS, "unlearning.method must be pga or relabel")
         check(self.stop in ERASURE_STOPS, "unlearning.stop must be fixed or membership")
-        check(
-            self.server_removal_part in REMOVAL_PARTS,
-            f"unlearning.server_removal_part must be one of {REMOVAL_PARTS}",
-        )
-        check(
-            self.radius_scaling in SHARE_RULES,
-            f"unlearning.radius_scaling must be one of {SHARE_RULES}, got {self.radius_scaling!r}",
-        )
-        check(
-            self.pre_boundary in PRE_BOUNDARIES,
-            "unlearning.pre_boundary must be project or drop",
-        )
-        check(
-            self.calibration_target in CALIBRATION_TARGETS,
-            "unlearning.calibration_target must be reply or applied",
-        )
-        check(
-            self.protect in PROTECTS,
-            "unlearning.protect must be subspace, jump, both, gradient or onesided",
-        )
         check(
             (self.tls_certfile is None) == (self.tls_keyfile is None),
             "unlearning.tls_certfile and unlearning.tls_keyfile go together",

@@ -1,7 +1,8 @@
 """The config's ``lab`` section: the benchmarks' and the tests' instruments, apart from the
 settings a user decides.
 
-A backdoor planted in one silo's data (``lab.backdoor``), faults injected into silos
+A backdoor planted in one silo's data (``lab.backdoor``), the erasure's ablations and the
+halting FedEraser baseline's settings (``lab.erasure``), faults injected into silos
 (``lab.faults``), silos or shares of their samples left out (``lab.exclude``,
 ``lab.exclude_samples``: retraining from scratch, the reference an erasure is verified
 against) and the speed profile emulated by waiting on the wall clock (``lab.emulate_speed``).
@@ -22,6 +23,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Literal
 
 from fedasync.ranges import check, check_ranges, choices, numeric_values
+from fedasync.unlearning import SHARE_RULES
+from server.config_erasure import (
+    CALIBRATION_TARGETS,
+    PRE_BOUNDARIES,
+    PROTECTS,
+    REMOVAL_PARTS,
+    CalibrationTarget,
+    PreBoundary,
+    Protect,
+    RadiusScaling,
+    RemovalPart,
+)
 from server.config_ranges import RANGES
 
 TriggerPattern = Literal["solid", "checker", "blend"]
@@ -105,11 +118,88 @@ class SampleShare:
 
 
 @dataclass
+class ErasureLab:
+    """The erasure's ablations, kept so the benchmarks can run each arm again: the defaults are
+    the settled choices (docs/measured.md says what each was measured against), and the halting
+    FedEraser baseline's two settings (``server.mode=federaser``)."""
+
+    server_removal_part: RemovalPart = "unique"
+    """With ``unlearning.server_removal``: which part of the silo's recorded contributions is subtracted.
+    ``total``: all of it (FedEraser's first-order removal). ``unique``: only what lies outside
+    the span of the other silos' recent accepted updates (``unlearning.sketch_rank``), the directions
+    their training does not act on and so cannot have washed out since (what persists of the
+    silo's work); the rest stays (docs/erasure.md)."""
+    server_removal_scale: float = 1.0
+    """With ``unlearning.server_removal``: the share of those contributions subtracted (1: all of them;
+    the full removal over-erases, see docs/measured.md, so a smaller share can be tried)."""
+    calibration_target: CalibrationTarget = "applied"
+    """What the invariance calibration projects: ``reply``, each accepted update as it arrives,
+    before delay compensation, error feedback and the server optimiser; or ``applied``, the
+    change each fold makes to the model, after all of them, with the server's carried state
+    (FedBuff's buffer, the optimiser's first moment, error-feedback residuals) projected at the
+    boundary, the erased silo's buffered deltas and residual dropped, and no delay compensation
+    across the boundary (its w_now − w_base would hold the erasure itself). Default applied
+    (with protect=jump): on benchmarks/unlearning_resurfacing.py it removed more of the
+    uncalibrated arm's resurfacing than reply did, without over-erasing (docs/measured.md)."""
+    protect: Protect = "jump"
+    """With ``calibration_target=applied``, what a change to the model may not do: ``subspace``,
+    move within the erased data's gradient signature (two-sided projection); ``jump``, move
+    back along the erasure's own jump (one-sided: only the component toward the pre-erasure
+    model is removed, PCGrad/FedOSD style); ``both``; ``gradient``, lower the erased data's
+    loss (one-sided: only the component along minus its mean loss gradient at the erased
+    model, which the erasing silo sends, is removed); ``onesided``, jump and gradient together
+    (both one-sided, projected onto their intersection). With ``calibration_target=reply`` it
+    is not used: each reply is projected out of the signature."""
+    signature_unique: bool = False
+    """At the boundary, remove from the erased data's signature the span of the other silos'
+    recent accepted updates (``unlearning.sketch_rank``), keeping only directions unique to the erased
+    data (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event."""
+    pre_boundary: PreBoundary = "project"
+    """Other silos' work based before the erasure boundary: project (calibrate it, when
+    ``unlearning.calibration`` is on) or drop it (whether or not it is on)."""
+    radius_scaling: RadiusScaling = "linear"
+    """How a sample-level erasure's size (PGA radius, relabel steps) follows its share of the
+    silo's samples: linear (max(share, radius_floor)), sqrt (max(sqrt(share), radius_floor)) or
+    none (the full size for any erasure)."""
+    radius_floor: float = 0.01
+    """The smallest share of the full size a sample-level erasure gets."""
+    federaser_interval: int = 2
+    """FedEraser (``server.mode=federaser``, the halting baseline): retain every this-many-th
+    round's update norms (one calibration round each)."""
+    federaser_steps_ratio: float = 0.5
+    """FedEraser: calibration training's local steps as a share of client.local_steps."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges and the choices."""
+        check_ranges(self, "lab.erasure.", RANGES)
+        check(
+            self.server_removal_part in REMOVAL_PARTS,
+            f"lab.erasure.server_removal_part must be one of {REMOVAL_PARTS}",
+        )
+        check(
+            self.radius_scaling in SHARE_RULES,
+            f"lab.erasure.radius_scaling must be one of {SHARE_RULES}, got {self.radius_scaling!r}",
+        )
+        check(
+            self.pre_boundary in PRE_BOUNDARIES, "lab.erasure.pre_boundary must be project or drop"
+        )
+        check(
+            self.calibration_target in CALIBRATION_TARGETS,
+            "lab.erasure.calibration_target must be reply or applied",
+        )
+        check(
+            self.protect in PROTECTS,
+            "lab.erasure.protect must be subspace, jump, both, gradient or onesided",
+        )
+
+
+@dataclass
 class LabConfig:
     """The benchmarks' and the tests' instruments, never product settings (a hospital's node
     refuses a backdoor, a fault or an emulated speed; server/config_lab.py's docstring)."""
 
     backdoor: BackdoorConfig = field(default_factory=BackdoorConfig)
+    erasure: ErasureLab = field(default_factory=ErasureLab)
     faults: list[FaultConfig] = field(default_factory=list)
     """Injected faults (robustness runs): each silo misbehaves as its entry says."""
     exclude: list[int] = field(default_factory=list)
@@ -126,7 +216,7 @@ class LabConfig:
         """Checked when built: ranges, the fault kinds, and that no silo's share is listed
         twice (which silos exist: FedAsyncConfig)."""
         for rkey, key, value in numeric_values(self, "lab."):
-            if not rkey.startswith("lab.backdoor."):  # (its own section checked those)
+            if not rkey.startswith(("lab.backdoor.", "lab.erasure.")):  # (checked there)
                 rng = RANGES.get(rkey)
                 check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
         for i, f in enumerate(self.faults):

@@ -13,7 +13,7 @@ In order, for one validated delta:
 4. **clip** to ``server.clip_norm`` (last: the corrections change the norm);
 5. **fold** into the global model by the strategy's aggregator (server/strategies.py: FedAsync
    mixing, or FedBuff's buffer and server optimiser; with central DP, the aggregator's noise);
-6. with ``unlearning.calibration_target=applied`` the calibration moves here instead of step 1:
+6. with ``lab.erasure.calibration_target=applied`` the calibration moves here instead of step 1:
    the change the fold made to the model (new − old) is projected, after everything above, and
    ``at_boundary`` calibrates what the pipeline carries past an erasure (FedBuff's buffer, the
    optimiser's first moment, error-feedback residuals).
@@ -44,7 +44,7 @@ from server.strategies import strategy_for
 Calibrate = Callable[[Params], "Params | Rejection"]
 """An erasure's calibration of one update's tensors (or why the update is refused)."""
 Project = Callable[[Params], Params]
-"""An erasure's projection of a change to the model (``unlearning.calibration_target=applied``)."""
+"""An erasure's projection of a change to the model (``lab.erasure.calibration_target=applied``)."""
 
 
 class CorrectionPipeline:

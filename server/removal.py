@@ -45,6 +45,7 @@ log = logging.getLogger("fedasync.server")
 
 def removal(
     cfg: Any,
+    lab: Any,
     ledger: ContributionLedger,
     sketch: SpanSketch | None,
     silo: int,
@@ -53,7 +54,8 @@ def removal(
     sample_level: bool,
 ) -> Params | None:
     """What the server adds to the model for an erasure of ``silo`` (minus its removal; None:
-    nothing), by ``cfg`` (``UnlearningConfig``). ``sketch``: the span of the accepted updates,
+    nothing), by ``cfg`` (``UnlearningConfig``) and ``lab`` (``lab.erasure``: which part, what
+    share). ``sketch``: the span of the accepted updates,
     by silo (None: not kept); ``report``: the erasure's start report, which gets what was measured;
     ``sample_level``: a sample-level erasure (no removal)."""
     if sample_level:  # (see the module docstring)
@@ -63,7 +65,7 @@ def removal(
     if total is None:
         return None
     report.update(alignment(ledger, silo, total))
-    if cfg.server_removal_part == "unique":
+    if lab.server_removal_part == "unique":
         names = sorted(k for k, v in total.items() if v.is_floating_point())
         if sketch is not None and sketch.covers(names):
             span = sketch.span(names, without=silo)
@@ -80,7 +82,7 @@ def removal(
             silo,
             rank,
         )
-    scale = cfg.server_removal_scale
+    scale = lab.server_removal_scale
     return {k: -scale * v for k, v in total.items()}
 
 

@@ -228,9 +228,9 @@ def test_methods_by_request_and_the_two_stopping_arms():
     # ...retraining leaves out the same seeded share (or the whole silo)
     assert "lab.exclude_samples=[{silo: 2, fraction: 0.1}]" in m["retrain"]
     assert "lab.exclude=[2]" in bench._methods(2, 200.0)["retrain"]
-    assert "unlearning.server_removal_scale=0.5" in m["fedasync-removal"]
+    assert "lab.erasure.server_removal_scale=0.5" in m["fedasync-removal"]
     for arm in ("fedasync-unique", "fedasync-unique-membership"):
-        assert "unlearning.server_removal_part=unique" in m[arm]
+        assert "lab.erasure.server_removal_part=unique" in m[arm]
         assert f"unlearning.sketch_rank={bench.SKETCH_RANK}" in m[arm]
 
 
@@ -289,7 +289,7 @@ def test_a_run_folder_is_run_by_one_process_at_a_time(tmp_path):
 
 def test_a_finished_run_is_read_back_under_new_defaults_but_not_after_a_real_change(tmp_path):
     # Prepare: a finished run whose saved config predates a key (as runs made before
-    # unlearning.server_removal_part existed); the benchmark's methods start from PINNED
+    # lab.erasure.server_removal_part existed); the benchmark's methods start from PINNED
     import json
 
     from omegaconf import OmegaConf
@@ -298,7 +298,7 @@ def test_a_finished_run_is_read_back_under_new_defaults_but_not_after_a_real_cha
 
     cfg = load_config(None, [*bench.PINNED, "run.seed=3"])
     saved = OmegaConf.create(to_yaml(cfg))
-    del saved.unlearning["server_removal_part"]
+    del saved.lab.erasure["server_removal_part"]
     (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))
     (tmp_path / "summary.json").write_text(json.dumps({"evals": [], "versions": 4}))
     # Execute
@@ -309,6 +309,36 @@ def test_a_finished_run_is_read_back_under_new_defaults_but_not_after_a_real_cha
     # defaults instead of the pinned ones, is another run
     assert same == {"evals": [], "versions": 4}
     assert other is None and unpinned is None
+
+
+def test_a_run_saved_under_the_keys_before_the_lab_section_is_read_back(tmp_path):
+    # Prepare: a finished retraining run whose config names its instruments as they were
+    # named before the lab section (silos.exclude, backdoor.*, unlearning.<ablation>,
+    # unlearning.halt/federaser)
+    import json
+
+    from omegaconf import OmegaConf
+
+    from simulations.config import load_config, to_yaml
+
+    overrides = [*bench.PINNED, "run.seed=3", "lab.exclude=[1]", "lab.backdoor.enabled=true"]
+    cfg = load_config(None, overrides)
+    saved = OmegaConf.create(to_yaml(cfg))
+    saved.silos["exclude"] = list(saved.lab.exclude)
+    saved["backdoor"] = saved.lab.backdoor
+    saved.unlearning["server_removal_part"] = saved.lab.erasure.server_removal_part
+    saved.unlearning["halt"], saved.unlearning["federaser"] = False, False
+    del saved["lab"]
+    (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))
+    (tmp_path / "summary.json").write_text(json.dumps({"evals": [], "versions": 4}))
+    # Execute
+    got = bench._reused(cfg, tmp_path)
+    moved_elsewhere = bench._reused(
+        load_config(None, [*overrides[:-2], "lab.exclude=[2]"]), tmp_path
+    )
+    # Assert: read back under today's names, and still compared value by value
+    assert got == {"evals": [], "versions": 4}
+    assert moved_elsewhere is None
 
 
 @pytest.mark.parametrize("unique", [False, True])
@@ -322,7 +352,7 @@ def test_a_run_saved_with_the_window_the_sketch_replaced_is_read_back_only_if_it
 
     from simulations.config import load_config, to_yaml
 
-    removal = ["unlearning.server_removal=true", "unlearning.server_removal_part=unique"]
+    removal = ["unlearning.server_removal=true", "lab.erasure.server_removal_part=unique"]
     cfg = load_config(None, [*bench.PINNED, "run.seed=3", *(removal if unique else [])])
     saved = OmegaConf.create(to_yaml(cfg))
     del saved.unlearning["sketch_rank"]

@@ -3,7 +3,7 @@
 A projection of each reply as it arrives leaves erased directions in what the server carries
 past the erasure boundary: FedBuff's buffer, the server optimiser's momentum, error-feedback
 residuals, and delay compensation's w_now − w_base. With
-``unlearning.calibration_target=applied`` the change each fold makes is projected after every
+``lab.erasure.calibration_target=applied`` the change each fold makes is projected after every
 correction and the optimiser, and at the boundary the carried state is projected (the erased
 silo's buffered deltas and residual dropped). Each test below fails without the piece it names:
 the reply-level arm is run beside it and shows the leak.
@@ -159,9 +159,14 @@ def test_the_jump_blocks_only_moving_back_along_it():
 def test_the_default_protects_the_applied_change_against_the_jump_and_reply_still_loads(small_cfg):
     # the resurfacing benchmark's choice (docs/measured.md); reply projects every reply out of
     # the signature whatever protect says, so it loads with the default protect
-    u = small_cfg().unlearning
-    assert (u.calibration, u.calibration_target, u.protect) == (True, "applied", "jump")
-    assert small_cfg("unlearning.calibration_target=reply").unlearning.protect == "jump"
+    cfg = small_cfg()
+    lab = cfg.lab.erasure
+    assert (cfg.unlearning.calibration, lab.calibration_target, lab.protect) == (
+        True,
+        "applied",
+        "jump",
+    )
+    assert small_cfg("lab.erasure.calibration_target=reply").lab.erasure.protect == "jump"
 
 
 # ---------------------------------------------------------------- the whole run
@@ -181,8 +186,8 @@ def _run(small_cfg, monkeypatch, target, protect="subspace"):
         "erasures=[{silo: 0, at_s: 6}]",  # silo 1 is the straggler
         "unlearning.relearn_versions=4",
         "unlearning.steps=5",
-        f"unlearning.calibration_target={target}",
-        f"unlearning.protect={protect}",
+        f"lab.erasure.calibration_target={target}",
+        f"lab.erasure.protect={protect}",
     )
     seen: dict = {"versions": []}
     new_version = AsyncServer._new_version

@@ -1,9 +1,9 @@
 """What the calibration protects (issue 14 §2): the part of the erased data's signature unique
 to it, and the erased data's forget loss, one-sidedly.
 
-``unlearning.signature_unique``: at the boundary the signature loses the span of the other
+``lab.erasure.signature_unique``: at the boundary the signature loses the span of the other
 silos' latest accepted updates (SFU-style, Li et al. 2023), so the calibration does not stop
-what everyone's data moves the model along. ``unlearning.protect=gradient``/``onesided``: the
+what everyone's data moves the model along. ``lab.erasure.protect=gradient``/``onesided``: the
 erasing silo sends its forget set's mean loss gradient g_f and a later change loses only its
 component lowering the forget loss (PCGrad/FedOSD's one-sided projection), with the jump too
 for ``onesided``.
@@ -147,10 +147,11 @@ def test_a_bad_forget_gradient_is_malformed(arrays):
 
 # ---------------------------------------------------------------- the config
 def test_defaults_and_the_new_choices_load(small_cfg):
-    u = small_cfg().unlearning
-    assert (u.signature_unique, u.sketch_rank, u.protect) == (False, 16, "jump")
+    cfg = small_cfg()
+    lab = cfg.lab.erasure
+    assert (lab.signature_unique, cfg.unlearning.sketch_rank, lab.protect) == (False, 16, "jump")
     for protect in ("gradient", "onesided"):
-        assert small_cfg(f"unlearning.protect={protect}").unlearning.protect == protect
+        assert small_cfg(f"lab.erasure.protect={protect}").lab.erasure.protect == protect
     with pytest.raises(ValueError, match="sketch_rank"):
         small_cfg("unlearning.sketch_rank=0")
 
@@ -158,7 +159,7 @@ def test_defaults_and_the_new_choices_load(small_cfg):
 # ---------------------------------------------------------------- the server's sketch
 def _coordinator(small_cfg, *overrides) -> ErasureCoordinator:
     # 3 silos, 6 rows: two rows per silo, so each of a silo's first two updates has its own
-    cfg = small_cfg("unlearning.signature_unique=true", "unlearning.sketch_rank=6", *overrides)
+    cfg = small_cfg("lab.erasure.signature_unique=true", "unlearning.sketch_rank=6", *overrides)
     return _bare(cfg)
 
 
@@ -206,7 +207,7 @@ def test_the_sketch_spans_the_others_updates_leaves_out_the_erased_silo_and_is_c
 
 
 def test_without_signature_unique_no_sketch_is_kept(small_cfg):
-    cfg = small_cfg("unlearning.server_removal_part=total")  # (the unique removal keeps one)
+    cfg = small_cfg("lab.erasure.server_removal_part=total")  # (the unique removal keeps one)
     coord = _bare(cfg)
     coord.calibration.calibrate(_job(1), _w(1.0, 0.0, 0.0, 0.0))
     coord.fold_sink(1, 0).unfused(_w(1.0, 0.0, 0.0, 0.0), None)
@@ -279,7 +280,7 @@ def test_a_run_with_the_unique_signature_is_checked_and_says_what_it_removed(
     monkeypatch.setattr(Calibration, "_unique", catch)
 
     # Execute
-    seen = _run(small_cfg, monkeypatch, "unlearning.signature_unique=true")
+    seen = _run(small_cfg, monkeypatch, "lab.erasure.signature_unique=true")
 
     # Assert: the event says how much of the signature the others' span held
     ev = seen["calibrating"]
@@ -327,8 +328,8 @@ def test_with_the_forget_gradient_protected_no_version_lowers_the_forget_loss(
     # cancelled the boundary comes earlier, and in the jump-alone arm no later version of this
     # short run happened to descend along the forget gradient (min 0.0011, not < -1e-3)
     seen = _run(
-        small_cfg, monkeypatch, "unlearning.calibration_target=applied",
-        f"unlearning.protect={protect}", "unlearning.cancel_inflight=false", *RELEARN,
+        small_cfg, monkeypatch, "lab.erasure.calibration_target=applied",
+        f"lab.erasure.protect={protect}", "unlearning.cancel_inflight=false", *RELEARN,
     )  # fmt: skip
 
     # Assert: the silo's gradient came; with it no step after the boundary descends along it
@@ -355,8 +356,8 @@ def test_onesided_without_a_gradient_from_the_silo_is_checked_and_says_so(small_
 
     monkeypatch.setattr(clients.app, "UnlearnReply", older)
     seen = _run(
-        small_cfg, monkeypatch, "unlearning.calibration_target=applied",
-        "unlearning.protect=onesided",
+        small_cfg, monkeypatch, "lab.erasure.calibration_target=applied",
+        "lab.erasure.protect=onesided",
     )  # fmt: skip
     assert seen["calibrating"]["forget_gradient"] == 0.0
     assert not seen["srv"].erasure.calibration.gradients

@@ -83,7 +83,7 @@ def erased(tmp_path_factory):
             "erasures=[{silo: 2, at_s: 10, fraction: 0.3}]",
             "unlearning.relearn_versions=4",
             "unlearning.watch_every=1",
-            "unlearning.protect=subspace",
+            "lab.erasure.protect=subspace",
             "lab.backdoor.enabled=true",
             "lab.backdoor.silo=2",
             "lab.backdoor.target_label=0",

@@ -145,7 +145,7 @@ def test_federaser_baseline_rebuilds_without_the_silo(small_cfg):
         "run.max_versions=12",
         "server.mode=federaser",
         "erasures=[{silo: 1, at_s: 10}]",
-        "unlearning.federaser_interval=2",
+        "lab.erasure.federaser_interval=2",
         *ERASE,
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -225,8 +225,8 @@ def test_calibration_projects_later_updates_and_drop_rule_counts(small_cfg):
     cfg = small_cfg(
         "run.max_versions=30",
         "erasures=[{silo: 1, at_s: 10}]",
-        "unlearning.pre_boundary=drop",
-        "unlearning.calibration_target=reply",  # each reply projected: its overlap logged
+        "lab.erasure.pre_boundary=drop",
+        "lab.erasure.calibration_target=reply",  # each reply projected: its overlap logged
         *ERASE,
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -315,7 +315,7 @@ def test_drop_rule_rejects_stale_work_without_calibration_too(small_cfg):
     cfg = small_cfg(
         "run.max_versions=30",
         "erasures=[{silo: 1, at_s: 10}]",
-        "unlearning.pre_boundary=drop",
+        "lab.erasure.pre_boundary=drop",
         "unlearning.calibration=false",
         *ERASE,
     )

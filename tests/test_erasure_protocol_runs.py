@@ -95,7 +95,7 @@ def test_three_erasures_in_a_row_are_each_checked_and_all_stay_protected(small_c
     from server.checkpoint import load_state
 
     # Prepare
-    options = [f"unlearning.{kv}" for kv in protect.split(",")]
+    options = [f"lab.erasure.{kv}" for kv in protect.split(",")]
     cfg = small_cfg("run.max_versions=45", SEQUENCE, *COMMON, *options)
     # Execute
     summary, events, grid, run_dir = _run(cfg)
@@ -142,7 +142,7 @@ def test_three_erasures_in_a_row_are_each_checked_and_all_stay_protected(small_c
     # (a removal moves the model when some of it was applied, at once or in later steps)
     moved = {e["request"] for e in events if e["event"] == "erasure" and e.get("applied")}
     removals = len(moved)
-    assert len(co["jumps"]) == (3 + removals if cfg.unlearning.protect == "both" else 0)
+    assert len(co["jumps"]) == (3 + removals if cfg.lab.erasure.protect == "both" else 0)
     assert co["boundary"] == boundaries[2] and sorted(co["retired"]) == [1, 2]
 
 
@@ -155,7 +155,7 @@ def test_fedbuff_momentum_whole_silo_erasure_is_checked(small_cfg, target):
         "server.buffer_size=2",
         "server.optimizer.kind=momentum",
         "erasures=[{silo: 1, at_s: 10}]",
-        f"unlearning.calibration_target={target}",
+        f"lab.erasure.calibration_target={target}",
         *COMMON,
     )
     # Execute

@@ -64,7 +64,7 @@ def test_plan_pairs_every_arm_with_retraining_on_the_same_seed_and_exposure():
         silo = int(_value(run.overrides, "lab.backdoor.silo"))
         assert silo in bench._fast_silos(4, 0.25, 10.0, run.seed)
     drop = next(r for r in runs if r.arm == "drop")
-    assert _value(drop.overrides, "unlearning.pre_boundary") == "drop"
+    assert _value(drop.overrides, "lab.erasure.pre_boundary") == "drop"
     with pytest.raises(SystemExit, match="unknown arm"):
         bench.plan(_args(arms="none,bogus"))
 

@@ -128,8 +128,8 @@ def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributi
     cfg = small_cfg(
         "run.max_versions=12",
         "unlearning.server_removal=true",
-        f"unlearning.server_removal_scale={scale}",
-        "unlearning.server_removal_part=total",
+        f"lab.erasure.server_removal_scale={scale}",
+        "lab.erasure.server_removal_part=total",
         "unlearning.server_removal_max_drop=1",  # (the held-out bound: test_removal_bound.py)
         "erasures=[{silo: 1, at_s: 4}]",
     )
@@ -157,7 +157,7 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
     cfg = small_cfg(
         "run.max_versions=12",
         "unlearning.server_removal=true",
-        "unlearning.server_removal_part=unique",
+        "lab.erasure.server_removal_part=unique",
         "unlearning.sketch_rank=6",
         "unlearning.server_removal_max_drop=1",
         "erasures=[{silo: 1, at_s: 4}]",

@@ -354,7 +354,7 @@ def _calibration_step(
         return None, ""
     facts = boundary.facts
     held = (
-        f"unlearning.protect={facts['calibration_protect']}, "
+        f"lab.erasure.protect={facts['calibration_protect']}, "
         f"calibration_target={facts.get('calibration_target', '?')}"
         if "calibration_protect" in facts
         else "settings not recorded"

@@ -61,7 +61,7 @@ MIN_BAND = 0.01
 """A retraining noise floor under 0.01 counts as 0.01 (benchmarks/unlearning_vs_retrain.py)."""
 FORGETTING = ("forget_accuracy", "mia_auc", "asr")
 SUBSPACE = ("subspace", "both")
-"""``unlearning.protect`` values whose calibration measures each update's overlap."""
+"""``lab.erasure.protect`` values whose calibration measures each update's overlap."""
 
 _BOUNDARY = (
     (

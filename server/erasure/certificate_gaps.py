@@ -162,7 +162,7 @@ def _calibration_gaps(
         why = "no event log was read"
     elif protect is not None and protect not in SUBSPACE:
         why = (
-            f"measured only against a signature subspace (unlearning.protect=subspace or "
+            f"measured only against a signature subspace (lab.erasure.protect=subspace or "
             f"both); this calibration is protect={protect}, one-sided"
         )
     elif not run.calibrated:
@@ -170,7 +170,7 @@ def _calibration_gaps(
     else:
         why = (
             "no calibrated update carries an overlap: it is measured only against a signature "
-            "subspace (unlearning.protect=subspace or both)"
+            "subspace (lab.erasure.protect=subspace or both)"
         )
     miss("calibration overlap of later updates", why)
 

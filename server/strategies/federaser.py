@@ -3,10 +3,10 @@ whose federation halts while a silo's erasure is carried out, and whose erasure 
 model without the silo.
 
 Paper: FedEraser: Enabling Efficient Client-Level Data Removal from Federated Learning Models
-(IWQoS 2021). The server keeps every ``unlearning.federaser_interval``-th round's update norms;
+(IWQoS 2021). The server keeps every ``lab.erasure.federaser_interval``-th round's update norms;
 on a whole-silo request nobody trains until the rebuild is done: from the initial model, one
 calibration round per retained round, in which the remaining silos train briefly
-(``unlearning.federaser_steps_ratio`` of the local steps) and each update keeps its retained
+(``lab.erasure.federaser_steps_ratio`` of the local steps) and each update keeps its retained
 norm with the new direction (server/unlearning/rebuild.py). Then training resumes in rounds
 without the silo. What the halt costs is what asynchronous erasure avoids.
 """

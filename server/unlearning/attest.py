@@ -20,6 +20,7 @@ from fedasync.checkpoint import state_digest
 
 if TYPE_CHECKING:
     from server.config import UnlearningConfig
+    from server.config_lab import ErasureLab
 
 
 def model_sha256(params: Params) -> str:
@@ -37,19 +38,19 @@ def erasing_facts(cfg: UnlearningConfig, federaser: bool) -> dict[str, str]:
 
 
 def boundary_facts(
-    cfg: UnlearningConfig, before: tuple[int, str], params: Params
+    cfg: UnlearningConfig, lab: ErasureLab, before: tuple[int, str], params: Params
 ) -> dict[str, str]:
     """The audit row of ``calibrating``: the model's version and SHA-256 just before the
     boundary (``before``) and at it (``params``, the model in force), and the calibration in
-    force from it (the ``unlearning.*`` keys that decide what it protects and when it is
-    verified)."""
+    force from it (the keys that decide what it protects, ``lab.erasure.*``, and when it is
+    verified, ``unlearning.relearn_versions``)."""
     return {
         "model_before_version": str(before[0]),
         "model_before_sha256": before[1],
         "model_sha256": model_sha256(params),
-        "calibration_protect": cfg.protect,
-        "calibration_target": cfg.calibration_target,
-        "calibration_pre_boundary": cfg.pre_boundary,
+        "calibration_protect": lab.protect,
+        "calibration_target": lab.calibration_target,
+        "calibration_pre_boundary": lab.pre_boundary,
         "relearn_versions": str(cfg.relearn_versions),
     }
 

@@ -6,7 +6,7 @@ erasure coordinator (lifecycle.py) calls it with what it knows of the silo and t
   holds is carried out as a whole-silo erasure (a silo left without data could only fail
   every training job); the ``erasing`` event and the audit row say so (``size``);
 - its size follows the forget set's share of the silo's data
-  (`fedasync.unlearning.forget_share_scale`, ``unlearning.radius_scaling``): PGA's ball
+  (`fedasync.unlearning.forget_share_scale`, ``lab.erasure.radius_scaling``): PGA's ball
   radius, relabelling's steps (``size``);
 - its delta is bounded like any update, and more: clipped (not rejected: the erasure still
   happens) to the smallest of ``server.norm_outlier_factor`` x the median accepted update
@@ -30,13 +30,16 @@ from protocol.config import SiloErasure
 
 if TYPE_CHECKING:
     from server.config import UnlearningConfig
+    from server.config_lab import ErasureLab
     from server.unlearning.requests import Erasure
 
 log = logging.getLogger("fedasync.server")
 
 
-def size(e: Erasure, u: UnlearningConfig, held: set[str], n_samples: int, gone: set[str]) -> str:
-    """Scope and size of ``e`` before it is sent, by ``u``: a request whose ids (with those
+def size(
+    e: Erasure, u: UnlearningConfig, lab: ErasureLab, held: set[str], n_samples: int, gone: set[str]
+) -> str:
+    """Scope and size of ``e`` before it is sent, by ``u`` and ``lab`` (``lab.erasure``): a request whose ids (with those
     erased before, ``gone``) cover every sample of the silo (``held``: its ids; without them,
     ``n_samples``: its count) becomes a whole-silo erasure; a sample-level one is scaled to
     its share of the silo's data (``e.overrides``, ``e.start_report``). Returns a note for
@@ -58,7 +61,7 @@ def size(e: Erasure, u: UnlearningConfig, held: set[str], n_samples: int, gone: 
             note = f"; {why}"
     if e.sample_ids:
         n = len(set(e.sample_ids) - gone)
-        scale = forget_share_scale(n, max(n_left, 1), u.radius_scaling, u.radius_floor)
+        scale = forget_share_scale(n, max(n_left, 1), lab.radius_scaling, lab.radius_floor)
         e.overrides = {
             "radius": u.radius * scale,
             "steps": max(1, math.ceil(u.steps * scale)) if u.method == "relabel" else u.steps,

@@ -3,7 +3,7 @@
 Owns: the erased data's merged gradient signature, each applied erasure's jump and forget
 gradient (the one-sided directions), the latest erasure boundary, and the window of recent
 accepted updates' span (a bounded sketch, `fedasync.unlearning.SpanSketch`, for
-``unlearning.signature_unique`` and ``server_removal_part=unique``); all of it in its
+``lab.erasure.signature_unique`` and ``server_removal_part=unique``); all of it in its
 ``state_dict``. From the boundary B on every accepted update is calibrated: projected
 out of the signature subspace, so that neither other silos' data nor stale work can pull the
 model back along the erased data's directions (``calibrate``, on the update as it came;
@@ -36,6 +36,7 @@ from fedasync.unlearning import (
     SpanSketch,
     block_one_sided,
 )
+from server.config_lab import ErasureLab
 
 if TYPE_CHECKING:
     from server.config import UnlearningConfig
@@ -52,7 +53,7 @@ PROTECTS: dict[str, frozenset[str]] = {
     "gradient": frozenset({"gradient"}),
     "onesided": frozenset({"jump", "gradient"}),
 }
-"""What each ``unlearning.protect`` holds a change to (server.config.Protect's choices)."""
+"""What each ``lab.erasure.protect`` holds a change to (server.config.Protect's choices)."""
 
 Calibrated = tuple[Params | Rejection, float | None]
 """A calibrated update (or why it is refused) and its overlap with the signature."""
@@ -122,26 +123,30 @@ class Calibration:
         self,
         cfg: UnlearningConfig,
         *,
+        lab: ErasureLab | None = None,
         refuses: Callable[[Job], Rejection | None] = _refuses_none,
         at_boundary: Callable[[str, Project], int] = carries_nothing,
         silos: int = 1,
     ):
-        """``silos``: how many silos the federation has (the sketch's groups); ``refuses``: the coordinator's refusal of an update before it is calibrated (its
+        """``lab``: the erasure's ablation settings (``lab.erasure``; None: the defaults);
+        ``silos``: how many silos the federation has (the sketch's groups); ``refuses``: the coordinator's refusal of an update before it is calibrated (its
         silo's data is under erasure); ``at_boundary``: what the server carries past an
         erasure of a silo (the pipeline's buffer, moment and residuals) calibrated by a
         projection, returning how many buffered updates of that silo it dropped."""
         self.cfg = cfg
+        self.lab: ErasureLab = ErasureLab() if lab is None else lab
+        lab = self.lab
         self.refuses = refuses
         self.at_boundary = at_boundary
         self.signature: GradientSignature | None = None
         self.jumps: list[ErasureJump] = []
-        """Each applied erasure's jump (``unlearning.protect`` jump, both or onesided)."""
+        """Each applied erasure's jump (``lab.erasure.protect`` jump, both or onesided)."""
         self.gradients: list[ForgetGradient] = []
         """Each applied erasure's mean forget gradient, as its silo sent it
-        (``unlearning.protect`` gradient or onesided)."""
-        spans = cfg.signature_unique or (cfg.server_removal and cfg.server_removal_part == "unique")
+        (``lab.erasure.protect`` gradient or onesided)."""
+        spans = lab.signature_unique or (cfg.server_removal and lab.server_removal_part == "unique")
         self.sketch: SpanSketch | None = SpanSketch(int(cfg.sketch_rank), silos) if spans else None
-        """``unlearning.signature_unique`` or ``server_removal_part=unique``: the span of the
+        """``lab.erasure.signature_unique`` or ``server_removal_part=unique``: the span of the
         accepted updates as folded, by silo, in ``sketch_rank`` model-sized rows: what the
         other silos' data moves the model along. Checkpointed (``state_dict``), so a resumed
         server has the same sketch as before the restart."""
@@ -158,14 +163,14 @@ class Calibration:
         refused = self.refuses(job)
         if refused is not None:
             return refused, None
-        if job.base_version < self.boundary and self.cfg.pre_boundary == "drop":
+        if job.base_version < self.boundary and self.lab.pre_boundary == "drop":
             return Rejection(  # with or without calibration: drop-all-stale is its own policy
                 RejectReason.CROSSED_BOUNDARY,
                 f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
             ), None
         if self.signature is None or not self.cfg.calibration:
             return tensors, None
-        if self.cfg.calibration_target == "applied":
+        if self.lab.calibration_target == "applied":
             return tensors, None  # what the fold applies is projected instead (``project``)
         overlap = self.signature.overlap(tensors)
         return self.signature.project_out(tensors, strength=self.cfg.calibration_strength), overlap
@@ -174,18 +179,18 @@ class Calibration:
     def projects_applied(self) -> bool:
         """Whether folds' changes to the model are projected (``calibration_target=applied``,
         with a signature or an erasure jump to protect)."""
-        if not self.cfg.calibration or self.cfg.calibration_target != "applied":
+        if not self.cfg.calibration or self.lab.calibration_target != "applied":
             return False
         return self._subspace is not None or bool(self._one_sided)
 
     @property
     def _protects(self) -> frozenset[str]:
         """What the calibration holds changes to: ``subspace``, ``jump``, ``gradient`` (by
-        ``unlearning.protect``; a reply, ``calibration_target=reply``, is only ever projected
+        ``lab.erasure.protect``; a reply, ``calibration_target=reply``, is only ever projected
         out of the signature)."""
-        if self.cfg.calibration_target != "applied":
+        if self.lab.calibration_target != "applied":
             return frozenset({"subspace"})
-        return PROTECTS[self.cfg.protect]
+        return PROTECTS[self.lab.protect]
 
     @property
     def _subspace(self) -> GradientSignature | None:
@@ -206,7 +211,7 @@ class Calibration:
 
     def project_measured(self, change: Params) -> tuple[Params, float | None]:
         """``change`` (to the model, or a direction the server carries) calibrated by
-        ``unlearning.protect``: projected out of the erased data's signature, and/or without
+        ``lab.erasure.protect``: projected out of the erased data's signature, and/or without
         its component moving back along each erasure's jump or lowering its forget loss
         (one-sided; with several directions the nearest change that goes against none,
         `fedasync.unlearning.block_one_sided`); with the share of it that lay in the
@@ -221,7 +226,7 @@ class Calibration:
         """Whether delay compensation may use ``job``'s base weights: not across an erasure
         boundary when the applied change is calibrated (w_now − w_base would hold the erasure
         itself, and compensating would pull the model back toward the pre-erasure one)."""
-        applied = self.cfg.calibration and self.cfg.calibration_target == "applied"
+        applied = self.cfg.calibration and self.lab.calibration_target == "applied"
         return not (applied and job.base_version < self.boundary)
 
     # -------------------------------------------------------------- an erasure applied
@@ -234,13 +239,13 @@ class Calibration:
         gradient: ForgetGradient | None,
     ) -> dict[str, float]:
         """An erasure moves the model from ``old`` to ``new``: hold later changes to what
-        ``unlearning.protect`` says (its signature merged in, its jump, its forget gradient)
+        ``lab.erasure.protect`` says (its signature merged in, its jump, its forget gradient)
         and calibrate what the server carries past it. Returns what the calibrating event
         says of what is protected (``signature_unique``'s share removed; whether a forget
         gradient came)."""
         protects = self._protects
         kept: dict[str, float] = {}
-        if sig is not None and self.cfg.signature_unique:
+        if sig is not None and self.lab.signature_unique:
             sig, kept = self._unique(erasure, sig)
         if sig is not None:
             self.signature = sig if self.signature is None else self.signature.merge(sig)
@@ -253,10 +258,10 @@ class Calibration:
                 self.gradients.append(gradient)
             else:
                 log.warning(
-                    "erasure %s: unlearning.protect=%s but silo %d sent no forget gradient "
+                    "erasure %s: lab.erasure.protect=%s but silo %d sent no forget gradient "
                     "(an older silo, or FedEraser): it is not protected against",
                     erasure.request_id,
-                    self.cfg.protect,
+                    self.lab.protect,
                     erasure.silo,
                 )
         if self.projects_applied:  # what the server carries past the boundary, calibrated
@@ -291,7 +296,7 @@ class Calibration:
     def _unique(
         self, erasure: Erasure, sig: GradientSignature
     ) -> tuple[GradientSignature | None, dict[str, float]]:
-        """``unlearning.signature_unique``: ``sig`` without the span of the other silos'
+        """``lab.erasure.signature_unique``: ``sig`` without the span of the other silos'
         recent accepted updates (the sketch's rows no update of the erasing silo went into;
         `GradientSignature.without`; None: nothing of it is unique), and what that did:
         ``signature_shared``, the share of the signature in that span

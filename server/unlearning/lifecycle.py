@@ -95,6 +95,7 @@ class ErasureCoordinator:
         self.ledger = ContributionLedger()
         self.calibration = Calibration(
             self.cfg,
+            lab=run.cfg.lab.erasure,
             refuses=self._refuses,
             at_boundary=run.at_boundary or carries_nothing,
             silos=run.cfg.silos.count,
@@ -220,6 +221,7 @@ class ErasureCoordinator:
         note = self._size(e)
         e.removal = removal(
             self.cfg,
+            self.run.cfg.lab.erasure,
             self.ledger,
             self.calibration.sketch,
             e.silo,
@@ -306,7 +308,9 @@ class ErasureCoordinator:
     def _size(self, e: Erasure) -> str:
         """Scope and size of ``e`` before it is sent (`bounds.size`); a note for the audit."""
         held, n = set(self.run.sample_ids(e.silo)), int(self.run.num_samples.get(e.silo, 0))
-        return size(e, self.cfg, held, n, set(self.excluded.get(e.silo, [])))
+        return size(
+            e, self.cfg, self.run.cfg.lab.erasure, held, n, set(self.excluded.get(e.silo, []))
+        )
 
     def take_calibration(self, job: Job, update: Any) -> None:
         """One silo's FedEraser calibration update (None: it failed, the round goes on)."""
@@ -414,7 +418,9 @@ class ErasureCoordinator:
             boundary_version=self.model.version,
             metrics=erasure.metrics_at_boundary,
             detail=f"erasure applied at version {self.model.version}; calibrating",
-            facts=boundary_facts(self.cfg, model_before, self.model.params),
+            facts=boundary_facts(
+                self.cfg, self.run.cfg.lab.erasure, model_before, self.model.params
+            ),
         )
         self.event(erasure, "calibrating", **erasure.metrics_at_boundary)
         self._resume_halted()

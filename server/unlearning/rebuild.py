@@ -1,7 +1,7 @@
 """FedEraser (Liu et al. 2021): the halting baseline's rebuild of the model without a silo.
 
 Owns: the update history FedEraser rebuilds from (the initial model and each retained round's
-update norms, ``unlearning.federaser_interval``; in its ``state_dict``) and the rebuild in
+update norms, ``lab.erasure.federaser_interval``; in its ``state_dict``) and the rebuild in
 progress (``Rebuild``; not checkpointed: after a restart the request is still erasing and the
 rebuild starts again). A rebuild starts from the model training started from and runs one
 calibration round per retained round: the remaining silos train briefly from the model being
@@ -73,7 +73,7 @@ class FedEraserRebuild:
         model (with what the rebuild reports)."""
         self.silos = silos
         self.roster = roster
-        self.cfg = cfg.unlearning
+        self.cfg = cfg.lab.erasure  # (the baseline's two settings)
         self.local_steps = cfg.client.local_steps
         self.lr = cfg.server.optimizer.lr
         self.history = UpdateHistory(self.cfg.federaser_interval)
