@@ -4,7 +4,7 @@ The request carries the model to erase from (and optionally the reference model 
 gradient ascent), the sample ids to forget (none: the whole silo) and a ``SiloErasure`` config.
 The reply carries the erasure delta (relative to the model sent), the forget data's gradient
 signature basis ``(d, k)`` with the names of the tensors it spans, optionally the forget data's
-mean loss gradient ``(d,)`` over the same tensors (``unlearning.protect=gradient/onesided``
+mean loss gradient ``(d,)`` over the same tensors (``lab.erasure.protect=gradient/onesided``
 reads it; a reply without it, as older silos send, still parses), and the silo's metrics.
 Errors as in ``protocol.messages`` (``ErrorReply``, ``Malformed``).
 """

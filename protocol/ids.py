@@ -89,7 +89,7 @@ class DigestSet(Set[str]):
 def fraction_ids(ids: Sequence[str], seed: int, silo: int, fraction: float) -> list[str]:
     """The seeded share ``fraction`` of silo ``silo``'s sample ``ids`` (at least one), sorted:
     what a scheduled sample-level erasure (``erasures[].fraction``) erases and what its
-    retraining reference (``silos.exclude_samples``) never trains on."""
+    retraining reference (``lab.exclude_samples``) never trains on."""
     rng = seeds.rng(seed, "erasure.fraction", silo)
     k = max(1, int(round(fraction * len(ids))))
     return sorted(str(x) for x in rng.choice(np.asarray(ids), size=k, replace=False))

@@ -20,8 +20,10 @@ The removal is bounded by the held-out score (``bounded``): when the whole of it
 more than ``unlearning.server_removal_max_drop``, the largest share that does not is applied
 at the request. The rest (``Remainder``) is not dropped: once the other silos' training has
 brought the score back to where it was before the request, a step of it is applied, bounded
-the same way, at an evaluation; so until it is all in force or the request is checked after
-its relearning window.
+the same way, at an evaluation. Steps follow until all of it is in force, or until the request
+is checked after its relearning window (what is left then is never applied, and the audit
+says how much).
+
 A whole silo whose influence generalises (a learnt rule, such as a backdoor, rather than
 memorised samples) is erased by the removal alone, since its membership test cannot see the
 rule: withholding most of the removal for good left one in the model (docs/measured.md).
