@@ -742,6 +742,32 @@ def trigger_lift(row: dict[str, Any], band: float) -> dict[str, Any]:
     }
 
 
+def forget_gap(row: dict[str, Any], band: float) -> dict[str, Any]:
+    """Where the forget score at the boundary is below retraining's band, whether the silo's
+    data is what differs: its gap (the test score less the forget score) against
+    retraining's at the same time, within ``band``. A forget score below retraining's with the
+    same gap is a model behind retraining on every sample (training with the poisoned silo
+    was slower), not the silo's data erased past retraining. Empty where it is not below."""
+    keys = (
+        "forget_accuracy@boundary",
+        "forget_accuracy@retrain",
+        "test_accuracy@boundary",
+        "test_accuracy@retrain",
+    )
+    vals = [_num(row.get(k)) for k in keys]
+    if any(v is None for v in vals):
+        return {}
+    forget, ref, test, ref_test = (float(v) for v in vals)  # type: ignore[arg-type]
+    if forget >= ref - band:
+        return {}
+    gap, ref_gap = test - forget, ref_test - ref
+    return {
+        "forget_gap@boundary": gap,
+        "forget_gap@retrain": ref_gap,
+        "forget_gap_within": gap - ref_gap <= band,
+    }
+
+
 def verify(per_seed: Runs, ours: str) -> dict[str, float]:
     """Each erased run's ``verified_s`` (issue 14 §5) and its boundary against retraining's
     band (``erasure``); retraining's ``verified_s``: from scratch to ``ours``'s pre-request
@@ -774,8 +800,13 @@ def verify(per_seed: Runs, ours: str) -> dict[str, float]:
             row.update({f"{k}@retrain": at[w] for k, w in WATCHED.items()})
             if UNTRIGGERED in at:
                 row["asr_without_trigger@retrain"] = at[UNTRIGGERED]
+            if all("score" in e for e in ref):
+                row["test_accuracy@retrain"] = float(
+                    np.interp(row["boundary_t"], [e["t"] for e in ref], [e["score"] for e in ref])
+                )
             row["erasure"] = classify({k: row.get(f"{k}@boundary") for k in WATCHED}, at, floors)
             row.update(trigger_lift(row, max(floors.get("bd_asr", 0.0), MIN_BAND)))
+            row.update(forget_gap(row, max(floors.get("bd_forget_accuracy", 0.0), MIN_BAND)))
         pres = [r["pre_erasure_accuracy"] for r in rows.values() if "pre_erasure_accuracy" in r]
         target = rows.get(ours, {}).get("pre_erasure_accuracy", pres[0] if pres else None)
         if target is not None and "retrain" in rows:
@@ -844,6 +875,9 @@ def aggregate(rows: dict[int, Rows]) -> dict[str, dict[str, Any]]:
         a["erasure"]["judged"] = len(kinds)
         a["asr_below"] = [
             (seed, r[name]) for seed, r in rows.items() if "trigger_lift_within" in r.get(name, {})
+        ]
+        a["forget_below"] = [
+            (seed, r[name]) for seed, r in rows.items() if "forget_gap_within" in r.get(name, {})
         ]
         out[name] = a
     return out
@@ -985,6 +1019,19 @@ def report(
                     f"{r['asr_without_trigger@retrain']:.3f}), not the trigger"
                     if r["trigger_lift_within"]
                     else "below: the trigger erased past retraining"
+                )
+            )
+        for seed, r in a.get("forget_below", []):
+            lines.append(
+                f"   {m} s{seed}: forget score {r['forget_accuracy@boundary']:.3f} below "
+                f"retraining's {r['forget_accuracy@retrain']:.3f}; its gap to the test score "
+                f"{r['forget_gap@boundary']:.3f} against {r['forget_gap@retrain']:.3f}, "
+                + (
+                    "within: a model behind retraining on every sample (test score "
+                    f"{r['test_accuracy@boundary']:.3f} against "
+                    f"{r['test_accuracy@retrain']:.3f}), not the silo's data"
+                    if r["forget_gap_within"]
+                    else "wider: the silo's data erased past retraining"
                 )
             )
     limit = speedup_limit(agg, ours)

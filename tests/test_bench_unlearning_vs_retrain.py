@@ -437,6 +437,40 @@ def test_an_asr_below_retrainings_band_is_read_by_the_triggers_lift(asr, base, w
     assert bench.trigger_lift({**row, "asr_without_trigger@retrain": None}, band=0.043) == {}
 
 
+@pytest.mark.parametrize(
+    ("forget", "test", "within"),
+    [
+        # below retraining's 0.367 by more than the band, the test score as far below: a
+        # model behind retraining on every sample (3D seed 7's shape)
+        (0.315, 0.55, True),
+        # below, with the test score where retraining's is: the silo's data erased past it
+        (0.315, 0.60, False),
+    ],
+)
+def test_a_forget_score_below_retrainings_band_is_read_by_its_gap_to_the_test_score(
+    forget, test, within
+):
+    row = {
+        "forget_accuracy@boundary": forget,
+        "test_accuracy@boundary": test,
+        "forget_accuracy@retrain": 0.367,
+        "test_accuracy@retrain": 0.60,
+    }
+    got = bench.forget_gap(row, band=0.032)
+    assert got["forget_gap_within"] is within
+    assert got["forget_gap@boundary"] == pytest.approx(test - forget)
+    assert got["forget_gap@retrain"] == pytest.approx(0.233)
+    # within the band, or without retraining's test score, it is not read
+    assert bench.forget_gap({**row, "forget_accuracy@boundary": 0.35}, band=0.032) == {}
+    assert bench.forget_gap({**row, "test_accuracy@retrain": None}, band=0.032) == {}
+    # and the report names the seed with its reading
+    row.update(got)
+    agg = bench.aggregate({7: {"ours": {"erasure": "over", **row}}})
+    text = bench.report("nuclei", bench.BENCHMARKS["nuclei"], agg, {}, {}, "ours", [7])
+    line = next(x for x in text.splitlines() if "s7:" in x)
+    assert ("behind retraining on every sample" in line) is within
+
+
 def test_the_report_names_each_seed_whose_asr_was_below_and_why():
     row = {
         "erasure": "over",
