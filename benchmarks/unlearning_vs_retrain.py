@@ -717,24 +717,29 @@ def classify(
     )
 
 
+def _below_against_base(
+    row: dict[str, Any], metric: str, base: str, band: float
+) -> tuple[float, float] | None:
+    """Where ``metric`` at the boundary is below retraining's band (``band``): it less
+    ``base`` (another reading of the same model), and retraining's the same way; None where it
+    is not below or a reading is missing."""
+    keys = (f"{metric}@boundary", f"{metric}@retrain", f"{base}@boundary", f"{base}@retrain")
+    vals = [_num(row.get(k)) for k in keys]
+    if any(v is None for v in vals):
+        return None
+    value, ref, own, ref_own = (float(v) for v in vals)  # type: ignore[arg-type]
+    return None if value >= ref - band else (value - own, ref - ref_own)
+
+
 def trigger_lift(row: dict[str, Any], band: float) -> dict[str, Any]:
     """Where the ASR at the boundary is below retraining's band, whether the trigger is: its
     lift (ASR minus the same images' ASR without it) against retraining's, within ``band``.
     An ASR below retraining's with the same lift is the model's lean to the target label on
     every image, not a backdoor erased past retraining. Empty where ASR is not below."""
-    keys = (
-        "asr@boundary",
-        "asr@retrain",
-        "asr_without_trigger@boundary",
-        "asr_without_trigger@retrain",
-    )
-    vals = [_num(row.get(k)) for k in keys]
-    if any(v is None for v in vals):
+    read = _below_against_base(row, "asr", "asr_without_trigger", band)
+    if read is None:
         return {}
-    asr, ref, base, ref_base = (float(v) for v in vals)  # type: ignore[arg-type]
-    if asr >= ref - band:
-        return {}
-    lift, ref_lift = asr - base, ref - ref_base
+    lift, ref_lift = read
     return {
         "trigger_lift@boundary": lift,
         "trigger_lift@retrain": ref_lift,
@@ -748,19 +753,10 @@ def forget_gap(row: dict[str, Any], band: float) -> dict[str, Any]:
     retraining's at the same time, within ``band``. A forget score below retraining's with the
     same gap is a model behind retraining on every sample (training with the poisoned silo
     was slower), not the silo's data erased past retraining. Empty where it is not below."""
-    keys = (
-        "forget_accuracy@boundary",
-        "forget_accuracy@retrain",
-        "test_accuracy@boundary",
-        "test_accuracy@retrain",
-    )
-    vals = [_num(row.get(k)) for k in keys]
-    if any(v is None for v in vals):
+    read = _below_against_base(row, "forget_accuracy", "test_accuracy", band)
+    if read is None:
         return {}
-    forget, ref, test, ref_test = (float(v) for v in vals)  # type: ignore[arg-type]
-    if forget >= ref - band:
-        return {}
-    gap, ref_gap = test - forget, ref_test - ref
+    gap, ref_gap = -read[0], -read[1]
     return {
         "forget_gap@boundary": gap,
         "forget_gap@retrain": ref_gap,
