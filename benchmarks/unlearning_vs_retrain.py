@@ -764,6 +764,26 @@ def forget_gap(row: dict[str, Any], band: float) -> dict[str, Any]:
     }
 
 
+def over_on_the_silo(
+    row: dict[str, Any], ref: dict[str, float], floors: dict[str, float]
+) -> bool | None:
+    """Whether a boundary judged over (or over and under) is over on the silo's data itself:
+    some forgetting metric below retraining's band that its own reading does not explain (the
+    trigger's lift for the ASR, the gap to the test score for the forget score; the MIA AUC
+    has none). None where the boundary was not judged over."""
+    if row.get("erasure") not in ("over", "over+under"):
+        return None
+    readings = {"asr": "trigger_lift_within", "forget_accuracy": "forget_gap_within"}
+    for key, watched in WATCHED.items():
+        v = _num(row.get(f"{key}@boundary"))
+        band = max(floors.get(watched, 0.0), MIN_BAND)
+        if v is None or watched not in ref or v >= ref[watched] - band:
+            continue
+        if not row.get(readings.get(key, ""), False):
+            return True
+    return False
+
+
 def verify(per_seed: Runs, ours: str) -> dict[str, float]:
     """Each erased run's ``verified_s`` (issue 14 §5) and its boundary against retraining's
     band (``erasure``); retraining's ``verified_s``: from scratch to ``ours``'s pre-request
@@ -803,6 +823,7 @@ def verify(per_seed: Runs, ours: str) -> dict[str, float]:
             row["erasure"] = classify({k: row.get(f"{k}@boundary") for k in WATCHED}, at, floors)
             row.update(trigger_lift(row, max(floors.get("bd_asr", 0.0), MIN_BAND)))
             row.update(forget_gap(row, max(floors.get("bd_forget_accuracy", 0.0), MIN_BAND)))
+            row["over_on_the_silo"] = over_on_the_silo(row, at, floors)
         pres = [r["pre_erasure_accuracy"] for r in rows.values() if "pre_erasure_accuracy" in r]
         target = rows.get(ours, {}).get("pre_erasure_accuracy", pres[0] if pres else None)
         if target is not None and "retrain" in rows:
@@ -869,6 +890,7 @@ def aggregate(rows: dict[int, Rows]) -> dict[str, dict[str, Any]]:
         kinds = [r["erasure"] for r in rs if r.get("erasure")]
         a["erasure"] = {k: kinds.count(k) for k in ("within", "over", "under", "over+under")}
         a["erasure"]["judged"] = len(kinds)
+        a["erasure"]["on_the_silo"] = sum(1 for r in rs if r.get("over_on_the_silo") is True)
         a["asr_below"] = [
             (seed, r[name]) for seed, r in rows.items() if "trigger_lift_within" in r.get(name, {})
         ]
@@ -977,12 +999,14 @@ def report(
         )
     lines.append(
         f"   {'method':20s} {'verified_s':34s} {'latency_s':24s} {'to_request x':24s} "
-        f"{'throughput':20s} boundary vs retraining (over/under/both/within of judged)"
+        f"{'throughput':20s} boundary vs retraining (over/under/both/within of judged; "
+        "over on the silo's data itself)"
     )
     for m, a in agg.items():
         e = a["erasure"]
         judged = (
-            f"{e['over']}/{e['under']}/{e['over+under']}/{e['within']} of {e['judged']}"
+            f"{e['over']}/{e['under']}/{e['over+under']}/{e['within']} of {e['judged']}; "
+            f"{e.get('on_the_silo', 0)}"
             if e["judged"]
             else "-"
         )

@@ -173,7 +173,7 @@ def test_classification_counts_per_method():
         for s, k in enumerate(["over", "over", "within", "under", None])
     }
     e = bench.aggregate(rows)["fedasync-fixed"]["erasure"]
-    assert e == {"within": 1, "over": 2, "under": 1, "over+under": 0, "judged": 4}
+    assert e == {"within": 1, "over": 2, "under": 1, "over+under": 0, "judged": 4, "on_the_silo": 0}
 
 
 def test_retrainings_time_to_plateau():
@@ -469,6 +469,30 @@ def test_a_forget_score_below_retrainings_band_is_read_by_its_gap_to_the_test_sc
     text = bench.report("nuclei", bench.BENCHMARKS["nuclei"], agg, {}, {}, "ours", [7])
     line = next(x for x in text.splitlines() if "s7:" in x)
     assert ("behind retraining on every sample" in line) is within
+
+
+def test_a_boundary_judged_over_counts_on_the_silo_only_where_no_reading_explains_it():
+    ref = {"bd_asr": 0.149, "bd_forget_accuracy": 0.367, "bd_mia_auc": 0.5}
+    floors = {"bd_asr": 0.043, "bd_forget_accuracy": 0.032, "bd_mia_auc": 0.05}
+    over = {
+        "erasure": "over",
+        "asr@boundary": 0.15,
+        "forget_accuracy@boundary": 0.315,  # below the band
+        "mia_auc@boundary": 0.5,
+    }
+    # the forget score's gap to the test score is retraining's: explained
+    assert bench.over_on_the_silo({**over, "forget_gap_within": True}, ref, floors) is False
+    # it is not: over on the silo's data
+    assert bench.over_on_the_silo({**over, "forget_gap_within": False}, ref, floors) is True
+    # the MIA AUC below has no reading of its own: over whatever the others say
+    mia = {**over, "forget_gap_within": True, "mia_auc@boundary": 0.3}
+    assert bench.over_on_the_silo(mia, ref, floors) is True
+    # not judged over: not counted
+    assert bench.over_on_the_silo({**over, "erasure": "within"}, ref, floors) is None
+    # and the report's count
+    rows = {7: {"ours": {**over, "forget_gap_within": False, "over_on_the_silo": True}}}
+    agg = bench.aggregate(rows)
+    assert agg["ours"]["erasure"]["on_the_silo"] == 1
 
 
 def test_the_report_names_each_seed_whose_asr_was_below_and_why():
