@@ -79,24 +79,24 @@ from fedasync.erasure_metrics import (  # noqa: E402
 )
 
 ARMS: dict[str, list[str]] = {
-    "none": ["unlearning.calibration=false"],
-    "reply": ["unlearning.calibration=true", "lab.erasure.calibration_target=reply"],
+    "none": ["lab.erasure.calibration=false"],
+    "reply": ["lab.erasure.calibration=true", "lab.erasure.calibration_target=reply"],
     "applied": [
-        "unlearning.calibration=true",
+        "lab.erasure.calibration=true",
         "lab.erasure.calibration_target=applied",
         "lab.erasure.protect=both",
     ],
     "applied-subspace": [
-        "unlearning.calibration=true",
+        "lab.erasure.calibration=true",
         "lab.erasure.calibration_target=applied",
         "lab.erasure.protect=subspace",
     ],
     "applied-jump": [
-        "unlearning.calibration=true",
+        "lab.erasure.calibration=true",
         "lab.erasure.calibration_target=applied",
         "lab.erasure.protect=jump",
     ],
-    "drop": ["unlearning.calibration=false", "lab.erasure.pre_boundary=drop"],
+    "drop": ["lab.erasure.calibration=false", "lab.erasure.pre_boundary=drop"],
 }
 """Erasure arms: config overrides on top of the scenario's."""
 
@@ -225,7 +225,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
         "lab.backdoor.watch=true",
         "unlearning.relearn_versions=100000",  # watched to the end, verified at the end
         "unlearning.steps=20",  # a strong erasure: 5 steps left ASR 0.74 at the boundary
-        "unlearning.watch_every=5",
+        "lab.erasure.watch_every=5",
     ]
     runs: list[Run] = []
     for scen in args.scenarios.split(","):

@@ -209,7 +209,7 @@ at request time (the full removal over-erases)."""
 PINNED = [
     "unlearning.stop=fixed",
     "unlearning.steps=5",
-    "unlearning.server_removal=false",
+    "lab.erasure.server_removal=false",
     "lab.erasure.server_removal_part=total",
 ]
 """Every run's erasure settings before its method's own: the methods say what they change from
@@ -245,7 +245,7 @@ Runs = dict[int, tuple[Rows, dict[str, dict[str, Any]]]]
 def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[str]]:
     share = f", fraction: {fraction}" if fraction < 1.0 else ""
     erase = f"erasures=[{{silo: {silo}, at_s: {at_s}{share}}}]"
-    calibrated = [erase, "server.mode=fedasync", "unlearning.calibration=true"]
+    calibrated = [erase, "server.mode=fedasync", "lab.erasure.calibration=true"]
     return {
         "no-erasure": ["server.mode=fedasync"],  # what there is to erase: the backdoor learnt
         "retrain": [
@@ -257,9 +257,9 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
         "sync-halt": [
             erase,
             "server.mode=federaser",
-            "unlearning.calibration=false",
+            "lab.erasure.calibration=false",
         ],
-        "async-nocal": [erase, "server.mode=fedasync", "unlearning.calibration=false"],
+        "async-nocal": [erase, "server.mode=fedasync", "lab.erasure.calibration=false"],
         "fedasync-fixed": [*calibrated, "unlearning.stop=fixed"],
         "fedasync-membership": [
             *calibrated,
@@ -269,13 +269,13 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
         "fedasync-removal": [
             *calibrated,
             "unlearning.stop=fixed",
-            "unlearning.server_removal=true",
+            "lab.erasure.server_removal=true",
             f"lab.erasure.server_removal_scale={REMOVAL_SCALE}",
         ],
         "fedasync-unique": [
             *calibrated,
             "unlearning.stop=fixed",
-            "unlearning.server_removal=true",
+            "lab.erasure.server_removal=true",
             "lab.erasure.server_removal_part=unique",
             f"unlearning.sketch_rank={SKETCH_RANK}",
         ],
@@ -283,7 +283,7 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             *calibrated,
             "unlearning.stop=membership",
             f"unlearning.steps={MEMBERSHIP_STEPS}",
-            "unlearning.server_removal=true",
+            "lab.erasure.server_removal=true",
             "lab.erasure.server_removal_part=unique",
             f"unlearning.sketch_rank={SKETCH_RANK}",
         ],
@@ -543,6 +543,11 @@ MOVED = {
     **{
         f"unlearning.{k}": f"lab.erasure.{k}"
         for k in (
+            "server_removal",
+            "calibration",
+            "calibration_strength",
+            "cancel_inflight",
+            "watch_every",
             "server_removal_part",
             "server_removal_scale",
             "calibration_target",
@@ -640,8 +645,8 @@ def _ran_the_window(saved: Any) -> bool:
     replaced (its unique removal or signature_unique used it)."""
     from omegaconf import OmegaConf
 
-    u, lab = saved.get("unlearning", {}), OmegaConf.select(saved, "lab.erasure") or {}
-    unique_removal = u.get("server_removal", True) and lab.get("server_removal_part") == "unique"
+    lab = OmegaConf.select(saved, "lab.erasure") or {}
+    unique_removal = lab.get("server_removal", True) and lab.get("server_removal_part") == "unique"
     return bool(unique_removal or lab.get("signature_unique", False))
 
 

@@ -96,15 +96,6 @@ class UnlearningConfig:
     radius: float = 2.0
     """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
     sample-level one gets it scaled by radius_scaling)."""
-    cancel_inflight: bool = True
-    """An erasure request cancels its silo's training job in flight, whose reply is discarded
-    when it comes (server/cancel.py): the erasure starts at once rather than after that job.
-    false: it waits for the job's reply (and folds it) first. In a deployment only with
-    ``service=true``: each node watches its silo's requests there and stops the job between
-    two local steps (``fedasync node --erasure-service``); without the service the node
-    finishes the job before it pulls the erasure's message, so the erasure waits for it."""
-    server_removal: bool = True
-    """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
     server_removal_max_drop: float = 0.02
     """With ``server_removal``: the most the server's held-out score may fall by the removal.
     A removal that costs more is halved until it costs no more (at most four times; then it
@@ -115,10 +106,6 @@ class UnlearningConfig:
     applied whole. A removal that costs the model more than its noise removes more than the
     silo's data explains (measured: nuclei's over-erased seeds lost 9 to 29 points of Dice
     to the whole removal, docs/measured.md)."""
-    calibration: bool = True
-    """Project later updates out of the erased data's gradient signature (invariance)."""
-    calibration_strength: float = 1.0
-    """How much of an update's component in the signature subspace is removed (1: all)."""
     signature_rank: int = 4
     """Rank of the gradient signature the erasing silo sends."""
     signature_batches: int = 4
@@ -134,10 +121,6 @@ class UnlearningConfig:
     addition into one row."""
     relearn_versions: int = 20
     """Versions after the boundary at which the erasure is verified (the relearning check)."""
-    watch_every: int = 0
-    """Between the boundary and the verification, verify the erased model every this many
-    versions (an ``erasure_watch`` event with the verification metrics and the reversion
-    ratio): the resurfacing of erased influence over time. 0: only at the two ends."""
     max_attempts: int = 3
     """Times an erasure may be lost by its silo going down mid-erasure (a crash, an error
     reply, no reply within server.reply_timeout_s) before it is failed; being reported offline

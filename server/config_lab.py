@@ -120,17 +120,35 @@ class SampleShare:
 @dataclass
 class ErasureLab:
     """The erasure's ablations, kept so the benchmarks can run each arm again: the defaults are
-    the settled choices (docs/measured.md says what each was measured against), and the halting
+    the settled choices (docs/measured.md says what each was measured against); the resurfacing
+    benchmark's watch between a boundary and its check (``watch_every``); and the halting
     FedEraser baseline's two settings (``server.mode=federaser``)."""
 
+    server_removal: bool = True
+    """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
+    calibration: bool = True
+    """Project later updates out of the erased data's gradient signature (invariance)."""
+    calibration_strength: float = 1.0
+    """How much of an update's component in the signature subspace is removed (1: all)."""
+    cancel_inflight: bool = True
+    """An erasure request cancels its silo's training job in flight, whose reply is discarded
+    when it comes (server/cancel.py): the erasure starts at once rather than after that job.
+    false: it waits for the job's reply (and folds it) first. In a deployment only with
+    ``unlearning.service=true``: each node watches its silo's requests there and stops the job between
+    two local steps (``fedasync node --erasure-service``); without the service the node
+    finishes the job before it pulls the erasure's message, so the erasure waits for it."""
+    watch_every: int = 0
+    """Between the boundary and the verification, verify the erased model every this many
+    versions (an ``erasure_watch`` event with the verification metrics and the reversion
+    ratio): the resurfacing of erased influence over time. 0: only at the two ends."""
     server_removal_part: RemovalPart = "unique"
-    """With ``unlearning.server_removal``: which part of the silo's recorded contributions is subtracted.
+    """With ``server_removal``: which part of the silo's recorded contributions is subtracted.
     ``total``: all of it (FedEraser's first-order removal). ``unique``: only what lies outside
     the span of the other silos' recent accepted updates (``unlearning.sketch_rank``), the directions
     their training does not act on and so cannot have washed out since (what persists of the
     silo's work); the rest stays (docs/erasure.md)."""
     server_removal_scale: float = 1.0
-    """With ``unlearning.server_removal``: the share of those contributions subtracted (1: all of them;
+    """With ``server_removal``: the share of those contributions subtracted (1: all of them;
     the full removal over-erases, see docs/measured.md, so a smaller share can be tried)."""
     calibration_target: CalibrationTarget = "applied"
     """What the invariance calibration projects: ``reply``, each accepted update as it arrives,
@@ -156,7 +174,7 @@ class ErasureLab:
     data (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event."""
     pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate it, when
-    ``unlearning.calibration`` is on) or drop it (whether or not it is on)."""
+    ``calibration`` is on) or drop it (whether or not it is on)."""
     radius_scaling: RadiusScaling = "linear"
     """How a sample-level erasure's size (PGA radius, relabel steps) follows its share of the
     silo's samples: linear (max(share, radius_floor)), sqrt (max(sqrt(share), radius_floor)) or

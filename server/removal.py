@@ -1,5 +1,6 @@
 """The server's own move at an erasure request: which part of the silo's recorded
-contributions it subtracts from the model (``unlearning.server_removal*``).
+contributions it subtracts from the model (``lab.erasure.server_removal*``, bounded by
+``unlearning.server_removal_max_drop``).
 
 The ledger (`fedasync.unlearning.ContributionLedger`) holds what each silo's updates did to
 the global model. All of it (``server_removal_part=total``, FedEraser's first-order removal)
@@ -63,7 +64,7 @@ def removal(
     if sample_level:  # (see the module docstring)
         report["removal"] = "none: a sample-level erasure"
         return None
-    total = ledger.total(str(silo)) if cfg.server_removal else None
+    total = ledger.total(str(silo)) if lab.server_removal else None
     if total is None:
         return None
     report.update(alignment(ledger, silo, total))

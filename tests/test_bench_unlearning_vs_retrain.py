@@ -218,11 +218,11 @@ def test_methods_by_request_and_the_two_stopping_arms():
         bench.method_names(_args(methods="fedasync"))
     m = bench._methods(2, 200.0, 0.1)
     assert "unlearning.stop=fixed" in bench.PINNED and "unlearning.steps=5" in bench.PINNED
-    assert "unlearning.server_removal=false" in bench.PINNED
+    assert "lab.erasure.server_removal=false" in bench.PINNED
     assert "unlearning.stop=fixed" in m["fedasync-fixed"]
     assert "unlearning.stop=membership" in m["fedasync-membership"]
     for arm in ("fedasync-fixed", "fedasync-membership"):
-        assert "unlearning.calibration=true" in m[arm]
+        assert "lab.erasure.calibration=true" in m[arm]
         assert "erasures=[{silo: 2, at_s: 200.0, fraction: 0.1}]" in m[arm]
     assert "erasures=[{silo: 2, at_s: 200.0}]" in bench._methods(2, 200.0)["sync-halt"]
     # ...retraining leaves out the same seeded share (or the whole silo)
@@ -352,7 +352,7 @@ def test_a_run_saved_with_the_window_the_sketch_replaced_is_read_back_only_if_it
 
     from simulations.config import load_config, to_yaml
 
-    removal = ["unlearning.server_removal=true", "lab.erasure.server_removal_part=unique"]
+    removal = ["lab.erasure.server_removal=true", "lab.erasure.server_removal_part=unique"]
     cfg = load_config(None, [*bench.PINNED, "run.seed=3", *(removal if unique else [])])
     saved = OmegaConf.create(to_yaml(cfg))
     del saved.unlearning["sketch_rank"]
@@ -377,7 +377,7 @@ def test_a_run_saved_before_the_removal_was_bounded_is_read_back_only_if_its_rem
 
     from simulations.config import load_config, to_yaml
 
-    cfg = load_config(None, [*bench.PINNED, "run.seed=3", "unlearning.server_removal=true"])
+    cfg = load_config(None, [*bench.PINNED, "run.seed=3", "lab.erasure.server_removal=true"])
     saved = OmegaConf.create(to_yaml(cfg))
     del saved.unlearning["server_removal_max_drop"]
     (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))

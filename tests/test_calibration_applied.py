@@ -126,7 +126,7 @@ def test_applied_contributions_are_the_projected_change(small_cfg):
         small_cfg(
             "server.mode=fedbuff",
             "server.buffer_size=2",
-            "unlearning.server_removal=true",
+            "lab.erasure.server_removal=true",
             "erasures=[{silo: 1, at_s: 100000}]",  # (a run that can erase records shares)
         )
     )
@@ -161,7 +161,7 @@ def test_the_default_protects_the_applied_change_against_the_jump_and_reply_stil
     # the signature whatever protect says, so it loads with the default protect
     cfg = small_cfg()
     lab = cfg.lab.erasure
-    assert (cfg.unlearning.calibration, lab.calibration_target, lab.protect) == (
+    assert (lab.calibration, lab.calibration_target, lab.protect) == (
         True,
         "applied",
         "jump",

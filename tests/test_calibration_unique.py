@@ -329,7 +329,7 @@ def test_with_the_forget_gradient_protected_no_version_lowers_the_forget_loss(
     # short run happened to descend along the forget gradient (min 0.0011, not < -1e-3)
     seen = _run(
         small_cfg, monkeypatch, "lab.erasure.calibration_target=applied",
-        f"lab.erasure.protect={protect}", "unlearning.cancel_inflight=false", *RELEARN,
+        f"lab.erasure.protect={protect}", "lab.erasure.cancel_inflight=false", *RELEARN,
     )  # fmt: skip
 
     # Assert: the silo's gradient came; with it no step after the boundary descends along it

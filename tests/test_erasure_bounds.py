@@ -36,7 +36,7 @@ FAST = (
     "server.eval_every=5",
     # the silo's delta alone at the boundary (fixed steps, no server removal): what is bounded
     "unlearning.stop=fixed",
-    "unlearning.server_removal=false",
+    "lab.erasure.server_removal=false",
 )
 
 

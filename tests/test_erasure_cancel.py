@@ -44,7 +44,7 @@ def _run(small_cfg, *extra: str):
 def test_an_erasure_starts_at_its_request_and_the_job_in_flight_is_discarded(small_cfg):
     # Execute: the same run, with and without cancelling the job in flight
     summary, row, events = _run(small_cfg)
-    _, row_wait, events_wait = _run(small_cfg, "unlearning.cancel_inflight=false", "run.name=w")
+    _, row_wait, events_wait = _run(small_cfg, "lab.erasure.cancel_inflight=false", "run.name=w")
     # Assert: cancelled at the request; the erasure started then
     (cancel,) = [e for e in events if e["event"] == "job_cancelled"]
     assert cancel["silo"] == 1 and cancel["t"] == row["submitted_t"] == row["started_t"]

@@ -82,7 +82,7 @@ def erased(tmp_path_factory):
             "server.evaluate_silos=false",
             "erasures=[{silo: 2, at_s: 10, fraction: 0.3}]",
             "unlearning.relearn_versions=4",
-            "unlearning.watch_every=1",
+            "lab.erasure.watch_every=1",
             "lab.erasure.protect=subspace",
             "lab.backdoor.enabled=true",
             "lab.backdoor.silo=2",

@@ -59,7 +59,7 @@ def test_scheduled_whole_silo_erasure_is_checked_after_its_window(small_cfg):
 def test_watching_an_erasure_reports_its_metrics_between_boundary_and_verification(small_cfg):
     # Prepare: watch every version of the relearning window (4 versions)
     cfg = small_cfg(
-        "run.max_versions=30", "erasures=[{silo: 1, at_s: 10}]", *ERASE, "unlearning.watch_every=1"
+        "run.max_versions=30", "erasures=[{silo: 1, at_s: 10}]", *ERASE, "lab.erasure.watch_every=1"
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     # Execute
@@ -316,7 +316,7 @@ def test_drop_rule_rejects_stale_work_without_calibration_too(small_cfg):
         "run.max_versions=30",
         "erasures=[{silo: 1, at_s: 10}]",
         "lab.erasure.pre_boundary=drop",
-        "unlearning.calibration=false",
+        "lab.erasure.calibration=false",
         *ERASE,
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name

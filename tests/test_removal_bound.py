@@ -78,7 +78,7 @@ def test_in_a_run_the_removal_costs_the_held_out_score_at_most_the_bound(small_c
     # Prepare: a whole-silo erasure with the unique removal, bounded at no fall at all
     cfg = small_cfg(
         "run.max_versions=12",
-        "unlearning.server_removal=true",
+        "lab.erasure.server_removal=true",
         "unlearning.server_removal_max_drop=0",
         "erasures=[{silo: 1, at_s: 4}]",
     )

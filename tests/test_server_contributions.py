@@ -1,6 +1,6 @@
 """What the erasure ledger records is exactly what the folds applied, for every aggregator.
 
-With ``unlearning.server_removal`` the coordinator subtracts a silo's recorded contributions
+With ``lab.erasure.server_removal`` the coordinator subtracts a silo's recorded contributions
 from the model, so they must add up to what the silos' updates did to it: over a whole run,
 the silos' summed contributions equal the final model minus the initial one (no central DP,
 so nothing is unattributed). Before issue 13 the loop recorded a first-order share that was,
@@ -50,7 +50,7 @@ def test_recorded_contributions_sum_to_what_the_run_changed(mode, small_cfg, mon
     # coordinator exists and records, nothing is erased)
     cfg = small_cfg(
         "run.max_versions=6",
-        "unlearning.server_removal=true",
+        "lab.erasure.server_removal=true",
         "erasures=[{silo: 1, at_s: 100000}]",
         *MODES[mode],
     )
@@ -127,7 +127,7 @@ def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributi
     # the ledger recorded for it at once, before the silo's own ascent starts
     cfg = small_cfg(
         "run.max_versions=12",
-        "unlearning.server_removal=true",
+        "lab.erasure.server_removal=true",
         f"lab.erasure.server_removal_scale={scale}",
         "lab.erasure.server_removal_part=total",
         "unlearning.server_removal_max_drop=1",  # (the held-out bound: test_removal_bound.py)
@@ -156,7 +156,7 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
     # Prepare: as above, with server_removal_part=unique and a sketch of 6 rows (2 per silo)
     cfg = small_cfg(
         "run.max_versions=12",
-        "unlearning.server_removal=true",
+        "lab.erasure.server_removal=true",
         "lab.erasure.server_removal_part=unique",
         "unlearning.sketch_rank=6",
         "unlearning.server_removal_max_drop=1",
@@ -196,6 +196,6 @@ def test_a_sample_level_erasure_gets_no_removal(small_cfg, monkeypatch):
     run_server(InProcessGrid(client_app, 3), cfg, Path(cfg.run.out_dir) / cfg.run.name)
     # Assert: the silo starts from the global model itself, and the report says why
     (params, start, e), *_ = seen
-    assert cfg.unlearning.server_removal and e.sample_ids
+    assert cfg.lab.erasure.server_removal and e.sample_ids
     assert all(torch.equal(start[k], v) for k, v in params.items())
     assert e.removal is None and e.start_report["removal"] == "none: a sample-level erasure"

@@ -15,7 +15,7 @@ What exists (docs/erasure.md) and where it is stored:
 - the calibration in force (the row's facts) and the overlap of each later update with the
   erased data's signature subspace (``calibration_overlap`` of ``update`` events);
 - resurfacing: the checks between the boundary and verification (``erasure_watch``
-  events, ``unlearning.watch_every``) and the verification after the relearning window (the
+  events, ``lab.erasure.watch_every``) and the verification after the relearning window (the
   ``verified`` row), with the reversion ratio toward the pre-erasure model;
 - what the server did with the silo's work (cancelled jobs, updates refused or taken).
 

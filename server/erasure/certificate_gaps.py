@@ -181,7 +181,7 @@ def _resurfacing_gaps(
     if run is not None and not run.watch:
         miss(
             "checks between the boundary and verification",
-            "none were asked for (unlearning.watch_every=0)",
+            "none were asked for (lab.erasure.watch_every=0)",
         )
     if verified is not None and num(verified.metrics.get("reversion_ratio")) is None:
         facts = {} if boundary is None else boundary.facts

@@ -88,7 +88,7 @@ class Strategy:
         mech = None
         if s.dp.noise_multiplier is not None and s.clip_norm is not None:
             mech = GaussianMechanism(s.clip_norm, s.dp.noise_multiplier)
-        attribute = cfg.unlearning.server_removal and bool(cfg.erasures or cfg.unlearning.service)
+        attribute = cfg.lab.erasure.server_removal and bool(cfg.erasures or cfg.unlearning.service)
         return {"mechanism": mech, "attribute": attribute}
 
     def _optimizer(self) -> ServerOptimizer:

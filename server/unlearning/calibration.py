@@ -144,7 +144,7 @@ class Calibration:
         self.gradients: list[ForgetGradient] = []
         """Each applied erasure's mean forget gradient, as its silo sent it
         (``lab.erasure.protect`` gradient or onesided)."""
-        spans = lab.signature_unique or (cfg.server_removal and lab.server_removal_part == "unique")
+        spans = lab.signature_unique or (lab.server_removal and lab.server_removal_part == "unique")
         self.sketch: SpanSketch | None = SpanSketch(int(cfg.sketch_rank), silos) if spans else None
         """``lab.erasure.signature_unique`` or ``server_removal_part=unique``: the span of the
         accepted updates as folded, by silo, in ``sketch_rank`` model-sized rows: what the
@@ -168,18 +168,18 @@ class Calibration:
                 RejectReason.CROSSED_BOUNDARY,
                 f"base version {job.base_version} precedes the erasure boundary {self.boundary}",
             ), None
-        if self.signature is None or not self.cfg.calibration:
+        if self.signature is None or not self.lab.calibration:
             return tensors, None
         if self.lab.calibration_target == "applied":
             return tensors, None  # what the fold applies is projected instead (``project``)
         overlap = self.signature.overlap(tensors)
-        return self.signature.project_out(tensors, strength=self.cfg.calibration_strength), overlap
+        return self.signature.project_out(tensors, strength=self.lab.calibration_strength), overlap
 
     @property
     def projects_applied(self) -> bool:
         """Whether folds' changes to the model are projected (``calibration_target=applied``,
         with a signature or an erasure jump to protect)."""
-        if not self.cfg.calibration or self.lab.calibration_target != "applied":
+        if not self.lab.calibration or self.lab.calibration_target != "applied":
             return False
         return self._subspace is not None or bool(self._one_sided)
 
@@ -219,14 +219,14 @@ class Calibration:
         sig, overlap = self._subspace, None
         if sig is not None:
             overlap = sig.overlap(change)
-            change = sig.project_out(change, strength=self.cfg.calibration_strength)
+            change = sig.project_out(change, strength=self.lab.calibration_strength)
         return block_one_sided(change, self._one_sided), overlap
 
     def compensates(self, job: Job) -> bool:
         """Whether delay compensation may use ``job``'s base weights: not across an erasure
         boundary when the applied change is calibrated (w_now − w_base would hold the erasure
         itself, and compensating would pull the model back toward the pre-erasure one)."""
-        applied = self.cfg.calibration and self.lab.calibration_target == "applied"
+        applied = self.lab.calibration and self.lab.calibration_target == "applied"
         return not (applied and job.base_version < self.boundary)
 
     # -------------------------------------------------------------- an erasure applied

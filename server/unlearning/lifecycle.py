@@ -183,13 +183,15 @@ class ErasureCoordinator:
 
     def _start_queued(self, queued: list[Any], now: float) -> None:
         # a request cancels its silo's training job in flight (server/cancel.py): it starts
-        # now instead of after a job that may be a straggler's (unlearning.cancel_inflight).
+        # now instead of after a job that may be a straggler's (lab.erasure.cancel_inflight).
         # On the wall clock only with the erasure service: Flower's SuperNode takes one message
         # at a time, so a deployed node pulls the erasure only after the job it runs; its node
         # stops that job when it sees the request enter erasing there (clients/preempt.py).
         # Without the service a cancel would gain nothing and start the erasure message's
         # reply timeout behind the job
-        if self.cfg.cancel_inflight and (not self.run.clock.realtime or self.cfg.service):
+        if self.run.cfg.lab.erasure.cancel_inflight and (
+            not self.run.clock.realtime or self.cfg.service
+        ):
             for req in queued:
                 if self._startable(req, now) and self.silos.holding(req.silo) is not None:
                     self.silos.cancel_for_erasure(req.silo, req.id)
@@ -335,7 +337,7 @@ class ErasureCoordinator:
         norm: float | None = None,
     ) -> None:
         """What a fold applied: each silo's exact share (the ledger; empty unless
-        ``unlearning.server_removal`` asks for it), and the raw norm of the update of ``silo``
+        ``lab.erasure.server_removal`` asks for it), and the raw norm of the update of ``silo``
         that was folded (FedEraser's history; None at a round's flush)."""
         for s, part in contributions.items():
             self.ledger.record(s, part, version)
@@ -519,7 +521,7 @@ class ErasureCoordinator:
                 continue
             since = self.model.version - e.boundary
             if since < self.cfg.relearn_versions:
-                every = self.cfg.watch_every
+                every = self.run.cfg.lab.erasure.watch_every
                 if every and since > 0 and since % every == 0:
                     self._watch(e, since)
                 continue
@@ -621,7 +623,7 @@ class ErasureCoordinator:
 
     def _watch(self, e: Erasure, since: int) -> None:
         """An ``erasure_watch`` event: the erased model's verification metrics ``since``
-        versions after the boundary, and its reversion ratio (``unlearning.watch_every``)."""
+        versions after the boundary, and its reversion ratio (``lab.erasure.watch_every``)."""
         metrics = e.measure(self.model.params, self.verify_fn)
         self.run.events.write(
             "erasure_watch",
