@@ -134,8 +134,8 @@ class ErasureLab:
     """An erasure request cancels its silo's training job in flight, whose reply is discarded
     when it comes (server/cancel.py): the erasure starts at once rather than after that job.
     false: it waits for the job's reply (and folds it) first. In a deployment only with
-    ``unlearning.service=true``: each node watches its silo's requests there and stops the job between
-    two local steps (``fedasync node --erasure-service``); without the service the node
+    ``unlearning.service=true``: each node watches its silo's requests there and stops the job
+    between two local steps (``fedasync node --erasure-service``); without the service the node
     finishes the job before it pulls the erasure's message, so the erasure waits for it."""
     watch_every: int = 0
     """Between the boundary and the verification, verify the erased model every this many
@@ -144,9 +144,9 @@ class ErasureLab:
     server_removal_part: RemovalPart = "unique"
     """With ``server_removal``: which part of the silo's recorded contributions is subtracted.
     ``total``: all of it (FedEraser's first-order removal). ``unique``: only what lies outside
-    the span of the other silos' recent accepted updates (``unlearning.sketch_rank``), the directions
-    their training does not act on and so cannot have washed out since (what persists of the
-    silo's work); the rest stays (docs/erasure.md)."""
+    the span of the other silos' recent accepted updates (``unlearning.sketch_rank``), the
+    directions their training does not act on and so cannot have washed out since (what
+    persists of the silo's work); the rest stays (docs/erasure.md)."""
     server_removal_scale: float = 1.0
     """With ``server_removal``: the share of those contributions subtracted (1: all of them;
     the full removal over-erases, see docs/measured.md, so a smaller share can be tried)."""
@@ -170,8 +170,8 @@ class ErasureLab:
     is not used: each reply is projected out of the signature."""
     signature_unique: bool = False
     """At the boundary, remove from the erased data's signature the span of the other silos'
-    recent accepted updates (``unlearning.sketch_rank``), keeping only directions unique to the erased
-    data (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event."""
+    recent accepted updates (``unlearning.sketch_rank``), keeping only directions unique to the
+    erased data (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event."""
     pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate it, when
     ``calibration`` is on) or drop it (whether or not it is on)."""

@@ -35,11 +35,12 @@ beside its own, so a checkpoint's layout is what it was before the parts were sp
   boundary, the window of recent updates) and the calibration of every later update;
 - rebuild.py: ``FedEraserRebuild``, the halting baseline's rebuild and its update history.
 
-Beside them: requests.py (the ``Erasure`` record; what the coordinator is given of the server: its model
-(``ServedModel``), its silos' jobs (``SiloJobs``) and the run's values (``ErasureRun``)),
-no_erasure.py (``NoErasure``, the erasure part of a run that cannot erase), bounds.py (an erasure's size and
-the bound on its delta) and resume.py (a request across a server restart). The arithmetic is
-the core's (fedasync.unlearning) and the messages are protocol's.
+Beside them: requests.py (the ``Erasure`` record; what the coordinator is given of the
+server: its model, ``ServedModel``, its silos' jobs, ``SiloJobs``, and the run's values,
+``ErasureRun``), no_erasure.py (``NoErasure``, the erasure part of a run that cannot erase),
+bounds.py (an erasure's size and the bound on its delta) and resume.py (a request across a
+server restart). The arithmetic is the core's (fedasync.unlearning) and the messages are
+protocol's.
 """
 
 from collections.abc import Callable

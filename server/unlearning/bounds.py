@@ -39,11 +39,11 @@ log = logging.getLogger("fedasync.server")
 def size(
     e: Erasure, u: UnlearningConfig, lab: ErasureLab, held: set[str], n_samples: int, gone: set[str]
 ) -> str:
-    """Scope and size of ``e`` before it is sent, by ``u`` and ``lab`` (``lab.erasure``): a request whose ids (with those
-    erased before, ``gone``) cover every sample of the silo (``held``: its ids; without them,
-    ``n_samples``: its count) becomes a whole-silo erasure; a sample-level one is scaled to
-    its share of the silo's data (``e.overrides``, ``e.start_report``). Returns a note for
-    the audit row."""
+    """Scope and size of ``e`` before it is sent, by ``u`` and ``lab`` (``lab.erasure``): a
+    request whose ids (with those erased before, ``gone``) cover every sample of the silo
+    (``held``: its ids; without them, ``n_samples``: its count) becomes a whole-silo erasure;
+    a sample-level one is scaled to its share of the silo's data (``e.overrides``,
+    ``e.start_report``). Returns a note for the audit row."""
     n_held = len(held) if held else n_samples
     n_left = n_held - (len(gone & held) if held else len(gone))
     note = ""

@@ -68,8 +68,8 @@ class FedEraserRebuild:
         done: Callable[[Erasure, Params, dict[str, float]], None],
     ):
         """``silos``: the silos' jobs; ``roster``: the silos (silo -> node id, filled in place
-        by the loop); ``initial``: the model training starts from; ``is_retired``: whether a silo was
-        erased whole (it takes no part); ``done``: the coordinator's, applying a rebuilt
+        by the loop); ``initial``: the model training starts from; ``is_retired``: whether a
+        silo was erased whole (it takes no part); ``done``: the coordinator's, applying a rebuilt
         model (with what the rebuild reports)."""
         self.silos = silos
         self.roster = roster
