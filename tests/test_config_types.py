@@ -33,6 +33,7 @@ from trainers.rl.config import RLConfig, load_rl_config
 OURS = {
     "server.config",
     "server.config_erasure",
+    "server.config_lab",
     "trainers.rl.config",
     "trainers.pipeline.config",
 }
