@@ -134,8 +134,7 @@ class Calibration:
         erasure of a silo (the pipeline's buffer, moment and residuals) calibrated by a
         projection, returning how many buffered updates of that silo it dropped."""
         self.cfg = cfg
-        self.lab: ErasureLab = ErasureLab() if lab is None else lab
-        lab = self.lab
+        self.lab = lab = ErasureLab() if lab is None else lab
         self.refuses = refuses
         self.at_boundary = at_boundary
         self.signature: GradientSignature | None = None

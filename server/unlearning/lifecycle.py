@@ -90,12 +90,13 @@ class ErasureCoordinator:
         self.run = run
         self.store = store
         self.cfg = run.cfg.unlearning
+        self.lab = run.cfg.lab.erasure  # (the erasure's ablations: lab.erasure.*)
         self.verify_fn = verify_fn
         self.norm_threshold = run.norm_threshold
         self.ledger = ContributionLedger()
         self.calibration = Calibration(
             self.cfg,
-            lab=run.cfg.lab.erasure,
+            lab=self.lab,
             refuses=self._refuses,
             at_boundary=run.at_boundary or carries_nothing,
             silos=run.cfg.silos.count,
@@ -189,9 +190,7 @@ class ErasureCoordinator:
         # stops that job when it sees the request enter erasing there (clients/preempt.py).
         # Without the service a cancel would gain nothing and start the erasure message's
         # reply timeout behind the job
-        if self.run.cfg.lab.erasure.cancel_inflight and (
-            not self.run.clock.realtime or self.cfg.service
-        ):
+        if self.lab.cancel_inflight and (not self.run.clock.realtime or self.cfg.service):
             for req in queued:
                 if self._startable(req, now) and self.silos.holding(req.silo) is not None:
                     self.silos.cancel_for_erasure(req.silo, req.id)
@@ -223,7 +222,7 @@ class ErasureCoordinator:
         note = self._size(e)
         e.removal = removal(
             self.cfg,
-            self.run.cfg.lab.erasure,
+            self.lab,
             self.ledger,
             self.calibration.sketch,
             e.silo,
@@ -310,9 +309,7 @@ class ErasureCoordinator:
     def _size(self, e: Erasure) -> str:
         """Scope and size of ``e`` before it is sent (`bounds.size`); a note for the audit."""
         held, n = set(self.run.sample_ids(e.silo)), int(self.run.num_samples.get(e.silo, 0))
-        return size(
-            e, self.cfg, self.run.cfg.lab.erasure, held, n, set(self.excluded.get(e.silo, []))
-        )
+        return size(e, self.cfg, self.lab, held, n, set(self.excluded.get(e.silo, [])))
 
     def take_calibration(self, job: Job, update: Any) -> None:
         """One silo's FedEraser calibration update (None: it failed, the round goes on)."""
@@ -420,9 +417,7 @@ class ErasureCoordinator:
             boundary_version=self.model.version,
             metrics=erasure.metrics_at_boundary,
             detail=f"erasure applied at version {self.model.version}; calibrating",
-            facts=boundary_facts(
-                self.cfg, self.run.cfg.lab.erasure, model_before, self.model.params
-            ),
+            facts=boundary_facts(self.cfg, self.lab, model_before, self.model.params),
         )
         self.event(erasure, "calibrating", **erasure.metrics_at_boundary)
         self._resume_halted()
@@ -521,7 +516,7 @@ class ErasureCoordinator:
                 continue
             since = self.model.version - e.boundary
             if since < self.cfg.relearn_versions:
-                every = self.run.cfg.lab.erasure.watch_every
+                every = self.lab.watch_every
                 if every and since > 0 and since % every == 0:
                     self._watch(e, since)
                 continue
