@@ -265,7 +265,7 @@ def partition(out: Path, seed: int, args: argparse.Namespace) -> dict:
 
 
 def erasure(out: Path, seed: int, args: argparse.Namespace) -> dict:
-    extra = ("unlearning.service=true", "unlearning.relearn_versions=40")
+    extra = ("unlearning.service=true", "lab.erasure.relearn_versions=40")
     cfg = _config(out, f"erasure-{seed}", seed, args.budget_s, *extra)
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
 

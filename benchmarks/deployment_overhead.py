@@ -18,7 +18,7 @@ under 1 s with warm workers.
 ``speedup``: fedasync against ``flower-fedavg`` (Flower's synchronous
 ``flwr.serverapp.strategy.FedAvg`` round loop adapted to our protocol,
 ``server.flower_sync:app``: every silo each round, a barrier, ``send_and_receive``, its 3 s
-wait between polls capped at fedasync's poll, ``server.poll_interval_s``) on the same deployment (warm workers) with 8 silos of which 2 are 4x slower
+wait between polls capped at fedasync's poll, ``POLL_INTERVAL_S``) on the same deployment (warm workers) with 8 silos of which 2 are 4x slower
 (``silos.speed_profile=stragglers``, ``straggler_fraction=0.25``, ``straggler_slowdown=4``,
 ``lab.emulate_speed=true``: a slow silo waits after training so that its message takes 4x
 as long), over ``--reps`` seeds (default 3). Per run: updates per wall second once training
@@ -278,8 +278,8 @@ def part_speedup(args: argparse.Namespace, out: Path) -> dict[str, dict[str, Any
                 f"run.seed={seed}",
                 "silos.count=8",
                 "silos.speed_profile=stragglers",
-                "silos.straggler_fraction=0.25",
-                "silos.straggler_slowdown=4",
+                "lab.speed.straggler_fraction=0.25",
+                "lab.speed.straggler_slowdown=4",
                 "lab.emulate_speed=true",
                 "server.eval_every=8",
                 *args.overrides,

@@ -2,7 +2,7 @@
 
 One fedasync run on Flower's simulation engine with 100 silos (brain-tissue, cnn-small) on
 a private local Ray of ``engine.num_cpus`` CPUs: silos are virtual nodes (a Flower Context
-each, held by the driver), actors are few (``engine.num_cpus / engine.client_cpus``), and
+each, held by the driver), actors are few (``engine.num_cpus``, one CPU each), and
 every actor builds the federation's data once and serves every silo from it
 (``clients/app.py`` caches it per process). Printed:
 
@@ -31,7 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedasync.processes import pids_with_env  # noqa: E402
 from simulations.config import load_config  # noqa: E402
-from simulations.launcher import simulate  # noqa: E402
+from simulations.launcher import (
+    CLIENT_CPUS,  # noqa: E402
+    simulate,  # noqa: E402
+)
 
 MARKER_ENV = "FEDASYNC_SCALE_OUT_BENCH"
 
@@ -48,7 +51,6 @@ DEFAULTS = [
     "server.evaluate_silos=false",
     "server.wait_for_nodes_s=600",  # each actor builds the data once, before its first answer
     "engine.num_cpus=2",
-    "engine.client_cpus=1",
 ]
 
 
@@ -112,7 +114,7 @@ def main(overrides: list[str]) -> None:
     sampler.join()
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     updates = summary["updates_accepted"]
-    actors = (cfg.engine.num_cpus or os.cpu_count() or 1) // cfg.engine.client_cpus
+    actors = (cfg.engine.num_cpus or os.cpu_count() or 1) // CLIENT_CPUS
     figures = {
         "silos": cfg.silos.count,
         "actors": actors,

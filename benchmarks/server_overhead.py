@@ -61,11 +61,11 @@ SIZES = {
 }
 SETTINGS = {
     "plain": [],
-    "DC": ["server.corrections.delay_compensation=0.1"],
-    "EF": ["server.corrections.error_feedback_topk=0.1"],
+    "DC": ["lab.corrections.delay_compensation=0.1"],
+    "EF": ["lab.corrections.error_feedback_topk=0.1"],
     "DC+EF": [
-        "server.corrections.delay_compensation=0.1",
-        "server.corrections.error_feedback_topk=0.1",
+        "lab.corrections.delay_compensation=0.1",
+        "lab.corrections.error_feedback_topk=0.1",
     ],
     # a run that can erase, with the packaged erasure defaults: the fold attributes what it
     # applies to the silo (the ledger), and the update goes into the span sketch
@@ -187,7 +187,7 @@ def _erasure(cfg) -> tuple:
     from fedasync.unlearning import ContributionLedger
     from server.unlearning import Calibration
 
-    return Calibration(cfg.unlearning, silos=SILOS), ContributionLedger()
+    return Calibration(cfg.unlearning, lab=cfg.lab.erasure, silos=SILOS), ContributionLedger()
 
 
 def erasure_memory(parts: tuple, plain: dict[str, torch.Tensor]) -> None:
@@ -207,7 +207,7 @@ def erasure_memory(parts: tuple, plain: dict[str, torch.Tensor]) -> None:
     )
     print(
         f"erasure memory: span sketch {sketch / 1e6:.1f} MB = {sketch / model:.2f} model copies "
-        f"(unlearning.sketch_rank={cal.sketch.rows}; the goal: at most rank + 2 = "
+        f"(lab.erasure.sketch_rank={cal.sketch.rows}; the goal: at most rank + 2 = "
         f"{cal.sketch.rows + 2}); its checkpoint {buf.tell() / 1e6:.1f} MB = "
         f"{buf.tell() / model:.2f} copies; the ledger {ledger_bytes / model:.2f} copies "
         f"({len(ledger.silos())} silo(s) with contributions: one sum each)"

@@ -4,7 +4,7 @@ For each silo count, the whole server loop (dispatch with encoding, poll, intake
 fold, version bump) runs on the virtual clock against a fake Grid whose silos answer every
 train message at once with a precomputed delta (cnn-small), so only the server's work is
 timed. Twice per count: plain FedAsync, and with delay compensation and error feedback on
-(``server.corrections.delay_compensation=0.1``, ``server.corrections.error_feedback_topk=0.1``).
+(``lab.corrections.delay_compensation=0.1``, ``lab.corrections.error_feedback_topk=0.1``).
 Each run is its own process, so that its RSS is its own.
 
 Reported per run: updates per wall second (over the whole run, whose first ``silos``
@@ -53,8 +53,8 @@ from protocol import keys as P  # noqa: E402
 from protocol import wire  # noqa: E402
 
 CORRECTIONS = [
-    "server.corrections.delay_compensation=0.1",
-    "server.corrections.error_feedback_topk=0.1",
+    "lab.corrections.delay_compensation=0.1",
+    "lab.corrections.error_feedback_topk=0.1",
 ]
 
 

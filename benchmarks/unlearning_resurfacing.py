@@ -149,14 +149,11 @@ def _fast_silos(count: int, fraction: float, slowdown: float, seed: int) -> list
     """The silos that are not stragglers on ``seed`` (the server draws them the same way)."""
     from server.clock import silo_speeds
     from server.config import SilosConfig
+    from server.config_lab import SpeedLab
 
     speeds = silo_speeds(
-        SilosConfig(
-            count=count,
-            speed_profile="stragglers",
-            straggler_fraction=fraction,
-            straggler_slowdown=slowdown,
-        ),
+        SilosConfig(count=count, speed_profile="stragglers"),
+        SpeedLab(straggler_fraction=fraction, straggler_slowdown=slowdown),
         seed,
     )
     return [i for i, s in enumerate(speeds) if s == 1.0]
@@ -171,7 +168,7 @@ def _scenario(name: str, variant: str, args: argparse.Namespace, seed: int) -> l
     fast = _fast_silos(count, 0.25, slowdown, seed)
     silo, peer = fast[0], fast[1]
     out = [
-        f"silos.straggler_slowdown={slowdown}",
+        f"lab.speed.straggler_slowdown={slowdown}",
         f"lab.backdoor.silo={silo}",
         f"erasures=[{{silo: {silo}, at_s: {args.erase_at_s}}}]",
     ]
@@ -188,8 +185,8 @@ def _scenario(name: str, variant: str, args: argparse.Namespace, seed: int) -> l
             "server.optimizer.kind=momentum",
             "server.optimizer.momentum=0.9",
             "server.optimizer.lr=0.3",
-            "server.corrections.delay_compensation=0.5",
-            "server.corrections.error_feedback_topk=0.5",
+            "lab.corrections.delay_compensation=0.5",
+            "lab.corrections.error_feedback_topk=0.5",
         ]
     elif name != "reversion":
         raise SystemExit(f"unknown scenario {name!r}: leftover, async-state or reversion")
@@ -214,7 +211,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
         f"data.benchmark={args.benchmark}",
         *BENCHMARKS[args.benchmark],
         "silos.speed_profile=stragglers",
-        "silos.straggler_fraction=0.25",
+        "lab.speed.straggler_fraction=0.25",
         "server.eval_every=5",
         "server.checkpoint_every=0",
         "server.evaluate_silos=false",
@@ -223,7 +220,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
         "run.progress=false",
         "lab.backdoor.enabled=true",
         "lab.backdoor.watch=true",
-        "unlearning.relearn_versions=100000",  # watched to the end, verified at the end
+        "lab.erasure.relearn_versions=100000",  # watched to the end, verified at the end
         "unlearning.steps=20",  # a strong erasure: 5 steps left ASR 0.74 at the boundary
         "lab.erasure.watch_every=5",
     ]

@@ -277,7 +277,7 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             "unlearning.stop=fixed",
             "lab.erasure.server_removal=true",
             "lab.erasure.server_removal_part=unique",
-            f"unlearning.sketch_rank={SKETCH_RANK}",
+            f"lab.erasure.sketch_rank={SKETCH_RANK}",
         ],
         "fedasync-unique-membership": [
             *calibrated,
@@ -285,7 +285,7 @@ def _methods(silo: int, at_s: float, fraction: float = 1.0) -> dict[str, list[st
             f"unlearning.steps={MEMBERSHIP_STEPS}",
             "lab.erasure.server_removal=true",
             "lab.erasure.server_removal_part=unique",
-            f"unlearning.sketch_rank={SKETCH_RANK}",
+            f"lab.erasure.sketch_rank={SKETCH_RANK}",
         ],
     }
 
@@ -438,7 +438,7 @@ def _run_seed(
         f"lab.backdoor.trigger_size={b.trigger_size}",
         f"lab.backdoor.trigger_pattern={b.trigger_pattern}",
         f"lab.backdoor.target_label={b.target_label}",
-        "unlearning.relearn_versions=20",
+        "lab.erasure.relearn_versions=20",
         *b.overrides,
     ]
     if args.relearn_attack:
@@ -604,8 +604,8 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
             if _ran_the_window(saved):
                 return None  # its removal used the window of copies the sketch replaced
             del saved.unlearning["unique_window"]  # (a setting that run never used)
-        if OmegaConf.select(saved, "unlearning.server_removal_max_drop") is None:
-            if _removal_cost_more(run_dir, cfg.unlearning.server_removal_max_drop):
+        if OmegaConf.select(saved, "lab.erasure.server_removal_max_drop") is None:
+            if _removal_cost_more(run_dir, cfg.lab.erasure.server_removal_max_drop):
                 return None  # its removal was not bounded, and this run's would have been
         absent = [o for o in PINNED if OmegaConf.select(saved, o.split("=", 1)[0]) is None]
         with tempfile.TemporaryDirectory() as tmp:  # the saved config as today's schema reads it
@@ -625,7 +625,7 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
 
 def _removal_cost_more(run_dir: Path, max_drop: float) -> bool:
     """Whether a run saved before the removal was bounded by the held-out score had a removal
-    that lowered it by more than ``max_drop`` (``unlearning.server_removal_max_drop``): with
+    that lowered it by more than ``max_drop`` (``lab.erasure.server_removal_max_drop``): with
     the bound it would have been smaller. One within it ran as it would today."""
     from fedasync.events import read_events
 

@@ -148,7 +148,7 @@ class StalenessBound:
             )
         if self.soft_staleness is not None and self.soft_staleness < 0:
             raise ConfigError(
-                f"soft_staleness (server.soft_staleness) must be >= 0, got {self.soft_staleness}"
+                f"soft_staleness (lab.soft_staleness) must be >= 0, got {self.soft_staleness}"
             )
         if (
             self.max_staleness is not None
@@ -160,7 +160,7 @@ class StalenessBound:
             )
         if not 0.0 < self.soft_factor <= 1.0:
             raise ConfigError(
-                f"soft_factor (server.soft_factor) must be in (0, 1], got {self.soft_factor}"
+                f"soft_factor (lab.soft_factor) must be in (0, 1], got {self.soft_factor}"
             )
 
     def check(self, tau: int) -> BoundDecision:

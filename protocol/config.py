@@ -268,6 +268,14 @@ def parse_setup(text: str) -> Setup:
     return Setup.from_json(text)
 
 
+STOP_ALPHA = 0.05
+"""The significance level of an erasing silo's membership test (``unlearning.stop=membership``).
+A constant, not a setting: the usual 5%, which the erasure benchmarks' verified runs used."""
+STOP_PROBE = 128
+"""Forget and held-out samples each reading of that test compares (at most). A constant, not a
+setting: enough for the test's power at the sets' usual sizes, its cost measured at about 2.7
+training steps of 32 samples a reading (docs/erasure.md)."""
+
 ERASURE_METHODS = ("pga", "relabel")
 ERASURE_STOPS = ("fixed", "membership")
 SIGNATURE_DTYPES = ("float32", "float16")
@@ -287,11 +295,11 @@ class SiloErasure:
     """Local erasure learning rate."""
     stop: Literal["fixed", "membership"] = "fixed"
     """PGA: after ``steps`` (fixed) or when the membership test says so (at most ``steps``)."""
-    stop_alpha: float = 0.05
+    stop_alpha: float = STOP_ALPHA
     """The membership test's significance level."""
     stop_every: int = 5
     """Erasure steps between two readings of the membership test."""
-    stop_probe: int = 128
+    stop_probe: int = STOP_PROBE
     """Forget and held-out samples each reading compares (at most)."""
     radius: float = 2.0
     """PGA: L2 radius of the ball around the reference model."""
@@ -388,8 +396,14 @@ class SiloErasure:
         return cls.from_mapping(raw)
 
     @classmethod
-    def of(cls, unlearning: object, overrides: Mapping[str, Any]) -> SiloErasure:
+    def of(cls, overrides: Mapping[str, Any], *sources: object) -> SiloErasure:
         """This erasure's config: each field from ``overrides`` when there, else the same-named
-        attribute of ``unlearning`` (the server's UnlearningConfig)."""
-        raw = {f.name: overrides.get(f.name, getattr(unlearning, f.name)) for f in fields(cls)}
+        attribute of the first of ``sources`` that has one (the server's ``unlearning`` and
+        ``lab.erasure`` sections), else the field's default (``STOP_ALPHA``, ``STOP_PROBE``)."""
+        defaults = cls()
+        raw = {}
+        for f in fields(cls):
+            have = [s for s in sources if hasattr(s, f.name)]
+            fallback = getattr(have[0] if have else defaults, f.name)
+            raw[f.name] = overrides.get(f.name, fallback)
         return cls.from_mapping(raw)

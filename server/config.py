@@ -44,6 +44,7 @@ from runkit import configload
 from runkit.keys import RunKeys
 from server.config_erasure import ErasureRequestConfig, UnlearningConfig
 from server.config_lab import LabConfig
+from server.config_migrate import migrated
 from server.config_ranges import RANGES
 from server.config_task import task_checks
 
@@ -104,40 +105,12 @@ class OptimizerConfig:
 
 
 @dataclass
-class CorrectionsConfig:
-    """Corrections applied to an update given the current parameters."""
-
-    delay_compensation: float = 0.0
-    """DC-ASGD lambda (Zheng et al. 2017); 0 disables."""
-    error_feedback_topk: float = 1.0
-    """Fraction of entries of each update folded in (top-k over the whole update); the rest is
-    kept per silo as an error-feedback residual and added to its next update. 1.0 disables."""
-    residual_budget_mb: float | None = 2048.0
-    """Memory the error-feedback residuals may hold (MiB; None: unbounded, one model per
-    silo: 10,000 silos of DenseNet121 would need 280 GB). Past it the least recently used
-    residuals are merged into one shared residual that rides with the next update
-    (fedasync.corrections.ErrorFeedback): the mass is kept, only its sender changes."""
-    max_snapshots: int = 64
-    """Versions of the model the server keeps the weights of, as sent to the jobs in flight
-    (DC-ASGD's w_base, and what a checkpoint re-sends); past it the oldest is dropped. A stale
-    update whose base was dropped is folded without delay compensation (``dc_skipped`` in
-    summary.json), and a checkpoint re-sends its job the model current at the checkpoint.
-    Bounds the server's memory with thousands of silos; 0 keeps none."""
-
-    def __post_init__(self) -> None:
-        """Checked when built: ranges."""
-        check_ranges(self, "server.corrections.", RANGES)
-
-
-@dataclass
 class ServerDPConfig:
     """Central (server-side) DP: noise on every release of the global model (fedasync/privacy.py)."""
 
     noise_multiplier: float | None = None
     """Gaussian noise std in units of server.clip_norm, added to each fold (fedasync) or flush
     (fedbuff, sync); None: off. Needs server.clip_norm."""
-    delta: float = 1e-5
-    """The delta each silo's central epsilon is reported at."""
     epsilon_budget: float | None = None
     """A silo whose central epsilon would pass this is no longer folded in, nor sent work."""
     ledger: str | None = None
@@ -167,14 +140,7 @@ class ServerConfig:
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     max_staleness: int | None = 100
     """Updates staler than this are rejected (None: no bound)."""
-    soft_staleness: int | None = None
-    """Updates staler than this (but within max_staleness) are down-weighted by soft_factor."""
-    soft_factor: float = 0.5
-    """Down-weighting factor beyond soft_staleness."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    corrections: CorrectionsConfig = field(default_factory=CorrectionsConfig)
-    norm_outlier_factor: float = 10.0
-    """Reject an update whose norm exceeds this multiple of the median accepted norm."""
     clip_norm: float | None = None
     """Server-side clipping: scale every accepted update to at most this L2 norm (None: off)."""
     dp: ServerDPConfig = field(default_factory=ServerDPConfig)
@@ -194,13 +160,6 @@ class ServerConfig:
     """Wall seconds after which an unanswered message is abandoned and its silo re-sent work;
     also every message's Flower TTL (the SuperLink drops it, a SuperNode never starts it, after
     this long)."""
-    reply_stall_s: float = 30.0
-    """Deployment: wall seconds a reply whose content is still arriving may go without any of
-    it arriving before it counts as failed and its silo is sent new work (a link that dropped
-    mid-upload can leave content that never comes; server/reply_pull.py)."""
-    poll_interval_s: float = 0.05
-    """Wall clock (deployment): seconds between polls for replies; each poll is a request to the
-    SuperLink. The virtual clock (simulation) polls every 5 ms."""
     offline_retry_s: float = 10.0
     """Wall seconds before a silo the SuperLink reports offline is sent work again."""
 
@@ -209,13 +168,6 @@ class ServerConfig:
         sub-sections have checked themselves)."""
         check_ranges(self, "server.", RANGES)
         check(self.mode in MODES, f"server.mode must be one of {MODES}, got {self.mode!r}")
-        check(
-            self.max_staleness is None
-            or self.soft_staleness is None
-            or self.soft_staleness <= self.max_staleness,
-            f"server.soft_staleness={self.soft_staleness} must be <= "
-            f"server.max_staleness={self.max_staleness}",
-        )
         if self.dp.noise_multiplier is not None:
             check(
                 self.clip_norm is not None,
@@ -240,20 +192,9 @@ class SilosConfig:
     count: int = 6
     """Number of silos (one SuperNode each)."""
     speed_profile: SpeedProfile = "stragglers"
-    """uniform (all speed 1), stragglers (a fraction `straggler_fraction` is `straggler_slowdown`
-    times slower), lognormal (speeds drawn from a log-normal with sigma `sigma`)."""
-    straggler_fraction: float = 0.2
-    """Fraction of silos that are stragglers (rounded, at least one when > 0)."""
-    straggler_slowdown: float = 10.0
-    """How many times slower a straggler is."""
-    sigma: float = 0.5
-    """Log-normal sigma of speeds (speed_profile=lognormal)."""
-    step_time_s: float = 1.0
-    """Virtual seconds one local step takes on a speed-1 silo."""
-    latency_s: float = 0.5
-    """Virtual seconds of communication per message (both ways together)."""
-    jitter: float = 0.1
-    """Relative jitter of each job's duration (seeded per silo and job)."""
+    """uniform (all speed 1), stragglers (a fraction ``lab.speed.straggler_fraction`` is
+    ``lab.speed.straggler_slowdown`` times slower), lognormal (speeds drawn from a log-normal
+    with sigma ``lab.speed.sigma``)."""
 
     def __post_init__(self) -> None:
         """Checked when built: ranges and the speed profile."""
@@ -268,8 +209,7 @@ class SilosConfig:
 class RunConfig(RunKeys):
     """The run as a whole.
 
-    The common run keys (runkit.keys.RunKeys), its length, the sync baseline beside it and
-    its target."""
+    The common run keys (runkit.keys.RunKeys), its length and the sync baseline beside it."""
 
     name: str = "demo"
     """Output folder name under out_dir."""
@@ -284,8 +224,6 @@ class RunConfig(RunKeys):
     compare_sync: bool = False
     """After the run, also run the sync FedAvg baseline on the same data, clock and silos
     (``make demo`` asks for it; a run on its own runs once)."""
-    target_accuracy: float | None = None
-    """Accuracy for time_to_target_s; None: 95% of the sync baseline's best (or of this run's)."""
     plots: bool = True
     """Write the PNGs at the end (score against time, staleness, each silo's contribution)."""
 
@@ -306,8 +244,6 @@ class EngineConfig:
     None: a private Ray, started and stopped by each run."""
     num_cpus: int | None = None
     """CPUs given to a private Ray (None: all of this machine's); unset with ray_address."""
-    client_cpus: int = 1
-    """CPUs per ClientApp actor (an integer)."""
     client_gpus: float = 0.0
     """GPUs per ClientApp actor (fractions share a GPU)."""
 
@@ -318,11 +254,6 @@ class EngineConfig:
             self.ray_address is None or self.num_cpus is None,
             "engine.num_cpus cannot be set with engine.ray_address: a running cluster's CPUs "
             "are fixed by `ray start --num-cpus` on its nodes",
-        )
-        check(
-            self.num_cpus is None or self.num_cpus >= self.client_cpus,
-            f"engine.num_cpus={self.num_cpus} must be >= engine.client_cpus="
-            f"{self.client_cpus}, or no silo could ever run",
         )
         check(
             self.ray_address is None or "://" not in self.ray_address,
@@ -394,6 +325,11 @@ class FedAsyncConfig:
             check(e.silo < n, f"erasures[{i}].silo={e.silo} is not a silo (0..{n - 1})")
         for ok, why in self.lab.silo_checks(n):
             check(ok, why)
+        soft, most = self.lab.soft_staleness, self.server.max_staleness
+        check(
+            most is None or soft is None or soft <= most,
+            f"lab.soft_staleness={soft} must be <= server.max_staleness={most}",
+        )
         b = self.lab.backdoor
         check(
             not b.enabled or not spec.offline or b.target_label < spec.num_classes,
@@ -417,7 +353,7 @@ def validate(cfg: FedAsyncConfig) -> FedAsyncConfig:
 def from_container(data: dict[str, Any]) -> FedAsyncConfig:
     """Build a config from a plain dict (e.g. JSON sent by the launcher), checked as it is
     built; ``data`` is left as it was."""
-    return configload.build(FedAsyncConfig, data)
+    return configload.build(FedAsyncConfig, *migrated(data))
 
 
 def build(*layers: Any, source: str) -> FedAsyncConfig:
@@ -428,6 +364,7 @@ def build(*layers: Any, source: str) -> FedAsyncConfig:
     ``key=value`` overrides) and the Flower app (server.run_config: the run config) build a
     config, so both take the same values and refuse the same ones in the same words. Raises
     ConfigError naming the key: omegaconf's (unknown key, wrong type), with ``source`` (where
-    the values came from) appended, or a section's own check; every message is bounded.
+    the values came from) appended, or a section's own check; every message is bounded. Keys
+    under an earlier name are read as today's (server/config_migrate.py).
     """
-    return configload.build(FedAsyncConfig, *layers, source=source)
+    return configload.build(FedAsyncConfig, *migrated(*layers), source=source)

@@ -26,7 +26,7 @@ RemovalPart = Literal["total", "unique"]
 RadiusScaling = Literal["linear", "sqrt", "none"]
 """``lab.erasure.radius_scaling``: fedasync.unlearning.SHARE_RULES (checked equal at import)."""
 SignatureDtype = Literal["float32", "float16"]
-"""``unlearning.signature_dtype``."""
+"""``lab.erasure.signature_dtype``."""
 PreBoundary = Literal["project", "drop"]
 """``lab.erasure.pre_boundary``."""
 CalibrationTarget = Literal["reply", "applied"]
@@ -85,46 +85,11 @@ class UnlearningConfig:
     benchmarks, whole-silo, never over-erasing (docs/measured.md). ``fixed``: after ``steps``.
     ``membership``: as soon as its forget
     samples cannot be told apart from its own held-out samples (a two-sided Mann–Whitney test
-    on the true-label confidence at significance ``stop_alpha``; past an overshoot it returns
+    on the true-label confidence at significance 0.05, protocol.config.STOP_ALPHA; past an overshoot it returns
     to its reading closest to indistinguishable), at most ``steps`` (docs/erasure.md)."""
-    stop_alpha: float = 0.05
-    """``stop=membership``: the test's significance level."""
-    stop_every: int = 5
-    """``stop=membership``: erasure steps between two readings."""
-    stop_probe: int = 128
-    """``stop=membership``: forget and held-out samples each reading compares (at most)."""
     radius: float = 2.0
     """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
     sample-level one gets it scaled by radius_scaling)."""
-    server_removal_max_drop: float = 0.02
-    """With ``server_removal``: the most the server's held-out score may fall by the removal.
-    A removal that costs more is halved until it costs no more (at most four times; then it
-    is withheld for now); the rest is applied in steps while the request is in progress, each
-    once the score is back to its level before the request and within this bound
-    (server/removal.py). 1: no bound. Only with a test set at
-    the coordinator: a federated evaluation answers nothing mid-run, and the removal is then
-    applied whole. A removal that costs the model more than its noise removes more than the
-    silo's data explains (measured: nuclei's over-erased seeds lost 9 to 29 points of Dice
-    to the whole removal, docs/measured.md)."""
-    signature_rank: int = 4
-    """Rank of the gradient signature the erasing silo sends."""
-    signature_batches: int = 4
-    """Forget-set batches whose loss gradients span that signature (each costs about a step)."""
-    signature_dtype: SignatureDtype = "float32"
-    """Precision the signature crosses the wire in: float32, or float16 (half the bytes; the
-    server re-orthonormalises it)."""
-    sketch_rank: int = 16
-    """``server_removal_part=unique`` and ``signature_unique``: rows of the streaming sketch of
-    the accepted updates' span, by silo (`fedasync.unlearning.SpanSketch`): the others' span
-    has at most this many directions. Memory and checkpoints: this many float32 copies of the
-    model, whatever the run's length; each accepted update costs its norm and one fused
-    addition into one row."""
-    relearn_versions: int = 20
-    """Versions after the boundary at which the erasure is verified (the relearning check)."""
-    max_attempts: int = 3
-    """Times an erasure may be lost by its silo going down mid-erasure (a crash, an error
-    reply, no reply within server.reply_timeout_s) before it is failed; being reported offline
-    does not count (it is retried every server.offline_retry_s)."""
     service: bool = False
     """Run the erasure gRPC service during the run (live requests)."""
     address: str = "127.0.0.1:50151"
@@ -145,8 +110,4 @@ class UnlearningConfig:
         check(
             (self.tls_certfile is None) == (self.tls_keyfile is None),
             "unlearning.tls_certfile and unlearning.tls_keyfile go together",
-        )
-        check(
-            self.signature_dtype in SIGNATURE_DTYPES,
-            "unlearning.signature_dtype must be float32 or float16",
         )

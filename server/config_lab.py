@@ -1,9 +1,11 @@
 """The config's ``lab`` section: the benchmarks' and the tests' instruments, apart from the
 settings a user decides.
 
-A backdoor planted in one silo's data (``lab.backdoor``), the erasure's ablations and the
-halting FedEraser baseline's settings (``lab.erasure``), faults injected into silos
-(``lab.faults``), silos or shares of their samples left out (``lab.exclude``,
+A backdoor planted in one silo's data (``lab.backdoor``), the erasure's ablations, settled
+sizes and the halting FedEraser baseline's settings (``lab.erasure``), the server's correction
+ablations (``lab.corrections``, ``lab.soft_staleness``), the emulated speeds' numbers
+(``lab.speed``), the time-to-target measure (``lab.target_accuracy``), faults injected into
+silos (``lab.faults``), silos or shares of their samples left out (``lab.exclude``,
 ``lab.exclude_samples``: retraining from scratch, the reference an erasure is verified
 against) and the speed profile emulated by waiting on the wall clock (``lab.emulate_speed``).
 Each measures fedasync; none is a product setting. They reach the silos of a simulation and
@@ -29,11 +31,13 @@ from server.config_erasure import (
     PRE_BOUNDARIES,
     PROTECTS,
     REMOVAL_PARTS,
+    SIGNATURE_DTYPES,
     CalibrationTarget,
     PreBoundary,
     Protect,
     RadiusScaling,
     RemovalPart,
+    SignatureDtype,
 )
 from server.config_ranges import RANGES
 
@@ -121,8 +125,10 @@ class SampleShare:
 class ErasureLab:
     """The erasure's ablations, kept so the benchmarks can run each arm again: the defaults are
     the settled choices (docs/measured.md says what each was measured against); the resurfacing
-    benchmark's watch between a boundary and its check (``watch_every``); and the halting
-    FedEraser baseline's two settings (``server.mode=federaser``)."""
+    benchmark's watch between a boundary and its check (``watch_every``); the erasure's settled
+    sizes that the tests and benchmarks shrink to run faster or vary to measure (the removal's
+    bound, the membership test's cadence, the signature, the sketch, the verification window);
+    and the halting FedEraser baseline's two settings (``server.mode=federaser``)."""
 
     server_removal: bool = True
     """Subtract the silo's recorded contributions from the global model first (FedEraser-style)."""
@@ -144,7 +150,7 @@ class ErasureLab:
     server_removal_part: RemovalPart = "unique"
     """With ``server_removal``: which part of the silo's recorded contributions is subtracted.
     ``total``: all of it (FedEraser's first-order removal). ``unique``: only what lies outside
-    the span of the other silos' recent accepted updates (``unlearning.sketch_rank``), the
+    the span of the other silos' recent accepted updates (``lab.erasure.sketch_rank``), the
     directions their training does not act on and so cannot have washed out since (what
     persists of the silo's work); the rest stays (docs/erasure.md)."""
     server_removal_scale: float = 1.0
@@ -170,7 +176,7 @@ class ErasureLab:
     is not used: each reply is projected out of the signature."""
     signature_unique: bool = False
     """At the boundary, remove from the erased data's signature the span of the other silos'
-    recent accepted updates (``unlearning.sketch_rank``), keeping only directions unique to the
+    recent accepted updates (``lab.erasure.sketch_rank``), keeping only directions unique to the
     erased data (SFU-style, Li et al. 2023); how much it removed is in the ``calibrating`` event."""
     pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate it, when
@@ -181,6 +187,34 @@ class ErasureLab:
     none (the full size for any erasure)."""
     radius_floor: float = 0.01
     """The smallest share of the full size a sample-level erasure gets."""
+    server_removal_max_drop: float = 0.02
+    """With ``server_removal``: the most the server's held-out score may fall by the removal.
+    A removal that costs more is halved until it costs no more (at most four times; then it
+    is withheld for now); the rest is applied in steps while the request is in progress, each
+    once the score is back to its level before the request and within this bound
+    (server/removal.py). 1: no bound. Only with a test set at
+    the coordinator: a federated evaluation answers nothing mid-run, and the removal is then
+    applied whole. A removal that costs the model more than its noise removes more than the
+    silo's data explains (measured: nuclei's over-erased seeds lost 9 to 29 points of Dice
+    to the whole removal, docs/measured.md)."""
+    stop_every: int = 5
+    """``unlearning.stop=membership``: erasure steps between two readings of the silo's
+    membership test."""
+    signature_rank: int = 4
+    """Rank of the gradient signature the erasing silo sends."""
+    signature_batches: int = 4
+    """Forget-set batches whose loss gradients span that signature (each costs about a step)."""
+    signature_dtype: SignatureDtype = "float32"
+    """Precision the signature crosses the wire in: float32, or float16 (half the bytes; the
+    server re-orthonormalises it)."""
+    sketch_rank: int = 16
+    """``server_removal_part=unique`` and ``signature_unique``: rows of the streaming sketch of
+    the accepted updates' span, by silo (`fedasync.unlearning.SpanSketch`): the others' span
+    has at most this many directions. Memory and checkpoints: this many float32 copies of the
+    model, whatever the run's length; each accepted update costs its norm and one fused
+    addition into one row."""
+    relearn_versions: int = 20
+    """Versions after the boundary at which the erasure is verified (the relearning check)."""
     federaser_interval: int = 2
     """FedEraser (``server.mode=federaser``, the halting baseline): retain every this-many-th
     round's update norms (one calibration round each)."""
@@ -209,6 +243,55 @@ class ErasureLab:
             self.protect in PROTECTS,
             "lab.erasure.protect must be subspace, jump, both, gradient or onesided",
         )
+        check(
+            self.signature_dtype in SIGNATURE_DTYPES,
+            "lab.erasure.signature_dtype must be float32 or float16",
+        )
+
+
+@dataclass
+class CorrectionsLab:
+    """The server's corrections of an update, ablations the benchmarks measure (each off by
+    default: docs/measured.md)."""
+
+    delay_compensation: float = 0.0
+    """DC-ASGD lambda (Zheng et al. 2017); 0 disables."""
+    error_feedback_topk: float = 1.0
+    """Fraction of entries of each update folded in (top-k over the whole update); the rest is
+    kept per silo as an error-feedback residual and added to its next update. 1.0 disables."""
+    residual_budget_mb: float | None = 2048.0
+    """Memory the error-feedback residuals may hold (MiB; None: unbounded, one model per
+    silo: 10,000 silos of DenseNet121 would need 280 GB). Past it the least recently used
+    residuals are merged into one shared residual that rides with the next update
+    (fedasync.corrections.ErrorFeedback): the mass is kept, only its sender changes."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges."""
+        check_ranges(self, "lab.corrections.", RANGES)
+
+
+@dataclass
+class SpeedLab:
+    """The virtual clock's emulated heterogeneity: the numbers behind ``silos.speed_profile``
+    and each job's duration (simulation; with ``lab.emulate_speed`` also on one machine's wall
+    clock). The defaults are the demo's; the benchmarks set their own."""
+
+    straggler_fraction: float = 0.2
+    """Fraction of silos that are stragglers (rounded, at least one when > 0)."""
+    straggler_slowdown: float = 10.0
+    """How many times slower a straggler is."""
+    sigma: float = 0.5
+    """Log-normal sigma of speeds (``silos.speed_profile=lognormal``)."""
+    step_time_s: float = 1.0
+    """Virtual seconds one local step takes on a speed-1 silo."""
+    latency_s: float = 0.5
+    """Virtual seconds of communication per message (both ways together)."""
+    jitter: float = 0.1
+    """Relative jitter of each job's duration (seeded per silo and job)."""
+
+    def __post_init__(self) -> None:
+        """Checked when built: ranges."""
+        check_ranges(self, "lab.speed.", RANGES)
 
 
 @dataclass
@@ -218,6 +301,16 @@ class LabConfig:
 
     backdoor: BackdoorConfig = field(default_factory=BackdoorConfig)
     erasure: ErasureLab = field(default_factory=ErasureLab)
+    corrections: CorrectionsLab = field(default_factory=CorrectionsLab)
+    speed: SpeedLab = field(default_factory=SpeedLab)
+    soft_staleness: int | None = None
+    """Updates staler than this (but within ``server.max_staleness``) are down-weighted by
+    ``soft_factor`` (an ablation beside the staleness weight function)."""
+    soft_factor: float = 0.5
+    """Down-weighting factor beyond ``soft_staleness``."""
+    target_accuracy: float | None = None
+    """Score for ``time_to_target_s`` (the time-to-target measure of the benchmarks); None: 95%
+    of the sync baseline's best (or of this run's own without the baseline)."""
     faults: list[FaultConfig] = field(default_factory=list)
     """Injected faults (robustness runs): each silo misbehaves as its entry says."""
     exclude: list[int] = field(default_factory=list)
@@ -234,7 +327,9 @@ class LabConfig:
         """Checked when built: ranges, the fault kinds, and that no silo's share is listed
         twice (which silos exist: FedAsyncConfig)."""
         for rkey, key, value in numeric_values(self, "lab."):
-            if not rkey.startswith(("lab.backdoor.", "lab.erasure.")):  # (checked there)
+            if not rkey.startswith(
+                ("lab.backdoor.", "lab.erasure.", "lab.corrections.", "lab.speed.")
+            ):
                 rng = RANGES.get(rkey)
                 check(rng is None or value in rng, f"{key} must be {rng}, got {value!r}")
         for i, f in enumerate(self.faults):

@@ -6,9 +6,9 @@ In order, for one validated delta:
 1. **calibrate**: an erasure's invariance calibration, when erasures are on (the erasure
    coordinator's ``calibrate``: projection out of erased data's gradient signature, or a
    rejection of pre-boundary work);
-2. **delay compensation** (DC-ASGD, ``server.corrections.delay_compensation``), for a stale
+2. **delay compensation** (DC-ASGD, ``lab.corrections.delay_compensation``), for a stale
    update whose base weights the server still holds;
-3. **error feedback** (``server.corrections.error_feedback_topk`` < 1): top-k compression with
+3. **error feedback** (``lab.corrections.error_feedback_topk`` < 1): top-k compression with
    per-silo residuals;
 4. **clip** to ``server.clip_norm`` (last: the corrections change the norm);
 5. **fold** into the global model by the strategy's aggregator (server/strategies.py: FedAsync
@@ -53,17 +53,17 @@ class CorrectionPipeline:
     def __init__(self, cfg: FedAsyncConfig, aggregator: Aggregator | None = None):
         """``aggregator``: the strategy's fold rule (None: that of ``server.mode``'s strategy,
         server/strategies.py)."""
-        s = cfg.server
-        self.delay_compensation = s.corrections.delay_compensation
-        self.error_feedback = s.corrections.error_feedback_topk < 1.0
-        self.clip_norm = s.clip_norm
+        s = cfg.lab.corrections
+        self.delay_compensation = s.delay_compensation
+        self.error_feedback = s.error_feedback_topk < 1.0
+        self.clip_norm = cfg.server.clip_norm
         self.client_lr = cfg.client.lr
         if aggregator is None:
             aggregator = strategy_for(cfg).aggregator()
         self.aggregator: Aggregator = aggregator
-        budget = s.corrections.residual_budget_mb
+        budget = s.residual_budget_mb
         self.ef = ErrorFeedback(
-            s.corrections.error_feedback_topk,
+            s.error_feedback_topk,
             budget_bytes=None if budget is None else int(budget * 2**20),
         )
 

@@ -33,6 +33,13 @@ from server.intake import Job, JobKind
 log = logging.getLogger("fedasync.server")
 
 
+MAX_SNAPSHOTS = 64
+"""Versions of the model whose weights are kept for the jobs in flight (DC-ASGD's w_base, and
+what a checkpoint re-sends); past it the oldest is dropped. A constant, not a setting: it only
+bounds the server's memory with thousands of silos, and no run has needed another value (a
+stale update whose base was dropped is folded without delay compensation: ``dc_skipped``)."""
+
+
 class Dispatcher:
     """The jobs in flight on ``grid``, keyed by message id, and the silos due a retry.
 

@@ -2,7 +2,7 @@
 
 FedAvg (McMahan et al. 2017) as Flower 1.42 ships it (``flwr.serverapp.strategy.FedAvg`` and
 its ``Strategy.start`` round loop, ``grid.send_and_receive``: every node each round, a barrier;
-in deployment Flower polls for the replies every 3 s, capped here at ``server.poll_interval_s``
+in deployment Flower polls for the replies every 3 s, capped here at ``server.reply_pull.POLL_INTERVAL_S``
 as fedasync's own loop polls). ``benchmarks/deployment_overhead.py`` runs it on the
 same local TLS deployment and ClientApp as fedasync's ServerApp. What the subclass changes to
 speak our protocol (``protocol/keys.py``):
@@ -57,6 +57,7 @@ from server.benchmark import federation, initial_model, server_test_set
 from server.clock import client_setup
 from server.config import FedAsyncConfig
 from server.evaluation import evaluate_on_nodes, weighted_mean
+from server.reply_pull import POLL_INTERVAL_S
 from server.summary import write_summary
 
 log = logging.getLogger("fedasync.server")
@@ -261,7 +262,7 @@ def main(grid: Grid, context: Context) -> None:
     is tuned as fedasync's ServerApp's is, so that the comparison measures the loops, not
     Flower's sleeps: object pulls retry after 10 ms (``protocol.transport.short_backoff``), and
     ``send_and_receive``'s fixed 3 s wait between polls for the round's replies is capped at
-    ``server.poll_interval_s``, the poll of fedasync's loop (``protocol.transport.cap_sleep``)."""
+    ``server.reply_pull.POLL_INTERVAL_S``, the poll of fedasync's loop (``protocol.transport.cap_sleep``)."""
     from flwr.superlink.grid import http_grid
 
     from server.run_config import config_from_run_config
@@ -270,5 +271,5 @@ def main(grid: Grid, context: Context) -> None:
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     _log_to(run_dir / "run.log")
     short_backoff(http_grid, "pull_objects")
-    cap_sleep(http_grid, cfg.server.poll_interval_s)
+    cap_sleep(http_grid, POLL_INTERVAL_S)
     run_flower_fedavg(grid, cfg, run_dir, data_here=False)

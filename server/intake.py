@@ -35,6 +35,7 @@ from fedasync.tensors import global_norm
 from protocol.messages import TrainRefusal, TrainReply, read_train_reply
 from protocol.reading import ErrorReply, Malformed
 from server.config import ServerConfig
+from server.config_lab import LabConfig
 
 
 class JobKind(StrEnum):
@@ -188,6 +189,12 @@ def check_reply(
     return Accepted(update, tau, decision, norm)
 
 
+NORM_OUTLIER_FACTOR = 10.0
+"""An update whose norm exceeds this multiple of the median accepted norm is rejected. A
+constant, not a setting: a guard against a broken or hostile update, far from any honest
+update's norm, that no run has tuned."""
+
+
 class Intake:
     """The server's intake: the staleness bound and the norm detectors ``take_reply`` uses.
 
@@ -196,10 +203,10 @@ class Intake:
     both detectors (the bound has no state).
     """
 
-    def __init__(self, s: ServerConfig):
-        self.bound = StalenessBound(s.max_staleness, s.soft_staleness, s.soft_factor)
-        self.norms = NormOutlierDetector(factor=s.norm_outlier_factor)
-        self.calibration_norms = NormOutlierDetector(factor=s.norm_outlier_factor)
+    def __init__(self, s: ServerConfig, lab: LabConfig):
+        self.bound = StalenessBound(s.max_staleness, lab.soft_staleness, lab.soft_factor)
+        self.norms = NormOutlierDetector(factor=NORM_OUTLIER_FACTOR)
+        self.calibration_norms = NormOutlierDetector(factor=NORM_OUTLIER_FACTOR)
 
     def check(
         self,

@@ -75,7 +75,7 @@ class JobRequests:
 
     def base_kept(self, version: int) -> bool:
         """Whether jobs of base ``version`` can be sent that version's weights (the current
-        model, or weights kept for jobs sent earlier; see server.corrections.max_snapshots)."""
+        model, or weights kept for jobs sent earlier; see dispatch.MAX_SNAPSHOTS)."""
         return version == self.model()[0] or version in self.jobs.sent
 
     def train(self, silo: int, resend: Mapping[str, Any] | None = None) -> None:
@@ -88,7 +88,7 @@ class JobRequests:
         timing = None if resend is None else (resend["dispatched_at"], resend["finishes_at"])
         fault = None if resend is None else resend["fault"]
         if not self.base_kept(base_version):
-            # a resumed job whose weights were dropped (server.corrections.max_snapshots): it
+            # a resumed job whose weights were dropped (dispatch.MAX_SNAPSHOTS): it
             # is sent the current model instead, as of the current version
             log.info("job %d of silo %d re-sent at version %d", job_id, silo, version)
             base_version = version
@@ -172,7 +172,7 @@ class JobRequests:
         queue."""
         version = self.model()[0]
         # the erasure's own size (scaled to its forget set) over the configured one
-        erase = SiloErasure.of(self.cfg.unlearning, erasure.overrides)
+        erase = SiloErasure.of(erasure.overrides, self.cfg.unlearning, self.cfg.lab.erasure)
         # the erasure steps, then one gradient per signature batch; one that stops by itself
         # is scheduled after the least it can take, and settled by its reply (``Dispatcher.settle``)
         least, most = erase.work_bounds(self.cfg.client.batch_size)

@@ -59,14 +59,14 @@ from server.checkpoint import (
 from server.clock import client_setup, run_clock, silo_speeds
 from server.config import FedAsyncConfig
 from server.corrections import CorrectionPipeline
-from server.dispatch import Dispatcher, FaultSchedule
+from server.dispatch import MAX_SNAPSHOTS, Dispatcher, FaultSchedule
 from server.evaluation import BestModel
 from server.intake import Intake, Job, JobKind
 from server.job_requests import JobRequests
 from server.models import MODELS_DIR, ModelStore
 from server.privacy import ServerPrivacy
 from server.replies import ReplyRouter
-from server.reply_pull import ReplyPuller
+from server.reply_pull import POLL_INTERVAL_S, REPLY_STALL_S, ReplyPuller
 from server.roster import discover_silos, roster_event
 from server.stats import ServerStats
 from server.strategies import strategy_for
@@ -99,19 +99,19 @@ class AsyncServer:
     ):
         self.cfg = cfg
         self.grid = grid
-        self.puller = ReplyPuller(grid, cfg.server.reply_timeout_s, cfg.server.reply_stall_s)
+        self.puller = ReplyPuller(grid, cfg.server.reply_timeout_s, REPLY_STALL_S)
         self.run_dir = run_dir
         # one flat buffer per dtype (fedasync/flat.py): every fold and correction is fused
         self.params: Params = flatten(initial_params, device="cpu")
         self.evaluate_fn = evaluate_fn
         self.version = 0
         self.strategy = strategy_for(cfg)  # the fold rule, and what is sent when
-        self.speeds = silo_speeds(cfg.silos, cfg.run.seed)
+        self.speeds = silo_speeds(cfg.silos, cfg.lab.speed, cfg.run.seed)
         self.clock: Clock = run_clock(cfg, self.speeds, wall_clock)
         self.events = EventLog(run_dir / "metrics.jsonl")
-        self.jobs = Dispatcher(grid, self.clock, self.events, cfg.server.corrections.max_snapshots)
+        self.jobs = Dispatcher(grid, self.clock, self.events, MAX_SNAPSHOTS)
         self.faults = FaultSchedule([to_dict(f) for f in cfg.lab.faults])
-        self.intake = Intake(cfg.server)
+        self.intake = Intake(cfg.server, cfg.lab)
         self.pipeline = CorrectionPipeline(cfg, self.strategy.aggregator())
         self.privacy = ServerPrivacy.for_run(cfg.server.dp, run_dir)
         self.stats = ServerStats()
@@ -359,11 +359,11 @@ class AsyncServer:
                 if self.erasure.next_time() < float("inf"):
                     # nothing in flight (a halted federation) while an erasure waits out its
                     # pause: the loop's top would otherwise spin until it is due
-                    time.sleep(self.cfg.server.poll_interval_s)
+                    time.sleep(POLL_INTERVAL_S)
                 return None
             if self.erasure.enabled and time.monotonic() - entered > 1.0:
                 return None  # the loop's top starts live erasure requests within a second
-            time.sleep(self.cfg.server.poll_interval_s)
+            time.sleep(POLL_INTERVAL_S)
 
     def flush(self) -> None:
         """Fold what the aggregator holds as the next version (a round's end: the strategy
@@ -455,7 +455,7 @@ class AsyncServer:
         return RunFacts(
             mode=self.cfg.server.mode,
             silos=self.cfg.silos.count,
-            target=self.cfg.run.target_accuracy,
+            target=self.cfg.lab.target_accuracy,
             version=self.version,
             clock_kind=self.clock.kind,
             virtual_time_s=None if self.clock.realtime else self.clock.now,

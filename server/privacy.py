@@ -28,6 +28,11 @@ from fedasync.privacy import gaussian_epsilon
 from protocol.messages import TrainRefusal, TrainReply
 from server.config import ServerDPConfig
 
+CENTRAL_DELTA = 1e-5
+"""The delta each silo's central epsilon is reported at. A constant, not a setting: the usual
+delta well below 1/n for any federation's record count, the same as the silos' DP-SGD
+(protocol.config.DP_DELTA), and no run has reported at another."""
+
 log = logging.getLogger("fedasync.server")
 
 
@@ -162,8 +167,8 @@ class ServerPrivacy:
         ledger = None
         if dp.noise_multiplier is not None:
             path = Path(dp.ledger) if dp.ledger else run_dir / "privacy" / "central.sqlite"
-            ledger = CentralLedger(path, run_dir.name, dp.noise_multiplier, dp.delta)
-        return cls(ledger, dp.epsilon_budget, dp.delta)
+            ledger = CentralLedger(path, run_dir.name, dp.noise_multiplier, CENTRAL_DELTA)
+        return cls(ledger, dp.epsilon_budget, CENTRAL_DELTA)
 
     def row(self, silo: int) -> dict[str, Any]:
         """The silo's epsilons and stop reason, as far as there are any."""

@@ -1,6 +1,6 @@
 """The server's own move at an erasure request: which part of the silo's recorded
 contributions it subtracts from the model (``lab.erasure.server_removal*``, bounded by
-``unlearning.server_removal_max_drop``).
+``lab.erasure.server_removal_max_drop``).
 
 The ledger (`fedasync.unlearning.ContributionLedger`) holds what each silo's updates did to
 the global model. All of it (``server_removal_part=total``, FedEraser's first-order removal)
@@ -18,7 +18,7 @@ share (10%) of the silo's unique part over-erased breast-fna on 4 of 5 seeds, wh
 membership test alone was verified on 5 of 5 (docs/measured.md).
 
 The removal is bounded by the held-out score (``bounded``): when the whole of it would cost
-more than ``unlearning.server_removal_max_drop``, the largest share that does not is applied
+more than ``lab.erasure.server_removal_max_drop``, the largest share that does not is applied
 at the request. The rest (``Remainder``) is not dropped: once the other silos' training has
 brought the score back to where it was before the request, a step of it is applied, bounded
 the same way, at an evaluation. Steps follow until all of it is in force, or until the request
@@ -120,7 +120,7 @@ def bounded(
 ) -> tuple[Params, dict[str, float]]:
     """``params`` plus the largest share of ``removal`` (1, 1/2, ..., 1/2**HALVINGS, else none)
     whose held-out score (``score``, the server's evaluation) falls by at most ``max_drop``
-    (``unlearning.server_removal_max_drop``; 1: no bound). Returns the new parameters and
+    (``lab.erasure.server_removal_max_drop``; 1: no bound). Returns the new parameters and
     what was measured: ``removal_score_before`` and ``_after``, ``removal_applied`` (the
     share). A score that is not a finite number (no test set at the coordinator: nothing is
     measured mid-run) bounds nothing: the removal is applied whole. ``before``: the score of

@@ -206,7 +206,7 @@ class ReplyRouter:
         update, cal = acc.update, self.erasure.calibration
         version, params = self.model()
         w_base = self.base_weights(job.base_version)
-        # its base weights dropped (server.corrections.max_snapshots): no delay compensation
+        # its base weights dropped (dispatch.MAX_SNAPSHOTS): no delay compensation
         dc_skipped = w_base is None and acc.staleness > 0 and self.dc_lambda > 0
         if not cal.compensates(job):
             w_base, dc_skipped = None, False

@@ -14,7 +14,7 @@ after its link came back (the hospital's TCP retransmission, then its upload's r
 ``PullMessages`` call; each reply's objects are tried once at once, and a reply with objects
 still missing is finished on a thread of its own (retries after 10 ms, doubling up to 0.2 s)
 while the loop goes on. A later ``pull`` returns it once its content is complete. A reply
-whose content stops arriving for ``stall_s`` (``server.reply_stall_s``), or is not whole
+whose content stops arriving for ``stall_s`` (``REPLY_STALL_S``), or is not whole
 within ``max_wait_s`` (``server.reply_timeout_s``, when the loop abandons the job anyway),
 becomes an error reply (as Flower makes one, ``MESSAGE_UNAVAILABLE``): the loop counts its
 silo's work as failed and sends it new work. The stall bound matters: a SuperNode whose link
@@ -39,6 +39,15 @@ from typing import Any, cast
 from flwr.app import Message
 
 from protocol.transport import FlowerInternalsMoved
+
+POLL_INTERVAL_S = 0.05
+"""Wall clock (deployment): seconds between the loop's polls of the SuperLink for replies (each
+an HTTPS request; the virtual clock polls every 5 ms). A constant, not a setting: settled as
+the cost of a poll against the delay it adds (docs/measured.md), and nobody tunes it."""
+REPLY_STALL_S = 30.0
+"""Deployment: wall seconds a reply whose content is still arriving may go without any of it
+arriving before it counts as failed and its silo is sent new work (a link cut mid-upload). A
+constant, not a setting: a bound on a link that died, far above any pause a live link makes."""
 
 try:
     from flwr.app import Metadata
@@ -194,7 +203,7 @@ class ReplyPuller:
                     raise ObjectPullError(
                         missing[0],
                         f"none of its last {len(missing)} objects came for {self.stall_s:g}s "
-                        "(server.reply_stall_s; a link cut mid-upload)",
+                        "(the reply stall bound; a link cut mid-upload)",
                     )
                 if now - start >= self.max_wait_s:
                     raise ObjectPullError(missing[0], f"not there after {self.max_wait_s:g}s")

@@ -39,7 +39,7 @@ class ServerStats:
         """Folds whose model was not finite (the loop's publish guard)."""
         self.dc_skipped = 0
         """Stale updates folded without delay compensation because their base weights had been
-        dropped (``server.corrections.max_snapshots``)."""
+        dropped (``MAX_SNAPSHOTS``)."""
 
     def reject(self, silo: int, reason: RejectReason) -> None:
         """Count one rejected reply of ``silo``."""

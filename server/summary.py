@@ -96,7 +96,7 @@ def build_summary(
         # folds whose model was not finite, refused (the model stayed; 0 unless a bug)
         "versions_refused": stats.versions_refused,
         # stale updates folded without delay compensation: their base weights had been dropped
-        # (server.corrections.max_snapshots; 0 while fewer versions than that are in flight)
+        # (dispatch.MAX_SNAPSHOTS; 0 while fewer versions than that are in flight)
         "dc_skipped": stats.dc_skipped,
         "staleness_mean": float(np.mean(st)) if st else 0.0,
         "staleness_max": int(max(st)) if st else 0,
@@ -131,6 +131,8 @@ def central_dp_summary(
 ) -> dict[str, Any]:
     """Central DP's settings and every silo of ``roster``'s epsilon (all runs of its
     ``ledger``), also logged."""
+    from server.privacy import CENTRAL_DELTA
+
     dp = cfg.server.dp
     assert ledger is not None
     eps = {str(s): ledger.epsilon(s) for s in sorted(roster)}
@@ -139,13 +141,13 @@ def central_dp_summary(
         "central DP (noise %.3g x clip %.3g, delta %g): epsilon per silo %s",
         dp.noise_multiplier,
         cfg.server.clip_norm,
-        dp.delta,
+        CENTRAL_DELTA,
         ", ".join(f"{s}: {e:.3g} ({releases[s]} releases)" for s, e in eps.items()),
     )
     return {
         "noise_multiplier": dp.noise_multiplier,
         "clip_norm": cfg.server.clip_norm,
-        "delta": dp.delta,
+        "delta": CENTRAL_DELTA,
         "epsilon_budget": dp.epsilon_budget,
         "ledger": str(ledger.path),
         "epsilon": eps,

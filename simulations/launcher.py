@@ -2,7 +2,7 @@
 
 ``simulate(cfg)`` runs the configured mode and, with ``run.compare_sync``, the synchronous
 FedAvg baseline on the same data, speeds and virtual clock; then it fills in time-to-target
-(95% of the baseline's best score unless ``run.target_accuracy`` is set), writes
+(95% of the baseline's best score unless ``lab.target_accuracy`` is set), writes
 ``summary.json`` and the PNG plots. Flower's engine runs on Ray: by default a private Ray is
 started and stopped here (its temp folder is private to the run and removed afterwards);
 with ``engine.ray_address`` the run attaches to a running cluster as one Ray job and leaves
@@ -54,6 +54,11 @@ from server.config import EngineConfig, FedAsyncConfig
 from server.summary import time_to_target, write_summary
 from simulations.config import to_yaml
 from simulations.plots import plot_score_vs_time, plot_silo_contribution, plot_staleness
+
+CLIENT_CPUS = 1
+"""CPUs Ray reserves for each ClientApp actor. A constant, not a setting: a silo trains on one
+thread (protocol.config.SILO_THREADS), so one CPU each; ``engine.num_cpus`` decides how many
+silos train at once."""
 
 log = logging.getLogger("fedasync")
 
@@ -171,7 +176,7 @@ def run_engine(cfg: FedAsyncConfig, run_dir: Path) -> dict[str, Any]:
     os.environ[SESSION_ENV] = ray_tmp  # inherited by every Ray process: how we find them
     backend_config: dict[str, Any] = {
         "client_resources": {
-            "num_cpus": cfg.engine.client_cpus,
+            "num_cpus": CLIENT_CPUS,
             "num_gpus": cfg.engine.client_gpus,
         },
         "init_args": {**ray_init_args(cfg.engine, ray_tmp), "logging_level": "ERROR"},
@@ -369,8 +374,8 @@ def _run_and_plot(
         (bdir / "config.yaml").write_text(to_yaml(bcfg))
         baseline = run_engine(bcfg, bdir)
         runs["sync"] = baseline
-    target = cfg.run.target_accuracy
-    source = "run.target_accuracy"
+    target = cfg.lab.target_accuracy
+    source = "lab.target_accuracy"
     if target is None:
         ref = baseline if baseline is not None else summary
         target = 0.95 * ref["best_score"]

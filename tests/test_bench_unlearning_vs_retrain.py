@@ -231,7 +231,7 @@ def test_methods_by_request_and_the_two_stopping_arms():
     assert "lab.erasure.server_removal_scale=0.5" in m["fedasync-removal"]
     for arm in ("fedasync-unique", "fedasync-unique-membership"):
         assert "lab.erasure.server_removal_part=unique" in m[arm]
-        assert f"unlearning.sketch_rank={bench.SKETCH_RANK}" in m[arm]
+        assert f"lab.erasure.sketch_rank={bench.SKETCH_RANK}" in m[arm]
 
 
 def test_every_benchmark_has_its_settings_and_the_command_line_replaces_them():
@@ -369,7 +369,7 @@ def test_a_run_saved_with_the_window_the_sketch_replaced_is_read_back_only_if_it
 def test_a_run_saved_before_the_removal_was_bounded_is_read_back_only_if_its_removal_was_within(
     tmp_path, drop, reused
 ):
-    # Prepare: a finished run saved before unlearning.server_removal_max_drop, whose removal
+    # Prepare: a finished run saved before lab.erasure.server_removal_max_drop, whose removal
     # lowered the held-out score by `drop` (its 'removed' event; a torn last line after it)
     import json
 
@@ -389,7 +389,7 @@ def test_a_run_saved_before_the_removal_was_bounded_is_read_back_only_if_its_rem
     got = bench._reused(cfg, tmp_path)
     # Assert: a removal within today's bound (0.02) ran as today's would; a larger one is
     # another run
-    assert cfg.unlearning.server_removal_max_drop == 0.02
+    assert cfg.lab.erasure.server_removal_max_drop == 0.02
     assert (got is not None) is reused
 
 

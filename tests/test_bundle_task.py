@@ -249,7 +249,7 @@ def test_a_silo_of_a_bundle_task_is_erased_while_the_others_train(small_cfg, bun
         "erasures=[{silo: 1, at_s: 4}]",
         "unlearning.stop=fixed",
         "unlearning.steps=2",
-        "unlearning.signature_batches=2",
+        "lab.erasure.signature_batches=2",
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     # Execute

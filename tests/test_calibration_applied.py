@@ -103,9 +103,7 @@ def test_the_erased_silos_buffered_delta_is_dropped_at_the_boundary(small_cfg, t
 
 def test_error_feedback_residuals_are_projected_and_the_erased_silos_dropped(small_cfg):
     # Prepare: top-1 of 4 leaves residuals along e1 for silos 0 and 1
-    pipe = _pipeline(
-        small_cfg, "server.buffer_size=1", "server.corrections.error_feedback_topk=0.25"
-    )
+    pipe = _pipeline(small_cfg, "server.buffer_size=1", "lab.corrections.error_feedback_topk=0.25")
     params = {"w": torch.zeros(4)}
     for silo in ("0", "1"):
         params = _fold(pipe, params, silo, [1.0, 3.0, 0.0, 0.0]).params
@@ -174,17 +172,17 @@ def _run(small_cfg, monkeypatch, target, protect="subspace"):
     cfg = small_cfg(
         "run.max_versions=24",
         "silos.speed_profile=stragglers",
-        "silos.straggler_fraction=0.34",
-        "silos.straggler_slowdown=10",
+        "lab.speed.straggler_fraction=0.34",
+        "lab.speed.straggler_slowdown=10",
         "server.mode=fedbuff",
         "server.buffer_size=2",
         "server.optimizer.kind=momentum",
         "server.optimizer.momentum=0.9",
         "server.optimizer.lr=1.0",
-        "server.corrections.delay_compensation=0.5",
-        "server.corrections.error_feedback_topk=0.5",
+        "lab.corrections.delay_compensation=0.5",
+        "lab.corrections.error_feedback_topk=0.5",
         "erasures=[{silo: 0, at_s: 6}]",  # silo 1 is the straggler
-        "unlearning.relearn_versions=4",
+        "lab.erasure.relearn_versions=4",
         "unlearning.steps=5",
         f"lab.erasure.calibration_target={target}",
         f"lab.erasure.protect={protect}",

@@ -149,17 +149,17 @@ def test_a_bad_forget_gradient_is_malformed(arrays):
 def test_defaults_and_the_new_choices_load(small_cfg):
     cfg = small_cfg()
     lab = cfg.lab.erasure
-    assert (lab.signature_unique, cfg.unlearning.sketch_rank, lab.protect) == (False, 16, "jump")
+    assert (lab.signature_unique, lab.sketch_rank, lab.protect) == (False, 16, "jump")
     for protect in ("gradient", "onesided"):
         assert small_cfg(f"lab.erasure.protect={protect}").lab.erasure.protect == protect
     with pytest.raises(ValueError, match="sketch_rank"):
-        small_cfg("unlearning.sketch_rank=0")
+        small_cfg("lab.erasure.sketch_rank=0")
 
 
 # ---------------------------------------------------------------- the server's sketch
 def _coordinator(small_cfg, *overrides) -> ErasureCoordinator:
     # 3 silos, 6 rows: two rows per silo, so each of a silo's first two updates has its own
-    cfg = small_cfg("lab.erasure.signature_unique=true", "unlearning.sketch_rank=6", *overrides)
+    cfg = small_cfg("lab.erasure.signature_unique=true", "lab.erasure.sketch_rank=6", *overrides)
     return _bare(cfg)
 
 
@@ -240,7 +240,7 @@ def _run(small_cfg, monkeypatch, *overrides):
         "server.optimizer.momentum=0.9",
         "server.eval_every=5",
         "erasures=[{silo: 0, at_s: 6}]",
-        "unlearning.relearn_versions=4",
+        "lab.erasure.relearn_versions=4",
         "unlearning.steps=5",
         *overrides,
     )

@@ -126,14 +126,14 @@ def test_in_range_values_at_the_bounds_are_accepted():
         None,
         [
             "server.alpha=1.0",
-            "silos.jitter=0.0",
-            "silos.straggler_fraction=1.0",
+            "lab.speed.jitter=0.0",
+            "lab.speed.straggler_fraction=1.0",
             "server.checkpoint_every=0",
             "unlearning.steps=0",
-            "run.target_accuracy=1.0",
+            "lab.target_accuracy=1.0",
         ],
     )
-    assert (cfg.server.alpha, cfg.silos.straggler_fraction) == (1.0, 1.0)
+    assert (cfg.server.alpha, cfg.lab.speed.straggler_fraction) == (1.0, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -145,13 +145,12 @@ def test_in_range_values_at_the_bounds_are_accepted():
         ("data.partition=random", "data.partition"),
         ("data.network=vgg", "data.network"),
         ("lab.exclude=[7]", "lab.exclude[0]"),
-        ("engine.num_cpus=1", "engine.num_cpus"),
+        ("lab.soft_staleness=200", "lab.soft_staleness"),
     ],
 )
 def test_names_and_cross_checks_are_config_errors(override, key):
-    extra = ["engine.client_cpus=2"] if key == "engine.num_cpus" else []
     with pytest.raises(ConfigError, match=re.escape(key)):
-        load_config(None, [override, *extra])
+        load_config(None, [override])
 
 
 def test_range_text():
@@ -159,3 +158,57 @@ def test_range_text():
     assert str(Range(0, 1, hi_open=True)) == "in [0, 1)"
     assert 0.5 in Range(0, 1) and 1 not in Range(0, 1, hi_open=True)
     assert float("nan") not in Range() and True not in Range()
+
+
+# ---------------------------------------------------------------- keys under earlier names
+
+
+def test_a_config_saved_under_the_earlier_names_loads_as_today(tmp_path):
+    # Prepare: a run folder's config.yaml as an earlier fedasync wrote it (moved keys and
+    # settled constants at their values)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(
+        "run: {target_accuracy: 0.8}\n"
+        "server: {soft_staleness: 3, soft_factor: 0.25, poll_interval_s: 0.05,"
+        " reply_stall_s: 30.0, norm_outlier_factor: 10.0,"
+        " corrections: {delay_compensation: 0.1, error_feedback_topk: 1.0,"
+        " residual_budget_mb: 2048.0, max_snapshots: 64}, dp: {delta: 1.0e-05}}\n"
+        "silos: {straggler_fraction: 0.5, jitter: 0.0}\n"
+        "engine: {client_cpus: 1}\n"
+        "unlearning: {stop_alpha: 0.05, stop_probe: 128, max_attempts: 3, stop_every: 2,"
+        " signature_dtype: float16, sketch_rank: 8, relearn_versions: 5}\n"
+    )
+    # Execute
+    cfg = load_config(saved)
+    # Assert
+    lab = cfg.lab
+    assert (lab.target_accuracy, lab.soft_staleness, lab.soft_factor) == (0.8, 3, 0.25)
+    assert lab.corrections.delay_compensation == 0.1
+    assert (lab.speed.straggler_fraction, lab.speed.jitter) == (0.5, 0.0)
+    e = lab.erasure
+    assert (e.stop_every, e.signature_dtype, e.sketch_rank, e.relearn_versions) == (
+        2,
+        "float16",
+        8,
+        5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("server.poll_interval_s=0.2", "server.poll_interval_s=0.2 is no longer a setting"),
+        ("unlearning.max_attempts=1", "fixed at 3"),
+        ("engine.client_cpus=2", "engine.client_cpus"),
+    ],
+)
+def test_a_settled_key_at_another_value_is_a_one_line_error(override, words):
+    with pytest.raises(ConfigError, match=re.escape(words)) as info:
+        load_config(None, [override])
+    assert "\n" not in str(info.value)
+
+
+def test_a_key_under_both_names_must_agree():
+    with pytest.raises(ConfigError, match="silos.jitter is now lab.speed.jitter"):
+        load_config(None, ["silos.jitter=0.2", "lab.speed.jitter=0.3"])
+    assert load_config(None, ["silos.jitter=0.2"]).lab.speed.jitter == 0.2

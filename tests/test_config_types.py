@@ -124,7 +124,7 @@ def test_the_choice_fields_are_found():
         "fed:lab.faults[].kind",
         "fed:unlearning.method",
         "fed:lab.erasure.radius_scaling",
-        "fed:unlearning.signature_dtype",
+        "fed:lab.erasure.signature_dtype",
         "fed:lab.erasure.pre_boundary",
         "rl:rollout.mode",
         "rl:learner.weight_fn",

@@ -96,7 +96,7 @@ PREEMPT_RUN = [
     "unlearning.service=true",
     "unlearning.address=127.0.0.1:0",
     "unlearning.steps=2",
-    "unlearning.signature_batches=1",
+    "lab.erasure.signature_batches=1",
     "erasures=[{silo: 1, at_s: 4}]",
 ]
 
@@ -147,8 +147,8 @@ class Federation:
                 "client.local_steps=3",
                 "lab.emulate_speed=true",
                 "silos.speed_profile=stragglers",
-                "silos.straggler_fraction=1.0",
-                "silos.straggler_slowdown=10",
+                "lab.speed.straggler_fraction=1.0",
+                "lab.speed.straggler_slowdown=10",
                 "client.batch_size=16",
                 "data.max_samples=300",
                 "server.checkpoint_every=1",
@@ -158,7 +158,7 @@ class Federation:
                 f"server.offline_retry_s={OFFLINE_RETRY_S}",
                 "unlearning.service=true",
                 "unlearning.address=127.0.0.1:0",
-                "unlearning.relearn_versions=2",
+                "lab.erasure.relearn_versions=2",
             ],
         )
         self.cfg, self.run_dir, self.paths, self.ledgers = prepare(self.cfg, None)

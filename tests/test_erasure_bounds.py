@@ -32,7 +32,7 @@ from server.unlearning import ErasureCoordinator
 
 SILO_1 = 1001  # InProcessGrid's node of silo 1
 FAST = (
-    "unlearning.relearn_versions=3",
+    "lab.erasure.relearn_versions=3",
     "server.eval_every=5",
     # the silo's delta alone at the boundary (fixed steps, no server removal): what is bounded
     "unlearning.stop=fixed",

@@ -28,8 +28,8 @@ def _run(small_cfg, *extra: str):
         "run.max_versions=24",
         "client.local_steps=12",  # a training job outlasts the erasure's 2 + 1 steps
         "unlearning.steps=2",
-        "unlearning.signature_batches=1",
-        "unlearning.relearn_versions=2",
+        "lab.erasure.signature_batches=1",
+        "lab.erasure.relearn_versions=2",
         "erasures=[{silo: 1, at_s: 5, fraction: 0.2}]",
         *extra,
     )
@@ -151,7 +151,7 @@ def test_an_erasure_that_stops_by_itself_takes_the_virtual_time_of_its_work(smal
     # Prepare: a budget of 40 steps, read every 4; the silo's held-out samples decide
     from server.clock import silo_speeds
 
-    cfg_args = ("unlearning.stop=membership", "unlearning.steps=40", "unlearning.stop_every=4")
+    cfg_args = ("unlearning.stop=membership", "unlearning.steps=40", "lab.erasure.stop_every=4")
     # Execute
     summary, row, events = _run(small_cfg, *cfg_args)
     # Assert: the erasure took the virtual time of the work its silo reports, not its budget
@@ -162,11 +162,11 @@ def test_an_erasure_that_stops_by_itself_takes_the_virtual_time_of_its_work(smal
     assert work == pytest.approx(
         at["silo_steps"] + 1 + at["silo_readings"] * at["silo_compared"] / (3 * 16)
     )
-    speed = silo_speeds(cfg.silos, cfg.run.seed)[1]
-    span = work * cfg.silos.step_time_s / speed + cfg.silos.latency_s
+    speed = silo_speeds(cfg.silos, cfg.lab.speed, cfg.run.seed)[1]
+    span = work * cfg.lab.speed.step_time_s / speed + cfg.lab.speed.latency_s
     assert row["erasure_latency_s"] == pytest.approx(span)
     most = 40 + 1 + (2 + 40 // 4) * 256 / 48
-    assert span < most * cfg.silos.step_time_s / speed + cfg.silos.latency_s
+    assert span < most * cfg.lab.speed.step_time_s / speed + cfg.lab.speed.latency_s
 
 
 def test_on_the_wall_clock_an_erasure_waits_for_the_job_in_flight(small_cfg):
@@ -178,7 +178,7 @@ def test_on_the_wall_clock_an_erasure_waits_for_the_job_in_flight(small_cfg):
         "run.budget_s=6",
         "client.local_steps=2",
         "unlearning.steps=1",
-        "unlearning.signature_batches=1",
+        "lab.erasure.signature_batches=1",
         "erasures=[{silo: 1, at_s: 1}]",
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name

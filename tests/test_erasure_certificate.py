@@ -81,7 +81,7 @@ def erased(tmp_path_factory):
             "server.checkpoint_every=0",
             "server.evaluate_silos=false",
             "erasures=[{silo: 2, at_s: 10, fraction: 0.3}]",
-            "unlearning.relearn_versions=4",
+            "lab.erasure.relearn_versions=4",
             "lab.erasure.watch_every=1",
             "lab.erasure.protect=subspace",
             "lab.backdoor.enabled=true",

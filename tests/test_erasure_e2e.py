@@ -19,7 +19,7 @@ from server.erasure.certificate import build
 from server.erasure.store import ErasureStore
 
 ERASE = (
-    "unlearning.relearn_versions=4",
+    "lab.erasure.relearn_versions=4",
     "unlearning.steps=5",
     "server.eval_every=5",
     "lab.backdoor.enabled=true",
@@ -79,7 +79,7 @@ def test_sample_level_erasure_keeps_the_silo_training(small_cfg):
         "run.max_versions=30",
         "erasures=[{silo: 2, at_s: 10, fraction: 0.3}]",
         "unlearning.method=relabel",
-        "unlearning.signature_dtype=float16",  # half the bytes; re-orthonormalised on arrival
+        "lab.erasure.signature_dtype=float16",  # half the bytes; re-orthonormalised on arrival
         *ERASE,
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -263,7 +263,7 @@ def test_relearning_attack_is_sent_to_its_silo_after_its_time(small_cfg):
 def test_restart_while_calibrating_keeps_the_erasure(small_cfg):
     """Stopped after the erasure was applied but before it was checked, a resumed run keeps
     the erased silo retired and checks the request after its window."""
-    common = ("erasures=[{silo: 1, at_s: 5}]", *ERASE, "unlearning.relearn_versions=15")
+    common = ("erasures=[{silo: 1, at_s: 5}]", *ERASE, "lab.erasure.relearn_versions=15")
     first = small_cfg("run.max_versions=20", *common)
     run_dir = Path(first.run.out_dir) / first.run.name
     summary = run_server(InProcessGrid(client_app, 3), first, run_dir)
@@ -287,7 +287,7 @@ def test_a_request_verified_after_the_checkpoint_is_not_verified_again(small_cfg
     from server.erasure.store import ErasureStore
 
     # Prepare: a checkpoint with the request calibrating; the store moved on to verified
-    common = ("erasures=[{silo: 1, at_s: 5}]", *ERASE, "unlearning.relearn_versions=15")
+    common = ("erasures=[{silo: 1, at_s: 5}]", *ERASE, "lab.erasure.relearn_versions=15")
     first = small_cfg("run.max_versions=20", *common)
     run_dir = Path(first.run.out_dir) / first.run.name
     summary = run_server(InProcessGrid(client_app, 3), first, run_dir)
@@ -346,7 +346,7 @@ def test_an_erasure_the_run_ends_before_checking_says_so(small_cfg):
     # Prepare: a relearning window far longer than what is left of the run
     cfg = small_cfg(
         "run.max_versions=16", "erasures=[{silo: 1, at_s: 4}]", *ERASE,
-        "unlearning.relearn_versions=1000",
+        "lab.erasure.relearn_versions=1000",
     )  # fmt: skip
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     # Execute

@@ -19,7 +19,7 @@ from server.app import run_server
 
 FIRST_NODE = 1000  # InProcessGrid's node ids: silo i is node 1000 + i
 COMMON = (
-    "unlearning.relearn_versions=4",
+    "lab.erasure.relearn_versions=4",
     "unlearning.steps=3",
     "unlearning.stop=fixed",  # every erasure moves the model (its jump is kept): 3 steps each
     "server.eval_every=10",
@@ -165,7 +165,7 @@ def test_fedbuff_momentum_whole_silo_erasure_is_checked(small_cfg, target):
     assert req["state"] in CHECKED and req["silo"] == 1 and req["samples"] == 0
     (row,) = checked_rows(summary)
     boundary = row["boundary_version"]
-    assert row["verified_version"] >= boundary + cfg.unlearning.relearn_versions
+    assert row["verified_version"] >= boundary + cfg.lab.erasure.relearn_versions
     updates = [e for e in events if e["event"] == "update"]
     assert [e for e in updates if e["silo"] == 1 and e["version"] < boundary]
     after = [e for e in updates if e["version"] >= boundary]

@@ -14,6 +14,7 @@ from flwr.app import Error, Message
 from flwr.common.constant import ErrorCode
 from inprocess import CHECKED, InProcessGrid, checked_rows
 
+import server.unlearning.lifecycle
 from clients.app import app as client_app
 from fedasync.events import read_events
 from server.app import run_server
@@ -23,9 +24,9 @@ from server.unlearning import WENT_DOWN, WENT_OFFLINE
 
 ERASE = (
     "erasures=[{silo: 1, at_s: 10}]",
-    "unlearning.relearn_versions=4",
+    "lab.erasure.relearn_versions=4",
     "unlearning.steps=2",  # short erasures: an attempt costs about 4 versions of the others
-    "unlearning.signature_batches=2",
+    "lab.erasure.signature_batches=2",
     "server.eval_every=5",
 )
 SILO_1 = 1001  # InProcessGrid's node of silo 1
@@ -159,7 +160,7 @@ def test_a_silo_that_keeps_going_down_fails_the_erasure_after_max_attempts(small
     grid = _SiloDownMidErasure(client_app, 3, lose=100)
     # Execute
     summary = run_server(grid, cfg, run_dir)
-    # Assert: three attempts (the default unlearning.max_attempts), then failed with the reason
+    # Assert: three attempts (MAX_ATTEMPTS), then failed with the reason
     (req,) = summary["erasures"]["requests"]
     assert req["state"] == "failed" and grid.unlearn_sent == 3
     assert req["failure_reason"].startswith(f"{WENT_DOWN} 3 times")
@@ -173,8 +174,9 @@ def test_a_silo_that_keeps_going_down_fails_the_erasure_after_max_attempts(small
     assert any(e["event"] == "update" and e["silo"] == 1 and e["t"] > failed_t for e in events)
 
 
-def test_max_attempts_is_read_from_the_config(small_cfg):
-    cfg = small_cfg("run.max_versions=20", *ERASE, "unlearning.max_attempts=1")
+def test_max_attempts_is_the_constant(small_cfg, monkeypatch):
+    monkeypatch.setattr(server.unlearning.lifecycle, "MAX_ATTEMPTS", 1)
+    cfg = small_cfg("run.max_versions=20", *ERASE)
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     grid = _SiloDownMidErasure(client_app, 3, lose=100)
     summary = run_server(grid, cfg, run_dir)

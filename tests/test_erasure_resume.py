@@ -15,7 +15,7 @@ from server.erasure.store import ErasureStore, now_ms
 from server.unlearning import ErasureCoordinator
 
 ERASE = (
-    "unlearning.relearn_versions=4",
+    "lab.erasure.relearn_versions=4",
     "unlearning.steps=5",
     "server.eval_every=5",
     "erasures=[{silo: 1, at_s: 8}]",

@@ -184,7 +184,7 @@ def test_setup_json_is_the_servers_byte_for_byte(small_cfg):
 
 def test_silo_erasure_from_the_server_config_and_its_overrides(small_cfg):
     u = small_cfg().unlearning
-    erase = SiloErasure.of(u, {"radius": 0.25, "steps": 9})
+    erase = SiloErasure.of({"radius": 0.25, "steps": 9}, u)
     assert (erase.radius, erase.steps, erase.lr, erase.method) == (0.25, 9, u.lr, u.method)
     assert SiloErasure.from_json(erase.to_json()) == erase
 

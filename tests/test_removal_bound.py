@@ -1,4 +1,4 @@
-"""The server's removal bounded by its held-out score (``unlearning.server_removal_max_drop``).
+"""The server's removal bounded by its held-out score (``lab.erasure.server_removal_max_drop``).
 
 A removal that lowers the server's held-out score by more than the bound is halved until it
 does not (at most four times, then withheld). The unit tests drive `server.removal.bounded`
@@ -79,7 +79,7 @@ def test_in_a_run_the_removal_costs_the_held_out_score_at_most_the_bound(small_c
     cfg = small_cfg(
         "run.max_versions=12",
         "lab.erasure.server_removal=true",
-        "unlearning.server_removal_max_drop=0",
+        "lab.erasure.server_removal_max_drop=0",
         "erasures=[{silo: 1, at_s: 4}]",
     )
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -203,7 +203,7 @@ def erasing(small_cfg, tmp_path):
     """A coordinator over ``_Host`` with a whole-silo request of silo 1 in progress, whose
     removal (L1 0.2) costs 0.1 of the held-out score, bounded at 0.02: (host, store,
     coordinator, request id, erasure)."""
-    cfg = small_cfg("unlearning.server_removal_max_drop=0.02")
+    cfg = small_cfg("lab.erasure.server_removal_max_drop=0.02")
     host = _Host(cfg, tmp_path)
     store = ErasureStore(tmp_path / "erasures.sqlite")
     coord = host.coordinate(store)

@@ -130,7 +130,7 @@ def test_the_removal_at_request_time_subtracts_its_share_of_the_silos_contributi
         "lab.erasure.server_removal=true",
         f"lab.erasure.server_removal_scale={scale}",
         "lab.erasure.server_removal_part=total",
-        "unlearning.server_removal_max_drop=1",  # (the held-out bound: test_removal_bound.py)
+        "lab.erasure.server_removal_max_drop=1",  # (the held-out bound: test_removal_bound.py)
         "erasures=[{silo: 1, at_s: 4}]",
     )
     seen, removed, starts = _spies(monkeypatch)
@@ -158,8 +158,8 @@ def test_the_unique_removal_subtracts_only_what_the_others_updates_do_not_span(
         "run.max_versions=12",
         "lab.erasure.server_removal=true",
         "lab.erasure.server_removal_part=unique",
-        "unlearning.sketch_rank=6",
-        "unlearning.server_removal_max_drop=1",
+        "lab.erasure.sketch_rank=6",
+        "lab.erasure.server_removal_max_drop=1",
         "erasures=[{silo: 1, at_s: 4}]",
     )
     seen, _removed, _starts = _spies(monkeypatch, rows=True)

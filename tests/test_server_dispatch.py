@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from inprocess import InProcessGrid
 
+import server.loop
 from clients.app import app as client_app
 from fedasync.clock import VirtualClock
 from fedasync.events import EventLog, read_events
@@ -144,14 +145,16 @@ def _run(cfg):
     return run_server(grid, cfg, run_dir), run_dir, grid
 
 
-def test_an_update_whose_base_was_dropped_is_folded_without_delay_compensation(small_cfg):
+def test_an_update_whose_base_was_dropped_is_folded_without_delay_compensation(
+    small_cfg, monkeypatch
+):
     # Prepare: stragglers, delay compensation on, no weights kept
+    monkeypatch.setattr(server.loop, "MAX_SNAPSHOTS", 0)
     cfg = small_cfg(
         "run.max_versions=8",
         "silos.speed_profile=stragglers",
-        "silos.straggler_fraction=0.34",
-        "server.corrections.delay_compensation=0.1",
-        "server.corrections.max_snapshots=0",
+        "lab.speed.straggler_fraction=0.34",
+        "lab.corrections.delay_compensation=0.1",
     )
     # Execute
     summary, run_dir, _ = _run(cfg)
@@ -168,8 +171,8 @@ def test_the_default_bound_skips_no_delay_compensation(small_cfg):
     cfg = small_cfg(
         "run.max_versions=8",
         "silos.speed_profile=stragglers",
-        "silos.straggler_fraction=0.34",
-        "server.corrections.delay_compensation=0.1",
+        "lab.speed.straggler_fraction=0.34",
+        "lab.corrections.delay_compensation=0.1",
     )
 
     summary, _, _ = _run(cfg)
@@ -178,14 +181,14 @@ def test_the_default_bound_skips_no_delay_compensation(small_cfg):
 
 
 def test_resume_re_sends_a_job_whose_base_was_dropped_from_the_checkpoint_model(
-    small_cfg, tmp_path
+    small_cfg, tmp_path, monkeypatch
 ):
     # Prepare: a checkpoint at version 4 that keeps the weights of one version only
+    monkeypatch.setattr(server.loop, "MAX_SNAPSHOTS", 1)
     common = (
         "run.name=r",
         "silos.speed_profile=lognormal",
-        "server.corrections.delay_compensation=0.1",
-        "server.corrections.max_snapshots=1",
+        "lab.corrections.delay_compensation=0.1",
     )
     _run(small_cfg(*common, "run.max_versions=4", "server.checkpoint_every=4"))
     state = load_state(tmp_path / "r" / "checkpoint.pt")

@@ -29,7 +29,7 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_fedasync_loop_versions_and_summary(small_cfg):
     # Prepare
     cfg = small_cfg(
-        "run.max_versions=8", "silos.speed_profile=stragglers", "silos.straggler_fraction=0.34"
+        "run.max_versions=8", "silos.speed_profile=stragglers", "lab.speed.straggler_fraction=0.34"
     )
     # Execute
     summary, run_dir, _ = _run(cfg)
@@ -68,7 +68,7 @@ def test_fedbuff_with_all_silos_equals_sync(small_cfg, tmp_path):
     """Parity: FedBuff, K = number of silos, equal speeds, no jitter, sample weighting == FedAvg."""
     common = (
         "run.max_versions=3",
-        "silos.jitter=0",
+        "lab.speed.jitter=0",
         "server.staleness.fn=constant",
         "server.sample_weighting=true",
     )
@@ -86,9 +86,9 @@ def test_sync_waits_for_the_straggler(small_cfg):
         "server.mode=sync",
         "run.max_versions=2",
         "silos.speed_profile=stragglers",
-        "silos.straggler_fraction=0.34",
-        "silos.straggler_slowdown=10",
-        "silos.jitter=0",
+        "lab.speed.straggler_fraction=0.34",
+        "lab.speed.straggler_slowdown=10",
+        "lab.speed.jitter=0",
     )
     summary, _, _ = _run(cfg)
     # a round lasts as long as the straggler's job: 2 steps x 1 s x 10 + 0.5 s latency
@@ -164,12 +164,12 @@ def test_emulated_speed_makes_stragglers_wait(small_cfg):
     cfg = small_cfg(
         "run.max_versions=6",
         "silos.speed_profile=stragglers",
-        "silos.straggler_fraction=0.34",
-        "silos.straggler_slowdown=2",
+        "lab.speed.straggler_fraction=0.34",
+        "lab.speed.straggler_slowdown=2",
         "lab.emulate_speed=true",
     )
     _, run_dir, _ = _run(cfg)
-    speeds = silo_speeds(cfg.silos, cfg.run.seed)
+    speeds = silo_speeds(cfg.silos, cfg.lab.speed, cfg.run.seed)
     ups = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "update"]
     for e in ups:
         if speeds[e["silo"]] < 1.0:
@@ -182,7 +182,7 @@ def test_emulated_speed_makes_stragglers_wait(small_cfg):
 def test_max_versions_is_exact_when_replies_arrive_together(small_cfg):
     # Three equal silos without jitter finish every job at the same instant: the cap falls
     # inside a batch of simultaneous replies (CI saw 7 versions for a cap of 6 on the wall clock)
-    cfg = small_cfg("run.max_versions=4", "silos.jitter=0", "silos.speed_profile=uniform")
+    cfg = small_cfg("run.max_versions=4", "lab.speed.jitter=0", "silos.speed_profile=uniform")
     summary, run_dir, _ = _run(cfg)
     assert summary["versions"] == 4
     events = read_events(run_dir / "metrics.jsonl")

@@ -18,6 +18,7 @@ import pytest
 import server.loop
 from fedasync.clock import InFlight
 from fedasync.events import read_events
+from server.dispatch import MAX_SNAPSHOTS
 from server.intake import Job
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "server_scale.py"
@@ -69,7 +70,7 @@ def test_work_per_update_does_not_grow_with_2000_silos(tmp_path, monkeypatch):
     assert srv.stats.updates_applied == versions
     assert _CountingJob.reads / jobs_sent < 60, "a scan over every job in flight came back"
     assert scans["n"] <= 2, "the jobs in flight were iterated in the loop"
-    assert most_sent["n"] <= srv.cfg.server.corrections.max_snapshots == 64
+    assert most_sent["n"] <= MAX_SNAPSHOTS == 64
     assert len(srv.jobs.inflight) == silos - 1 and len(srv.jobs.unanswered) <= 1
 
 
@@ -87,7 +88,7 @@ def _scan_earliest(self):
 
 
 def _trace(tmp_path: Path, profile: str) -> list[tuple]:
-    overrides = [f"silos.speed_profile={profile}", "silos.jitter=0"]
+    overrides = [f"silos.speed_profile={profile}", "lab.speed.jitter=0"]
     srv = bench.make_server(200, 600, tmp_path, overrides)
     srv.run()
     srv.events.close()

@@ -13,6 +13,7 @@ from flwr.app import Error, Message
 from flwr.common.constant import ErrorCode
 from inprocess import InProcessGrid
 
+import server.loop
 from clients.app import app as client_app
 from fedasync.events import read_events
 from server.app import run_server
@@ -61,10 +62,11 @@ def test_every_message_carries_the_reply_timeout_as_ttl(small_cfg):
     assert ttl == {("train", 45), ("query", 120)}  # server.wait_for_nodes_s
 
 
-def test_budget_counts_from_the_first_dispatch(small_cfg):
+def test_budget_counts_from_the_first_dispatch(small_cfg, monkeypatch):
     # Prepare: the silos appear 1.5 s after the start, the budget is 3 s (the in-process grid
     # trains inside push_messages: on a loaded machine the first three jobs take a second)
-    cfg = small_cfg("run.budget_s=3.0", "server.poll_interval_s=0.01", "server.eval_every=1000")
+    monkeypatch.setattr(server.loop, "POLL_INTERVAL_S", 0.01)
+    cfg = small_cfg("run.budget_s=3.0", "server.eval_every=1000")
     grid = _SlowGrid(client_app, 3, roster_delay_s=1.5)
     # Execute
     summary, run_dir = _run(cfg, grid)
@@ -80,9 +82,10 @@ def test_budget_counts_from_the_first_dispatch(small_cfg):
     assert max(updates) <= roster["t"] + 3.0 + 1.5  # a poll, a push and a fold past it at most
 
 
-def test_wall_clock_polls_at_the_configured_interval(small_cfg):
+def test_wall_clock_polls_at_the_interval(small_cfg, monkeypatch):
     # Prepare: every reply arrives 0.6 s after its push
-    cfg = small_cfg("run.max_versions=3", "server.poll_interval_s=0.2")
+    monkeypatch.setattr(server.loop, "POLL_INTERVAL_S", 0.2)
+    cfg = small_cfg("run.max_versions=3")
     grid = _SlowGrid(client_app, 3, reply_delay_s=0.6)
     # Execute
     t0 = time.monotonic()

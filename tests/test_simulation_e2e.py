@@ -43,7 +43,7 @@ def test_simulate_async_and_sync_baseline(tmp_path, monkeypatch):
             "run.budget_s=60",
             "run.progress=false",
             "silos.count=3",
-            "silos.straggler_fraction=0.34",
+            "lab.speed.straggler_fraction=0.34",
             "client.local_steps=2",
             "data.max_samples=600",
             "server.eval_every=2",

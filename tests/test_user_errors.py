@@ -57,7 +57,7 @@ def _overwrite_tensor_bytes(path) -> None:
         (["simulate", "client.lr=-1"], "client.lr"),
         (["simulate", "client.lr=nan"], "client.lr"),
         (["simulate", "silos.count=0"], "silos.count"),
-        (["simulate", "server.soft_staleness=10", "server.max_staleness=5"], "soft_staleness"),
+        (["simulate", "lab.soft_staleness=10", "server.max_staleness=5"], "soft_staleness"),
         (["simulate", "silos.count=5000"], "silos.count"),
         (["simulate", "data.benchmark=nuclei", "data.data_dir={tmp}"], "make data"),
         (

@@ -53,7 +53,7 @@ def not_verified(
         miss(
             "the relearning check",
             f"the request is {r.state.value}: it is verified "
-            f"{facts.get('relearn_versions', 'unlearning.relearn_versions')} versions after "
+            f"{facts.get('relearn_versions', 'lab.erasure.relearn_versions')} versions after "
             "the boundary",
         )
     _retraining_gaps(refs, run, ran, miss)

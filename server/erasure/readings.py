@@ -58,7 +58,7 @@ class Tolerances:
     """Significance of the noise bands, two-sided: a band is z = 1.96 standard deviations of
     the figure's spread under "the erased samples look like unseen ones" (about two standard
     errors). The silo's own membership test stops at the same default
-    (``unlearning.stop_alpha``, fedasync.membership)."""
+    (``protocol.config.STOP_ALPHA``, fedasync.membership)."""
     score: float = 0.05
     """The forget-set score above the same model's unseen-test score (at the boundary and at
     verification). A model retrained without the samples scores them like unseen data. With

@@ -14,7 +14,7 @@ one's (the data heterogeneity that plain buffering suffers). The step goes throu
 optimiser (``server.optimizer``; the paper's x ← x + η v is its ``sgd`` at ``lr`` η).
 
 Departures: the paper weighs the buffer uniformly and so does this, times the intake's soft
-staleness factor (``server.soft_staleness``); ``server.staleness.fn`` and
+staleness factor (``lab.soft_staleness``); ``server.staleness.fn`` and
 ``server.sample_weighting`` are not used. A silo whose data is erased loses its cache and its
 buffered calibrations (``drop``): the cache would otherwise keep its last update in every
 later step. Central DP is refused: a silo's update reaches every later step through h̄, so a

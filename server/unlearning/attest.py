@@ -43,7 +43,7 @@ def boundary_facts(
     """The audit row of ``calibrating``: the model's version and SHA-256 just before the
     boundary (``before``) and at it (``params``, the model in force), and the calibration in
     force from it (the keys that decide what it protects, ``lab.erasure.*``, and when it is
-    verified, ``unlearning.relearn_versions``)."""
+    verified, ``lab.erasure.relearn_versions``)."""
     return {
         "model_before_version": str(before[0]),
         "model_before_sha256": before[1],
@@ -51,7 +51,7 @@ def boundary_facts(
         "calibration_protect": lab.protect,
         "calibration_target": lab.calibration_target,
         "calibration_pre_boundary": lab.pre_boundary,
-        "relearn_versions": str(cfg.relearn_versions),
+        "relearn_versions": str(lab.relearn_versions),
     }
 
 

@@ -9,7 +9,7 @@ erasure coordinator (lifecycle.py) calls it with what it knows of the silo and t
   (`fedasync.unlearning.forget_share_scale`, ``lab.erasure.radius_scaling``): PGA's ball
   radius, relabelling's steps (``size``);
 - its delta is bounded like any update, and more: clipped (not rejected: the erasure still
-  happens) to the smallest of ``server.norm_outlier_factor`` x the median accepted update
+  happens) to the smallest of ``NORM_OUTLIER_FACTOR`` x the median accepted update
   norm, ``server.clip_norm``, and for PGA the radius it was sent (an honest delta lies in
   that ball); the clip is reported (``delta_norm``, ``delta_bound``, ``clip_factor``;
   ``bound_delta``);
@@ -82,7 +82,7 @@ def bound_delta(
     """``delta`` clipped to the erasure bound, and what was done (``delta_norm``: its L2
     norm as sent; ``delta_bound``; ``clip_factor`` < 1 when it was clipped).
 
-    The bound is the smallest of: ``threshold``, ``server.norm_outlier_factor`` x the median
+    The bound is the smallest of: ``threshold``, ``NORM_OUTLIER_FACTOR`` x the median
     norm of recently accepted updates (None: not enough yet), ``clip_norm``
     (``server.clip_norm``), and, for PGA, the ball radius the erasure was sent (1e-3 relative
     slack for float rounding). An erasure delta is applied at full weight, not at a
@@ -96,7 +96,7 @@ def bound_delta(
     if clip_norm is not None:
         bounds.append(float(clip_norm))
     if u.method == "pga":
-        bounds.append(SiloErasure.of(u, erasure.overrides).radius * (1 + 1e-3))
+        bounds.append(SiloErasure.of(erasure.overrides, u).radius * (1 + 1e-3))
     norm = global_norm(delta)
     report = {"delta_norm": norm}
     if not bounds:

@@ -144,7 +144,7 @@ class Calibration:
         """Each applied erasure's mean forget gradient, as its silo sent it
         (``lab.erasure.protect`` gradient or onesided)."""
         spans = lab.signature_unique or (lab.server_removal and lab.server_removal_part == "unique")
-        self.sketch: SpanSketch | None = SpanSketch(int(cfg.sketch_rank), silos) if spans else None
+        self.sketch: SpanSketch | None = SpanSketch(int(lab.sketch_rank), silos) if spans else None
         """``lab.erasure.signature_unique`` or ``server_removal_part=unique``: the span of the
         accepted updates as folded, by silo, in ``sketch_rank`` model-sized rows: what the
         other silos' data moves the model along. Checkpointed (``state_dict``), so a resumed

@@ -16,7 +16,7 @@ its first start, the silo's recorded sum then forgotten, so a second start has n
 remove), and the silo's part comes with erasing -> calibrating: each is applied once however
 often it was started. An offline silo (the SuperLink's word) is tried again after
 ``server.offline_retry_s`` and not counted; any other loss counts, and the
-``unlearning.max_attempts``-th one (default 3) fails the request with the reason. A reply
+``MAX_ATTEMPTS``-th one (3) fails the request with the reason. A reply
 that arrives but is malformed fails it at once, as do requests a method cannot carry out.
 
 A whole-silo erasure retires the silo; a sample-level one lets it train without the erased
@@ -64,6 +64,12 @@ if TYPE_CHECKING:
     from server.intake import Job
 
 log = logging.getLogger("fedasync.server")
+
+MAX_ATTEMPTS = 3
+"""Times an erasure may be lost by its silo going down mid-erasure (a crash, an error reply, no
+reply within ``server.reply_timeout_s``) before it is failed; being reported offline does not
+count. A constant, not a setting: a retry budget against a silo that keeps failing, which no
+run has tuned."""
 
 
 class ErasureCoordinator:
@@ -121,7 +127,7 @@ class ErasureCoordinator:
         self.report: list[dict[str, Any]] = []
         self.seen: dict[str, float] = {}  # request id -> clock time it was first seen queued
         self.halting = False
-        self.max_attempts = int(self.cfg.max_attempts)
+        self.max_attempts = MAX_ATTEMPTS
         self.not_before: dict[str, float] = {}  # requeued id -> clock time it may start again
         self.waiting: set[int] = set()  # silos with a queued request: sent no new training
         self.remainders: dict[str, Remainder] = {}  # request id -> its removal's withheld rest
@@ -271,7 +277,7 @@ class ErasureCoordinator:
         if e.removal is None:
             return
         old = self.model.params
-        new, measured = bounded(old, e.removal, self.run.score, self.cfg.server_removal_max_drop)
+        new, measured = bounded(old, e.removal, self.run.score, self.lab.server_removal_max_drop)
         before = measured["removal_score_before"]
         rest = Remainder.of(e.removal, measured["removal_applied"], before)
         if rest is not None:  # withheld by the bound: applied in steps later (_remove_more)
@@ -297,7 +303,7 @@ class ErasureCoordinator:
             actor="server",
             model_version=self.model.version,
             detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work{share}"
-            f"{_applied(measured, self.cfg.server_removal_max_drop, self.model.version)}",
+            f"{_applied(measured, self.lab.server_removal_max_drop, self.model.version)}",
         )
         applied = measured["removal_applied"]
         self.event(e, "removed", score_before=before, score_after=after, applied=applied)
@@ -450,14 +456,14 @@ class ErasureCoordinator:
     def requeue(self, erasure: Erasure, why: SiloLost) -> None:
         """Its silo went down mid-erasure: back to ``queued`` (the audit row says why), to be
         started again by ``poll`` when the silo is back; ``failed`` after
-        ``unlearning.max_attempts`` losses that were not the silo being offline."""
+        ``MAX_ATTEMPTS`` losses that were not the silo being offline."""
         rid = erasure.request_id
         if self.active.get(rid) is not erasure or erasure.boundary is not None:
             return  # not in progress, or already applied (then it is not lost)
         if why.offline:
             detail = (
                 f"{WENT_OFFLINE}: {why}; will retry when it returns "
-                "(not counted against unlearning.max_attempts)"
+                "(not counted against max_attempts)"
             )
             self.not_before[rid] = self.run.clock.now + self.run.cfg.server.offline_retry_s
         else:
@@ -465,8 +471,7 @@ class ErasureCoordinator:
             if n >= self.max_attempts:
                 self.failed(
                     erasure,
-                    f"{WENT_DOWN} {n} times (unlearning.max_attempts={self.max_attempts}); "
-                    f"last: {why}",
+                    f"{WENT_DOWN} {n} times (max_attempts={self.max_attempts}); last: {why}",
                 )
                 return
             detail = (
@@ -515,7 +520,7 @@ class ErasureCoordinator:
             if e.boundary is None:
                 continue
             since = self.model.version - e.boundary
-            if since < self.cfg.relearn_versions:
+            if since < self.lab.relearn_versions:
                 every = self.lab.watch_every
                 if every and since > 0 and since % every == 0:
                     self._watch(e, since)
@@ -535,7 +540,7 @@ class ErasureCoordinator:
                 actor="server",
                 model_version=self.model.version,
                 metrics=after,
-                detail=f"{state.value} after {self.cfg.relearn_versions} versions: {reading}",
+                detail=f"{state.value} after {self.lab.relearn_versions} versions: {reading}",
                 facts=verified_facts(self.model.params),
             )
             self.event(e, state.value, **after)
@@ -548,7 +553,7 @@ class ErasureCoordinator:
         protects (``Calibration.removed``); a removal withheld whole at the request gets that
         protection with its first step. A request waiting to start again (its silo went down)
         keeps its rest for when it does."""
-        max_drop = self.cfg.server_removal_max_drop
+        max_drop = self.lab.server_removal_max_drop
         before: float | None = score  # (the evaluation of this version; measured after a step)
 
         for rid, rest in list(self.remainders.items()):
@@ -599,14 +604,14 @@ class ErasureCoordinator:
             detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work: {1.0 - rest.left:g} of it in "
             f"force when the request was {why}; the rest ({rest.left:g}) was never applied "
             f"(the held-out score was not back to its level before the request, or a step "
-            f"would have lowered it by more than {self.cfg.server_removal_max_drop:g})",
+            f"would have lowered it by more than {self.lab.server_removal_max_drop:g})",
         )
 
     def unchecked_at_end(self, e: Erasure) -> str:
         """The run ends with ``e`` applied but its relearning window not over: it cannot be
         checked within this run. Says so in its audit log (a note; the request stays
         ``calibrating``, and a resumed run goes on with it) and returns the same words."""
-        since, window = self.model.version - (e.boundary or 0), self.cfg.relearn_versions
+        since, window = self.model.version - (e.boundary or 0), self.lab.relearn_versions
         why = (
             f"{ENDED_UNCHECKED}: the run ended at version {self.model.version}, {since} of the "
             f"{window} versions of its relearning window after the boundary; it stays "

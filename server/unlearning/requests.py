@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from server.intake import Job
 
 WENT_DOWN = "silo went down mid-erasure"
-"""Audit detail of an erasing -> queued that counts against ``unlearning.max_attempts``."""
+"""Audit detail of an erasing -> queued that counts against ``lifecycle.MAX_ATTEMPTS``."""
 WENT_OFFLINE = "silo went offline mid-erasure"
 """Audit detail of an erasing -> queued that does not (the SuperLink reported it offline)."""
 

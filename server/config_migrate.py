@@ -1,0 +1,151 @@
+"""Configs written under earlier names, read as today's: every key that moved or became a
+constant, so that a run folder's saved ``config.yaml`` still resumes and a benchmark's saved
+run still reads back.
+
+`migrated` takes the layers a config is built from (a YAML file, ``key=value`` overrides, a
+Flower run config, a dict) and returns each with its old keys under their new names
+(``MOVED``). A key that became a constant (``FIXED``) is accepted when it holds the constant's
+value and dropped; any other value is a one-line ConfigError naming it. A key given under both
+its old and its new name with different values is refused too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from fedasync.errors import ConfigError
+
+MOVED: dict[str, str] = {
+    "run.target_accuracy": "lab.target_accuracy",
+    "server.soft_staleness": "lab.soft_staleness",
+    "server.soft_factor": "lab.soft_factor",
+    **{
+        f"server.corrections.{k}": f"lab.corrections.{k}"
+        for k in ("delay_compensation", "error_feedback_topk", "residual_budget_mb")
+    },
+    **{
+        f"silos.{k}": f"lab.speed.{k}"
+        for k in (
+            "straggler_fraction",
+            "straggler_slowdown",
+            "sigma",
+            "step_time_s",
+            "latency_s",
+            "jitter",
+        )
+    },
+    **{
+        f"unlearning.{k}": f"lab.erasure.{k}"
+        for k in (
+            "server_removal_max_drop",
+            "stop_every",
+            "signature_rank",
+            "signature_batches",
+            "signature_dtype",
+            "sketch_rank",
+            "relearn_versions",
+        )
+    },
+}
+"""Old key -> its name today."""
+
+FIXED: dict[str, str] = {
+    "server.poll_interval_s": "server.reply_pull:POLL_INTERVAL_S",
+    "server.reply_stall_s": "server.reply_pull:REPLY_STALL_S",
+    "server.corrections.max_snapshots": "server.dispatch:MAX_SNAPSHOTS",
+    "server.norm_outlier_factor": "server.intake:NORM_OUTLIER_FACTOR",
+    "server.dp.delta": "server.privacy:CENTRAL_DELTA",
+    "engine.client_cpus": "simulations.launcher:CLIENT_CPUS",
+    "unlearning.stop_alpha": "protocol.config:STOP_ALPHA",
+    "unlearning.stop_probe": "protocol.config:STOP_PROBE",
+    "unlearning.max_attempts": "server.unlearning.lifecycle:MAX_ATTEMPTS",
+}
+"""Old key -> the constant (``module:NAME``) it became."""
+
+
+def constant(key: str) -> Any:
+    """The value of the constant the old ``key`` became."""
+    module, _, name = FIXED[key].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _pop(tree: dict[str, Any], key: str) -> tuple[bool, Any]:
+    """``(True, value)`` removed from the nested ``tree`` at dotted ``key``, else (False, None)."""
+    *parents, leaf = key.split(".")
+    node: Any = tree
+    for p in parents:
+        node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return False, None
+    if leaf not in node:
+        return False, None
+    value = node.pop(leaf)
+    node = tree
+    for p in parents:  # an emptied section goes too (its new home may be elsewhere)
+        if not node[p]:
+            del node[p]
+            break
+        node = node[p]
+    return True, value
+
+
+def _get(tree: dict[str, Any], key: str) -> tuple[bool, Any]:
+    node: Any = tree
+    for p in key.split("."):
+        if not isinstance(node, dict) or p not in node:
+            return False, None
+        node = node[p]
+    return True, node
+
+
+def _put(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {p} must be a section")
+    node[leaf] = value
+
+
+def migrate(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` (a plain nested dict of config keys, changed in place and returned) with every
+    old key under today's name; ConfigError for an old key that cannot be read as today's."""
+    for old, new in MOVED.items():
+        found, value = _pop(tree, old)
+        if not found:
+            continue
+        there, current = _get(tree, new)
+        if there and current != value:
+            raise ConfigError(f"{old} is now {new}: give it once, as {new}")
+        _put(tree, new, value)
+    for old in FIXED:
+        found, value = _pop(tree, old)
+        if not found:
+            continue
+        fixed = constant(old)
+        if value != fixed:
+            raise ConfigError(
+                f"{old}={str(value)[:40]} is no longer a setting: it is fixed at {fixed} "
+                f"({FIXED[old].replace(':', '.')}); remove it"
+            )
+    return tree
+
+
+def migrated(*layers: Any) -> list[Any]:
+    """``layers`` (plain dicts or omegaconf containers, left as they were), each that holds an
+    old key replaced by a plain dict with it under today's name; the others as they were."""
+    import copy
+
+    from omegaconf import DictConfig, OmegaConf
+
+    out = []
+    for layer in layers:
+        tree: Any = layer
+        if isinstance(layer, DictConfig):
+            tree = OmegaConf.to_container(layer, resolve=False)
+        if isinstance(tree, dict) and any(_get(tree, k)[0] for k in (*MOVED, *FIXED)):
+            layer = migrate(copy.deepcopy(tree))
+        out.append(layer)
+    return out
