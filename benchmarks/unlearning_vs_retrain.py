@@ -590,6 +590,7 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     """The summary of a finished run of exactly ``cfg`` in ``run_dir``, or None."""
     import json
 
+    from server.config_migrate import migrate
     from simulations.config import load_config, to_yaml
 
     done, ran = run_dir / "summary.json", run_dir / REUSE_CONFIG
@@ -600,6 +601,7 @@ def _reused(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
 
         saved = OmegaConf.load(ran)
         _as_today(saved)
+        saved = OmegaConf.create(migrate(OmegaConf.to_container(saved)))  # type: ignore[arg-type]
         if OmegaConf.select(saved, "unlearning.unique_window") is not None:
             if _ran_the_window(saved):
                 return None  # its removal used the window of copies the sketch replaced

@@ -328,6 +328,9 @@ def test_a_run_saved_under_the_keys_before_the_lab_section_is_read_back(tmp_path
     saved["backdoor"] = saved.lab.backdoor
     saved.unlearning["server_removal_part"] = saved.lab.erasure.server_removal_part
     saved.unlearning["halt"], saved.unlearning["federaser"] = False, False
+    for k in ("server_removal_max_drop", "sketch_rank", "relearn_versions"):
+        saved.unlearning[k] = saved.lab.erasure[k]
+    saved.silos["straggler_fraction"] = saved.lab.speed.straggler_fraction
     del saved["lab"]
     (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))
     (tmp_path / "summary.json").write_text(json.dumps({"evals": [], "versions": 4}))
@@ -355,7 +358,7 @@ def test_a_run_saved_with_the_window_the_sketch_replaced_is_read_back_only_if_it
     removal = ["lab.erasure.server_removal=true", "lab.erasure.server_removal_part=unique"]
     cfg = load_config(None, [*bench.PINNED, "run.seed=3", *(removal if unique else [])])
     saved = OmegaConf.create(to_yaml(cfg))
-    del saved.unlearning["sketch_rank"]
+    del saved.lab.erasure["sketch_rank"]
     saved.unlearning["unique_window"] = 8
     (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))
     (tmp_path / "summary.json").write_text(json.dumps({"evals": [], "versions": 4}))
@@ -379,7 +382,7 @@ def test_a_run_saved_before_the_removal_was_bounded_is_read_back_only_if_its_rem
 
     cfg = load_config(None, [*bench.PINNED, "run.seed=3", "lab.erasure.server_removal=true"])
     saved = OmegaConf.create(to_yaml(cfg))
-    del saved.unlearning["server_removal_max_drop"]
+    del saved.lab.erasure["server_removal_max_drop"]
     (tmp_path / bench.REUSE_CONFIG).write_text(OmegaConf.to_yaml(saved))
     (tmp_path / "summary.json").write_text(json.dumps({"evals": [], "versions": 4}))
     removed = {"event": "erasure", "state": "removed", "score_before": 0.9}
