@@ -56,9 +56,9 @@ from simulations.config import to_yaml
 from simulations.plots import plot_score_vs_time, plot_silo_contribution, plot_staleness
 
 CLIENT_CPUS = 1
-"""CPUs Ray reserves for each ClientApp actor. A constant, not a setting: a silo trains on one
-thread (protocol.config.SILO_THREADS), so one CPU each; ``engine.num_cpus`` decides how many
-silos train at once."""
+"""CPUs Ray reserves for each ClientApp actor. A constant, not a setting: a silo trains on
+``client.num_threads`` threads, 1 by default, and no run has reserved more; ``engine.num_cpus``
+decides how many silos train at once."""
 
 log = logging.getLogger("fedasync")
 
