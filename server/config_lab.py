@@ -174,6 +174,12 @@ class ErasureLab:
     model, which the erasing silo sends, is removed); ``onesided``, jump and gradient together
     (both one-sided, projected onto their intersection). With ``calibration_target=reply`` it
     is not used: each reply is projected out of the signature."""
+    silo_part_bounded: bool = False
+    """Hold the erasing silo's own part (its ascent, applied at the boundary) to the bound the
+    server's removal is held to (``unlearning.server_removal_max_drop`` below the held-out score
+    before the request): the largest share within it at the boundary, the rest in steps as the
+    removal's rest (``removed_more`` events with ``part: silo``). false: the whole part at the
+    boundary, bounded only by norm (``bound_delta``)."""
     signature_unique: bool = False
     """At the boundary, remove from the erased data's signature the span of the other silos'
     recent accepted updates (``lab.erasure.sketch_rank``), keeping only directions unique to the

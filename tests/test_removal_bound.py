@@ -17,7 +17,7 @@ from inprocess import InProcessGrid
 from clients.app import app as client_app
 from fedasync.events import EventLog, read_events
 from server.app import run_server
-from server.erasure.states import REMOVAL_NOTE, State
+from server.erasure.states import REMOVAL_NOTE, SILO_PART_NOTE, State
 from server.erasure.store import ErasureStore
 from server.removal import HALVINGS, Remainder, bounded
 from server.unlearning import ErasureCoordinator, ErasureRun
@@ -277,3 +277,68 @@ def test_a_remainder_survives_a_checkpoint_and_a_failed_request_says_what_was_ne
     notes = [a.detail for a in store.audit(rid) if a.detail.startswith(REMOVAL_NOTE)]
     assert "0.125 of it in force when the request was failed" in notes[-1]
     assert "the rest (0.875) was never applied" in notes[-1]
+
+
+# ------------------------------------------------- the silo's own part, held to the same bound
+def test_the_silo_s_own_part_is_held_to_the_removal_s_bound_and_its_rest_follows_in_steps(
+    erasing, tmp_path
+):
+    # Prepare: the silo's reply (its ascent) costs 0.1 of the held-out score, bounded at 0.02
+    host, store, coord, rid, e = erasing
+    e.removal = None  # (the server's removal is not the subject here)
+    # Execute: the part at the boundary, then evaluations as the others' training recovers
+    new, held = coord._bounded_silo_part(e, dict(REMOVAL))
+    host.params = new
+    assert held == {"silo_part_applied": 0.125}  # an eighth costs 0.0125 <= 0.02
+    torch.testing.assert_close(new["w"], W0 + 0.125 * REMOVAL["w"])
+    assert set(coord.remainders) == {f"{rid}:silo"}
+    for _ in range(8):
+        host.anchor = host.params["w"].clone()
+        coord.on_version(host.evaluate_fn(host.params)["score"])
+        if not coord.remainders:
+            break
+    # Assert: all of the part in force, each step within the bound and said to be the silo's
+    assert coord.remainders == {}
+    torch.testing.assert_close(host.params["w"], W0 + REMOVAL["w"])
+    more = [
+        ev for ev in read_events(tmp_path / "metrics.jsonl") if ev.get("state") == "removed_more"
+    ]
+    assert more and all(ev["part"] == "silo" for ev in more)
+    assert all(ev["score_before"] - ev["score_after"] <= 0.02 + 1e-9 for ev in more)
+    assert more[-1]["applied_total"] == pytest.approx(1.0)
+    notes = [a.detail for a in store.audit(rid) if a.detail.startswith(SILO_PART_NOTE)]
+    assert "0.125 of it at the boundary" in notes[0] and "all of it is in force" in notes[-1]
+    assert not [a for a in store.audit(rid) if a.detail.startswith(REMOVAL_NOTE)]
+
+
+def test_a_failed_request_says_what_of_the_silo_s_part_was_never_applied(erasing):
+    host, store, coord, rid, e = erasing
+    e.removal = None
+    coord._bounded_silo_part(e, dict(REMOVAL))
+    store.transition(rid, State.ERASING, actor="server", model_version=1)
+    coord.failed(e, "a test's reason")
+    assert coord.remainders == {}
+    notes = [a.detail for a in store.audit(rid) if a.detail.startswith(SILO_PART_NOTE)]
+    assert "0.125 of it in force when the request was failed" in notes[-1]
+
+
+def test_in_a_run_the_silo_s_part_costs_the_held_out_score_at_most_the_bound(small_cfg):
+    cfg = small_cfg(
+        "run.max_versions=14",
+        "lab.erasure.silo_part_bounded=true",
+        "unlearning.server_removal_max_drop=0",
+        "erasures=[{silo: 1, at_s: 4}]",
+    )
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    run_server(InProcessGrid(client_app, 3), cfg, run_dir)
+    events = [e for e in read_events(run_dir / "metrics.jsonl") if e.get("event") == "erasure"]
+    (removed,) = [e for e in events if e["state"] == "removed"]
+    (boundary,) = [e for e in events if e["state"] == "calibrating"]
+    shares = [1.0] + [2.0**-k for k in range(1, HALVINGS + 1)] + [0.0]
+    assert boundary["silo_part_applied"] in shares
+    # the boundary's model is no lower than the score before the request, unless none of the
+    # silo's part was applied (and then only the removal's own bounded cost)
+    if boundary["silo_part_applied"] > 0.0:
+        assert boundary["score_after"] >= removed["score_before"] - 1e-9
+    silo_steps = [e for e in events if e["state"] == "removed_more" and e.get("part") == "silo"]
+    assert all(e["score_before"] - e["score_after"] <= 0.0 for e in silo_steps)

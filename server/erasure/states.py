@@ -71,6 +71,10 @@ REMOVAL_NOTE = "the server's removal"
 """How the audit note of a whole-silo erasure's removal by the server begins (written when the
 removal comes into force, at the request; the certificate's timeline finds it by this)."""
 
+SILO_PART_NOTE = "the silo's own part"
+"""How the audit note of a step of the erasing silo's own part begins, when the lab holds that
+part to the removal's bound (``lab.erasure.silo_part_bounded``)."""
+
 
 ENDED_UNCHECKED = "not checked within the run"
 """How the audit note of a request whose run ended inside its relearning window begins (it

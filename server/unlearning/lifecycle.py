@@ -40,7 +40,7 @@ from fedasync.unlearning import ContributionLedger, ForgetGradient, GradientSign
 from protocol.ids import fraction_ids
 from server.erasure.certificate_checks import server_checks
 from server.erasure.readings import VERIFIED, summary, verdict
-from server.erasure.states import ENDED_UNCHECKED, REMOVAL_NOTE, State
+from server.erasure.states import ENDED_UNCHECKED, REMOVAL_NOTE, SILO_PART_NOTE, State
 from server.intake import JobKind
 from server.removal import Remainder, bounded, removal
 from server.unlearn_messages import SiloLost
@@ -360,10 +360,40 @@ class ErasureCoordinator:
             return  # requeued or finished meanwhile: only the attempt in progress is applied
         delta, basis, names, metrics, gradient = decoded
         delta, bounds = self.bound_delta(erasure, delta)
-        new = add_floats(self.model.params, delta)  # (the server's removal is in force already)
+        if self.lab.silo_part_bounded:
+            new, held = self._bounded_silo_part(erasure, delta)
+            bounds = {**(bounds or {}), **held}
+        else:  # (the server's removal is in force already)
+            new = add_floats(self.model.params, delta)
         sig = GradientSignature.from_basis(basis, names)
         grad = None if gradient is None else ForgetGradient.unit(gradient, names)
         self._apply(erasure, new, sig, metrics, bounds, grad)
+
+    def _bounded_silo_part(self, e: Erasure, delta: Params) -> tuple[Params, dict[str, float]]:
+        """``lab.erasure.silo_part_bounded``: the silo's own part (its ascent) held to the bound
+        the server's removal is held to: the model with the largest share of ``delta`` whose
+        held-out score is at most ``unlearning.server_removal_max_drop`` below its score before
+        the request, and the rest withheld, to follow in steps as the removal's does
+        (`_remove_more`). Returns the model and the share applied (``silo_part_applied``)."""
+        reference = e.start_report.get("removal_score_before")
+        if reference is None:
+            reference = self.run.score(self.model.params)
+        new, measured = bounded(
+            self.model.params, delta, self.run.score, self.cfg.server_removal_max_drop, reference
+        )
+        rest = Remainder.of(delta, measured["removal_applied"], reference)
+        if rest is not None:
+            self.remainders[silo_part(e.request_id)] = rest
+            self.store.note(
+                e.request_id,
+                actor="server",
+                model_version=self.model.version,
+                detail=f"{SILO_PART_NOTE} of silo {e.silo}'s work: "
+                f"{measured['removal_applied']:g} of it at the boundary (the whole lowered the "
+                f"held-out score by more than {self.cfg.server_removal_max_drop:g} below its "
+                f"level before the request); the rest follows in steps as the removal's does",
+            )
+        return new, {"silo_part_applied": measured["removal_applied"]}
 
     def bound_delta(self, erasure: Erasure, delta: Params) -> tuple[Params, dict[str, float]]:
         """``delta`` clipped to the erasure bound, and what was done (`bounds.bound_delta`):
@@ -556,7 +586,8 @@ class ErasureCoordinator:
         max_drop = self.lab.server_removal_max_drop
         before: float | None = score  # (the evaluation of this version; measured after a step)
 
-        for rid, rest in list(self.remainders.items()):
+        for key, rest in list(self.remainders.items()):
+            rid, part = request_of(key)
             e = self.active.get(rid)
             if e is None:
                 continue
@@ -565,7 +596,7 @@ class ErasureCoordinator:
             if not measured["removal_step"]:
                 continue  # the bound allows none of it yet: tried at the next evaluation
             if rest.left <= 0.0:
-                del self.remainders[rid]
+                del self.remainders[key]
             if whole_withheld:
                 self.calibration.removed(e, old, new)
             self._removing = True
@@ -579,8 +610,8 @@ class ErasureCoordinator:
                 rid,
                 actor="server",
                 model_version=self.model.version,
-                detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work: "
-                f"{_more(measured, max_drop, self.model.version)}",
+                detail=f"{REMOVAL_NOTE if not part else SILO_PART_NOTE} of silo {e.silo}'s "
+                f"work: {_more(measured, max_drop, self.model.version)}",
             )
             self.event(
                 e,
@@ -589,19 +620,23 @@ class ErasureCoordinator:
                 score_after=measured["removal_score_after"],
                 applied=measured["removal_step"],
                 applied_total=1.0 - rest.left,
+                **({"part": part} if part else {}),
             )
 
     def _end_remainder(self, e: Erasure, why: str) -> None:
         """``e`` is ``why`` (checked, failed): what is still withheld of its removal is never
         applied, and its audit says so."""
-        rest = self.remainders.pop(e.request_id, None)
-        if rest is None:
-            return
+        for key, what in ((e.request_id, REMOVAL_NOTE), (silo_part(e.request_id), SILO_PART_NOTE)):
+            rest = self.remainders.pop(key, None)
+            if rest is not None:
+                self._note_unapplied(e, what, rest, why)
+
+    def _note_unapplied(self, e: Erasure, what: str, rest: Remainder, why: str) -> None:
         self.store.note(
             e.request_id,
             actor="server",
             model_version=self.model.version,
-            detail=f"{REMOVAL_NOTE} of silo {e.silo}'s work: {1.0 - rest.left:g} of it in "
+            detail=f"{what} of silo {e.silo}'s work: {1.0 - rest.left:g} of it in "
             f"force when the request was {why}; the rest ({rest.left:g}) was never applied "
             f"(the held-out score was not back to its level before the request, or a step "
             f"would have lowered it by more than {self.lab.server_removal_max_drop:g})",
@@ -692,6 +727,17 @@ def _checked(e: Erasure, after: dict[str, float]) -> tuple[State, str]:
     checks = server_checks(e.metrics_at_boundary, after, whole_silo=not e.sample_ids)
     v = verdict(checks)
     return (State.VERIFIED if v["verdict"] == VERIFIED else State.UNVERIFIED), summary(v)
+
+
+def silo_part(request_id: str) -> str:
+    """The key of a request's withheld silo part among the remainders (its removal's: the id)."""
+    return f"{request_id}:silo"
+
+
+def request_of(key: str) -> tuple[str, str]:
+    """(request id, part) of a remainder's key: part "" for the server's removal, "silo"."""
+    rid, _, part = key.partition(":")
+    return rid, part
 
 
 def _applied(measured: dict[str, float], max_drop: float, version: int) -> str:
