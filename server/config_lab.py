@@ -176,7 +176,7 @@ class ErasureLab:
     is not used: each reply is projected out of the signature."""
     silo_part_bounded: bool = False
     """Hold the erasing silo's own part (its ascent, applied at the boundary) to the bound the
-    server's removal is held to (``unlearning.server_removal_max_drop`` below the held-out score
+    server's removal is held to (``server_removal_max_drop`` below the held-out score
     before the request): the largest share within it at the boundary, the rest in steps as the
     removal's rest (``removed_more`` events with ``part: silo``). false: the whole part at the
     boundary, bounded only by norm (``bound_delta``)."""

@@ -372,14 +372,14 @@ class ErasureCoordinator:
     def _bounded_silo_part(self, e: Erasure, delta: Params) -> tuple[Params, dict[str, float]]:
         """``lab.erasure.silo_part_bounded``: the silo's own part (its ascent) held to the bound
         the server's removal is held to: the model with the largest share of ``delta`` whose
-        held-out score is at most ``unlearning.server_removal_max_drop`` below its score before
+        held-out score is at most ``lab.erasure.server_removal_max_drop`` below its score before
         the request, and the rest withheld, to follow in steps as the removal's does
         (`_remove_more`). Returns the model and the share applied (``silo_part_applied``)."""
         reference = e.start_report.get("removal_score_before")
         if reference is None:
             reference = self.run.score(self.model.params)
         new, measured = bounded(
-            self.model.params, delta, self.run.score, self.cfg.server_removal_max_drop, reference
+            self.model.params, delta, self.run.score, self.lab.server_removal_max_drop, reference
         )
         rest = Remainder.of(delta, measured["removal_applied"], reference)
         if rest is not None:
@@ -390,7 +390,7 @@ class ErasureCoordinator:
                 model_version=self.model.version,
                 detail=f"{SILO_PART_NOTE} of silo {e.silo}'s work: "
                 f"{measured['removal_applied']:g} of it at the boundary (the whole lowered the "
-                f"held-out score by more than {self.cfg.server_removal_max_drop:g} below its "
+                f"held-out score by more than {self.lab.server_removal_max_drop:g} below its "
                 f"level before the request); the rest follows in steps as the removal's does",
             )
         return new, {"silo_part_applied": measured["removal_applied"]}
