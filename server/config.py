@@ -160,8 +160,6 @@ class ServerConfig:
     """Wall seconds after which an unanswered message is abandoned and its silo re-sent work;
     also every message's Flower TTL (the SuperLink drops it, a SuperNode never starts it, after
     this long)."""
-    offline_retry_s: float = 10.0
-    """Wall seconds before a silo the SuperLink reports offline is sent work again."""
 
     def __post_init__(self) -> None:
         """Checked when built: ranges, the mode, and the server keys that must agree (its

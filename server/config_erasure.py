@@ -87,9 +87,6 @@ class UnlearningConfig:
     samples cannot be told apart from its own held-out samples (a two-sided Mann–Whitney test
     on the true-label confidence at significance 0.05, protocol.config.STOP_ALPHA; past an overshoot it returns
     to its reading closest to indistinguishable), at most ``steps`` (docs/erasure.md)."""
-    radius: float = 2.0
-    """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
-    sample-level one gets it scaled by radius_scaling)."""
     service: bool = False
     """Run the erasure gRPC service during the run (live requests)."""
     address: str = "127.0.0.1:50151"

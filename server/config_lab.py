@@ -187,6 +187,12 @@ class ErasureLab:
     pre_boundary: PreBoundary = "project"
     """Other silos' work based before the erasure boundary: project (calibrate it, when
     ``calibration`` is on) or drop it (whether or not it is on)."""
+    radius: float = 2.0
+    """PGA: L2 radius of the ball around the reference model (a whole silo's erasure; a
+    sample-level one gets it scaled by ``radius_scaling``). A settled size, like the others
+    here: with ``unlearning.stop=membership`` (the default) the silo stops by its test well
+    inside the ball, which only bounds an ascent that runs away; the tests shrink it to see the
+    bound hold."""
     radius_scaling: RadiusScaling = "linear"
     """How a sample-level erasure's size (PGA radius, relabel steps) follows its share of the
     silo's samples: linear (max(share, radius_floor)), sqrt (max(sqrt(share), radius_floor)) or
@@ -325,6 +331,11 @@ class LabConfig:
     """Seeded shares of silos' samples that are never trained on: retraining from scratch
     without the samples a sample-level erasure of the same share erases (the same seeded
     choice as ``erasures[].fraction``, server/unlearning/lifecycle.py ``_fraction_ids``)."""
+    offline_retry_s: float = 10.0
+    """Seconds before a silo the SuperLink reports offline is sent work again (wall seconds in
+    a deployment, virtual ones in a simulation). An instrument, not a setting: the deployment
+    and erasure-requeue tests shorten or lengthen it to see the retry happen; 10 s is far below
+    a restarted node's reconnect time and far above the SuperLink's refusal round trip."""
     emulate_speed: bool = False
     """Wall clock (deployment on one machine): each silo waits after training so that its
     message takes 1/speed as long as its training did, making the speed profile real."""

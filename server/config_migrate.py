@@ -18,6 +18,7 @@ from fedasync.errors import ConfigError
 
 MOVED: dict[str, str] = {
     "run.target_accuracy": "lab.target_accuracy",
+    "server.offline_retry_s": "lab.offline_retry_s",
     "server.soft_staleness": "lab.soft_staleness",
     "server.soft_factor": "lab.soft_factor",
     **{
@@ -45,6 +46,7 @@ MOVED: dict[str, str] = {
             "signature_dtype",
             "sketch_rank",
             "relearn_versions",
+            "radius",
         )
     },
 }

@@ -43,7 +43,7 @@ RANGES: dict[str, Range] = {
     "server.keep_models": Range(0, 1000),
     "server.wait_for_nodes_s": POSITIVE,
     "server.reply_timeout_s": POSITIVE,
-    "server.offline_retry_s": NON_NEGATIVE,
+    "lab.offline_retry_s": NON_NEGATIVE,
     # silos
     "silos.count": AT_LEAST_ONE,
     "lab.speed.straggler_fraction": UNIT,
@@ -90,7 +90,7 @@ RANGES: dict[str, Range] = {
     "unlearning.steps": NON_NEGATIVE,
     "unlearning.lr": POSITIVE,
     "lab.erasure.stop_every": AT_LEAST_ONE,
-    "unlearning.radius": NON_NEGATIVE,
+    "lab.erasure.radius": NON_NEGATIVE,
     "lab.erasure.server_removal_scale": UNIT_OPEN_LOW,
     "lab.erasure.server_removal_max_drop": UNIT,
     "lab.erasure.radius_floor": UNIT_OPEN_LOW,

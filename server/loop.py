@@ -181,7 +181,7 @@ class AsyncServer:
             erasure=self.erasure,
             base_weights=lambda version: self.jobs.sent.get(version),
             crash_down_s=self.faults.crash_down_s,
-            offline_retry_s=cfg.server.offline_retry_s,
+            offline_retry_s=cfg.lab.offline_retry_s,
             failed=lambda silo, down_s: self.strategy.failed(self, silo, down_s),
             publish=self.publish,
         )

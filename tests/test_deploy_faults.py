@@ -155,7 +155,7 @@ class Federation:
                 "server.eval_every=1",
                 "server.evaluate_silos=false",
                 f"server.reply_timeout_s={REPLY_TIMEOUT_S}",
-                f"server.offline_retry_s={OFFLINE_RETRY_S}",
+                f"lab.offline_retry_s={OFFLINE_RETRY_S}",
                 "unlearning.service=true",
                 "unlearning.address=127.0.0.1:0",
                 "lab.erasure.relearn_versions=2",
@@ -405,7 +405,7 @@ def test_supernode_killed_mid_training_is_abandoned_and_the_other_silo_goes_on(s
     its TTL: the SuperLink answers "Message Unavailable", or the loop "no reply within"), or
     earlier when the SuperLink reports the node offline; each is a ``client_error``
     rejection, and no update of silo 0 is taken in between. While it is offline silo 0 is
-    tried again every ``server.offline_retry_s``, not in a tight loop. Back with the same node
+    tried again every ``lab.offline_retry_s``, not in a tight loop. Back with the same node
     id, it trains and its updates are taken again. Silo 1 never stops: none of its work is
     rejected and it keeps delivering updates while silo 0 is out.
     """

@@ -88,7 +88,7 @@ def test_an_oversize_erasure_delta_is_clipped_and_reported(small_cfg, boundary_m
     (req,) = summary["erasures"]["requests"]
     assert req["state"] in CHECKED
     (move,) = boundary_moves
-    assert move <= cfg.unlearning.radius * (1 + 1e-3)  # a whole silo: the full radius at most
+    assert move <= cfg.lab.erasure.radius * (1 + 1e-3)  # a whole silo: the full radius at most
     (row,) = checked_rows(summary)
     m = row["at_boundary"]
     bound = m["delta_bound"]
@@ -136,7 +136,7 @@ def test_erasure_size_follows_the_forget_share_and_the_dip_is_reported(small_cfg
     held = summary["per_silo"]["1"]["num_samples"]
     share = req["samples"] / held
     assert 0.05 < share < 0.2
-    assert sent["radius"] == pytest.approx(cfg.unlearning.radius * share)
+    assert sent["radius"] == pytest.approx(cfg.lab.erasure.radius * share)
     events = read_events(run_dir / "metrics.jsonl")
     (erasing,) = [e for e in events if e["event"] == "erasure" and e["state"] == "erasing"]
     assert erasing["share"] == pytest.approx(share) and erasing["radius"] == sent["radius"]

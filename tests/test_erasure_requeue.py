@@ -133,7 +133,7 @@ def test_no_reply_mid_erasure_is_requeued_too(small_cfg):
 def test_offline_silo_is_retried_after_a_pause_and_not_counted(small_cfg):
     # Prepare: the SuperLink reports silo 1 offline for 4 erasure messages, more than
     # max_attempts (3): being offline is waiting, not failing
-    cfg = small_cfg("run.max_versions=60", "server.offline_retry_s=4", *ERASE)
+    cfg = small_cfg("run.max_versions=60", "lab.offline_retry_s=4", *ERASE)
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     grid = _SiloDownMidErasure(client_app, 3, lose=4, code=ErrorCode.NODE_UNAVAILABLE)
     # Execute
@@ -145,7 +145,7 @@ def test_offline_silo_is_retried_after_a_pause_and_not_counted(small_cfg):
         d for a, b, d in _transitions(run_dir, req["id"]) if (a, b) == ("erasing", "queued")
     ]
     assert len(requeues) == 4 and all(d.startswith(WENT_OFFLINE) for d in requeues)
-    # each new start waited server.offline_retry_s (virtual seconds here) after the refusal
+    # each new start waited lab.offline_retry_s (virtual seconds here) after the refusal
     events = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "erasure"]
     back = [e["t"] for e in events if e["state"] == "queued"]
     starts = [e["t"] for e in events if e["state"] == "erasing"]
@@ -188,7 +188,7 @@ def test_max_attempts_is_the_constant(small_cfg, monkeypatch):
 def test_resume_while_requeued_neither_loses_nor_repeats_the_erasure(small_cfg):
     # Prepare: run A ends while the request is back in the queue (silo 1 offline, its retry
     # pause longer than what is left of the run)
-    common = (*ERASE, "server.offline_retry_s=30")
+    common = (*ERASE, "lab.offline_retry_s=30")
     first = small_cfg("run.max_versions=20", *common)
     run_dir = Path(first.run.out_dir) / first.run.name
     summary = run_server(

@@ -27,7 +27,7 @@ DOWN_S = 15.0
 
 class _Watched(InProcessGrid):
     """Records pushes that find their node still holding an untaken job; reports silo 1 offline
-    for its first train.unlearn message (a retry that must wait ``server.offline_retry_s``)."""
+    for its first train.unlearn message (a retry that must wait ``lab.offline_retry_s``)."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -93,7 +93,7 @@ def test_one_job_per_silo_under_crashes_erasures_and_retries(small_cfg, monkeypa
         "unlearning.steps=2",
         "lab.erasure.signature_batches=1",
         "lab.erasure.relearn_versions=3",
-        "server.offline_retry_s=4",
+        "lab.offline_retry_s=4",
         "server.eval_every=10",
         "erasures=[{silo: 1, at_s: 12, fraction: 0.1}, {silo: 1, at_s: 75, fraction: 0.1}]",
         f"lab.faults=[{{kind: crash, silo: 1, at_version: 14, down_s: {DOWN_S}}}]",

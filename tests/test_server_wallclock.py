@@ -128,7 +128,7 @@ def test_offline_silo_is_retried_after_a_pause_not_at_once(small_cfg):
     # Prepare
     # a wall budget, not a version count: on an idle machine the two other silos make 30
     # versions before silo 2's second retry is due
-    cfg = small_cfg("run.budget_s=5.0", "server.offline_retry_s=0.3", "server.eval_every=1000")
+    cfg = small_cfg("run.budget_s=5.0", "lab.offline_retry_s=0.3", "server.eval_every=1000")
     grid = _OfflineSilo(client_app, 3, offline=2)
     # Execute
     summary, run_dir = _run(cfg, grid)

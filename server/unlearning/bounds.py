@@ -63,7 +63,7 @@ def size(
         n = len(set(e.sample_ids) - gone)
         scale = forget_share_scale(n, max(n_left, 1), lab.radius_scaling, lab.radius_floor)
         e.overrides = {
-            "radius": u.radius * scale,
+            "radius": lab.radius * scale,
             "steps": max(1, math.ceil(u.steps * scale)) if u.method == "relabel" else u.steps,
         }
         e.start_report.update(share=n / max(n_left, 1), size_scale=scale, **e.overrides)
@@ -75,6 +75,7 @@ def bound_delta(
     erasure: Erasure,
     delta: Params,
     u: UnlearningConfig,
+    lab: ErasureLab,
     *,
     threshold: float | None,
     clip_norm: float | None,
@@ -96,7 +97,7 @@ def bound_delta(
     if clip_norm is not None:
         bounds.append(float(clip_norm))
     if u.method == "pga":
-        bounds.append(SiloErasure.of(erasure.overrides, u).radius * (1 + 1e-3))
+        bounds.append(SiloErasure.of(erasure.overrides, u, lab).radius * (1 + 1e-3))
     norm = global_norm(delta)
     report = {"delta_norm": norm}
     if not bounds:

@@ -15,7 +15,7 @@ erasure only the server's removal is in the model before erasing -> calibrating 
 its first start, the silo's recorded sum then forgotten, so a second start has nothing to
 remove), and the silo's part comes with erasing -> calibrating: each is applied once however
 often it was started. An offline silo (the SuperLink's word) is tried again after
-``server.offline_retry_s`` and not counted; any other loss counts, and the
+``lab.offline_retry_s`` and not counted; any other loss counts, and the
 ``MAX_ATTEMPTS``-th one (3) fails the request with the reason. A reply
 that arrives but is malformed fails it at once, as do requests a method cannot carry out.
 
@@ -402,6 +402,7 @@ class ErasureCoordinator:
             erasure,
             delta,
             self.cfg,
+            self.lab,
             threshold=self.norm_threshold(),
             clip_norm=self.run.cfg.server.clip_norm,
         )
@@ -495,7 +496,7 @@ class ErasureCoordinator:
                 f"{WENT_OFFLINE}: {why}; will retry when it returns "
                 "(not counted against max_attempts)"
             )
-            self.not_before[rid] = self.run.clock.now + self.run.cfg.server.offline_retry_s
+            self.not_before[rid] = self.run.clock.now + self.run.cfg.lab.offline_retry_s
         else:
             n = 1 + sum(1 for a in self.store.requeues(rid) if a.detail.startswith(WENT_DOWN))
             if n >= self.max_attempts:
