@@ -233,7 +233,7 @@ def load_breast_fna(test_fraction: float = BREAST_TEST_FRACTION) -> RawData:
     Labels as scikit-learn codes them: 0 malignant (212), 1 benign (357). A fixed stratified
     ``test_fraction`` of each class (seed 0, independent of the federation's seed; 142 samples
     at 0.25) is the test split (``is_test``, so `medical_data.federation` ignores
-    ``data.test_fraction`` here, as for MedMNIST's official split). Features are standardised
+    ``protocol.config.TEST_FRACTION`` here, as for MedMNIST's official split). Features are standardised
     with the mean and standard deviation of the *train* split only, (x - mean_train) /
     std_train, so the test split leaks nothing into them. Sample ids are the row of
     scikit-learn's table (``breast-fna/r000``..``r568``); the data has no site or patient

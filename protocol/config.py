@@ -17,8 +17,30 @@ from protocol.keys import dumps, loads
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """What ``client.precision`` may name (clients/loop.py)."""
-ACCOUNTANTS = ("rdp", "prv", "gdp")
-"""The opacus accountants a silo can keep its privacy ledger with."""
+DP_DELTA = 1e-5
+"""The delta every silo's DP-SGD epsilon is for (``dp-delta`` in its replies). A constant, not
+a setting (was ``client.dp.delta``): the usual delta, well below 1/n for every benchmark's
+silos, the same as the central one (server.privacy.CENTRAL_DELTA) so that a silo's two
+epsilons compare, and a silo's ledger composes every message at one delta; no run has
+reported at another."""
+DP_ACCOUNTANT = "rdp"
+"""The opacus accountant a silo keeps its privacy ledger with. A constant, not a setting (was
+``client.dp.accountant``): RDP composes messages of different noise multipliers and sample
+rates (gdp cannot), it is opacus's default and the one the tests check the ledger against, and
+a silo's ledger, kept across runs, is read by one accountant (another would state another
+epsilon for the same history)."""
+TEST_FRACTION = 0.2
+"""Held-out share of every silo pooled into the global test set (ignored where the data has a
+fixed test split: medmnist, breast-fna). A constant, not a setting (was ``data.test_fraction``):
+every benchmark and measurement used 0.2, and changing it changes the test set every score of
+docs/measured.md is against."""
+SETTLED: dict[str, tuple[str, object]] = {
+    "client.dp.delta": ("delta", DP_DELTA),
+    "client.dp.accountant": ("accountant", DP_ACCOUNTANT),
+    "data.test_fraction": ("test_fraction", TEST_FRACTION),
+}
+"""Keys that were settings and travelled in the setup: an earlier coordinator's message that
+gives one is read when it holds the constant's value, and refused otherwise (`Setup.from_json`)."""
 
 if TYPE_CHECKING:
     from medical_data.federation import Federation
@@ -38,29 +60,30 @@ class DPConfig:
     most this epsilon (at delta), by opacus's get_noise_multiplier."""
     max_grad_norm: float = 1.0
     """Per-sample gradient clipping norm C (L2 over all parameters)."""
-    delta: float = 1e-5
-    """The delta every reported epsilon is for."""
     epsilon_budget: float | None = None
     """A silo refuses any message that would take its accumulated epsilon past this (None: no
     budget)."""
-    accountant: str = "rdp"
-    """opacus accountant: rdp, prv, or gdp (one noise multiplier and sample rate only)."""
+
+    @property
+    def delta(self) -> float:
+        """The delta every reported epsilon is for (``DP_DELTA``, a constant)."""
+        return DP_DELTA
+
+    @property
+    def accountant(self) -> str:
+        """The opacus accountant (``DP_ACCOUNTANT``, a constant)."""
+        return DP_ACCOUNTANT
 
     def __post_init__(self) -> None:
         """Validated whenever built (omegaconf builds a run's config, the ClientApp the one it
         is sent); an error names the key."""
         checks = [
-            (
-                self.accountant in ACCOUNTANTS,
-                "client.dp.accountant must be rdp, prv or gdp",
-            ),
             (self.noise_multiplier > 0, "client.dp.noise_multiplier must be > 0"),
             (
                 self.target_epsilon is None or self.target_epsilon > 0,
                 "client.dp.target_epsilon must be > 0 (or null)",
             ),
             (self.max_grad_norm > 0, "client.dp.max_grad_norm must be > 0"),
-            (0.0 < self.delta < 1.0, "client.dp.delta must be in (0, 1)"),
             (
                 self.epsilon_budget is None or self.epsilon_budget > 0,
                 "client.dp.epsilon_budget must be > 0 (or null)",
@@ -131,9 +154,6 @@ class DataConfig:
     """Concentration of the Dirichlet label skew (smaller is more skewed)."""
     site_shift: float = 1.0
     """Strength of the seeded per-silo scanner shift (MONAI intensity transforms); 0 = none."""
-    test_fraction: float = 0.2
-    """Held-out fraction pooled across sites for the global test set (ignored where the data
-    has a fixed test split: medmnist, breast-fna)."""
     max_samples: int | None = None
     """Cap on the number of samples drawn from the benchmark (None = all)."""
     data_dir: str | None = None
@@ -164,7 +184,7 @@ def build_silos(d: DataConfig, num_silos: int, seed: int) -> Federation:
         partition=d.partition,
         dirichlet_alpha=d.dirichlet_alpha,
         site_shift=d.site_shift,
-        test_fraction=d.test_fraction,
+        test_fraction=TEST_FRACTION,
         max_samples=d.max_samples,
         data_dir=d.data_dir,
     )
@@ -239,7 +259,13 @@ class Setup:
             if unknown:
                 raise ValueError(f"unknown keys {_bounded(sorted(unknown), 100)}")
             client = dict(raw["client"])
-            dp = DPConfig(**client.pop("dp", {}))
+            dp_raw = dict(client.pop("dp", {}))
+            data = dict(raw["data"])
+            for key, (name, fixed) in SETTLED.items():  # an earlier coordinator's message
+                section = dp_raw if key.startswith("client.dp.") else data
+                if name in section and section.pop(name) != fixed:
+                    raise ValueError(f"{key} is fixed at {fixed} in this version of the silo")
+            dp = DPConfig(**dp_raw)
             backdoor = raw.get("backdoor")
             if backdoor is not None and not isinstance(backdoor, dict):
                 raise ValueError("backdoor must be an object or null")
@@ -250,7 +276,7 @@ class Setup:
                 speeds = [_float(s, "emulate_speeds[i]") for s in speeds]
             return cls(
                 client=ClientConfig(**client, dp=dp),
-                data=DataConfig(**raw["data"]),
+                data=DataConfig(**data),
                 num_silos=_int(raw["num_silos"], "num_silos"),
                 seed=_int(raw["seed"], "seed"),
                 backdoor=backdoor,

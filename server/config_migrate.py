@@ -62,6 +62,9 @@ FIXED: dict[str, str] = {
     "unlearning.stop_alpha": "protocol.config:STOP_ALPHA",
     "unlearning.stop_probe": "protocol.config:STOP_PROBE",
     "unlearning.max_attempts": "server.unlearning.lifecycle:MAX_ATTEMPTS",
+    "client.dp.delta": "protocol.config:DP_DELTA",
+    "client.dp.accountant": "protocol.config:DP_ACCOUNTANT",
+    "data.test_fraction": "protocol.config:TEST_FRACTION",
 }
 """Old key -> the constant (``module:NAME``) it became."""
 

@@ -66,7 +66,6 @@ RANGES: dict[str, Range] = {
     "client.dp.noise_multiplier": POSITIVE,
     "client.dp.target_epsilon": POSITIVE,
     "client.dp.max_grad_norm": POSITIVE,
-    "client.dp.delta": Range(0, 1, lo_open=True, hi_open=True),
     "client.dp.epsilon_budget": POSITIVE,
     # task
     "task.cache": NON_NEGATIVE,
@@ -74,7 +73,6 @@ RANGES: dict[str, Range] = {
     # data
     "data.dirichlet_alpha": POSITIVE,
     "data.site_shift": NON_NEGATIVE,
-    "data.test_fraction": Range(0, 1, hi_open=True),
     "data.max_samples": AT_LEAST_ONE,
     # engine
     "engine.num_cpus": AT_LEAST_ONE,

@@ -182,6 +182,27 @@ def test_setup_json_is_the_servers_byte_for_byte(small_cfg):
     assert setup.client.dp.delta == small_cfg().client.dp.delta
 
 
+def test_setup_of_an_earlier_coordinator_is_read_at_the_settled_values(small_cfg):
+    """A setup that still carries client.dp.delta, client.dp.accountant and data.test_fraction
+    (they were settings) is read when they hold today's constants, refused in one line naming
+    the key otherwise; today's setup no longer carries them."""
+    from protocol.keys import dumps, loads
+    from server.clock import client_setup
+
+    sent = client_setup(small_cfg()).to_json()
+    raw = loads(sent)
+    assert "delta" not in raw["client"]["dp"] and "test_fraction" not in raw["data"]
+    raw["client"]["dp"].update(delta=1e-5, accountant="rdp")
+    raw["data"]["test_fraction"] = 0.2
+    assert Setup.from_json(dumps(raw)).to_json() == sent
+    for section, key, value in (("dp", "delta", 1e-6), ("dp", "accountant", "prv"),
+                                ("data", "test_fraction", 0.3)):  # fmt: skip
+        bad = copy.deepcopy(raw)
+        (bad["client"]["dp"] if section == "dp" else bad["data"])[key] = value
+        with pytest.raises(ValueError, match=f"{key} is fixed at"):
+            Setup.from_json(dumps(bad))
+
+
 def test_silo_erasure_from_the_server_config_and_its_overrides(small_cfg):
     u = small_cfg().unlearning
     erase = SiloErasure.of({"radius": 0.25, "steps": 9}, u)
