@@ -59,6 +59,9 @@ def build(schema_cls: type[T], *layers: Any, source: str | None = None) -> T:
     from omegaconf.errors import OmegaConfBaseException
 
     where = f" ({source})" if source else ""
+    from runkit.keys import tracker_layers
+
+    layers = tuple(tracker_layers(list(layers)))
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema_cls), *layers)
         cfg = OmegaConf.to_object(merged)

@@ -3,8 +3,8 @@
 ``fedasync simulate`` (server.config.RunConfig) extends `RunKeys`, and ``fedasync rl``,
 ``fedasync pipeline`` and ``fedasync market`` extend `TrainerKeys` (RunKeys and ``run.device``),
 each with their own keys (length, evaluation cadence, workers), so ``run.seed``, ``run.name``,
-``run.out_dir``, ``run.resume``, ``run.progress``, ``run.plots``, the metrics sinks'
-``run.tensorboard``, ``run.mlflow`` and ``run.mlflow_uri`` (runkit.sinks) and ``run.device``
+``run.out_dir``, ``run.resume``, ``run.progress``, ``run.trackers`` (the PNGs and the metrics
+sinks, runkit.sinks), ``run.mlflow_uri`` and ``run.device``
 mean the same in every command, with the same defaults except the name. (A federated run has no
 ``run.device``: each silo trains on its own ``client.device``, the coordinator on the CPU.) A
 section that extends them and has checks of its own calls ``super().__post_init__()``.
@@ -12,8 +12,8 @@ section that extends them and has checks of its own calls ``super().__post_init_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fedasync.errors import ConfigError
 from runkit.configload import choices
@@ -30,9 +30,60 @@ NAME_LIMIT = 200
 """Characters a run name may have (it names a folder)."""
 URI_LIMIT = 500
 """Characters ``run.mlflow_uri`` may have."""
-SINK_KEYS = ("tensorboard", "mlflow", "mlflow_uri")
-"""The ``run.*`` keys of the metrics sinks: where a run is watched, never what it computes (a
-resumed run may change them)."""
+TRACKERS = ("plots", "tensorboard", "mlflow")
+"""What ``run.trackers`` may name: the run's PNGs at the end, TensorBoard event files followed
+live, MLflow followed live."""
+DEFAULT_TRACKERS = ("plots", "tensorboard")
+"""``run.trackers`` unless given (what ``run.plots=true``, ``run.tensorboard=true`` and
+``run.mlflow=false``, the three keys it replaced, were by default)."""
+OLD_TRACKER_KEYS = tuple(f"run.{t}" for t in TRACKERS)
+"""The three booleans ``run.trackers`` replaced, still read (`tracker_layers`)."""
+SINK_KEYS = ("trackers", "mlflow_uri", *TRACKERS)
+"""The ``run.*`` keys of the PNGs and the metrics sinks: where a run is watched, never what it
+computes (a resumed run may change them; an earlier run's checkpoint holds the three booleans
+``run.trackers`` replaced)."""
+
+
+def tracker_layers(layers: list[Any]) -> list[Any]:
+    """``layers`` (plain nested dicts or omegaconf containers), with ``run.plots``,
+    ``run.tensorboard`` and ``run.mlflow`` (booleans, each layer overriding the one before, as
+    they were) read as ``run.trackers``: removed from their layers, and one last layer that
+    holds ``run.trackers`` (the last one given, else the default) with each tracker a boolean
+    turned on or off added or removed. The booleans are merged after the layers because one
+    layer may turn one of them on and a later one another off. ``layers`` are left as they
+    were; without any of the three they are returned as they were."""
+    import copy
+
+    from omegaconf import DictConfig, OmegaConf
+
+    flags: dict[str, Any] = {}
+    trackers: Any = None
+    out: list[Any] = []
+    for layer in layers:
+        tree: Any = layer
+        if isinstance(layer, DictConfig):
+            tree = OmegaConf.to_container(layer, resolve=False)
+        run = tree.get("run") if isinstance(tree, dict) else None
+        if isinstance(run, dict) and "trackers" in run:
+            trackers = run["trackers"]
+        if isinstance(run, dict) and any(t in run for t in TRACKERS):
+            tree = copy.deepcopy(tree)
+            for t in TRACKERS:
+                if t in tree["run"]:
+                    flags[t] = tree["run"].pop(t)
+            layer = tree
+        out.append(layer)
+    if not flags:
+        return list(layers)
+    chosen = list(DEFAULT_TRACKERS if trackers is None else trackers)
+    for t, on in flags.items():
+        if not isinstance(on, bool):
+            raise ConfigError(f"run.{t}={str(on)[:40]!r}: true or false (it is run.trackers now)")
+        if on and t not in chosen:
+            chosen.append(t)
+        if not on and t in chosen:
+            chosen.remove(t)
+    return [*out, {"run": {"trackers": chosen}}]
 
 
 @dataclass
@@ -49,16 +100,31 @@ class RunKeys:
     """Continue from the run folder's checkpoint (same config, except ``run.*``)."""
     progress: bool = True
     """A progress bar on stderr while it runs."""
-    plots: bool = True
-    """Write the run's PNGs at the end."""
-    tensorboard: bool = True
-    """Follow the event log live into TensorBoard event files in ``<run folder>/tensorboard``
-    (when the tensorboard package is installed; runkit.sinks)."""
-    mlflow: bool = False
-    """Also follow it into MLflow (``pip install 'fedasync[mlflow]'``)."""
+    trackers: list[str] = field(default_factory=lambda: list(DEFAULT_TRACKERS))
+    """How the run is watched, any of: ``plots`` (write the run's PNGs at the end),
+    ``tensorboard`` (follow the event log live into TensorBoard event files in
+    ``<run folder>/tensorboard``, when the tensorboard package is installed; runkit.sinks),
+    ``mlflow`` (follow it into MLflow, ``pip install 'fedasync[mlflow]'``); ``[]``: none. One
+    list for what were three booleans (``run.plots``, ``run.tensorboard``, ``run.mlflow``,
+    still read: `tracker_layers`)."""
     mlflow_uri: str | None = None
     """MLflow's tracking URI (``http://host:5000``, ``sqlite:///path/mlflow.db``, ...); None: a
     local store in the run folder (``sqlite:///<run folder>/mlflow.db``)."""
+
+    @property
+    def plots(self) -> bool:
+        """``plots`` is in ``run.trackers``."""
+        return "plots" in self.trackers
+
+    @property
+    def tensorboard(self) -> bool:
+        """``tensorboard`` is in ``run.trackers``."""
+        return "tensorboard" in self.trackers
+
+    @property
+    def mlflow(self) -> bool:
+        """``mlflow`` is in ``run.trackers``."""
+        return "mlflow" in self.trackers
 
     def __post_init__(self) -> None:
         """Checked when built: a name that can be a folder, a tracking URI for MLflow only."""
@@ -75,6 +141,11 @@ class RunKeys:
             raise ConfigError(
                 f"run.name={self.name[:60]!r}: a folder name (1-{NAME_LIMIT} characters, no '/')"
             )
+        for t in self.trackers:
+            if t not in TRACKERS:
+                raise ConfigError(f"run.trackers: {str(t)[:40]!r} is not one of {TRACKERS}")
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ConfigError(f"run.trackers={list(self.trackers)}: each at most once")
         uri = self.mlflow_uri
         if uri is not None:
             if (
@@ -88,8 +159,8 @@ class RunKeys:
                 )
             if not self.mlflow:
                 raise ConfigError(
-                    "run.mlflow_uri is set but run.mlflow=false: add run.mlflow=true to log to "
-                    "MLflow"
+                    "run.mlflow_uri is set but run.trackers has no mlflow: add it to log to "
+                    "MLflow (e.g. run.trackers=[plots,tensorboard,mlflow])"
                 )
 
 

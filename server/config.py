@@ -222,8 +222,6 @@ class RunConfig(RunKeys):
     compare_sync: bool = False
     """After the run, also run the sync FedAvg baseline on the same data, clock and silos
     (``make demo`` asks for it; a run on its own runs once)."""
-    plots: bool = True
-    """Write the PNGs at the end (score against time, staleness, each silo's contribution)."""
 
     def __post_init__(self) -> None:
         """Checked when built: the common keys, then ranges."""

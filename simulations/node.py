@@ -185,8 +185,10 @@ def sink_keys(args: argparse.Namespace, home: Path) -> RunKeys:
     try:
         return RunKeys(
             name=home.name or "node",
-            tensorboard=not args.no_tensorboard,
-            mlflow=args.mlflow or bool(args.mlflow_uri),  # a tracking URI: MLflow on
+            trackers=[  # a tracking URI: MLflow on
+                *([] if args.no_tensorboard else ["tensorboard"]),
+                *(["mlflow"] if args.mlflow or args.mlflow_uri else []),
+            ],
             mlflow_uri=args.mlflow_uri or None,
         )
     except ConfigError as e:

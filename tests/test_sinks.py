@@ -361,7 +361,7 @@ def test_mlflow_read_back_with_its_client(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     # Execute: the default, a local store in the run folder
-    _drive(tmp_path, mlflow=True)
+    _drive(tmp_path, trackers=["plots", "tensorboard", "mlflow"])
 
     # Assert
     run_dir = tmp_path / "toy"
@@ -430,7 +430,9 @@ def test_tensorboard_not_installed_is_said_once_and_the_run_goes_on(
 def test_an_unreachable_mlflow_server_is_said_once_and_the_run_goes_on(tmp_path, sink_warnings):
     pytest.importorskip("mlflow.tracking", reason="mlflow is not installed: fedasync[mlflow]")
 
-    assert _drive(tmp_path, mlflow=True, mlflow_uri="http://127.0.0.1:9") == {"steps": 5}
+    assert _drive(
+        tmp_path, trackers=["plots", "tensorboard", "mlflow"], mlflow_uri="http://127.0.0.1:9"
+    ) == {"steps": 5}
 
     assert len(sink_warnings) == 1 and "MLflow" in sink_warnings[0].getMessage()
     assert _board(tmp_path / "toy" / "tensorboard")[0]["step/loss"]  # TensorBoard went on
@@ -463,11 +465,14 @@ def test_a_fresh_run_leaves_an_earlier_runs_log_alone_until_it_replaces_it(tmp_p
     ("keys", "words"),
     [
         (
-            {"mlflow": True, "mlflow_uri": "http://a b"},
+            {"trackers": ["mlflow"], "mlflow_uri": "http://a b"},
             "run.mlflow_uri='http://a b': a tracking URI",
         ),
-        ({"mlflow": True, "mlflow_uri": ""}, "run.mlflow_uri='': a tracking URI"),
-        ({"mlflow_uri": "http://host:5000"}, "run.mlflow_uri is set but run.mlflow=false"),
+        ({"trackers": ["mlflow"], "mlflow_uri": ""}, "run.mlflow_uri='': a tracking URI"),
+        (
+            {"mlflow_uri": "http://host:5000"},
+            "run.mlflow_uri is set but run.trackers has no mlflow",
+        ),
     ],
 )
 def test_the_sink_keys_are_checked(keys, words):
@@ -490,6 +495,13 @@ def test_every_run_kind_has_the_keys():
         )
         with pytest.raises(ConfigError, match="run.mlflow_uri"):
             load(None, ["run.mlflow_uri=http://host:5000"])
+        # run.trackers, and the three booleans it replaced merged across layers
+        cfg = load(None, ["run.trackers=[mlflow]", "run.mlflow_uri=http://host:5000"])
+        assert (cfg.run.plots, cfg.run.tensorboard, cfg.run.mlflow) == (False, False, True)
+        cfg = load(None, ["run.plots=false", "run.mlflow=true", "run.tensorboard=false"])
+        assert cfg.run.trackers == ["mlflow"]
+        with pytest.raises(ConfigError, match="run.trackers"):
+            load(None, ["run.trackers=[png]"])
 
 
 def test_fedasync_node_refuses_a_bad_mlflow_uri_in_one_line(tmp_path, capsys):

@@ -6,9 +6,9 @@ command's run (``fedasync simulate``, ``deploy local``, ``node``, ``rl``, ``pipe
 ``market``, and `runkit.recipe.drive`): a thread tails the logs (runkit.tail) and writes each
 event's scalars, by the one table of tag names (runkit.sinks.tags), to
 
-- TensorBoard event files in ``<run folder>/tensorboard`` (``run.tensorboard``, on by default;
+- TensorBoard event files in ``<run folder>/tensorboard`` (``tensorboard`` in ``run.trackers``, on by default;
   runkit.sinks.tensorboard_sink), and
-- MLflow (``run.mlflow``, off by default; ``run.mlflow_uri``, by default a local store in the
+- MLflow (``mlflow`` in ``run.trackers``, off by default; ``run.mlflow_uri``, by default a local store in the
   run folder; runkit.sinks.mlflow_sink),
 
 then the run's PNGs as images at the end. A sink that fails is logged once and dropped; the

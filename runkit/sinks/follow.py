@@ -281,7 +281,7 @@ def sinks_for(
     kind: str,
     config: dict[str, Any] | None = None,
 ) -> list[Sink]:
-    """The sinks ``keys`` (``run.tensorboard``, ``run.mlflow``) ask for, those installed; one
+    """The sinks ``keys`` (``tensorboard``, ``mlflow`` in ``run.trackers``) ask for, those installed; one
     that is not installed is said once."""
     sinks: list[Sink] = []
     if keys.tensorboard:
@@ -291,7 +291,7 @@ def sinks_for(
         else:
             log.warning(
                 "run.tensorboard: tensorboard is not installed (%s): no TensorBoard files "
-                "(pip install tensorboard, or run.tensorboard=false)",
+                "(pip install tensorboard, or run.trackers without tensorboard)",
                 why,
             )
     if keys.mlflow:
@@ -304,7 +304,7 @@ def sinks_for(
             )
         else:
             log.warning(
-                "run.mlflow=true but MLflow is not installed (%s): pip install 'fedasync[mlflow]'",
+                "run.trackers has mlflow but MLflow is not installed (%s): pip install 'fedasync[mlflow]'",
                 why,
             )
     return sinks

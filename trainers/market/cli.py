@@ -6,7 +6,7 @@ in parallel in a process pool (``run.workers``). Prints one line per setting (th
 index with its 95% interval over the uncorrupted seeds, corrupted seeds counted, the
 deviation test's outcome) and writes the run folder: ``<setting>/seed-<s>/metrics.jsonl``
 (``start``, ``window`` every ``run.window`` time units, ``diverged``, ``end``) and
-``trace.npz``, ``summary.json`` and, with ``run.plots``, PNGs. Config errors are one line,
+``trace.npz``, ``summary.json`` and, with ``plots`` in ``run.trackers``, PNGs. Config errors are one line,
 exit 2 (``fedasync.errors.UserError``).
 
 Each seed that finishes writes ``result.json`` in its folder; ``run.resume=true`` loads those

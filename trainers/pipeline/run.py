@@ -9,11 +9,11 @@ end ``measured``: the measured and simulated bubble, tokens per second, the larg
 stage, the drift seen, the simulator's prediction from the measured stage costs),
 ``events.json`` (every operation's start and end, per stage), ``checkpoints/``, ``evals/``
 (each stage's weights at each evaluation: the ranks write them as they go, the parent
-evaluates the whole model from them after the run) and, with ``run.plots``,
+evaluates the whole model from them after the run) and, with ``plots`` in ``run.trackers``,
 ``timeline.png`` and ``loss.png``.
 
 Resuming (``run.resume=true``) continues from the last step every stage has a checkpoint
-of, with the same config (``run.steps``, ``run.resume``, ``run.progress``, ``run.plots``,
+of, with the same config (``run.steps``, ``run.resume``, ``run.progress``, ``run.trackers``,
 ``run.checkpoint_every`` and ``faults.*`` may differ). GPipe, 1F1B and 2BW resume to the
 same weights as an uninterrupted run (a test); PACI's drift pattern depends on the pipeline
 being full, and a resumed run refills it, so its first batch after the resume crosses no

@@ -2,7 +2,7 @@
 
 Prints one line per outcome and writes the run folder: metrics.jsonl (one ``step`` event per
 learner step, ``eval``, ``rollout``, ``drop``, ``reject``, ``checkpoint``), summary.json and,
-with ``run.plots``, PNGs. Config errors are one line, exit 2 (``fedasync.errors.UserError``).
+with ``plots`` in ``run.trackers``, PNGs. Config errors are one line, exit 2 (``fedasync.errors.UserError``).
 
 Ctrl-C (SIGINT), SIGTERM or SIGHUP at any moment: the run stops at its next safe point and
 writes ``checkpoint.pt`` (``trainers.rl.engine.RLRun.step_loop``), its backends are closed
