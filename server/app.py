@@ -292,7 +292,7 @@ def build_server(
 ) -> AsyncServer:
     """The run's server, built complete from ``params`` (the initial model) and
     ``evaluate_fn``: its erasure coordinator when the run may erase (``erasures`` or
-    ``unlearning.service``), the silos' sample ids when ``fed`` is here (simulation), else the
+    ``unlearning.address``), the silos' sample ids when ``fed`` is here (simulation), else the
     salt the silos report their ids' digests under, and the progress display
     (``run.progress``). ``run_cfg``: the config the loop runs by (default ``cfg``)."""
     erasure = None

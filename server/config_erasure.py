@@ -19,6 +19,10 @@ from server.config_ranges import RANGES
 
 ErasureMethod = Literal["pga", "relabel"]
 """``unlearning.method``."""
+SERVICE_ADDRESS = "127.0.0.1:50151"
+"""The erasure service's usual address (this machine only): what ``unlearning.service=true``
+listened on by default before ``unlearning.address`` said both."""
+
 ErasureStop = Literal["fixed", "membership"]
 """``unlearning.stop``."""
 RemovalPart = Literal["total", "unique"]
@@ -87,10 +91,13 @@ class UnlearningConfig:
     samples cannot be told apart from its own held-out samples (a two-sided Mann–Whitney test
     on the true-label confidence at significance 0.05, protocol.config.STOP_ALPHA; past an overshoot it returns
     to its reading closest to indistinguishable), at most ``steps`` (docs/erasure.md)."""
-    service: bool = False
-    """Run the erasure gRPC service during the run (live requests)."""
-    address: str = "127.0.0.1:50151"
-    """Where the erasure service listens (port 0: any free port)."""
+    address: str | None = None
+    """Run the erasure gRPC service during the run (live requests), listening here
+    (``host:port``; port 0: any free port, written to the run folder's ``erasure_address``;
+    ``SERVICE_ADDRESS``, ``127.0.0.1:50151``, is the usual one). None: no service. One key for
+    what were two, ``unlearning.service`` (true/false) and ``unlearning.address`` (where it
+    listened when on): an address that is not used said nothing, and both are still read
+    (server/config_migrate.py: ``service=true`` without an address is ``SERVICE_ADDRESS``)."""
     credentials: str | None = None
     """Credentials file (fedasync erase credentials); None: generated in the run folder."""
     tls_certfile: str | None = None
@@ -99,11 +106,25 @@ class UnlearningConfig:
     tls_keyfile: str | None = None
     """Its private key (PEM)."""
 
+    @property
+    def service(self) -> bool:
+        """Whether the erasure service runs (``unlearning.address`` is set)."""
+        return self.address is not None
+
     def __post_init__(self) -> None:
-        """Checked when built: ranges, the choices, and the TLS files' pairing."""
+        """Checked when built: ranges, the choices, the address and the TLS files' pairing."""
         check_ranges(self, "unlearning.", RANGES)
         check(self.method in ERASURE_METHODS, "unlearning.method must be pga or relabel")
         check(self.stop in ERASURE_STOPS, "unlearning.stop must be fixed or membership")
+        address = self.address
+        check(
+            address is None
+            or (
+                0 < len(address) <= 300 and ":" in address and not any(c.isspace() for c in address)
+            ),
+            f"unlearning.address={str(address)[:60]!r}: host:port (e.g. {SERVICE_ADDRESS}), or "
+            "null for no erasure service",
+        )
         check(
             (self.tls_certfile is None) == (self.tls_keyfile is None),
             "unlearning.tls_certfile and unlearning.tls_keyfile go together",

@@ -140,7 +140,7 @@ class ErasureLab:
     """An erasure request cancels its silo's training job in flight, whose reply is discarded
     when it comes (server/cancel.py): the erasure starts at once rather than after that job.
     false: it waits for the job's reply (and folds it) first. In a deployment only with
-    ``unlearning.service=true``: each node watches its silo's requests there and stops the job
+    the erasure service on (``unlearning.address``): each node watches its silo's requests there and stops the job
     between two local steps (``fedasync node --erasure-service``); without the service the node
     finishes the job before it pulls the erasure's message, so the erasure waits for it."""
     watch_every: int = 0

@@ -138,6 +138,61 @@ def migrate(tree: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+SERVICE_KEYS = ("unlearning.service", "unlearning.address")
+"""The two keys that were one setting (the erasure service, and where it listened): today's
+``unlearning.address`` alone (None: no service)."""
+
+
+def merged_service(layers: list[Any]) -> list[Any]:
+    """``layers`` (plain dicts, after `migrate`, or omegaconf containers) with
+    ``unlearning.service`` read into ``unlearning.address``. Merged over the layers in turn,
+    not layer by layer, since one may turn the service on and another say where: a layer that
+    gives ``service`` decides whether it runs, at the address given with it, else the one last
+    given, else ``SERVICE_ADDRESS``; a layer that gives only an address is today's form (the
+    service on there; null: off). One last layer holds the result; without ``service`` in any
+    layer the layers are returned as they were."""
+    import copy
+
+    from server.config_erasure import SERVICE_ADDRESS
+
+    if not any(_get(_tree(layer), "unlearning.service")[0] for layer in layers):
+        return layers
+    out: list[Any] = []
+    address: Any = None
+    last: Any = None  # the address last given, whether or not the service was on
+    for layer in layers:
+        tree = _tree(layer)
+        has_on, on = _get(tree, "unlearning.service")
+        has_at, at = _get(tree, "unlearning.address")
+        if has_at and at not in (None, ""):
+            last = at
+        if has_on:
+            if not isinstance(on, bool):
+                raise ConfigError(
+                    f"unlearning.service={str(on)[:40]!r}: true or false (today: "
+                    f"unlearning.address={SERVICE_ADDRESS}, or null for no service)"
+                )
+            address = (last or SERVICE_ADDRESS) if on else None
+        elif has_at:
+            address = at
+        if has_on or has_at:
+            tree = copy.deepcopy(tree) if tree is layer else tree
+            for key in SERVICE_KEYS:
+                _pop(tree, key)
+            layer = tree
+        out.append(layer)
+    return [*out, {"unlearning": {"address": address}}]
+
+
+def _tree(layer: Any) -> Any:
+    """A layer as a plain nested dict (an omegaconf container converted, unresolved)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(layer, DictConfig):
+        return OmegaConf.to_container(layer, resolve=False)
+    return layer
+
+
 def migrated(*layers: Any) -> list[Any]:
     """``layers`` (plain dicts or omegaconf containers, left as they were), each that holds an
     old key replaced by a plain dict with it under today's name; the others as they were."""
@@ -153,4 +208,4 @@ def migrated(*layers: Any) -> list[Any]:
         if isinstance(tree, dict) and any(_get(tree, k)[0] for k in (*MOVED, *FIXED)):
             layer = migrate(copy.deepcopy(tree))
         out.append(layer)
-    return out
+    return merged_service(out)

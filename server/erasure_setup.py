@@ -1,6 +1,6 @@
 """The erasure part of a run: its coordinator, verifier, service and summary.
 
-What ``run_server`` attaches when a run may erase (``erasures`` or ``unlearning.service``): the
+What ``run_server`` attaches when a run may erase (``erasures`` or the erasure service, ``unlearning.address``): the
 coordinator (server/unlearning/) with its store in the run folder, made for the server by
 ``coordinator_for``; the verification of a model on a silo's samples (``verifier``); the
 erasure gRPC service (``start_service``, with what it may ask the server: ``LiveCatalog``,
@@ -131,7 +131,7 @@ def coordinator_for(
 
 def start_service(cfg: FedAsyncConfig, run_dir: Path, erasure: Any, catalog: LiveCatalog) -> Any:
     """Start the erasure gRPC service on the run's ``erasure`` coordinator's store, when
-    configured (``unlearning.service``), answering from ``catalog``; the gRPC server to stop,
+    configured (``unlearning.address``), answering from ``catalog``; the gRPC server to stop,
     or None."""
     if not cfg.unlearning.service:
         return None
@@ -156,8 +156,10 @@ def start_service(cfg: FedAsyncConfig, run_dir: Path, erasure: Any, catalog: Liv
         limits=limits,
         events=run_dir / "metrics.jsonl",  # certificates read it beside the store
     )
-    server, port = serve(service, cfg.unlearning.address, server_credentials=service_tls(cfg))
-    host = cfg.unlearning.address.rsplit(":", 1)[0]
+    address = cfg.unlearning.address
+    assert address is not None  # (the service is on)
+    server, port = serve(service, address, server_credentials=service_tls(cfg))
+    host = address.rsplit(":", 1)[0]
     tmp = run_dir / "erasure_address.tmp"
     tmp.write_text(f"{host}:{port}\n")
     os.replace(tmp, run_dir / "erasure_address")  # whole or absent for a reader

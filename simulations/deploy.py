@@ -29,7 +29,7 @@ ends with its checkpoint and a summary (``stopped``), as a finished one does.
 says so on the console and in ``deploy.json`` (``compare_sync``) instead of running it;
 ``benchmarks/deployment_overhead.py`` runs Flower's FedAvg on the same deployment.
 
-With ``unlearning.service=true`` the erasure service serves TLS with the SuperLink's
+With the erasure service on (``unlearning.address``) the erasure service serves TLS with the SuperLink's
 certificate, and per-silo tokens are made once in ``deploy/erasure/`` (``prepare_erasure``).
 
 Everything lands in the run folder ``<run.out_dir>/<run.name>/``: the ServerApp's outputs

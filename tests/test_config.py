@@ -212,3 +212,34 @@ def test_a_key_under_both_names_must_agree():
     with pytest.raises(ConfigError, match="silos.jitter is now lab.speed.jitter"):
         load_config(None, ["silos.jitter=0.2", "lab.speed.jitter=0.3"])
     assert load_config(None, ["silos.jitter=0.2"]).lab.speed.jitter == 0.2
+
+
+def test_the_second_round_of_earlier_names_loads_as_today(tmp_path):
+    # Prepare: a run folder's config.yaml of the round before (every key written, as a run
+    # writes it), then overrides under the earlier names in a later layer
+    saved = tmp_path / "config.yaml"
+    saved.write_text(
+        "run: {plots: true, tensorboard: true, mlflow: false}\n"
+        "server: {offline_retry_s: 4.0}\n"
+        "client: {dp: {delta: 1.0e-05, accountant: rdp}}\n"
+        "data: {test_fraction: 0.2}\n"
+        "unlearning: {radius: 1.5, service: false, address: '127.0.0.1:50151'}\n"
+    )
+    # Execute / Assert: the saved config alone
+    cfg = load_config(saved)
+    assert cfg.run.trackers == ["plots", "tensorboard"] and cfg.lab.offline_retry_s == 4.0
+    assert (cfg.lab.erasure.radius, cfg.unlearning.address, cfg.unlearning.service) == (
+        1.5,
+        None,
+        False,
+    )
+    # the service turned on in a later layer, at the address the saved config named
+    cfg = load_config(saved, ["unlearning.service=true", "run.plots=false"])
+    assert cfg.unlearning.address == "127.0.0.1:50151" and cfg.run.trackers == ["tensorboard"]
+    # today's form in a later layer
+    cfg = load_config(saved, ["unlearning.address=127.0.0.1:0"])
+    assert cfg.unlearning.address == "127.0.0.1:0"
+    assert load_config(None, ["unlearning.service=true"]).unlearning.address == "127.0.0.1:50151"
+    for old in ("client.dp.delta=1e-6", "client.dp.accountant=prv", "data.test_fraction=0.3"):
+        with pytest.raises(ConfigError, match="is no longer a setting"):
+            load_config(None, [old])
