@@ -30,7 +30,7 @@ data: $(STAMP)
 	$(BIN)/python -m trainers.pipeline.corpus
 
 demo: data
-	$(BIN)/fedasync simulate run.compare_sync=true
+	$(BIN)/fedasync simulate lab.compare_sync=true
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -44,7 +44,7 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="central-dp-"))
     common = [
         f"run.out_dir={out}",
-        "run.compare_sync=false",
+        "lab.compare_sync=false",
         "run.progress=false",
         f"run.budget_s={args.budget_s}",
         f"server.mode={args.mode}",

@@ -19,7 +19,7 @@ under 1 s with warm workers.
 ``flwr.serverapp.strategy.FedAvg`` round loop adapted to our protocol,
 ``server.flower_sync:app``: every silo each round, a barrier, ``send_and_receive``, its 3 s
 wait between polls capped at fedasync's poll, ``POLL_INTERVAL_S``) on the same deployment (warm workers) with 8 silos of which 2 are 4x slower
-(``silos.speed_profile=stragglers``, ``straggler_fraction=0.25``, ``straggler_slowdown=4``,
+(``lab.speed.profile=stragglers``, ``straggler_fraction=0.25``, ``straggler_slowdown=4``,
 ``lab.emulate_speed=true``: a slow silo waits after training so that its message takes 4x
 as long), over ``--reps`` seeds (default 3). Per run: updates per wall second once training
 started (per silo, its updates / (its last take - the first dispatch), summed over silos),
@@ -73,7 +73,7 @@ LIGHT = [
     "data.network=cnn-small",
     "client.num_threads=1",
     "client.local_steps=5",
-    "silos.speed_profile=uniform",
+    "lab.speed.profile=uniform",
     "server.checkpoint_every=0",
     "server.evaluate_silos=false",
 ]
@@ -208,7 +208,7 @@ def part_overhead(args: argparse.Namespace, out: Path) -> dict[str, dict[str, An
             name = f"overhead-{workers}-{n}"
             overrides = [
                 *LIGHT,
-                "run.compare_sync=false",
+                "lab.compare_sync=false",
                 f"run.budget_s={args.overhead_budget_s}",
                 f"silos.count={n}",
                 "server.eval_every=1000000",
@@ -273,11 +273,11 @@ def part_speedup(args: argparse.Namespace, out: Path) -> dict[str, dict[str, Any
             overrides = [
                 *LIGHT,
                 f"client.local_steps={args.local_steps}",
-                "run.compare_sync=false",
+                "lab.compare_sync=false",
                 f"run.budget_s={args.budget_s}",
                 f"run.seed={seed}",
                 "silos.count=8",
-                "silos.speed_profile=stragglers",
+                "lab.speed.profile=stragglers",
                 "lab.speed.straggler_fraction=0.25",
                 "lab.speed.straggler_slowdown=4",
                 "lab.emulate_speed=true",
@@ -421,7 +421,7 @@ def part_memory(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Each warm worker's memory over about 500 messages."""
     overrides = [
         *LIGHT,
-        "run.compare_sync=false",
+        "lab.compare_sync=false",
         f"run.budget_s={args.memory_budget_s}",
         f"run.max_versions={args.memory_versions}",
         "silos.count=1",

@@ -112,7 +112,7 @@ def accuracy(args: argparse.Namespace) -> None:
     out = Path(tempfile.mkdtemp(prefix="dp-accuracy-"))
     common = [
         f"run.out_dir={out}",
-        "run.compare_sync=false",
+        "lab.compare_sync=false",
         "run.progress=false",
         f"run.budget_s={args.budget_s}",
     ]

@@ -379,7 +379,7 @@ def loop_throughput(silos: int = 100, versions: int = 2000) -> float:
                 f"silos.count={silos}",
                 f"run.max_versions={versions}",
                 "run.budget_s=1e9",
-                "silos.speed_profile=lognormal",
+                "lab.speed.profile=lognormal",
                 "server.eval_every=1000000",
                 "server.checkpoint_every=0",
                 "server.max_staleness=null",

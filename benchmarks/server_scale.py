@@ -166,7 +166,7 @@ def make_server(silos: int, versions: int, run_dir: Path, overrides: list[str]) 
             "data.max_samples=600",
             f"run.max_versions={versions}",
             "run.budget_s=1e12",
-            "silos.speed_profile=lognormal",
+            "lab.speed.profile=lognormal",
             "server.eval_every=100000000",
             "server.checkpoint_every=0",
             "server.max_staleness=null",

@@ -107,7 +107,7 @@ def main() -> int:
             f"run.out_dir={out}",
             "run.name=shared-gpu",
             f"run.budget_s={args.budget_s}",
-            "run.compare_sync=false",
+            "lab.compare_sync=false",
             f"silos.count={args.silos}",
             "data.partition=iid",
             "client.precision=bf16" if torch.cuda.is_bf16_supported() else "client.precision=fp16",

@@ -152,8 +152,8 @@ def _fast_silos(count: int, fraction: float, slowdown: float, seed: int) -> list
     from server.config_lab import SpeedLab
 
     speeds = silo_speeds(
-        SilosConfig(count=count, speed_profile="stragglers"),
-        SpeedLab(straggler_fraction=fraction, straggler_slowdown=slowdown),
+        SilosConfig(count=count),
+        SpeedLab(profile="stragglers", straggler_fraction=fraction, straggler_slowdown=slowdown),
         seed,
     )
     return [i for i, s in enumerate(speeds) if s == 1.0]
@@ -210,13 +210,13 @@ def plan(args: argparse.Namespace) -> list[Run]:
     base = [
         f"data.benchmark={args.benchmark}",
         *BENCHMARKS[args.benchmark],
-        "silos.speed_profile=stragglers",
+        "lab.speed.profile=stragglers",
         "lab.speed.straggler_fraction=0.25",
         "server.eval_every=5",
         "server.checkpoint_every=0",
         "server.evaluate_silos=false",
         "server.max_staleness=null",
-        "run.compare_sync=false",
+        "lab.compare_sync=false",
         "run.progress=false",
         "lab.backdoor.enabled=true",
         "lab.backdoor.watch=true",

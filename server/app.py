@@ -447,9 +447,9 @@ def main(grid: Grid, context: Context) -> None:
     cfg = config_from_run_config(context.run_config)
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     _log_to(run_dir / "run.log")
-    if cfg.run.compare_sync:
+    if cfg.lab.compare_sync:
         log.warning(
-            "run.compare_sync=true is run by `fedasync simulate` only, not under `flwr run` "
+            "lab.compare_sync=true is run by `fedasync simulate` only, not under `flwr run` "
             "(benchmarks/deployment_overhead.py compares with Flower's FedAvg in deployment)"
         )
     if simulated(grid):

@@ -25,17 +25,17 @@ def silo_speeds(cfg: SilosConfig, speed: SpeedLab, seed: int) -> list[float]:
     """
     rng = seeds.rng(seed, "silo.speeds")
     n = cfg.count
-    if cfg.speed_profile == "uniform":
+    if speed.profile == "uniform":
         return [1.0] * n
-    if cfg.speed_profile == "stragglers":
+    if speed.profile == "stragglers":
         k = int(round(speed.straggler_fraction * n))
         if speed.straggler_fraction > 0:
             k = max(k, 1)
         slow = set(rng.choice(n, size=min(k, n), replace=False).tolist())
         return [1.0 / speed.straggler_slowdown if i in slow else 1.0 for i in range(n)]
-    if cfg.speed_profile == "lognormal":
+    if speed.profile == "lognormal":
         return [float(x) for x in np.exp(rng.normal(0.0, speed.sigma, size=n))]
-    raise ValueError(f"unknown speed profile {cfg.speed_profile!r}")
+    raise ValueError(f"unknown speed profile {speed.profile!r}")
 
 
 def client_setup(cfg: FedAsyncConfig) -> Setup:

@@ -50,17 +50,14 @@ from server.config_task import task_checks
 
 ServerMode = Literal["fedasync", "fedbuff", "sync", "ca2fl", "federaser"]
 """``server.mode``."""
-SpeedProfile = Literal["uniform", "stragglers", "lognormal"]
-"""``silos.speed_profile``."""
 
 
 MODES: tuple[str, ...] = choices(ServerMode)
-SPEED_PROFILES: tuple[str, ...] = choices(SpeedProfile)
 OPTIMIZER_KINDS: tuple[str, ...] = choices(OptimizerKind)
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (module docstring)
-    ServerMode, SpeedProfile, WeightFnName, OptimizerKind = (
-        Annotated[str, t] for t in (ServerMode, SpeedProfile, WeightFnName, OptimizerKind)
+    ServerMode, WeightFnName, OptimizerKind = (
+        Annotated[str, t] for t in (ServerMode, WeightFnName, OptimizerKind)
     )
 
 
@@ -185,29 +182,22 @@ class ServerConfig:
 
 @dataclass
 class SilosConfig:
-    """How many silos and how fast each computes (virtual clock)."""
+    """How many silos (how fast each computes on the virtual clock: ``lab.speed``)."""
 
     count: int = 6
     """Number of silos (one SuperNode each)."""
-    speed_profile: SpeedProfile = "stragglers"
-    """uniform (all speed 1), stragglers (a fraction ``lab.speed.straggler_fraction`` is
-    ``lab.speed.straggler_slowdown`` times slower), lognormal (speeds drawn from a log-normal
-    with sigma ``lab.speed.sigma``)."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges and the speed profile."""
+        """Checked when built: ranges."""
         check_ranges(self, "silos.", RANGES)
-        check(
-            self.speed_profile in SPEED_PROFILES,
-            f"silos.speed_profile must be one of {SPEED_PROFILES}, got {self.speed_profile!r}",
-        )
 
 
 @dataclass
 class RunConfig(RunKeys):
     """The run as a whole.
 
-    The common run keys (runkit.keys.RunKeys), its length and the sync baseline beside it."""
+    The common run keys (runkit.keys.RunKeys) and its length (the sync baseline beside it:
+    ``lab.compare_sync``)."""
 
     name: str = "demo"
     """Output folder name under out_dir."""
@@ -219,9 +209,6 @@ class RunConfig(RunKeys):
     """Stop after this many global versions (None: only the time budget)."""
     resume: bool = False
     """Continue from <out_dir>/<name>/checkpoint.pt."""
-    compare_sync: bool = False
-    """After the run, also run the sync FedAvg baseline on the same data, clock and silos
-    (``make demo`` asks for it; a run on its own runs once)."""
 
     def __post_init__(self) -> None:
         """Checked when built: the common keys, then ranges."""

@@ -44,16 +44,21 @@ from server.config_ranges import RANGES
 TriggerPattern = Literal["solid", "checker", "blend"]
 """``lab.backdoor.trigger_pattern``: medical_data.backdoor.PATTERNS (tests/test_config_types.py
 checks the two agree; importing it here would load MONAI into every config reader)."""
+SpeedProfile = Literal["uniform", "stragglers", "lognormal"]
+"""``lab.speed.profile``."""
 FaultKind = Literal[
     "crash", "nan", "wrong_shape", "replay", "huge_norm", "future_version", "unknown_silo"
 ]
 """``lab.faults[].kind``."""
 
+SPEED_PROFILES: tuple[str, ...] = choices(SpeedProfile)
 TRIGGER_PATTERNS: tuple[str, ...] = choices(TriggerPattern)
 FAULT_KINDS: tuple[str, ...] = choices(FaultKind)
 
 if not TYPE_CHECKING:  # what omegaconf sees: a str carrying its Literal (server/config.py)
-    TriggerPattern, FaultKind = (Annotated[str, t] for t in (TriggerPattern, FaultKind))
+    TriggerPattern, FaultKind, SpeedProfile = (
+        Annotated[str, t] for t in (TriggerPattern, FaultKind, SpeedProfile)
+    )
 
 
 @dataclass
@@ -284,16 +289,22 @@ class CorrectionsLab:
 
 @dataclass
 class SpeedLab:
-    """The virtual clock's emulated heterogeneity: the numbers behind ``silos.speed_profile``
-    and each job's duration (simulation; with ``lab.emulate_speed`` also on one machine's wall
-    clock). The defaults are the demo's; the benchmarks set their own."""
+    """The virtual clock's emulated heterogeneity: its profile, the numbers behind it and each
+    job's duration (simulation; with ``lab.emulate_speed`` also on one machine's wall clock).
+    The defaults are the demo's; the benchmarks set their own."""
 
+    profile: SpeedProfile = "stragglers"
+    """uniform (all speed 1), stragglers (a fraction ``straggler_fraction`` is
+    ``straggler_slowdown`` times slower), lognormal (speeds drawn from a log-normal with sigma
+    ``sigma``). An instrument, not a setting (was ``lab.speed.profile``): how fast simulated
+    silos are is the benchmark's assumption, as the numbers below are; a deployed silo is as
+    fast as its machine (the profile only reaches it through ``lab.emulate_speed``)."""
     straggler_fraction: float = 0.2
     """Fraction of silos that are stragglers (rounded, at least one when > 0)."""
     straggler_slowdown: float = 10.0
     """How many times slower a straggler is."""
     sigma: float = 0.5
-    """Log-normal sigma of speeds (``silos.speed_profile=lognormal``)."""
+    """Log-normal sigma of speeds (``profile=lognormal``)."""
     step_time_s: float = 1.0
     """Virtual seconds one local step takes on a speed-1 silo."""
     latency_s: float = 0.5
@@ -302,8 +313,12 @@ class SpeedLab:
     """Relative jitter of each job's duration (seeded per silo and job)."""
 
     def __post_init__(self) -> None:
-        """Checked when built: ranges."""
+        """Checked when built: ranges and the profile."""
         check_ranges(self, "lab.speed.", RANGES)
+        check(
+            self.profile in SPEED_PROFILES,
+            f"lab.speed.profile must be one of {SPEED_PROFILES}, got {self.profile!r}",
+        )
 
 
 @dataclass
@@ -320,6 +335,11 @@ class LabConfig:
     ``soft_factor`` (an ablation beside the staleness weight function)."""
     soft_factor: float = 0.5
     """Down-weighting factor beyond ``soft_staleness``."""
+    compare_sync: bool = False
+    """After the run, also run the sync FedAvg baseline on the same data, clock and silos
+    (``make demo`` asks for it; a run on its own runs once; simulation only). An instrument,
+    not a setting (was ``lab.compare_sync``): it measures fedasync against FedAvg, as
+    ``target_accuracy`` does, and changes nothing of the run itself."""
     target_accuracy: float | None = None
     """Score for ``time_to_target_s`` (the time-to-target measure of the benchmarks); None: 95%
     of the sync baseline's best (or of this run's own without the baseline)."""

@@ -19,6 +19,8 @@ from fedasync.errors import ConfigError
 MOVED: dict[str, str] = {
     "run.target_accuracy": "lab.target_accuracy",
     "server.offline_retry_s": "lab.offline_retry_s",
+    "run.compare_sync": "lab.compare_sync",
+    "silos.speed_profile": "lab.speed.profile",
     "server.soft_staleness": "lab.soft_staleness",
     "server.soft_factor": "lab.soft_factor",
     **{

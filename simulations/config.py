@@ -95,7 +95,7 @@ def preflight(cfg: FedAsyncConfig) -> FedAsyncConfig:
         from server.checkpoint import check_resumable
 
         check_resumable(checkpoint_path(cfg), cfg.server.mode, model.state_dict())
-        if cfg.run.compare_sync and cfg.server.mode != "sync":  # the baseline resumes too
+        if cfg.lab.compare_sync and cfg.server.mode != "sync":  # the baseline resumes too
             from server.checkpoint import CHECKPOINT_FILE
             from simulations.launcher import BASELINE_DIR
 

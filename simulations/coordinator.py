@@ -37,7 +37,9 @@ def write_run_config(cfg: FedAsyncConfig, path: Path) -> None:
     """The run config ``flwr run`` is given: ``cfg`` as JSON, with the ServerApp's progress bar
     off (the console shows progress from the event log) and no sync-comparison warning of its
     own (``deploy_local`` has said it, once). ``cfg`` itself is left as it was."""
-    server_cfg = replace(cfg, run=replace(cfg.run, progress=False, compare_sync=False))
+    server_cfg = replace(
+        cfg, run=replace(cfg.run, progress=False), lab=replace(cfg.lab, compare_sync=False)
+    )
     path.write_text(run_config_toml(server_cfg))  # flat keys, as pyproject.toml declares
 
 

@@ -25,7 +25,7 @@ a lost coordinator is brought back from it and the run resumed from its checkpoi
 (``simulations.coordinator``, which also submits the run). A run stopped with ``flwr stop``
 ends with its checkpoint and a summary (``stopped``), as a finished one does.
 
-``run.compare_sync`` (the sync FedAvg baseline after the run) is simulation-only: a deployment
+``lab.compare_sync`` (the sync FedAvg baseline after the run) is simulation-only: a deployment
 says so on the console and in ``deploy.json`` (``compare_sync``) instead of running it;
 ``benchmarks/deployment_overhead.py`` runs Flower's FedAvg on the same deployment.
 
@@ -105,18 +105,18 @@ def privacy_ledgers(folder: Path, num_silos: int) -> dict[int, Path]:
 
 
 SYNC_NOT_RUN = "not run in deployment"
-"""``deploy.json["compare_sync"]`` when ``run.compare_sync`` asked for the baseline."""
+"""``deploy.json["compare_sync"]`` when ``lab.compare_sync`` asked for the baseline."""
 
 
 def sync_comparison_warning(cfg: FedAsyncConfig) -> str | None:
     """The line to show when the config asks for the sync baseline, which only the simulation
     launcher runs (None: nothing asked, or the run is sync itself, as in simulation)."""
-    if not cfg.run.compare_sync or cfg.server.mode == "sync":
+    if not cfg.lab.compare_sync or cfg.server.mode == "sync":
         return None
     return (
-        "warning: run.compare_sync=true is simulation-only; no sync baseline is run in "
+        "warning: lab.compare_sync=true is simulation-only; no sync baseline is run in "
         "deployment (benchmarks/deployment_overhead.py runs Flower's FedAvg on the same "
-        "deployment; set run.compare_sync=false to silence this)"
+        "deployment; set lab.compare_sync=false to silence this)"
     )
 
 

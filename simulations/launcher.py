@@ -1,6 +1,6 @@
 """Simulation mode: run the ServerApp and one ClientApp per silo on Flower's simulation engine.
 
-``simulate(cfg)`` runs the configured mode and, with ``run.compare_sync``, the synchronous
+``simulate(cfg)`` runs the configured mode and, with ``lab.compare_sync``, the synchronous
 FedAvg baseline on the same data, speeds and virtual clock; then it fills in time-to-target
 (95% of the baseline's best score unless ``lab.target_accuracy`` is set), writes
 ``summary.json`` and the PNG plots. Flower's engine runs on Ray: by default a private Ray is
@@ -314,8 +314,7 @@ def _baseline_config(cfg: FedAsyncConfig) -> FedAsyncConfig:
     return replace(
         cfg,
         server=server,
-        run=replace(cfg.run, compare_sync=False),
-        lab=replace(cfg.lab, faults=[]),
+        lab=replace(cfg.lab, faults=[], compare_sync=False),
     )
 
 
@@ -367,7 +366,7 @@ def _run_and_plot(
     summary = run_engine(cfg, run_dir)
     runs: dict[str, dict[str, Any]] = {cfg.server.mode: summary}
     baseline = None
-    if cfg.run.compare_sync and cfg.server.mode != "sync":
+    if cfg.lab.compare_sync and cfg.server.mode != "sync":
         bdir = run_dir / BASELINE_DIR
         bcfg = _baseline_config(cfg)
         (bdir).mkdir(parents=True, exist_ok=True)

@@ -116,8 +116,8 @@ def _simulate_args(out: Path, k: int) -> list[str]:
     service = ["unlearning.service=true", "unlearning.address=127.0.0.1:0"] if k % 2 else []
     return [
         "simulate",
-        *(f"run.out_dir={out}", "run.name=r", "run.compare_sync=true", "run.progress=false"),
-        *("run.budget_s=60", "silos.count=2", "silos.speed_profile=uniform"),
+        *(f"run.out_dir={out}", "run.name=r", "lab.compare_sync=true", "run.progress=false"),
+        *("run.budget_s=60", "silos.count=2", "lab.speed.profile=uniform"),
         *("client.local_steps=2", "client.batch_size=16", "data.max_samples=300"),
         *("server.eval_every=2", "server.checkpoint_every=0", "server.evaluate_silos=false"),
         "engine.num_cpus=2",

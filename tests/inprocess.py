@@ -17,11 +17,11 @@ from flwr.supercore.task_identity import TaskIdentity
 from server.erasure import states
 
 SMALL = [
-    "run.compare_sync=false",
+    "lab.compare_sync=false",
     "run.progress=false",
     "run.budget_s=1000",
     "silos.count=3",
-    "silos.speed_profile=uniform",
+    "lab.speed.profile=uniform",
     "client.local_steps=2",
     "client.batch_size=16",
     "data.max_samples=600",

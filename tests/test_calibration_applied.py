@@ -171,7 +171,7 @@ def test_the_default_protects_the_applied_change_against_the_jump_and_reply_stil
 def _run(small_cfg, monkeypatch, target, protect="subspace"):
     cfg = small_cfg(
         "run.max_versions=24",
-        "silos.speed_profile=stragglers",
+        "lab.speed.profile=stragglers",
         "lab.speed.straggler_fraction=0.34",
         "lab.speed.straggler_slowdown=10",
         "server.mode=fedbuff",

@@ -17,7 +17,7 @@ def test_default_config_is_valid():
     cfg = load_config()
     assert cfg.server.mode == "fedasync"
     assert cfg.data.benchmark == "brain-tissue"
-    assert cfg.run.compare_sync is False  # a run runs once; make demo asks for the baseline
+    assert cfg.lab.compare_sync is False  # a run runs once; make demo asks for the baseline
 
 
 def test_overrides_apply_with_types():
@@ -44,7 +44,7 @@ def test_overrides_apply_with_types():
         ("server.mode=gossip", "server.mode"),
         ("server.nonsense=1", "nonsense"),
         ("silos.count=abc", "count"),
-        ("silos.speed_profile=fast", "speed_profile"),
+        ("lab.speed.profile=fast", "lab.speed.profile"),
         ("lab.faults=[{kind: meteor, silo: 0}]", "lab.faults[0].kind"),
         ("lab.faults=[{kind: crash, silo: 99}]", "lab.faults[0].silo"),
     ],
@@ -219,8 +219,9 @@ def test_the_second_round_of_earlier_names_loads_as_today(tmp_path):
     # writes it), then overrides under the earlier names in a later layer
     saved = tmp_path / "config.yaml"
     saved.write_text(
-        "run: {plots: true, tensorboard: true, mlflow: false}\n"
+        "run: {plots: true, tensorboard: true, mlflow: false, compare_sync: true}\n"
         "server: {offline_retry_s: 4.0}\n"
+        "silos: {count: 4, speed_profile: lognormal}\n"
         "client: {dp: {delta: 1.0e-05, accountant: rdp}}\n"
         "data: {test_fraction: 0.2}\n"
         "unlearning: {radius: 1.5, service: false, address: '127.0.0.1:50151'}\n"
@@ -228,6 +229,7 @@ def test_the_second_round_of_earlier_names_loads_as_today(tmp_path):
     # Execute / Assert: the saved config alone
     cfg = load_config(saved)
     assert cfg.run.trackers == ["plots", "tensorboard"] and cfg.lab.offline_retry_s == 4.0
+    assert (cfg.lab.compare_sync, cfg.lab.speed.profile) == (True, "lognormal")
     assert (cfg.lab.erasure.radius, cfg.unlearning.address, cfg.unlearning.service) == (
         1.5,
         None,

@@ -120,7 +120,7 @@ def test_the_choice_fields_are_found():
         "fed:server.mode",
         "fed:server.staleness.fn",
         "fed:server.optimizer.kind",
-        "fed:silos.speed_profile",
+        "fed:lab.speed.profile",
         "fed:lab.faults[].kind",
         "fed:unlearning.method",
         "fed:lab.erasure.radius_scaling",

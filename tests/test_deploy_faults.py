@@ -81,12 +81,12 @@ PREEMPT_RUN = [
     # done before the erasure is applied: the first version is the erasure's, and the run
     # ends there (within the budget: the erasure came too late, or not at all)
     "run.name=preempt",
-    "run.compare_sync=false",
+    "lab.compare_sync=false",
     "run.progress=false",
     "run.budget_s=30",
     "run.max_versions=1",
     "silos.count=2",
-    "silos.speed_profile=uniform",
+    "lab.speed.profile=uniform",
     "client.local_steps=4000",
     "client.batch_size=16",
     "data.max_samples=600",
@@ -136,7 +136,7 @@ class Federation:
             [
                 f"run.out_dir={root}",
                 "run.name=faults",
-                "run.compare_sync=false",
+                "lab.compare_sync=false",
                 "run.progress=false",
                 "run.budget_s=900",
                 "silos.count=2",
@@ -146,7 +146,7 @@ class Federation:
                 # (both silos emulated stragglers): a tenth of the CPU of 30 real steps
                 "client.local_steps=3",
                 "lab.emulate_speed=true",
-                "silos.speed_profile=stragglers",
+                "lab.speed.profile=stragglers",
                 "lab.speed.straggler_fraction=1.0",
                 "lab.speed.straggler_slowdown=10",
                 "client.batch_size=16",

@@ -214,7 +214,7 @@ def test_deploy_local_gives_supernodes_ledgers_and_says_sync_is_not_run(
     small_cfg, tmp_path, monkeypatch, privacy_dir, compare_sync
 ):
     # Prepare: every process is a stand-in (no SuperLink, no SuperNodes, no flwr run)
-    cfg = small_cfg("silos.count=2", f"run.compare_sync={str(compare_sync).lower()}")
+    cfg = small_cfg("silos.count=2", f"lab.compare_sync={str(compare_sync).lower()}")
     run_dir = tmp_path / "t"
     _FakeProcesses.started, _FakeProcesses.run_dir = [], run_dir
     monkeypatch.setattr(deploy, "Processes", _FakeProcesses)

@@ -36,10 +36,10 @@ from fedasync.processes import (
 REPO = Path(__file__).resolve().parents[1]
 BASE = [
     "run.name=r",
-    "run.compare_sync=false",
+    "lab.compare_sync=false",
     "run.progress=false",
     "silos.count=2",
-    "silos.speed_profile=uniform",
+    "lab.speed.profile=uniform",
     "client.local_steps=2",
     "client.batch_size=16",
     "data.max_samples=300",

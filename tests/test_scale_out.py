@@ -130,7 +130,7 @@ def test_simulation_attached_to_a_running_ray_head(tmp_path, monkeypatch):
                 "server.checkpoint_every=0",
                 "server.evaluate_silos=false",
                 f"engine.ray_address={address}",
-                "run.compare_sync=true",
+                "lab.compare_sync=true",
             ],
         )
         # Execute: the run and its sync baseline, two Ray jobs on the one cluster

@@ -152,7 +152,7 @@ def test_an_update_whose_base_was_dropped_is_folded_without_delay_compensation(
     monkeypatch.setattr(server.loop, "MAX_SNAPSHOTS", 0)
     cfg = small_cfg(
         "run.max_versions=8",
-        "silos.speed_profile=stragglers",
+        "lab.speed.profile=stragglers",
         "lab.speed.straggler_fraction=0.34",
         "lab.corrections.delay_compensation=0.1",
     )
@@ -170,7 +170,7 @@ def test_an_update_whose_base_was_dropped_is_folded_without_delay_compensation(
 def test_the_default_bound_skips_no_delay_compensation(small_cfg):
     cfg = small_cfg(
         "run.max_versions=8",
-        "silos.speed_profile=stragglers",
+        "lab.speed.profile=stragglers",
         "lab.speed.straggler_fraction=0.34",
         "lab.corrections.delay_compensation=0.1",
     )
@@ -187,7 +187,7 @@ def test_resume_re_sends_a_job_whose_base_was_dropped_from_the_checkpoint_model(
     monkeypatch.setattr(server.loop, "MAX_SNAPSHOTS", 1)
     common = (
         "run.name=r",
-        "silos.speed_profile=lognormal",
+        "lab.speed.profile=lognormal",
         "lab.corrections.delay_compensation=0.1",
     )
     _run(small_cfg(*common, "run.max_versions=4", "server.checkpoint_every=4"))

@@ -29,7 +29,7 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_fedasync_loop_versions_and_summary(small_cfg):
     # Prepare
     cfg = small_cfg(
-        "run.max_versions=8", "silos.speed_profile=stragglers", "lab.speed.straggler_fraction=0.34"
+        "run.max_versions=8", "lab.speed.profile=stragglers", "lab.speed.straggler_fraction=0.34"
     )
     # Execute
     summary, run_dir, _ = _run(cfg)
@@ -85,7 +85,7 @@ def test_sync_waits_for_the_straggler(small_cfg):
     cfg = small_cfg(
         "server.mode=sync",
         "run.max_versions=2",
-        "silos.speed_profile=stragglers",
+        "lab.speed.profile=stragglers",
         "lab.speed.straggler_fraction=0.34",
         "lab.speed.straggler_slowdown=10",
         "lab.speed.jitter=0",
@@ -103,7 +103,7 @@ def test_resume_continues_exactly(small_cfg, tmp_path):
         "run.name=straight",
         "server.mode=fedbuff",
         "server.buffer_size=2",
-        "silos.speed_profile=lognormal",
+        "lab.speed.profile=lognormal",
     )
     _run(straight)
     first = small_cfg(
@@ -111,7 +111,7 @@ def test_resume_continues_exactly(small_cfg, tmp_path):
         "run.name=resumed",
         "server.mode=fedbuff",
         "server.buffer_size=2",
-        "silos.speed_profile=lognormal",
+        "lab.speed.profile=lognormal",
         "server.checkpoint_every=4",
     )
     _run(first)
@@ -120,7 +120,7 @@ def test_resume_continues_exactly(small_cfg, tmp_path):
         "run.name=resumed",
         "server.mode=fedbuff",
         "server.buffer_size=2",
-        "silos.speed_profile=lognormal",
+        "lab.speed.profile=lognormal",
         "run.resume=true",
     )
     summary, run_dir, _ = _run(second)
@@ -163,7 +163,7 @@ def test_emulated_speed_makes_stragglers_wait(small_cfg):
 
     cfg = small_cfg(
         "run.max_versions=6",
-        "silos.speed_profile=stragglers",
+        "lab.speed.profile=stragglers",
         "lab.speed.straggler_fraction=0.34",
         "lab.speed.straggler_slowdown=2",
         "lab.emulate_speed=true",
@@ -182,7 +182,7 @@ def test_emulated_speed_makes_stragglers_wait(small_cfg):
 def test_max_versions_is_exact_when_replies_arrive_together(small_cfg):
     # Three equal silos without jitter finish every job at the same instant: the cap falls
     # inside a batch of simultaneous replies (CI saw 7 versions for a cap of 6 on the wall clock)
-    cfg = small_cfg("run.max_versions=4", "lab.speed.jitter=0", "silos.speed_profile=uniform")
+    cfg = small_cfg("run.max_versions=4", "lab.speed.jitter=0", "lab.speed.profile=uniform")
     summary, run_dir, _ = _run(cfg)
     assert summary["versions"] == 4
     events = read_events(run_dir / "metrics.jsonl")

@@ -88,7 +88,7 @@ def _scan_earliest(self):
 
 
 def _trace(tmp_path: Path, profile: str) -> list[tuple]:
-    overrides = [f"silos.speed_profile={profile}", "lab.speed.jitter=0"]
+    overrides = [f"lab.speed.profile={profile}", "lab.speed.jitter=0"]
     srv = bench.make_server(200, 600, tmp_path, overrides)
     srv.run()
     srv.events.close()

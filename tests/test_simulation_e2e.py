@@ -49,7 +49,7 @@ def test_simulate_async_and_sync_baseline(tmp_path, monkeypatch):
             "server.eval_every=2",
             "server.checkpoint_every=5",
             "engine.num_cpus=2",
-            "run.compare_sync=true",
+            "lab.compare_sync=true",
         ],
     )
     # Execute

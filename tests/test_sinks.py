@@ -156,7 +156,7 @@ def test_a_simulate_run_and_its_baseline_in_tensorboard(small_cfg, tmp_path, mon
     monkeypatch.setenv(NODE_EVENTS_ENV, str(node_dir / "metrics.jsonl"))
     cfg = small_cfg(
         "run.max_versions=12",
-        "run.compare_sync=true",
+        "lab.compare_sync=true",
         "server.evaluate_silos=true",
         "lab.faults=[{kind: nan, silo: 1, at_version: 2}]",
         "erasures=[{silo: 0, at_s: 5}]",

@@ -154,7 +154,7 @@ def test_resume_from_a_damaged_checkpoint_is_refused_before_the_engine(
 
 
 def test_resume_from_a_damaged_baseline_checkpoint_is_refused(tmp_path, capsys, no_engine):
-    # Prepare: the sync baseline (run.compare_sync) resumes from its own folder's checkpoint
+    # Prepare: the sync baseline (lab.compare_sync) resumes from its own folder's checkpoint
     from server.checkpoint import CheckpointState, save_state
 
     path = tmp_path / "t" / "baseline-sync" / "checkpoint.pt"
@@ -164,7 +164,7 @@ def test_resume_from_a_damaged_baseline_checkpoint_is_refused(tmp_path, capsys, 
 
     # Execute
     argv = ["simulate", f"run.out_dir={tmp_path}", "run.name=t", "run.resume=true"]
-    code = main([*argv, "run.compare_sync=true"])
+    code = main([*argv, "lab.compare_sync=true"])
 
     # Assert
     assert code == 2
