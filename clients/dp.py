@@ -40,7 +40,7 @@ Networks: ``make_compatible`` runs opacus's ``ModuleValidator``; every network o
 replaced. A network that would need BatchNorm swapped for GroupNorm has different state-dict
 names than the server's model and is refused with the reason (build it with GroupNorm).
 
-Run: ``fedasync simulate client.dp.enabled=true client.dp.noise_multiplier=1.0``; on many
+Run: ``fedasync simulate client.dp.noise_multiplier=1.0``; on many
 devices nothing changes (each silo trains on its own). Cost: ``benchmarks/dp_overhead.py``.
 """
 
@@ -98,7 +98,7 @@ def sample_rate(num_samples: int, batch_size: int) -> float:
 
 def resolve_noise(
     *,
-    noise_multiplier: float,
+    noise_multiplier: float | None,
     target_epsilon: float | None,
     delta: float,
     rate: float,
@@ -109,6 +109,7 @@ def resolve_noise(
     the smallest one (opacus's binary search) for which ``steps`` steps at ``rate`` cost at
     most ``target_epsilon`` at ``delta``."""
     if target_epsilon is None:
+        assert noise_multiplier is not None  # (DP-SGD is on: one of the two is set)
         return float(noise_multiplier)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # rdp: "optimal order is the largest alpha"

@@ -51,18 +51,50 @@ class DPConfig:
     """Differential privacy: DP-SGD on every silo with opacus (clients/dp.py), each silo's
     epsilon accumulated across messages and runs in its ledger (clients/privacy.py)."""
 
-    enabled: bool = False
-    """Train with DP-SGD (per-sample clipping, Gaussian noise, Poisson-sampled batches)."""
-    noise_multiplier: float = 1.0
-    """Noise standard deviation as a multiple of max_grad_norm (unused with target_epsilon)."""
+    noise_multiplier: float | None = None
+    """Train with DP-SGD (per-sample clipping, Gaussian noise, Poisson-sampled batches) at this
+    noise standard deviation, as a multiple of max_grad_norm. None (and no target_epsilon):
+    no DP. Setting it (or target_epsilon) is what turned DP on (``client.dp.enabled``, still
+    read: ``enabled=true`` alone is ``noise_multiplier=1.0``, its default then)."""
     target_epsilon: float | None = None
-    """Instead of noise_multiplier: the smallest noise for which one train message costs at
-    most this epsilon (at delta), by opacus's get_noise_multiplier."""
+    """Instead of noise_multiplier, DP-SGD at the smallest noise for which one train message
+    costs at most this epsilon (at delta), by opacus's get_noise_multiplier."""
     max_grad_norm: float = 1.0
     """Per-sample gradient clipping norm C (L2 over all parameters)."""
     epsilon_budget: float | None = None
     """A silo refuses any message that would take its accumulated epsilon past this (None: no
     budget)."""
+
+    @property
+    def enabled(self) -> bool:
+        """DP-SGD is on: a noise multiplier or a target epsilon is set."""
+        return self.noise_multiplier is not None or self.target_epsilon is not None
+
+    def to_wire(self) -> dict[str, Any]:
+        """As the setup carries it, the form every node reads (``enabled`` and a number for
+        ``noise_multiplier``, 1.0 where none is used), so that a node of an earlier version
+        trains exactly as this one does."""
+        return {
+            **asdict(self),
+            "enabled": self.enabled,
+            "noise_multiplier": 1.0 if self.noise_multiplier is None else self.noise_multiplier,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: dict[str, Any]) -> DPConfig:
+        """The DPConfig `to_wire` (or an earlier coordinator, with ``delta`` and
+        ``accountant`` taken out) wrote: off unless ``enabled``; on, the target epsilon if
+        there is one, else the noise multiplier."""
+        raw = dict(raw)
+        if "enabled" in raw:
+            enabled = raw.pop("enabled")
+            if not isinstance(enabled, bool):
+                raise ValueError("client.dp.enabled must be true or false")
+            if not enabled:
+                raw["noise_multiplier"] = raw["target_epsilon"] = None
+            elif raw.get("target_epsilon") is not None:
+                raw["noise_multiplier"] = None
+        return cls(**raw)
 
     @property
     def delta(self) -> float:
@@ -78,7 +110,15 @@ class DPConfig:
         """Validated whenever built (omegaconf builds a run's config, the ClientApp the one it
         is sent); an error names the key."""
         checks = [
-            (self.noise_multiplier > 0, "client.dp.noise_multiplier must be > 0"),
+            (
+                self.noise_multiplier is None or self.noise_multiplier > 0,
+                "client.dp.noise_multiplier must be > 0 (or null)",
+            ),
+            (
+                self.noise_multiplier is None or self.target_epsilon is None,
+                "client.dp.noise_multiplier and client.dp.target_epsilon: give one (the noise, "
+                "or the epsilon a message may cost), not both",
+            ),
             (
                 self.target_epsilon is None or self.target_epsilon > 0,
                 "client.dp.target_epsilon must be > 0 (or null)",
@@ -236,7 +276,7 @@ class Setup:
         """The JSON the server sends (sorted keys, as ``keys.dumps`` writes it)."""
         return dumps(
             {
-                "client": to_dict(self.client),
+                "client": {**to_dict(self.client), "dp": self.client.dp.to_wire()},
                 "data": to_dict(self.data),
                 "backdoor": self.backdoor,
                 "num_silos": self.num_silos,
@@ -265,7 +305,7 @@ class Setup:
                 section = dp_raw if key.startswith("client.dp.") else data
                 if name in section and section.pop(name) != fixed:
                     raise ValueError(f"{key} is fixed at {fixed} in this version of the silo")
-            dp = DPConfig(**dp_raw)
+            dp = DPConfig.from_wire(dp_raw)
             backdoor = raw.get("backdoor")
             if backdoor is not None and not isinstance(backdoor, dict):
                 raise ValueError("backdoor must be an object or null")

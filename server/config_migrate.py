@@ -186,6 +186,55 @@ def merged_service(layers: list[Any]) -> list[Any]:
     return [*out, {"unlearning": {"address": address}}]
 
 
+def merged_dp(layers: list[Any]) -> list[Any]:
+    """``layers`` with ``client.dp.enabled`` read into ``client.dp.noise_multiplier`` and
+    ``target_epsilon`` (DP-SGD is on when one is set). Merged over the layers in turn: a layer
+    that gives ``enabled`` decides whether DP is on, with the target epsilon given with it or
+    before, else the noise multiplier given with it or before, else 1.0 (its default then); off,
+    neither is set. A layer without ``enabled`` is today's form. One last layer holds the
+    result; without ``enabled`` in any layer the layers are returned as they were."""
+    import copy
+
+    key = "client.dp.enabled"
+    if not any(_get(_tree(layer), key)[0] for layer in layers):
+        return layers
+    out: list[Any] = []
+    noise: Any = None
+    target: Any = None
+    said_noise: Any = None  # the numbers last given, whether or not DP was on
+    said_target: Any = None
+    for layer in layers:
+        tree = _tree(layer)
+        has_on, on = _get(tree, key)
+        has_n, n = _get(tree, "client.dp.noise_multiplier")
+        has_t, t = _get(tree, "client.dp.target_epsilon")
+        if has_n:
+            said_noise = n
+        if has_t:
+            said_target = t
+        if has_on:
+            if not isinstance(on, bool):
+                raise ConfigError(
+                    f"{key}={str(on)[:40]!r}: true or false (today DP-SGD is on when "
+                    "client.dp.noise_multiplier or client.dp.target_epsilon is set)"
+                )
+            if not on:
+                noise, target = None, None
+            elif said_target is not None:
+                noise, target = None, said_target
+            else:
+                noise, target = (1.0 if said_noise is None else said_noise), None
+            tree = copy.deepcopy(tree) if tree is layer else tree
+            for k in (key, "client.dp.noise_multiplier", "client.dp.target_epsilon"):
+                _pop(tree, k)
+            layer = tree
+        else:
+            noise = n if has_n else noise
+            target = t if has_t else target
+        out.append(layer)
+    return [*out, {"client": {"dp": {"noise_multiplier": noise, "target_epsilon": target}}}]
+
+
 def _tree(layer: Any) -> Any:
     """A layer as a plain nested dict (an omegaconf container converted, unresolved)."""
     from omegaconf import DictConfig, OmegaConf
@@ -210,4 +259,4 @@ def migrated(*layers: Any) -> list[Any]:
         if isinstance(tree, dict) and any(_get(tree, k)[0] for k in (*MOVED, *FIXED)):
             layer = migrate(copy.deepcopy(tree))
         out.append(layer)
-    return merged_service(out)
+    return merged_dp(merged_service(out))

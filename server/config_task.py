@@ -39,7 +39,7 @@ def task_checks(cfg: RunSections) -> list[tuple[bool, str]]:
             f"data.partition={d.partition}: a bundle's datalist splits natural or iid",
         ),
         (not cfg.lab.backdoor.enabled, "lab.backdoor.enabled: not supported with task.bundle yet"),
-        (not cfg.client.dp.enabled, "client.dp.enabled: not supported with task.bundle yet"),
+        (not cfg.client.dp.enabled, "client.dp (DP-SGD): not supported with task.bundle yet"),
         (
             cfg.unlearning.method == "pga",
             "unlearning.method=relabel: a bundle task erases by projected gradient ascent (pga)",

@@ -242,6 +242,12 @@ def test_the_second_round_of_earlier_names_loads_as_today(tmp_path):
     cfg = load_config(saved, ["unlearning.address=127.0.0.1:0"])
     assert cfg.unlearning.address == "127.0.0.1:0"
     assert load_config(None, ["unlearning.service=true"]).unlearning.address == "127.0.0.1:50151"
+    # DP-SGD turned on the earlier way: at the noise given, else 1.0; or the target epsilon
+    dp = load_config(saved, ["client.dp.enabled=true"]).client.dp
+    assert (dp.enabled, dp.noise_multiplier, dp.target_epsilon) == (True, 1.0, None)
+    dp = load_config(None, ["client.dp.enabled=true", "client.dp.target_epsilon=2.0"]).client.dp
+    assert (dp.noise_multiplier, dp.target_epsilon) == (None, 2.0)
+    assert not load_config(saved).client.dp.enabled
     for old in ("client.dp.delta=1e-6", "client.dp.accountant=prv", "data.test_fraction=0.3"):
         with pytest.raises(ConfigError, match="is no longer a setting"):
             load_config(None, [old])

@@ -108,7 +108,7 @@ def test_the_keys_are_the_leaves_of_the_schema_fedasync_simulate_overrides():
                 'run.max_versions=40 server.max_staleness="" data.network="resnet18" '
                 'lab.exclude="[0, 2]" '
                 """lab.faults='[{"kind": "nan", "silo": 1, "at_version": 3}]' """
-                "client.dp.enabled=true client.dp.target_epsilon=2.5"
+                "client.dp.target_epsilon=2.5"
             ],
             lambda c: replace(
                 c,
@@ -124,7 +124,7 @@ def test_the_keys_are_the_leaves_of_the_schema_fedasync_simulate_overrides():
                 lab=replace(
                     c.lab, exclude=[0, 2], faults=[FaultConfig(kind="nan", silo=1, at_version=3)]
                 ),
-                client=replace(c.client, dp=replace(c.client.dp, enabled=True, target_epsilon=2.5)),
+                client=replace(c.client, dp=replace(c.client.dp, target_epsilon=2.5)),
             ),
         ),
         ([], lambda c: c),
