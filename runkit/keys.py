@@ -46,43 +46,53 @@ computes (a resumed run may change them; an earlier run's checkpoint holds the t
 
 def tracker_layers(layers: list[Any]) -> list[Any]:
     """``layers`` (plain nested dicts or omegaconf containers), with ``run.plots``,
-    ``run.tensorboard`` and ``run.mlflow`` (booleans, each layer overriding the one before, as
+    ``run.tensorboard`` and ``run.mlflow`` (booleans, each layer overriding the ones before, as
     they were) read as ``run.trackers``: removed from their layers, and one last layer that
-    holds ``run.trackers`` (the last one given, else the default) with each tracker a boolean
-    turned on or off added or removed. The booleans are merged after the layers because one
-    layer may turn one of them on and a later one another off. ``layers`` are left as they
+    holds ``run.trackers`` as the layers say in turn (a layer's ``run.trackers`` replaces the
+    list so far; each boolean after it adds or removes its tracker). Merged over the layers
+    rather than layer by layer, because one layer may turn a tracker on and a later one another
+    off, or give today's list after an earlier run's booleans. ``layers`` are left as they
     were; without any of the three they are returned as they were."""
     import copy
 
     from omegaconf import DictConfig, OmegaConf
 
-    flags: dict[str, Any] = {}
-    trackers: Any = None
+    def run_of(layer: Any) -> Any:
+        tree = (
+            OmegaConf.to_container(layer, resolve=False) if isinstance(layer, DictConfig) else layer
+        )
+        run = tree.get("run") if isinstance(tree, dict) else None
+        return tree, run if isinstance(run, dict) else {}
+
+    if not any(t in run_of(layer)[1] for layer in layers for t in TRACKERS):
+        return list(layers)
+    chosen: list[Any] = list(DEFAULT_TRACKERS)
     out: list[Any] = []
     for layer in layers:
-        tree: Any = layer
-        if isinstance(layer, DictConfig):
-            tree = OmegaConf.to_container(layer, resolve=False)
-        run = tree.get("run") if isinstance(tree, dict) else None
-        if isinstance(run, dict) and "trackers" in run:
-            trackers = run["trackers"]
-        if isinstance(run, dict) and any(t in run for t in TRACKERS):
-            tree = copy.deepcopy(tree)
+        tree, run = run_of(layer)
+        if "trackers" in run:
+            if not isinstance(run["trackers"], list):
+                raise ConfigError(
+                    f"run.trackers={str(run['trackers'])[:60]!r}: a list of {TRACKERS}"
+                )
+            chosen = list(run["trackers"])
+        if any(t in run for t in TRACKERS):
+            tree = copy.deepcopy(tree) if tree is layer else tree
             for t in TRACKERS:
-                if t in tree["run"]:
-                    flags[t] = tree["run"].pop(t)
+                if t not in run:
+                    continue
+                on = tree["run"].pop(t)
+                if not isinstance(on, bool):
+                    raise ConfigError(
+                        f"run.{t}={str(on)[:40]!r}: true or false (it is run.trackers now)"
+                    )
+                if on and t not in chosen:
+                    chosen.append(t)
+                if not on and t in chosen:
+                    chosen.remove(t)
+            tree["run"].pop("trackers", None)
             layer = tree
         out.append(layer)
-    if not flags:
-        return list(layers)
-    chosen = list(DEFAULT_TRACKERS if trackers is None else trackers)
-    for t, on in flags.items():
-        if not isinstance(on, bool):
-            raise ConfigError(f"run.{t}={str(on)[:40]!r}: true or false (it is run.trackers now)")
-        if on and t not in chosen:
-            chosen.append(t)
-        if not on and t in chosen:
-            chosen.remove(t)
     return [*out, {"run": {"trackers": chosen}}]
 
 

@@ -239,8 +239,8 @@ def test_the_second_round_of_earlier_names_loads_as_today(tmp_path):
     cfg = load_config(saved, ["unlearning.service=true", "run.plots=false"])
     assert cfg.unlearning.address == "127.0.0.1:50151" and cfg.run.trackers == ["tensorboard"]
     # today's form in a later layer
-    cfg = load_config(saved, ["unlearning.address=127.0.0.1:0"])
-    assert cfg.unlearning.address == "127.0.0.1:0"
+    cfg = load_config(saved, ["unlearning.address=127.0.0.1:0", "run.trackers=[mlflow]"])
+    assert cfg.unlearning.address == "127.0.0.1:0" and cfg.run.trackers == ["mlflow"]
     assert load_config(None, ["unlearning.service=true"]).unlearning.address == "127.0.0.1:50151"
     # DP-SGD turned on the earlier way: at the noise given, else 1.0; or the target epsilon
     dp = load_config(saved, ["client.dp.enabled=true"]).client.dp
