@@ -222,6 +222,14 @@ def reference(cmd: Command, out: Path, timeout_s: float = 900.0) -> float:
         run.kill()
 
 
+def _loads_torch(pid: int) -> bool:
+    """Whether process ``pid`` has mapped torch's files (it is in the command's imports)."""
+    try:
+        return "/torch/" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def one_moment(
     cmd: Command,
     out: Path,
@@ -229,15 +237,20 @@ def one_moment(
     at_s: float,
     until: Callable[[Path], bool] | None = None,
     timeout_s: float = 600.0,
+    importing: bool = False,
 ) -> dict[str, Any]:
     """Start ``cmd``, SIGINT its process group ``at_s`` seconds in (or, with ``until``, as
-    soon as ``until(out)`` holds), check how it ended."""
+    soon as ``until(out)`` holds), check how it ended. ``importing``: not before the command
+    is loading torch, whatever ``at_s`` (a loaded machine can take longer than ``at_s`` for
+    the interpreter's own start-up, where a Ctrl-C is Python's traceback, before any code of
+    the command runs)."""
     run = Started(out, cmd.args(out, k), env=cmd.extra_env)
     problems: list[str] = []
     result: dict[str, Any] = {"command": cmd.name, "moment": k, "at_s": round(at_s, 2)}
     try:
         while run.popen.poll() is None:
-            if until is None and time.monotonic() - run.t0 >= at_s:
+            late = time.monotonic() - run.t0 >= at_s
+            if until is None and late and (not importing or _loads_torch(run.popen.pid)):
                 break
             if until is not None and (until(out) or time.monotonic() - run.t0 > timeout_s):
                 break

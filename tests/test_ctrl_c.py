@@ -27,8 +27,9 @@ def _check(result: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_ctrl_c_while_the_command_imports(name, tmp_path):
-    # Execute: 0.5 s in, the interpreter is loading simulations.cli (torch, MONAI, Flower)
-    result = one_moment(COMMANDS[name], tmp_path, 0, at_s=0.5)
+    # Execute: 0.5 s in, once the interpreter is loading torch (simulations.cli's imports:
+    # torch, MONAI, Flower)
+    result = one_moment(COMMANDS[name], tmp_path, 0, at_s=0.5, importing=True)
     # Assert
     _check(result)
     assert result["rc"] == 130 and not result["trained"]

@@ -148,10 +148,16 @@ def test_a_stale_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_wei
 
 
 @pytest.mark.slow
-def test_ray_actors_run_the_hf_policy_as_the_one_process_backend_does(warm, tmp_path):
+def test_ray_actors_run_the_hf_policy_as_the_one_process_backend_does(warm, tmp_path, monkeypatch):
     # Prepare: two Ray actors, each building the GPT-2 from the same folder
     from fedasync.processes import alive
+    from trainers.rl import ray_backend
     from trainers.rl.ray_backend import RayBackend
+
+    # what this test checks is what the actors compute, not how fast they start: in the full
+    # suite on two cores their start-up (each imports transformers) took 197 s once, past the
+    # 180 s a user's run allows; the test's own limit (pytest-timeout, 600 s) still holds
+    monkeypatch.setattr(ray_backend, "ACTOR_START_S", 480.0)
 
     # two actors, not three: each imports transformers, which on a loaded 2-core machine took
     # minutes for three (Ray's actor start-up limit is 180 s)
